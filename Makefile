@@ -1,0 +1,46 @@
+# The one task runner: humans and CI call these targets.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test check proto bench fmt clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test,dev]'
+	touch $@
+
+## make run: the daemon on its embedded etcd (data in .kvferry/), gRPC on 127.0.0.1:50051
+run: $(STAMP)
+	$(BIN)/kvferry daemon
+
+## make test: the whole suite against real etcd, gRPC, grpcurl
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+## make check: format, lint, types, import contracts, proto drift
+check: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/mypy $(wildcard controlplane kvferry sidecar router emulator bench) scripts
+	$(BIN)/lint-imports
+	$(BIN)/python scripts/gen_protos.py
+	git diff --exit-code -- kvferry/v1 || (echo "generated stubs are stale: run 'make proto' and commit" >&2; exit 1)
+	test -z "$$(git status --porcelain -- kvferry/v1)" || (echo "untracked generated stubs: run 'make proto' and commit" >&2; exit 1)
+
+## make proto: regenerate kvferry/v1 from proto/kvferry/v1
+proto: $(STAMP)
+	$(BIN)/python scripts/gen_protos.py
+
+## make bench: the daemon benchmark (prints its figures)
+bench: $(STAMP)
+	$(BIN)/python -m bench.daemon
+
+fmt: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .kvferry .pytest_cache .mypy_cache .ruff_cache

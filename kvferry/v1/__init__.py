@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for kvferry.v1 (do not edit; see scripts/gen_protos.py)."""

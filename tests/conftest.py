@@ -1,0 +1,173 @@
+"""Shared fixtures: a real etcd (started here, or named by KVFERRY_TEST_ETCD), real
+daemons on port 0, real gRPC channels. Every test gets its own key prefix."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import pytest
+
+from controlplane.daemon import Daemon
+from controlplane.embedded import EmbeddedEtcd
+from controlplane.settings import EtcdSettings, GcSettings, NodeSettings, ServerSettings, Settings
+from kvferry.v1 import leases_pb2_grpc, nodes_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EtcdProcess:
+    """A real etcd server on loopback that a test may stop and start again."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.etcd = EmbeddedEtcd(data_dir, free_port(), free_port(), name=f"t{uuid.uuid4().hex[:6]}")
+
+    @property
+    def endpoint(self) -> str:
+        return self.etcd.endpoint
+
+    async def start(self) -> None:
+        await self.etcd.start()
+        await wait_port(self.etcd.client_port)
+
+    async def stop(self) -> None:
+        await self.etcd.stop()
+
+
+async def wait_port(port: int, timeout_s: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            _, w = await asyncio.open_connection("127.0.0.1", port)
+            w.close()
+            await w.wait_closed()
+            return
+        except OSError:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One etcd for the session; tests isolate by key prefix."""
+    external = os.environ.get("KVFERRY_TEST_ETCD")
+    if external:
+        yield external
+        return
+    etcd = EmbeddedEtcd(tmp_path_factory.mktemp("etcd") / "data", free_port(), free_port())
+    etcd.data_dir.mkdir(parents=True)
+    with open(etcd.log_path, "ab") as out:
+        proc = subprocess.Popen(etcd.command(), stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", etcd.client_port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"etcd did not start; see {etcd.log_path}") from None
+                time.sleep(0.05)
+        yield etcd.endpoint
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture
+async def private_etcd(tmp_path: Path) -> AsyncIterator[EtcdProcess]:
+    """An etcd of this test's own, for tests that stop it."""
+    proc = EtcdProcess(tmp_path / "etcd")
+    await proc.start()
+    yield proc
+    await proc.stop()
+
+
+def test_settings(endpoint: str, prefix: str | None = None, **changes: object) -> Settings:
+    s = Settings(
+        etcd=EtcdSettings(
+            endpoints=(endpoint,), prefix=prefix or f"/t-{uuid.uuid4().hex[:10]}", timeout_s=1.0
+        ),
+        server=ServerSettings(listen="127.0.0.1:0", metrics_port=-1, grace_s=0.5),
+        nodes=NodeSettings(liveness_ttl_s=10, cache_refresh_s=0.2),
+        gc=GcSettings(gauge_scan_s=0),
+    )
+    return replace(s, **changes)  # type: ignore[arg-type]
+
+
+DaemonFactory = Callable[..., Awaitable[Daemon]]
+
+
+@pytest.fixture
+async def make_daemon(etcd_endpoint: str) -> AsyncIterator[DaemonFactory]:
+    started: list[Daemon] = []
+
+    async def make(settings: Settings | None = None, **changes: object) -> Daemon:
+        d = Daemon(settings or test_settings(etcd_endpoint, **changes))
+        await d.start()
+        started.append(d)
+        return d
+
+    yield make
+    for d in started:
+        await d.stop()
+
+
+@pytest.fixture
+async def daemon(make_daemon: DaemonFactory) -> Daemon:
+    return await make_daemon()
+
+
+class Client:
+    """Stubs for one daemon over one real channel."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self.leases = leases_pb2_grpc.LeasesStub(self.channel)
+        self.nodes = nodes_pb2_grpc.NodesStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+@pytest.fixture
+async def connect() -> AsyncIterator[Callable[[Daemon], Client]]:
+    clients: list[Client] = []
+
+    def make(d: Daemon) -> Client:
+        c = Client(d.address)
+        clients.append(c)
+        return c
+
+    yield make
+    for c in clients:
+        await c.close()
+
+
+@pytest.fixture
+async def client(daemon: Daemon, connect: Callable[[Daemon], Client]) -> Client:
+    return connect(daemon)
+
+
+@pytest.fixture(autouse=True)
+async def no_leaked_tasks() -> AsyncIterator[None]:
+    """Fail a test that leaves tasks running on its loop."""
+    before = asyncio.all_tasks()
+    yield
+    await asyncio.sleep(0)
+    leaked = [t for t in asyncio.all_tasks() - before if not t.done() and t is not asyncio.current_task()]
+    assert not leaked, f"leaked tasks: {leaked}"

@@ -1,0 +1,165 @@
+"""Leases against a real daemon on a real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from controlplane.convert import struct_to_dict
+from kvferry.v1 import leases_pb2
+from tests.conftest import Client
+from tests.factories import d_params, lease_request, lookup_request, node_request, tokens
+
+
+async def test_finished_turn_is_pulled_once_then_recomputed(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    reg = await client.leases.Register(lease_request("conv-1", num_tokens=1000))
+    assert reg.lease.generation == 1 and not reg.replaced
+
+    first = await client.leases.Lookup(lookup_request("conv-1", prompt_tokens=1200))
+    assert first.decision == leases_pb2.PULL
+    assert first.reason == "pull" and first.claimed
+    assert first.reusable_tokens == 1000
+    params = struct_to_dict(first.kv_transfer_params)
+    expected = d_params("d-1", 1000)
+    assert params["remote_block_ids"] == expected["remote_block_ids"]
+    assert params["remote_num_tokens"] == 1000
+    assert params["do_remote_decode"] is True and params["do_remote_prefill"] is False
+    assert params["remote_port"] == 5600 and isinstance(params["remote_port"], int)
+    assert params["some_future_key"] == {"kept": True}, "unknown keys are forwarded"
+
+    second = await client.leases.Lookup(lookup_request("conv-1", prompt_tokens=1200))
+    assert second.decision == leases_pb2.RECOMPUTE
+    assert second.reason == "already_claimed"
+    assert not second.HasField("kv_transfer_params") and not second.HasField("release_params")
+
+
+async def test_peek_does_not_claim(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("conv-p"))
+    for _ in range(3):
+        peek = await client.leases.Lookup(lookup_request("conv-p", peek=True))
+        assert peek.decision == leases_pb2.PULL and not peek.claimed
+    real = await client.leases.Lookup(lookup_request("conv-p"))
+    assert real.decision == leases_pb2.PULL and real.claimed
+
+
+async def test_no_lease(client: Client) -> None:
+    resp = await client.leases.Lookup(lookup_request("never-registered"))
+    assert resp.decision == leases_pb2.RECOMPUTE and resp.reason == "no_lease"
+
+
+async def test_prefix_verification_trims_to_matching_blocks(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    d_seq = tokens(1000)
+    await client.leases.Register(lease_request("conv-edit", num_tokens=1000, seq=d_seq))
+    # The client dropped part of the previous answer: the prompt diverges at token 500.
+    prompt = d_seq[:500] + tokens(700, start=9000)
+    resp = await client.leases.Lookup(lookup_request("conv-edit", prompt_tokens=len(prompt), seq=prompt))
+    assert resp.decision == leases_pb2.PULL and resp.reason == "partial_pull"
+    assert resp.reusable_tokens == 496  # 31 full matching blocks of 16
+    params = struct_to_dict(resp.kv_transfer_params)
+    assert params["remote_num_tokens"] == 496
+    assert params["remote_block_ids"] == [list(range(100, 131))]
+
+
+async def test_mismatch_from_first_block_recomputes_and_releases(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("conv-mm", num_tokens=1000, seq=tokens(1000)))
+    prompt = tokens(1200, start=777)
+    resp = await client.leases.Lookup(lookup_request("conv-mm", prompt_tokens=1200, seq=prompt))
+    assert resp.decision == leases_pb2.RECOMPUTE and resp.reason == "prefix_mismatch"
+    release = struct_to_dict(resp.release_params)
+    assert release["remote_num_tokens"] == 0 and release["do_remote_decode"] is True
+    assert resp.claimed, "release params free D's blocks, so the retention is consumed"
+    again = await client.leases.Lookup(lookup_request("conv-mm", prompt_tokens=1200, seq=prompt))
+    assert again.reason == "already_claimed"
+
+
+async def test_below_threshold_recomputes_with_release(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("conv-small", num_tokens=40))
+    resp = await client.leases.Lookup(lookup_request("conv-small", prompt_tokens=100))
+    assert resp.decision == leases_pb2.RECOMPUTE and resp.reason == "below_threshold"
+    assert struct_to_dict(resp.release_params)["remote_num_tokens"] == 0
+
+
+async def test_expiry(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    # Inside the 10 s safety margin: not handed out, but D can still be told to free.
+    await client.leases.Register(lease_request("conv-x", expires_in=6))
+    resp = await client.leases.Lookup(lookup_request("conv-x"))
+    assert resp.decision == leases_pb2.RECOMPUTE and resp.reason == "expired"
+    assert resp.HasField("release_params")
+
+
+async def test_expired_past_deadline(make_daemon, connect) -> None:  # type: ignore[no-untyped-def]
+    from controlplane.policy import Policy
+
+    d = await make_daemon(policy=Policy(safety_margin_s=5.0, default_lifetime_s=1.0))
+    c = connect(d)
+    await c.nodes.Register(node_request("d-1"))
+    await c.leases.Register(lease_request("conv-old"))  # default lifetime 1 s
+    await asyncio.sleep(1.2)
+    resp = await c.leases.Lookup(lookup_request("conv-old"))
+    assert resp.reason == "expired" and not resp.HasField("release_params")
+    listed = await c.leases.List(leases_pb2.ListLeasesRequest())
+    assert not listed.leases, "expired leases are not listed as live"
+
+
+async def test_tenants_never_see_each_other(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("shared-id", tenant="acme"))
+    other = await client.leases.Lookup(lookup_request("shared-id", tenant="globex"))
+    assert other.reason == "no_lease"
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await client.leases.Get(leases_pb2.GetLeaseRequest(tenant="globex", conversation_id="shared-id"))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    listed = await client.leases.List(leases_pb2.ListLeasesRequest(tenant="globex"))
+    assert not listed.leases
+    mine = await client.leases.Lookup(lookup_request("shared-id", tenant="acme"))
+    assert mine.decision == leases_pb2.PULL
+
+
+async def test_newer_retention_replaces(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("conv-r", num_tokens=500))
+    second = await client.leases.Register(lease_request("conv-r", num_tokens=900))
+    assert second.replaced
+    resp = await client.leases.Lookup(lookup_request("conv-r", prompt_tokens=2000))
+    assert resp.reusable_tokens == 900
+
+
+async def test_list_pages_and_filters(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    await client.nodes.Register(node_request("d-2", side_channel_port=5601))
+    for i in range(25):
+        await client.leases.Register(lease_request(f"c/{i:02d}", engine_id="d-1" if i % 2 else "d-2"))
+    seen: list[str] = []
+    token = ""
+    pages = 0
+    while True:
+        page = await client.leases.List(leases_pb2.ListLeasesRequest(page_size=10, page_token=token))
+        pages += 1
+        seen += [lease.conversation_id for lease in page.leases]
+        token = page.next_page_token
+        if not token:
+            break
+    assert sorted(seen) == [f"c/{i:02d}" for i in range(25)] and pages == 3
+    only = await client.leases.List(leases_pb2.ListLeasesRequest(engine_id="d-1", page_size=100))
+    assert len(only.leases) == 12 and {x.engine_id for x in only.leases} == {"d-1"}
+    got = await client.leases.Get(leases_pb2.GetLeaseRequest(conversation_id="c/03"))
+    assert got.engine_id == "d-1" and got.num_tokens == 1000 and got.expires_at.seconds > 0
+
+
+async def test_revoke(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("conv-rv"))
+    resp = await client.leases.Revoke(leases_pb2.RevokeLeaseRequest(conversation_id="conv-rv"))
+    assert resp.found and struct_to_dict(resp.release_params)["remote_num_tokens"] == 0
+    after = await client.leases.Lookup(lookup_request("conv-rv"))
+    assert after.reason == "no_lease"
+    again = await client.leases.Revoke(leases_pb2.RevokeLeaseRequest(conversation_id="conv-rv"))
+    assert not again.found
