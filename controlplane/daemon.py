@@ -38,6 +38,7 @@ class Daemon:
     _metrics_httpd: Any = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _store: EtcdStore | None = None
+    _stopped: bool = False
 
     @property
     def address(self) -> str:
@@ -93,6 +94,10 @@ class Daemon:
         )
 
     async def stop(self) -> None:
+        """Stop serving (in-flight RPCs get the grace period), then etcd. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
         grace = self.settings.server.grace_s
         if self._health is not None:
             await self._health.enter_graceful_shutdown()

@@ -97,7 +97,7 @@ async def private_etcd(tmp_path: Path) -> AsyncIterator[EtcdProcess]:
     await proc.stop()
 
 
-def test_settings(endpoint: str, prefix: str | None = None, **changes: object) -> Settings:
+def daemon_settings(endpoint: str, prefix: str | None = None, **changes: object) -> Settings:
     s = Settings(
         etcd=EtcdSettings(
             endpoints=(endpoint,), prefix=prefix or f"/t-{uuid.uuid4().hex[:10]}", timeout_s=1.0
@@ -117,7 +117,7 @@ async def make_daemon(etcd_endpoint: str) -> AsyncIterator[DaemonFactory]:
     started: list[Daemon] = []
 
     async def make(settings: Settings | None = None, **changes: object) -> Daemon:
-        d = Daemon(settings or test_settings(etcd_endpoint, **changes))
+        d = Daemon(settings or daemon_settings(etcd_endpoint, **changes))
         await d.start()
         started.append(d)
         return d

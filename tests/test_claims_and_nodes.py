@@ -1,0 +1,157 @@
+"""Claims across replicas, node liveness and generations, on a real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from controlplane.settings import EtcdSettings
+from kvferry.v1 import leases_pb2, nodes_pb2
+from tests.conftest import Client, DaemonFactory, free_port
+from tests.factories import lease_request, lookup_request, node_request
+
+
+async def test_exactly_one_pull_among_100_concurrent_lookups_on_two_replicas(
+    make_daemon: DaemonFactory, connect
+) -> None:  # type: ignore[no-untyped-def]
+    a = await make_daemon()
+    b = await make_daemon(etcd=a.settings.etcd)  # same etcd, same prefix: two replicas
+    ca, cb = connect(a), connect(b)
+    await ca.nodes.Register(node_request("d-1"))
+    for round_ in range(3):
+        conv = f"race-{round_}"
+        await ca.leases.Register(lease_request(conv))
+        calls = [(ca if i % 2 else cb).leases.Lookup(lookup_request(conv)) for i in range(100)]
+        results = await asyncio.gather(*calls)
+        pulls = [r for r in results if r.decision == leases_pb2.PULL]
+        assert len(pulls) == 1, f"round {round_}: {len(pulls)} PULLs"
+        assert {r.reason for r in results if r.decision == leases_pb2.RECOMPUTE} == {"already_claimed"}
+
+
+async def attach(
+    client: Client, engine_id: str, generation: int, beats: asyncio.Event
+) -> AsyncIterator[None]:
+    """Hold an Attach stream open, heartbeating every 0.5 s until `beats` is cleared."""
+    queue: asyncio.Queue[nodes_pb2.AttachRequest | None] = asyncio.Queue()
+    await queue.put(
+        nodes_pb2.AttachRequest(hello=nodes_pb2.AttachHello(engine_id=engine_id, generation=generation))
+    )
+
+    async def requests() -> AsyncIterator[nodes_pb2.AttachRequest]:
+        while (item := await queue.get()) is not None:
+            yield item
+
+    call = client.nodes.Attach(requests())
+    first = await call.read()
+    assert first.attached.engine_id == engine_id and first.ttl_seconds > 0
+
+    async def beat() -> None:
+        seq = 0
+        while beats.is_set():
+            seq += 1
+            await queue.put(nodes_pb2.AttachRequest(heartbeat=nodes_pb2.Heartbeat(seq=seq)))
+            ack = await call.read()
+            assert ack.heartbeat_ack.seq == seq
+            await asyncio.sleep(0.5)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        beats.clear()
+        await task
+        await queue.put(None)
+        call.cancel()
+
+
+async def test_node_stays_alive_while_attached_and_lapses_after(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1", liveness_ttl_seconds=2))
+    await client.leases.Register(lease_request("conv-a"))
+    await client.leases.Register(lease_request("conv-b"))
+    beats = asyncio.Event()
+    beats.set()
+    gen = attach(client, "d-1", 1, beats)
+    await gen.__anext__()
+    await asyncio.sleep(3.0)  # longer than the TTL: heartbeats keep it alive
+    alive = await client.leases.Lookup(lookup_request("conv-a", peek=True))
+    assert alive.decision == leases_pb2.PULL
+    with pytest.raises(StopAsyncIteration):
+        await gen.__anext__()  # stop heartbeating and close the stream
+    await asyncio.sleep(3.0)
+    nodes = await client.nodes.List(nodes_pb2.ListNodesRequest(include_dead=True))
+    assert [n.alive for n in nodes.nodes] == [False]
+    assert not (await client.nodes.List(nodes_pb2.ListNodesRequest())).nodes
+    gone = await client.leases.Lookup(lookup_request("conv-b"))
+    assert gone.decision == leases_pb2.RECOMPUTE and gone.reason == "node_gone"
+    assert not gone.HasField("release_params")
+
+
+async def test_restarted_engine_makes_old_blocks_dead(client: Client) -> None:
+    first = await client.nodes.Register(node_request("d-1"))
+    assert first.node.generation == 1 and not first.restarted
+    await client.leases.Register(lease_request("conv-old"))
+    again = await client.nodes.Register(node_request("d-1"))  # engine came back: next generation
+    assert again.node.generation == 2 and again.restarted
+    resp = await client.leases.Lookup(lookup_request("conv-old"))
+    assert resp.decision == leases_pb2.RECOMPUTE and resp.reason == "node_restarted"
+    # A sidecar still speaking for generation 1 is told so.
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await client.leases.Register(_with_generation("conv-new", 1))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    fresh = await client.leases.Register(lease_request("conv-new"))
+    assert fresh.lease.generation == 2
+    assert (await client.leases.Lookup(lookup_request("conv-new"))).decision == leases_pb2.PULL
+    with pytest.raises(grpc.aio.AioRpcError) as back:
+        await client.nodes.Register(node_request("d-1", generation=1))
+    assert back.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "older" in (
+        back.value.details() or ""
+    )
+
+
+def _with_generation(conv: str, generation: int) -> leases_pb2.RegisterLeaseRequest:
+    req = lease_request(conv)
+    req.generation = generation
+    return req
+
+
+async def test_attach_with_stale_generation_is_refused(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    await client.nodes.Register(node_request("d-1"))
+
+    async def hello() -> AsyncIterator[nodes_pb2.AttachRequest]:
+        yield nodes_pb2.AttachRequest(hello=nodes_pb2.AttachHello(engine_id="d-1", generation=1))
+
+    call = client.nodes.Attach(hello())
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call.read()
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_deregister_kills_retentions(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("conv-d"))
+    assert (await client.nodes.Deregister(nodes_pb2.DeregisterNodeRequest(engine_id="d-1"))).found
+    resp = await client.leases.Lookup(lookup_request("conv-d"))
+    assert resp.reason == "node_gone"
+
+
+async def test_lease_survives_a_daemon_restart_on_the_embedded_etcd(
+    make_daemon: DaemonFactory, connect, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    port = free_port()
+    embedded = EtcdSettings(
+        endpoints=(), data_dir=tmp_path / "etcd", embedded_client_port=port, embedded_peer_port=free_port()
+    )
+    first = await make_daemon(etcd=embedded)
+    assert first.embedded is not None
+    c = connect(first)
+    await c.nodes.Register(node_request("d-1", liveness_ttl_seconds=30))
+    await c.leases.Register(lease_request("conv-keep"))
+    await first.stop()  # stops its etcd too
+    second = await make_daemon(etcd=embedded)
+    resp = await connect(second).leases.Lookup(lookup_request("conv-keep"))
+    assert resp.decision == leases_pb2.PULL

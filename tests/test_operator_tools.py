@@ -1,0 +1,82 @@
+"""What an operator types: grpcurl (the real binary from its package) and the kvferry CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from controlplane.daemon import Daemon
+from tests.conftest import Client
+from tests.factories import lease_request, node_request
+
+BIN = Path(sys.executable).parent
+
+
+async def run(*cmd: str, stdin: str | None = None) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        *cmd,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(stdin.encode() if stdin else None), 60)
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def grpcurl(d: Daemon, *args: str) -> tuple[int, str, str]:
+    return await run(str(BIN / "grpcurl"), "-plaintext", *args[:-1], d.address, args[-1])
+
+
+async def test_grpcurl_lists_services_and_sees_leases_as_json(daemon: Daemon, client: Client) -> None:
+    code, out, err = await run(str(BIN / "grpcurl"), "-plaintext", daemon.address, "list")
+    assert code == 0, err
+    assert {"kvferry.v1.Leases", "kvferry.v1.Nodes", "grpc.health.v1.Health"} <= set(out.split())
+
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("conv-grpcurl", tenant="acme"))
+    code, out, err = await grpcurl(daemon, "-d", '{"tenant": "acme"}', "kvferry.v1.Leases/List")
+    assert code == 0, err
+    leases = json.loads(out)["leases"]
+    assert [x["conversation_id"] for x in leases] == ["conv-grpcurl"]
+    assert leases[0]["kv_transfer_params"]["remote_engine_id"] == "d-1", "params are JSON, not bytes"
+    assert leases[0]["kv_transfer_params"]["remote_block_ids"][0][:2] == [100, 101]
+
+    lookup = json.dumps({"tenant": "acme", "conversation_id": "conv-grpcurl", "prompt_tokens": 1200})
+    code, out, err = await grpcurl(daemon, "-d", lookup, "kvferry.v1.Leases/Lookup")
+    first = json.loads(out)
+    assert code == 0 and first["decision"] == "PULL" and first["reusable_tokens"] == "1000", out
+    code, out, err = await grpcurl(daemon, "-d", lookup, "kvferry.v1.Leases/Lookup")
+    second = json.loads(out)
+    assert second["decision"] == "RECOMPUTE" and second["reason"] == "already_claimed"
+
+    code, out, _ = await grpcurl(
+        daemon, "-d", '{"service": "kvferry.v1.Leases"}', "grpc.health.v1.Health/Check"
+    )
+    assert json.loads(out)["status"] == "SERVING"
+
+
+async def test_grpcurl_bad_input_gets_invalid_argument(daemon: Daemon) -> None:
+    code, _, err = await grpcurl(
+        daemon, "-d", '{"conversation_id": "", "prompt_tokens": 5}', "kvferry.v1.Leases/Lookup"
+    )
+    assert code != 0 and "InvalidArgument" in err and "conversation_id is required" in err
+
+
+async def test_cli_tables_and_json(daemon: Daemon, client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("conv-cli"))
+    kvferry = str(BIN / "kvferry")
+    code, out, err = await run(kvferry, "nodes", "ls", "--daemon", daemon.address)
+    assert code == 0, err
+    assert out.splitlines()[0].split()[:2] == ["ENGINE", "ROLE"] and "d-1" in out and "DECODE" in out
+    code, out, err = await run(kvferry, "leases", "ls", "--json", "--daemon", daemon.address)
+    assert code == 0, err
+    assert json.loads(out.splitlines()[0])["conversation_id"] == "conv-cli"
+    code, out, _ = await run(kvferry, "leases", "get", "conv-cli", "--json", "--daemon", daemon.address)
+    assert json.loads(out)["num_tokens"] == "1000"
+    code, out, _ = await run(kvferry, "leases", "revoke", "conv-cli", "--daemon", daemon.address)
+    assert code == 0 and "revoked" in out
+    code, _, err = await run(kvferry, "leases", "get", "conv-cli", "--daemon", daemon.address)
+    assert code == 1 and "NOT_FOUND" in err

@@ -1,0 +1,152 @@
+"""The lookup decision, as a pure function: no I/O, no server."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from controlplane.policy import Policy, Prompt, Reason, decide, param_problems, release_params, trim_params
+from controlplane.records import NodeRecord, NodeState, Retention, Role
+from kvferry.digests import DIGEST_SIZE, block_digests, common_prefix_blocks, seed
+from tests.factories import d_params
+
+NOW = 1_000_000.0
+POLICY = Policy()
+SEED = seed("m")
+
+
+def node(generation: int = 1, alive: bool = True) -> NodeState:
+    rec = NodeRecord("d-1", Role.DECODE, "m", 16, "http://d", "10.0.0.7", 5600, generation, NOW - 100, 10)
+    return NodeState(rec, alive)
+
+
+def retention(
+    num_tokens: int = 1000, expires_in: float = 400, generation: int = 1, seq: list[int] | None = None
+) -> Retention:
+    return Retention(
+        engine_id="d-1",
+        generation=generation,
+        params=d_params("d-1", num_tokens),
+        num_tokens=num_tokens,
+        block_size=16,
+        created_at=NOW - 80,
+        expires_at=NOW + expires_in,
+        digests=block_digests(seq, 16, SEED) if seq is not None else b"",
+    )
+
+
+def test_pull_hands_over_all_of_ds_tokens_when_the_prompt_is_longer() -> None:
+    d = decide(retention(), node(), Prompt(1500), POLICY, NOW)
+    assert d.pull and d.reason == Reason.PULL and d.reusable_tokens == 1000
+    assert d.params is not None and d.params["remote_block_ids"] == [list(range(100, 163))]
+    assert d.params["do_remote_decode"] is True and d.release_params is None
+
+
+def test_prompt_shorter_than_d_trims_to_leading_blocks() -> None:
+    d = decide(retention(), node(), Prompt(500), POLICY, NOW)
+    assert d.pull and d.reason == Reason.PARTIAL_PULL and d.reusable_tokens == 500
+    assert d.params is not None
+    assert d.params["remote_num_tokens"] == 500
+    assert d.params["remote_block_ids"] == [list(range(100, 132))]  # ceil(500/16) = 32 leading blocks
+
+
+def test_reasons() -> None:
+    assert decide(None, None, Prompt(10), POLICY, NOW).reason == Reason.NO_LEASE
+    assert decide(retention(expires_in=-1), node(), Prompt(2000), POLICY, NOW).reason == Reason.EXPIRED
+    near = decide(retention(expires_in=9.9), node(), Prompt(2000), POLICY, NOW)
+    assert near.reason == Reason.EXPIRED and near.release_params is not None, "still held: release it"
+    assert decide(retention(), node(alive=False), Prompt(2000), POLICY, NOW).reason == Reason.NODE_GONE
+    assert decide(retention(), None, Prompt(2000), POLICY, NOW).reason == Reason.NODE_GONE
+    assert decide(retention(), node(generation=2), Prompt(2000), POLICY, NOW).reason == Reason.NODE_RESTARTED
+    small = decide(retention(num_tokens=63), node(), Prompt(2000), POLICY, NOW)
+    assert small.reason == Reason.BELOW_THRESHOLD and small.release_params is not None
+    assert decide(retention(num_tokens=64), node(), Prompt(2000), POLICY, NOW).pull
+
+
+def test_dead_retentions_get_no_release_params() -> None:
+    for d in (
+        decide(retention(expires_in=-1), node(), Prompt(2000), POLICY, NOW),
+        decide(retention(), node(alive=False), Prompt(2000), POLICY, NOW),
+        decide(retention(), node(generation=3), Prompt(2000), POLICY, NOW),
+    ):
+        assert not d.pull and d.release_params is None and d.params is None
+
+
+def test_prefix_verification() -> None:
+    seq = list(range(1000))
+    same = decide(
+        retention(seq=seq), node(), Prompt(1200, block_digests(seq + [5] * 200, 16, SEED)), POLICY, NOW
+    )
+    # 62 full blocks verified (992 tokens); D's partial last block cannot be verified.
+    assert same.pull and same.reusable_tokens == 992
+    edited = seq[:300] + [7] * 900
+    part = decide(retention(seq=seq), node(), Prompt(1200, block_digests(edited, 16, SEED)), POLICY, NOW)
+    assert part.reason == Reason.PARTIAL_PULL and part.reusable_tokens == 288
+    none = decide(retention(seq=seq), node(), Prompt(1200, block_digests([9] * 1200, 16, SEED)), POLICY, NOW)
+    assert none.reason == Reason.PREFIX_MISMATCH and none.release_params is not None
+    few = seq[:40] + [7] * 900
+    low = decide(retention(seq=seq), node(), Prompt(940, block_digests(few, 16, SEED)), POLICY, NOW)
+    assert low.reason == Reason.BELOW_THRESHOLD
+
+
+def test_other_model_never_matches() -> None:
+    seq = list(range(1000))
+    other = block_digests(seq, 16, seed("other-model"))
+    d = decide(retention(seq=seq), node(), Prompt(1000, other), POLICY, NOW)
+    assert d.reason == Reason.PREFIX_MISMATCH
+
+
+def test_release_params_free_without_pulling() -> None:
+    r = release_params(d_params("d-1", 100))
+    assert r["remote_num_tokens"] == 0 and r["do_remote_decode"] is True and r["remote_block_ids"]
+
+
+def test_flat_block_id_lists_of_older_releases() -> None:
+    params = d_params("d-1", 100)
+    params["remote_block_ids"] = list(range(7))
+    assert trim_params(params, 33, 16)["remote_block_ids"] == [0, 1, 2]
+
+
+def test_param_problems_name_the_field() -> None:
+    assert param_problems(d_params("d", 100), 100, 16) == []
+    p = d_params("d", 100)
+    del p["remote_host"]
+    p["remote_port"] = 70000
+    problems = " ".join(param_problems(p, 100, 16))
+    assert "remote_host is required" in problems and "remote_port" in problems
+    short = d_params("d", 100)
+    short["remote_block_ids"] = [[1, 2]]
+    assert "remote_block_ids[0] has 2 blocks" in " ".join(param_problems(short, 100, 16))
+    assert "remote_num_tokens" in " ".join(param_problems(d_params("d", 100), 90, 16))
+
+
+@given(
+    num_tokens=st.integers(1, 4000),
+    prompt=st.integers(0, 5000),
+    cut=st.integers(0, 5000),
+)
+def test_handed_params_never_cover_unverified_or_missing_tokens(
+    num_tokens: int, prompt: int, cut: int
+) -> None:
+    d_seq = list(range(num_tokens))
+    p_seq = (d_seq[: min(cut, num_tokens)] + [50_000] * prompt)[:prompt]
+    d = decide(
+        retention(num_tokens, seq=d_seq), node(), Prompt(prompt, block_digests(p_seq, 16, SEED)), POLICY, NOW
+    )
+    if d.pull:
+        assert d.params is not None
+        n = d.params["remote_num_tokens"]
+        assert n == d.reusable_tokens >= POLICY.recompute_threshold
+        assert n <= min(num_tokens, prompt) and n % 16 == 0
+        assert p_seq[:n] == d_seq[:n], "every pulled token is the prompt's own token"
+        assert d.params["remote_block_ids"] == [list(range(100, 100 + n // 16))]
+
+
+@given(st.lists(st.integers(0, 3), max_size=40), st.lists(st.integers(0, 3), max_size=40))
+def test_common_prefix_blocks_is_the_longest_common_prefix(a: list[int], b: list[int]) -> None:
+    da, db = block_digests(a, 2, SEED), block_digests(b, 2, SEED)
+    n = common_prefix_blocks(da, db)
+    assert a[: 2 * n] == b[: 2 * n]
+    longer = 2 * (n + 1)
+    assert len(a) < longer or len(b) < longer or a[:longer] != b[:longer]
+    assert len(da) % DIGEST_SIZE == 0

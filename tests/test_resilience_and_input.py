@@ -1,0 +1,128 @@
+"""etcd going away under the daemon, and bad input: clear errors, nothing lost, no crash."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from controlplane.daemon import Daemon
+from kvferry.v1 import leases_pb2, nodes_pb2
+from tests.conftest import Client, DaemonFactory, EtcdProcess, daemon_settings
+from tests.factories import d_params, lease_request, lookup_request, node_request
+
+
+async def test_etcd_stopped_and_restarted_under_the_daemon(
+    private_etcd: EtcdProcess, make_daemon: DaemonFactory, connect
+) -> None:  # type: ignore[no-untyped-def]
+    d: Daemon = await make_daemon(daemon_settings(private_etcd.endpoint))
+    c: Client = connect(d)
+    await c.nodes.Register(node_request("d-1", liveness_ttl_seconds=30))
+    await c.leases.Register(lease_request("before"))
+
+    await private_etcd.stop()
+    down = await c.leases.Lookup(lookup_request("before"), timeout=10)
+    assert down.decision == leases_pb2.RECOMPUTE and down.reason == "store_unavailable"
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await c.leases.Register(lease_request("during"), timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "etcd" in (e.value.details() or "")
+
+    await private_etcd.start()
+    for _ in range(100):  # the daemon reconnects by itself
+        up = await c.leases.Lookup(lookup_request("before", peek=True), timeout=10)
+        if up.reason != "store_unavailable":
+            break
+        await asyncio.sleep(0.1)
+    assert up.decision == leases_pb2.PULL, up
+    await c.leases.Register(lease_request("after"))
+    assert (await c.leases.Lookup(lookup_request("after"))).decision == leases_pb2.PULL
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"conversation_id": ""}, "conversation_id is required"),
+        ({"conversation_id": "x" * 300}, "conversation_id is 300 bytes"),
+        ({"conversation_id": "a\nb"}, "conversation_id contains control characters"),
+        ({"num_tokens": -5}, "num_tokens -5"),
+        ({"block_digests": b"\x01" * 17}, "block_digests is 17 bytes, not a multiple"),
+        ({"block_digests": b"\x01" * 16 * 100}, "block_digests has 100 digests"),
+        ({"engine_id": ""}, "engine_id is required"),
+        ({"block_size": 32}, "block_size 32 differs"),
+    ],
+)
+async def test_bad_lease_registrations(client: Client, change: dict[str, object], field: str) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    req = lease_request("conv-bad")
+    for k, v in change.items():
+        setattr(req, k, v)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await client.leases.Register(req)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in (e.value.details() or "")
+    listed = await client.leases.List(leases_pb2.ListLeasesRequest())
+    assert not listed.leases, "nothing half-written"
+
+
+async def test_params_missing_what_p_needs(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    params = d_params("d-1", 1000)
+    del params["remote_request_id"]
+    params["remote_block_ids"] = []
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await client.leases.Register(lease_request("c", params=params))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = e.value.details() or ""
+    assert "kv_transfer_params.remote_request_id is required" in details
+    assert "kv_transfer_params.remote_block_ids is required" in details
+
+
+async def test_expiry_in_the_past_and_unknown_engine(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await client.leases.Register(lease_request("c", expires_in=-30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "expires_at" in (e.value.details() or "")
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await client.leases.Register(lease_request("c", engine_id="nobody"))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "nobody" in (e.value.details() or "")
+    await client.nodes.Register(node_request("p-1", role=nodes_pb2.PREFILL))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await client.leases.Register(lease_request("c", engine_id="p-1"))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "prefill" in (e.value.details() or "")
+
+
+async def test_bad_lookups_and_nodes(client: Client) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await client.leases.Lookup(leases_pb2.LookupRequest(conversation_id="c", prompt_tokens=-1))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_tokens" in (e.value.details() or "")
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await client.leases.Lookup(leases_pb2.LookupRequest(conversation_id="c", prompt_digests=b"abc"))
+    assert "prompt_digests is 3 bytes" in (e.value.details() or "")
+    for bad, text in [
+        (node_request(role=7), "role 7"),
+        (node_request(role=0), "role 0"),
+        (node_request(block_size=0), "block_size 0"),
+        (node_request(side_channel_port=0), "side_channel_port 0"),
+        (node_request(http_url="ftp://x"), "http_url"),
+        (node_request(engine_id=""), "engine_id is required"),
+    ]:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.nodes.Register(bad)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in (e.value.details() or ""), bad
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await client.leases.List(leases_pb2.ListLeasesRequest(page_token="!!not-a-token"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_oversized_messages_are_refused(make_daemon: DaemonFactory, connect) -> None:  # type: ignore[no-untyped-def]
+    from controlplane.settings import ServerSettings
+
+    d = await make_daemon(
+        server=ServerSettings(listen="127.0.0.1:0", metrics_port=-1, max_message_bytes=64 * 1024)
+    )
+    c = connect(d)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await c.leases.Lookup(leases_pb2.LookupRequest(conversation_id="c", prompt_digests=b"\0" * 16 * 8192))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (await c.leases.Lookup(lookup_request("c"))).reason == "no_lease", "the daemon is still serving"
