@@ -11,6 +11,8 @@ from typing import Any
 
 from google.protobuf import struct_pb2
 
+from controlplane.policy import Handout
+
 _MAX_EXACT = 2**53
 
 
@@ -37,3 +39,24 @@ def _value(v: struct_pb2.Value) -> Any:
 def dict_to_struct(d: dict[str, Any], out: struct_pb2.Struct) -> None:
     """Fill `out` (e.g. a message's Struct field) from a JSON-like dict."""
     out.update(d)
+
+
+def apply_handout(blob: bytes, h: Handout, out: struct_pb2.Struct) -> None:
+    """Fill `out` with the stored params `blob` (a serialized Struct) as P must get them.
+
+    Works on the parsed message in place (upb, C speed) instead of going through
+    dicts: this is the lookup hot path. Same result as policy.apply_handout.
+    """
+    out.ParseFromString(blob)
+    f = out.fields
+    f["do_remote_decode"].bool_value = True
+    f["do_remote_prefill"].bool_value = False
+    f["remote_num_tokens"].number_value = h.num_tokens
+    if h.keep_blocks is None:
+        return
+    groups = f["remote_block_ids"].list_value.values
+    if len(groups) and groups[0].HasField("list_value"):
+        for g in groups:
+            del g.list_value.values[h.keep_blocks :]
+    else:  # one flat list (releases before per-group lists)
+        del groups[h.keep_blocks :]

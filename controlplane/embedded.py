@@ -68,6 +68,10 @@ class EmbeddedEtcd:
             f"--initial-advertise-peer-urls={peer}",
             f"--initial-cluster={self.name}={peer}",
             "--log-level=warn",
+            # Keep the history short: retentions churn, and old revisions only cost disk.
+            "--auto-compaction-mode=periodic",
+            "--auto-compaction-retention=5m",
+            "--quota-backend-bytes=4294967296",
         ]
 
     async def start(self) -> None:

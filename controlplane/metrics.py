@@ -21,4 +21,28 @@ ETCD_LATENCY = Histogram("kvferry_etcd_seconds", "etcd request latency", ["op"],
 ETCD_ERRORS = Counter("kvferry_etcd_errors_total", "Failed etcd requests", ["op", "code"])
 GC_LEASE_GRANTS = Counter("kvferry_gc_lease_grants_total", "Shared GC leases granted")
 NODE_LEASE_GRANTS = Counter("kvferry_node_lease_grants_total", "Node liveness leases granted")
+ETCD_BATCH_ITEMS = Histogram(
+    "kvferry_etcd_batch_items",
+    "Transactions per etcd request (group commit)",
+    buckets=(1, 2, 4, 8, 16, 32, 64),
+)
 RPC_LATENCY = Histogram("kvferry_rpc_seconds", "gRPC handler latency", ["method"], buckets=_LATENCY_BUCKETS)
+
+
+_lookup_children: dict[tuple[bool, str], Counter] = {}
+_claim_children: dict[str, Counter] = {}
+
+
+def lookup(pull: bool, reason: str) -> None:
+    """Count one lookup (label children cached: this is the hot path)."""
+    child = _lookup_children.get((pull, reason))
+    if child is None:
+        child = _lookup_children[(pull, reason)] = LOOKUPS.labels("PULL" if pull else "RECOMPUTE", reason)
+    child.inc()
+
+
+def claim(kind: str) -> None:
+    child = _claim_children.get(kind)
+    if child is None:
+        child = _claim_children[kind] = CLAIMS.labels(kind)
+    child.inc()

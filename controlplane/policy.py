@@ -16,10 +16,9 @@ vLLM facts this relies on (see DESIGN.md):
 
 from __future__ import annotations
 
-import copy
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from controlplane.records import NodeState, Retention
@@ -77,16 +76,33 @@ class Prompt:
 
 
 @dataclass(frozen=True)
+class Handout:
+    """How to turn D's stored kv_transfer_params into the params handed to P.
+
+    Always sets ``do_remote_decode: true, do_remote_prefill: false``. A pull sets
+    ``remote_num_tokens`` to `num_tokens` and cuts every ``remote_block_ids[g]``
+    to its first `keep_blocks` entries; a release sets ``remote_num_tokens: 0``
+    and keeps the block lists (P notifies D, which frees them).
+    """
+
+    num_tokens: int
+    keep_blocks: int | None = None
+
+
+RELEASE = Handout(0)
+
+
+@dataclass(frozen=True)
 class Decision:
     pull: bool
     reason: Reason
     detail: str = ""
-    params: dict[str, Any] | None = None
+    # For PULL: what to hand P.
+    params: Handout | None = None
     reusable_tokens: int = 0
-    release_params: dict[str, Any] | None = None
+    # For RECOMPUTE with a live retention: params that free D's blocks.
+    release: Handout | None = None
     engine_id: str = ""
-    # Whether answering this consumes the retention (params of any kind handed out).
-    consumes: bool = field(default=False)
 
 
 def decide(
@@ -114,7 +130,7 @@ def decide(
             f"retention was made under {retention.generation}",
             engine_id=engine,
         )
-    release = release_params(retention.params)
+    release = RELEASE
     left = retention.expires_at - now
     if left < policy.safety_margin_s:
         return _recompute(
@@ -143,43 +159,27 @@ def decide(
             f"{reusable} reusable tokens < threshold {policy.recompute_threshold}",
             release,
             engine,
-            reusable=0,
         )
-    params = trim_params(retention.params, reusable, retention.block_size)
-    return Decision(True, reason, detail, params, reusable, None, engine, consumes=True)
+    handout = Handout(reusable, math.ceil(reusable / retention.block_size))
+    return Decision(True, reason, detail, handout, reusable, None, engine)
 
 
-def _recompute(
-    reason: Reason, detail: str, release: dict[str, Any], engine: str, reusable: int = 0
-) -> Decision:
-    return Decision(False, reason, detail, None, reusable, release, engine, consumes=True)
+def _recompute(reason: Reason, detail: str, release: Handout, engine: str) -> Decision:
+    return Decision(False, reason, detail, None, 0, release, engine)
 
 
-def pull_params(params: dict[str, Any]) -> dict[str, Any]:
-    """D's params as P must receive them: P acts as producer for the next D hop too."""
-    out = copy.deepcopy(params)
+def apply_handout(params: dict[str, Any], h: Handout) -> dict[str, Any]:
+    """D's params as P must receive them, as a new dict (see Handout)."""
+    out = dict(params)
     out["do_remote_decode"] = True
     out["do_remote_prefill"] = False
-    return out
-
-
-def trim_params(params: dict[str, Any], tokens: int, block_size: int) -> dict[str, Any]:
-    """Params that make P pull exactly the first `tokens` tokens of D's sequence."""
-    out = pull_params(params)
-    keep = math.ceil(tokens / block_size)
-    out["remote_num_tokens"] = tokens
-    ids = out["remote_block_ids"]
-    if ids and isinstance(ids[0], list):
-        out["remote_block_ids"] = [list(g[:keep]) for g in ids]
-    else:  # releases before per-group lists: one flat list
-        out["remote_block_ids"] = list(ids[:keep])
-    return out
-
-
-def release_params(params: dict[str, Any]) -> dict[str, Any]:
-    """Params that make P tell D to free its blocks without pulling any."""
-    out = pull_params(params)
-    out["remote_num_tokens"] = 0
+    out["remote_num_tokens"] = h.num_tokens
+    ids = out.get("remote_block_ids") or []
+    if h.keep_blocks is not None:
+        if ids and isinstance(ids[0], list):
+            out["remote_block_ids"] = [list(g[: h.keep_blocks]) for g in ids]
+        else:  # releases before per-group lists: one flat list
+            out["remote_block_ids"] = list(ids[: h.keep_blocks])
     return out
 
 

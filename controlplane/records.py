@@ -14,7 +14,6 @@ Values are JSON (msgspec), readable with ``etcdctl get``.
 from __future__ import annotations
 
 import enum
-from typing import Any
 from urllib.parse import quote, unquote
 
 import msgspec
@@ -48,7 +47,9 @@ class Retention(msgspec.Struct, frozen=True):
 
     engine_id: str
     generation: int
-    params: dict[str, Any]
+    # D's kv_transfer_params exactly as received, serialized (a google.protobuf.Struct):
+    # opaque here, forwarded byte for byte, unknown keys included.
+    params: bytes
     num_tokens: int
     block_size: int
     created_at: float

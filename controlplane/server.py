@@ -20,7 +20,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from controlplane import metrics
-from controlplane.convert import dict_to_struct, struct_to_dict
+from controlplane.convert import apply_handout, struct_to_dict
 from controlplane.errors import (
     Conflict,
     FailedPrecondition,
@@ -29,7 +29,7 @@ from controlplane.errors import (
     NotFound,
     StoreUnavailable,
 )
-from controlplane.policy import release_params
+from controlplane.policy import RELEASE
 from controlplane.records import NodeRecord, NodeState
 from controlplane.service import ControlPlane, LeaseRegistration, LeaseView, LookupQuery, NodeRegistration
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
@@ -113,16 +113,17 @@ def node_message(state: NodeState, held: tuple[int, int] = (0, 0)) -> nodes_pb2.
     )
 
 
-def lease_message(v: LeaseView) -> leases_pb2.Lease:
+def lease_message(v: LeaseView, summary: bool = False) -> leases_pb2.Lease:
     m = leases_pb2.Lease(tenant=v.tenant, conversation_id=v.conversation_id, revision=v.revision)
     r = v.retention
     if r is not None:
         m.engine_id = r.engine_id
         m.generation = r.generation
-        dict_to_struct(r.params, m.kv_transfer_params)
+        if not summary:
+            m.kv_transfer_params.ParseFromString(r.params)
+            m.block_digests = r.digests
         m.num_tokens = r.num_tokens
         m.block_size = r.block_size
-        m.block_digests = r.digests
         m.created_at.CopyFrom(_ts(r.created_at))
         m.expires_at.CopyFrom(_ts(r.expires_at))
     if v.claim is not None:
@@ -223,6 +224,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
                 conversation_id=request.conversation_id,
                 engine_id=request.engine_id,
                 params=struct_to_dict(request.kv_transfer_params),
+                params_blob=request.kv_transfer_params.SerializeToString(deterministic=True),
                 num_tokens=request.num_tokens,
                 expires_at=_from_ts(request, "expires_at"),
                 block_size=request.block_size,
@@ -230,7 +232,8 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
                 generation=request.generation,
             )
         )
-        return leases_pb2.RegisterLeaseResponse(lease=lease_message(view), replaced=replaced)
+        # The stored lease without its params and digests: the caller just sent them.
+        return leases_pb2.RegisterLeaseResponse(lease=lease_message(view, summary=True), replaced=replaced)
 
     @_rpc("Leases/Lookup")
     async def Lookup(
@@ -255,9 +258,9 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
             claimed=result.claimed,
         )
         if d.params is not None:
-            dict_to_struct(d.params, resp.kv_transfer_params)
-        if d.release_params is not None:
-            dict_to_struct(d.release_params, resp.release_params)
+            apply_handout(result.params_blob, d.params, resp.kv_transfer_params)
+        if d.release is not None:
+            apply_handout(result.params_blob, d.release, resp.release_params)
         return resp
 
     @_rpc("Leases/Get")
@@ -287,7 +290,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         retention = await self._cp.revoke_lease(request.tenant, request.conversation_id)
         resp = leases_pb2.RevokeLeaseResponse(found=retention is not None)
         if retention is not None and retention.expires_at > time.time():
-            dict_to_struct(release_params(retention.params), resp.release_params)
+            apply_handout(retention.params, RELEASE, resp.release_params)
         return resp
 
 

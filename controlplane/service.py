@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import structlog
 
 from controlplane import metrics
@@ -48,7 +47,9 @@ class LeaseRegistration:
     tenant: str
     conversation_id: str
     engine_id: str
+    # D's params, parsed (for validation) and as received on the wire (what is stored).
     params: dict[str, Any]
+    params_blob: bytes
     num_tokens: int
     expires_at: float | None
     block_size: int
@@ -69,6 +70,8 @@ class LookupQuery:
 class LookupResult:
     decision: Decision
     claimed: bool
+    # The retention's stored params, to which decision.params / decision.release apply.
+    params_blob: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -249,7 +252,7 @@ class ControlPlane:
         _check_id("engine_id", reg.engine_id, lim.max_id_bytes)
         if not 0 < reg.num_tokens <= lim.max_tokens:
             raise InvalidArgument(f"num_tokens {reg.num_tokens} must be in 1..{lim.max_tokens}")
-        if len(msgspec.json.encode(reg.params)) > lim.max_params_bytes:
+        if len(reg.params_blob) > lim.max_params_bytes:
             raise InvalidArgument(f"kv_transfer_params are larger than {lim.max_params_bytes} bytes")
         now = self._clock()
         policy = self.settings.policy
@@ -283,7 +286,7 @@ class ControlPlane:
         retention = Retention(
             engine_id=reg.engine_id,
             generation=generation,
-            params=reg.params,
+            params=reg.params_blob,
             num_tokens=reg.num_tokens,
             block_size=block_size,
             created_at=now,
@@ -319,11 +322,9 @@ class ControlPlane:
             decision = Decision(False, Reason.STORE_UNAVAILABLE, str(e))
             retention = None
         claimed = retention is not None and not q.peek
-        metrics.LOOKUPS.labels("PULL" if decision.pull else "RECOMPUTE", decision.reason.value).inc()
+        metrics.lookup(decision.pull, decision.reason.value)
         if claimed:
-            metrics.CLAIMS.labels(
-                "pull" if decision.pull else "release" if decision.release_params else "dead"
-            ).inc()
+            metrics.claim("pull" if decision.pull else "release" if decision.release else "dead")
             metrics.REUSABLE_TOKENS.inc(decision.reusable_tokens)
         log.debug(
             "retention.lookup",
@@ -332,7 +333,7 @@ class ControlPlane:
             reason=decision.reason.value,
             claimed=claimed,
         )
-        return LookupResult(decision, claimed)
+        return LookupResult(decision, claimed, retention.params if retention else b"")
 
     async def _decide(
         self, retention: Retention | None, claim: Claim | None, prompt: Prompt, now: float

@@ -14,22 +14,19 @@ only garbage-collect.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import math
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-import aetcd
-import grpc
 import msgspec
 import structlog
 from aetcd import rpc
 
 from controlplane import metrics
 from controlplane.errors import Conflict, StoreUnavailable
+from controlplane.etcd import Client, LeaseGone, TxnBatcher, channel_target, timed
 from controlplane.records import (
     Claim,
     Keys,
@@ -45,62 +42,6 @@ from controlplane.records import (
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
-
-_CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    # Come back quickly after an etcd restart instead of gRPC's default minutes of backoff.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-]
-
-
-def channel_target(endpoints: tuple[str, ...]) -> str:
-    """A gRPC target naming every endpoint, so the channel fails over between members."""
-    if len(endpoints) == 1:
-        host, _, port = endpoints[0].rpartition(":")
-        return endpoints[0] if _is_ip(host) else f"dns:///{host}:{port}"
-    addrs = []
-    for ep in endpoints:
-        host, _, port = ep.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"etcd endpoint {ep!r} is not host:port")
-        ip = host.strip("[]") if _is_ip(host.strip("[]")) else socket.gethostbyname(host)
-        addrs.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
-    return (
-        "ipv4:" + ",".join(addrs)
-        if all(":" not in a.split("]")[0] for a in addrs)
-        else "ipv6:" + ",".join(addrs)
-    )
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
-class _Client(aetcd.Client):  # type: ignore[misc]
-    """aetcd's client on a channel that knows all cluster members."""
-
-    def __init__(self, target: str, timeout: float) -> None:
-        super().__init__(timeout=timeout)
-        self._target = target
-
-    async def connect(self) -> None:
-        if self._connected.is_set():
-            return
-        self.channel = grpc.aio.insecure_channel(self._target, options=_CHANNEL_OPTIONS)
-        self.kvstub = rpc.KVStub(self.channel)
-        self.leasestub = rpc.LeaseStub(self.channel)
-        self.clusterstub = rpc.ClusterStub(self.channel)
-        self.maintenancestub = rpc.MaintenanceStub(self.channel)
-        self._connected.set()
 
 
 @dataclass(frozen=True)
@@ -132,7 +73,7 @@ class GcLeases:
     rate, never with the number of live records.
     """
 
-    def __init__(self, client: _Client, bucket_s: int, max_keys: int, timeout: float) -> None:
+    def __init__(self, client: Client, bucket_s: int, max_keys: int, timeout: float) -> None:
         self._client = client
         self._bucket_s = bucket_s
         self._max_keys = max_keys
@@ -154,7 +95,7 @@ class GcLeases:
         self._granting[bucket] = fut
         try:
             ttl = max(1, math.ceil(bucket * self._bucket_s - now) + self._bucket_s)
-            resp = await _timed(
+            resp = await timed(
                 "lease_grant",
                 self._client.leasestub.LeaseGrant(rpc.LeaseGrantRequest(TTL=ttl), timeout=self._timeout),
             )
@@ -177,31 +118,6 @@ class GcLeases:
     def _forget_before(self, bucket: int) -> None:
         for b in [b for b in self._leases if b < bucket]:
             del self._leases[b]
-
-
-async def _timed(op: str, call: Awaitable[T]) -> T:
-    """Await one etcd call, recording its latency and translating its errors."""
-    start = time.perf_counter()
-    try:
-        return await call
-    except grpc.aio.AioRpcError as e:
-        code = e.code()
-        if code == grpc.StatusCode.NOT_FOUND and "lease not found" in (e.details() or ""):
-            raise _LeaseGone(e.details() or "") from e
-        metrics.ETCD_ERRORS.labels(op, code.name).inc()
-        raise StoreUnavailable(f"etcd {op}: {code.name}: {e.details()}") from e
-    except aetcd.ClientError as e:
-        metrics.ETCD_ERRORS.labels(op, type(e).__name__).inc()
-        raise StoreUnavailable(f"etcd {op}: {e}") from e
-    except (TimeoutError, ConnectionError, OSError) as e:
-        metrics.ETCD_ERRORS.labels(op, type(e).__name__).inc()
-        raise StoreUnavailable(f"etcd {op}: {e!r}") from e
-    finally:
-        metrics.ETCD_LATENCY.labels(op).observe(time.perf_counter() - start)
-
-
-class _LeaseGone(Exception):
-    pass
 
 
 def _range(key: bytes, range_end: bytes = b"", limit: int = 0) -> rpc.RequestOp:
@@ -238,14 +154,16 @@ class EtcdStore:
     ) -> None:
         self.keys = keys
         self._timeout = timeout_s
-        self._client = _Client(channel_target(endpoints), timeout_s)
+        self._client = Client(channel_target(endpoints), timeout_s)
         self._gc = GcLeases(self._client, bucket_s, max_keys_per_lease, timeout_s)
+        self._batcher = TxnBatcher(self._client, timeout_s)
         self._claim_marker_s = claim_marker_s
 
     async def connect(self) -> None:
         await self._client.connect()
 
     async def close(self) -> None:
+        await self._batcher.close()
         if self._client.channel is not None:
             await self._client.channel.close(None)
 
@@ -267,19 +185,19 @@ class EtcdStore:
         self, op: str, compare: list[rpc.Compare], success: list[rpc.RequestOp], failure: list[rpc.RequestOp]
     ) -> rpc.TxnResponse:
         req = rpc.TxnRequest(compare=compare, success=success, failure=failure)
-        resp: rpc.TxnResponse = await _timed(op, self._client.kvstub.Txn(req, timeout=self._timeout))
+        resp: rpc.TxnResponse = await timed(op, self._client.kvstub.Txn(req, timeout=self._timeout))
         return resp
 
     async def _with_gc_lease(self, deadline: float, now: float, write: Callable[[int], Awaitable[T]]) -> T:
         lease = await self._gc.lease_for(deadline, now)
         try:
             return await write(lease)
-        except _LeaseGone:
+        except LeaseGone:
             self._gc.forget(lease)
             lease = await self._gc.lease_for(deadline, now)
             try:
                 return await write(lease)
-            except _LeaseGone as e:
+            except LeaseGone as e:
                 raise StoreUnavailable("etcd lost the GC lease twice in a row") from e
 
     # -- retentions -----------------------------------------------------------
@@ -292,9 +210,10 @@ class EtcdStore:
         value = encode(r)
 
         async def write(lease: int) -> tuple[int, bool]:
-            req = rpc.PutRequest(key=key, value=value, lease=lease, prev_kv=True)
-            resp = await _timed("put_retention", self._client.kvstub.Put(req, timeout=self._timeout))
-            return int(resp.header.revision), resp.HasField("prev_kv")
+            put = rpc.PutRequest(key=key, value=value, lease=lease, prev_kv=True)
+            txn = rpc.TxnRequest(success=[rpc.RequestOp(request_put=put)])
+            resp = await self._batcher.submit("put_retention", txn, (key,))
+            return int(resp.header.revision), resp.responses[0].response_put.HasField("prev_kv")
 
         return await self._with_gc_lease(r.expires_at, now, write)
 
@@ -309,12 +228,12 @@ class EtcdStore:
         marker = encode(Claim(claimed_at=now))
 
         async def write(lease: int) -> rpc.TxnResponse:
-            return await self._txn(
-                "claim",
-                [_exists(key)],
-                [_range(key), _delete(key), _put(ckey, marker, lease)],
-                [_range(ckey)],
+            txn = rpc.TxnRequest(
+                compare=[_exists(key)],
+                success=[_range(key), _delete(key), _put(ckey, marker, lease)],
+                failure=[_range(ckey)],
             )
+            return await self._batcher.submit("claim", txn, (key, ckey))
 
         resp = await self._with_gc_lease(now + self._claim_marker_s, now, write)
         kvs = resp.responses[0].response_range.kvs
@@ -342,13 +261,13 @@ class EtcdStore:
     async def revoke(self, tenant: str, conversation_id: str) -> Retention | None:
         key = self.keys.retention(tenant, conversation_id)
         req = rpc.DeleteRangeRequest(key=key, prev_kv=True)
-        resp = await _timed("revoke", self._client.kvstub.DeleteRange(req, timeout=self._timeout))
+        resp = await timed("revoke", self._client.kvstub.DeleteRange(req, timeout=self._timeout))
         return decode_retention(resp.prev_kvs[0].value) if resp.prev_kvs else None
 
     async def list_retentions(self, prefix: bytes, start: bytes, limit: int) -> tuple[list[Stored], bytes]:
         """Up to `limit` retentions under `prefix` from key `start`. -> (page, next start or b"")."""
         req = rpc.RangeRequest(key=start or prefix, range_end=prefix_end(prefix), limit=limit)
-        resp = await _timed("list", self._client.kvstub.Range(req, timeout=self._timeout))
+        resp = await timed("list", self._client.kvstub.Range(req, timeout=self._timeout))
         out = []
         for kv in resp.kvs:
             tenant, conv = self.keys.split_retention(kv.key)
@@ -402,7 +321,7 @@ class EtcdStore:
         (0 = must not exist); a concurrent change raises Conflict.
         """
         k = self.keys
-        grant = await _timed(
+        grant = await timed(
             "lease_grant",
             self._client.leasestub.LeaseGrant(
                 rpc.LeaseGrantRequest(TTL=rec.liveness_ttl), timeout=self._timeout
@@ -433,10 +352,10 @@ class EtcdStore:
         the blocks it holds are still good.
         """
         try:
-            reply = await _timed("keepalive", self._client.refresh_lease(rec.lease_id))
+            reply = await timed("keepalive", self._client.refresh_lease(rec.lease_id))
             if reply is not None and reply.TTL > 0:
                 return int(reply.TTL)
-        except _LeaseGone:
+        except LeaseGone:
             pass
         current, revision = await self.get_node(rec.engine_id)
         if current is None or current.record.generation != rec.generation:
@@ -457,8 +376,8 @@ class EtcdStore:
 
     async def revoke_lease_quietly(self, lease_id: int) -> None:
         try:
-            await _timed(
+            await timed(
                 "lease_revoke", self._client.leasestub.LeaseRevoke(rpc.LeaseRevokeRequest(ID=lease_id))
             )
-        except (StoreUnavailable, _LeaseGone) as e:
+        except (StoreUnavailable, LeaseGone) as e:
             log.info("etcd.lease.revoke_failed", lease=lease_id, error=str(e))

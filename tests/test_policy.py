@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from google.protobuf import struct_pb2
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.policy import Policy, Prompt, Reason, decide, param_problems, release_params, trim_params
+from controlplane import convert
+from controlplane.policy import (
+    RELEASE,
+    Decision,
+    Handout,
+    Policy,
+    Prompt,
+    Reason,
+    apply_handout,
+    decide,
+    param_problems,
+)
 from controlplane.records import NodeRecord, NodeState, Retention, Role
 from kvferry.digests import DIGEST_SIZE, block_digests, common_prefix_blocks, seed
 from tests.factories import d_params
@@ -26,7 +40,7 @@ def retention(
     return Retention(
         engine_id="d-1",
         generation=generation,
-        params=d_params("d-1", num_tokens),
+        params=b"(opaque: the serialized Struct)",
         num_tokens=num_tokens,
         block_size=16,
         created_at=NOW - 80,
@@ -35,41 +49,46 @@ def retention(
     )
 
 
+def handed(d: Decision, num_tokens: int = 1000) -> dict[str, Any]:
+    """The params P would get for decision `d` on a retention of `num_tokens`."""
+    assert d.params is not None
+    return apply_handout(d_params("d-1", num_tokens), d.params)
+
+
 def test_pull_hands_over_all_of_ds_tokens_when_the_prompt_is_longer() -> None:
     d = decide(retention(), node(), Prompt(1500), POLICY, NOW)
     assert d.pull and d.reason == Reason.PULL and d.reusable_tokens == 1000
-    assert d.params is not None and d.params["remote_block_ids"] == [list(range(100, 163))]
-    assert d.params["do_remote_decode"] is True and d.release_params is None
+    assert handed(d)["remote_block_ids"] == [list(range(100, 163))]
+    assert handed(d)["do_remote_decode"] is True and d.release is None
 
 
 def test_prompt_shorter_than_d_trims_to_leading_blocks() -> None:
     d = decide(retention(), node(), Prompt(500), POLICY, NOW)
     assert d.pull and d.reason == Reason.PARTIAL_PULL and d.reusable_tokens == 500
-    assert d.params is not None
-    assert d.params["remote_num_tokens"] == 500
-    assert d.params["remote_block_ids"] == [list(range(100, 132))]  # ceil(500/16) = 32 leading blocks
+    assert handed(d)["remote_num_tokens"] == 500
+    assert handed(d)["remote_block_ids"] == [list(range(100, 132))]  # ceil(500/16) = 32 leading blocks
 
 
 def test_reasons() -> None:
     assert decide(None, None, Prompt(10), POLICY, NOW).reason == Reason.NO_LEASE
     assert decide(retention(expires_in=-1), node(), Prompt(2000), POLICY, NOW).reason == Reason.EXPIRED
     near = decide(retention(expires_in=9.9), node(), Prompt(2000), POLICY, NOW)
-    assert near.reason == Reason.EXPIRED and near.release_params is not None, "still held: release it"
+    assert near.reason == Reason.EXPIRED and near.release is not None, "still held: release it"
     assert decide(retention(), node(alive=False), Prompt(2000), POLICY, NOW).reason == Reason.NODE_GONE
     assert decide(retention(), None, Prompt(2000), POLICY, NOW).reason == Reason.NODE_GONE
     assert decide(retention(), node(generation=2), Prompt(2000), POLICY, NOW).reason == Reason.NODE_RESTARTED
     small = decide(retention(num_tokens=63), node(), Prompt(2000), POLICY, NOW)
-    assert small.reason == Reason.BELOW_THRESHOLD and small.release_params is not None
+    assert small.reason == Reason.BELOW_THRESHOLD and small.release is not None
     assert decide(retention(num_tokens=64), node(), Prompt(2000), POLICY, NOW).pull
 
 
-def test_dead_retentions_get_no_release_params() -> None:
+def test_dead_retentions_get_no_release() -> None:
     for d in (
         decide(retention(expires_in=-1), node(), Prompt(2000), POLICY, NOW),
         decide(retention(), node(alive=False), Prompt(2000), POLICY, NOW),
         decide(retention(), node(generation=3), Prompt(2000), POLICY, NOW),
     ):
-        assert not d.pull and d.release_params is None and d.params is None
+        assert not d.pull and d.release is None and d.params is None
 
 
 def test_prefix_verification() -> None:
@@ -83,7 +102,7 @@ def test_prefix_verification() -> None:
     part = decide(retention(seq=seq), node(), Prompt(1200, block_digests(edited, 16, SEED)), POLICY, NOW)
     assert part.reason == Reason.PARTIAL_PULL and part.reusable_tokens == 288
     none = decide(retention(seq=seq), node(), Prompt(1200, block_digests([9] * 1200, 16, SEED)), POLICY, NOW)
-    assert none.reason == Reason.PREFIX_MISMATCH and none.release_params is not None
+    assert none.reason == Reason.PREFIX_MISMATCH and none.release is not None
     few = seq[:40] + [7] * 900
     low = decide(retention(seq=seq), node(), Prompt(940, block_digests(few, 16, SEED)), POLICY, NOW)
     assert low.reason == Reason.BELOW_THRESHOLD
@@ -97,14 +116,14 @@ def test_other_model_never_matches() -> None:
 
 
 def test_release_params_free_without_pulling() -> None:
-    r = release_params(d_params("d-1", 100))
+    r = apply_handout(d_params("d-1", 100), RELEASE)
     assert r["remote_num_tokens"] == 0 and r["do_remote_decode"] is True and r["remote_block_ids"]
 
 
 def test_flat_block_id_lists_of_older_releases() -> None:
     params = d_params("d-1", 100)
     params["remote_block_ids"] = list(range(7))
-    assert trim_params(params, 33, 16)["remote_block_ids"] == [0, 1, 2]
+    assert apply_handout(params, Handout(33, 3))["remote_block_ids"] == [0, 1, 2]
 
 
 def test_param_problems_name_the_field() -> None:
@@ -134,12 +153,12 @@ def test_handed_params_never_cover_unverified_or_missing_tokens(
         retention(num_tokens, seq=d_seq), node(), Prompt(prompt, block_digests(p_seq, 16, SEED)), POLICY, NOW
     )
     if d.pull:
-        assert d.params is not None
-        n = d.params["remote_num_tokens"]
+        params = handed(d, num_tokens)
+        n = params["remote_num_tokens"]
         assert n == d.reusable_tokens >= POLICY.recompute_threshold
         assert n <= min(num_tokens, prompt) and n % 16 == 0
         assert p_seq[:n] == d_seq[:n], "every pulled token is the prompt's own token"
-        assert d.params["remote_block_ids"] == [list(range(100, 100 + n // 16))]
+        assert params["remote_block_ids"] == [list(range(100, 100 + n // 16))]
 
 
 @given(st.lists(st.integers(0, 3), max_size=40), st.lists(st.integers(0, 3), max_size=40))
@@ -150,3 +169,20 @@ def test_common_prefix_blocks_is_the_longest_common_prefix(a: list[int], b: list
     longer = 2 * (n + 1)
     assert len(a) < longer or len(b) < longer or a[:longer] != b[:longer]
     assert len(da) % DIGEST_SIZE == 0
+
+
+@given(
+    n_blocks=st.integers(1, 50),
+    keep=st.one_of(st.none(), st.integers(0, 60)),
+    tokens=st.integers(0, 800),
+    flat=st.booleans(),
+)
+def test_struct_handout_equals_dict_handout(n_blocks: int, keep: int | None, tokens: int, flat: bool) -> None:
+    params = d_params("d-1", n_blocks * 16)
+    if flat:
+        params["remote_block_ids"] = params["remote_block_ids"][0]
+    stored = struct_pb2.Struct()
+    stored.update(params)
+    out = struct_pb2.Struct()
+    convert.apply_handout(stored.SerializeToString(), Handout(tokens, keep), out)
+    assert convert.struct_to_dict(out) == apply_handout(params, Handout(tokens, keep))

@@ -1,0 +1,377 @@
+"""Daemon benchmark: registrations, lookup+claim latency under offered load, turns/s,
+etcd requests per turn, GC lease grants, restart to serving — with 100,000 live leases.
+
+Runs the real `kvferry daemon` (embedded etcd, its own process) and drives it over
+gRPC from this process. Latencies are measured from each request's *scheduled*
+send time (open loop), so queueing delay counts. Prints one table; all ratios
+come from this one run.
+
+    python -m bench.daemon [--leases 100000] [--phase-s 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import socket
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+from aetcd import rpc
+
+from controlplane.etcd import Client as _Client
+from kvferry.digests import block_digests, seed
+from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
+
+BLOCK = 16
+TOKENS = 2048  # per conversation: 128 blocks of ids and digests (~3.7 KB per record)
+SEED = seed("bench-model")
+DIGESTS = block_digests(list(range(TOKENS)), BLOCK, SEED)
+PROMPT_DIGESTS = block_digests(list(range(TOKENS + 300)), BLOCK, SEED)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pct(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(p / 100 * len(s)))] * 1e3
+
+
+def lease(conv: str) -> leases_pb2.RegisterLeaseRequest:
+    req = leases_pb2.RegisterLeaseRequest(
+        tenant="bench",
+        conversation_id=conv,
+        engine_id="d-0",
+        num_tokens=TOKENS,
+        block_size=BLOCK,
+        block_digests=DIGESTS,
+    )
+    req.kv_transfer_params.update(
+        {
+            "do_remote_prefill": False,
+            "do_remote_decode": True,
+            "remote_block_ids": [list(range(1000, 1000 + TOKENS // BLOCK))],
+            "remote_engine_id": "d-0",
+            "remote_request_id": f"chatcmpl-{conv}",
+            "remote_host": "10.0.0.7",
+            "remote_port": 5600,
+            "tp_size": 1,
+            "remote_num_tokens": TOKENS,
+        }
+    )
+    return req
+
+
+def lookup(conv: str) -> leases_pb2.LookupRequest:
+    return leases_pb2.LookupRequest(
+        tenant="bench", conversation_id=conv, prompt_tokens=TOKENS + 300, prompt_digests=PROMPT_DIGESTS
+    )
+
+
+class DaemonProcess:
+    def __init__(self, data_dir: Path) -> None:
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.etcd_port = free_port()
+        self.data_dir = data_dir
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> float:
+        """Start and wait until a Lookup is answered. -> seconds from exec to serving."""
+        t0 = time.perf_counter()
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvferry.cli", "--log-level", "warning", "daemon",
+            "--listen", f"127.0.0.1:{self.port}", "--metrics-port", str(self.metrics_port),
+            "--data-dir", str(self.data_dir), "--embedded-port", str(self.etcd_port),
+            stdin=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{self.port}") as ch:
+            stub = leases_pb2_grpc.LeasesStub(ch)
+            while True:
+                try:
+                    r = await stub.Lookup(lookup("probe"), timeout=1, wait_for_ready=True)
+                    if r.reason != "store_unavailable":
+                        return time.perf_counter() - t0
+                except grpc.aio.AioRpcError:
+                    pass
+                await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        if self.proc and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+            await self.proc.wait()
+
+    def metrics(self) -> dict[str, float]:
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10)
+            .read()
+            .decode()
+        )
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            m = re.match(r'kvferry_etcd_seconds_count\{op="(\w+)"\} (\S+)', line)
+            if m:
+                out[m.group(1)] = float(m.group(2))
+            elif line.startswith("kvferry_gc_lease_grants_total "):
+                out["gc_grants"] = float(line.split()[1])
+        return out
+
+
+async def closed_loop(n: int, concurrency: int, op: Callable[[int], Awaitable[None]]) -> float:
+    """Run op(0..n-1) with `concurrency` workers. -> seconds."""
+    it = iter(range(n))
+
+    async def worker() -> None:
+        for i in it:
+            await op(i)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return time.perf_counter() - t0
+
+
+async def open_loop(
+    rate: float, seconds: float, op: Callable[[int], Awaitable[None]]
+) -> tuple[list[float], float]:
+    """Issue op(i) at `rate`/s for `seconds`; latency from each scheduled time. -> (latencies, achieved/s)."""
+    n = int(rate * seconds)
+    lat: list[float] = []
+    loop = asyncio.get_running_loop()
+    start = loop.time() + 0.05
+
+    async def one(i: int, at: float) -> None:
+        await op(i)
+        lat.append(loop.time() - at)
+
+    tasks = []
+    for i in range(n):
+        at = start + i / rate
+        delay = at - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, at)))
+    await asyncio.gather(*tasks)
+    return lat, n / (loop.time() - start)
+
+
+async def bench(args: argparse.Namespace) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="kvferry-bench-"))
+    d = DaemonProcess(tmp / "etcd")
+    start_s = await d.start()
+    rows: list[tuple[str, str, str]] = []
+    ch = grpc.aio.insecure_channel(f"127.0.0.1:{d.port}")
+    leases = leases_pb2_grpc.LeasesStub(ch)
+    nodes = nodes_pb2_grpc.NodesStub(ch)
+    await nodes.Register(
+        nodes_pb2.RegisterNodeRequest(
+            engine_id="d-0", role=nodes_pb2.DECODE, model="bench-model", block_size=BLOCK,
+            http_url="http://127.0.0.1:1", side_channel_host="10.0.0.7", side_channel_port=5600,
+            liveness_ttl_seconds=3600,
+        )
+    )  # fmt: skip
+    try:
+        # 1. Preload: Register throughput, with GC grants per 10k registrations early and late.
+        # Lookups below each claim a lease, so preload that many more: >= --leases stay live throughout.
+        claims = args.claims
+        consumed = int(100 * max(5, args.phase_s / 2) + 1500 * args.phase_s) + 1000 + claims
+        n = args.leases + consumed
+        grants_at: list[float] = []
+
+        async def register(i: int) -> None:
+            await leases.Register(lease(f"c{i}"), timeout=30)
+            if i % 10_000 == 0:
+                grants_at.append(d.metrics().get("gc_grants", 0))
+
+        secs = await closed_loop(n, 64, register)
+        rows.append(
+            (
+                "Register throughput (preload, 64 in flight)",
+                f"{n / secs:,.0f} /s",
+                f"{n:,} leases in {secs:.1f}s",
+            )
+        )
+        print(f"preloaded {n} leases in {secs:.1f}s", file=sys.stderr)
+
+        # 2. Raw aetcd transaction latency, same shape as a claim (exists -> range, delete, put).
+        raw = _Client(f"127.0.0.1:{d.etcd_port}", 5.0)
+        await raw.connect()
+        raw_keys = [f"/bench-raw/{i}".encode() for i in range(2000)]
+        for k in raw_keys:
+            await raw.kvstub.Put(rpc.PutRequest(key=k, value=b"x" * 3700))
+        raw_lat = []
+        for k in raw_keys:
+            t = time.perf_counter()
+            await raw.kvstub.Txn(
+                rpc.TxnRequest(
+                    compare=[
+                        rpc.Compare(key=k, target=rpc.Compare.VERSION, result=rpc.Compare.GREATER, version=0)
+                    ],
+                    success=[
+                        rpc.RequestOp(request_range=rpc.RangeRequest(key=k)),
+                        rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=k)),
+                        rpc.RequestOp(request_put=rpc.PutRequest(key=k + b"/c", value=b"{}")),
+                    ],
+                ),
+                timeout=5,
+            )
+            raw_lat.append(time.perf_counter() - t)
+        raw_p50 = pct(raw_lat, 50)
+        rows.append(
+            ("raw aetcd claim txn p50 / p99 (sequential)", f"{raw_p50:.2f} / {pct(raw_lat, 99):.2f} ms", "")
+        )
+
+        # 3. Lookup+claim at offered rates; each lookup claims a different preloaded lease.
+        next_conv = iter(range(n))
+        pulls = 0
+
+        async def claim(_: int) -> None:
+            nonlocal pulls
+            r = await leases.Lookup(lookup(f"c{next(next_conv)}"), timeout=10)
+            pulls += r.decision == leases_pb2.PULL
+
+        p50_at_1000 = 0.0
+        for rate in (100, 500, 1000):
+            seconds = args.phase_s if rate > 100 else max(5, args.phase_s / 2)
+            lat, got = await open_loop(rate, seconds, claim)
+            p50, p99 = pct(lat, 50), pct(lat, 99)
+            if rate == 1000:
+                p50_at_1000 = p50
+            rows.append(
+                (
+                    f"Lookup+claim @ {rate}/s offered: p50 / p99",
+                    f"{p50:.2f} / {p99:.2f} ms",
+                    f"achieved {got:,.0f}/s",
+                )
+            )
+        lat_seq = []
+        for _ in range(1000):
+            t = time.perf_counter()
+            await claim(0)
+            lat_seq.append(time.perf_counter() - t)
+        seq_p50 = pct(lat_seq, 50)
+        rows.append(
+            (
+                "Lookup+claim sequential p50 (no queueing)",
+                f"{seq_p50:.2f} ms",
+                f"{seq_p50 / raw_p50:.2f}x raw txn p50",
+            )
+        )
+        rows.append(
+            ("Lookup+claim @1000/s p50 / raw txn p50", f"{p50_at_1000 / raw_p50:.2f}x", "target <= 2.5x")
+        )
+        lat_max: list[float] = []
+
+        async def timed_claim(i: int) -> None:
+            t = time.perf_counter()
+            await claim(i)
+            lat_max.append(time.perf_counter() - t)
+
+        secs = await closed_loop(claims, 32, timed_claim)
+        rows.append(
+            (
+                "Lookup+claim max (32 in flight)",
+                f"{claims / secs:,.0f} /s",
+                f"p50 {pct(lat_max, 50):.2f} ms, p99 {pct(lat_max, 99):.2f} ms",
+            )
+        )
+
+        # 4. Turns: register a finished turn, then look it up (the next turn), 64 conversations in flight.
+        before = d.metrics()
+        t_start = time.perf_counter()
+        turns = args.turns
+
+        async def turn(i: int) -> None:
+            conv = f"t{i}"
+            await leases.Register(lease(conv), timeout=10)
+            r = await leases.Lookup(lookup(conv), timeout=10)
+            assert r.decision == leases_pb2.PULL, r
+
+        secs = await closed_loop(turns, 64, turn)
+        after = d.metrics()
+        minutes = (time.perf_counter() - t_start) / 60
+        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        writes = delta.get("put_retention", 0) + delta.get("claim", 0) + delta.get("lease_grant", 0)
+        requests = writes + delta.get("read", 0) + delta.get("get_node", 0)
+        background = delta.get("load_nodes", 0)
+        rows.append(
+            (
+                "Turns (register + lookup+claim), 64 in flight",
+                f"{turns / secs:,.0f} /s",
+                f"{turns:,} turns in {secs:.1f}s",
+            )
+        )
+        rows.append(
+            (
+                "etcd requests per turn",
+                f"{requests / turns:.3f}",
+                f"writes {writes / turns:.3f}; node-cache refresh {background:.0f} total",
+            )
+        )
+        rows.append(
+            (
+                "GC lease grants during turns",
+                f"{delta.get('gc_grants', 0) / minutes:.1f} /min",
+                f"{delta.get('gc_grants', 0):.0f} grants",
+            )
+        )
+        if len(grants_at) >= 3:
+            early = grants_at[1] - grants_at[0]
+            late = grants_at[-1] - grants_at[-2]
+            rows.append(
+                (
+                    "GC grants per 10k registrations, first vs last 10k",
+                    f"{early:.0f} vs {late:.0f}",
+                    f"at 0 vs {n - 10_000:,} live",
+                )
+            )
+        left = n - next(next_conv)
+        rows.append(("live leases at the end", f"{left:,}", "(+ claim markers)"))
+
+        # 5. Restart to serving, with the leases in the embedded etcd's data dir.
+        await ch.close(None)
+        await d.stop()
+        restart_s = await d.start()
+        rows.append(
+            ("daemon start to serving (fresh data dir)", f"{start_s:.2f} s", "embedded etcd included")
+        )
+        rows.append(
+            (
+                f"daemon restart to serving ({left:,} leases)",
+                f"{restart_s:.2f} s",
+                "SIGTERM, exec, first Lookup answered",
+            )
+        )
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{d.port}") as ch2:
+            r = await leases_pb2_grpc.LeasesStub(ch2).Lookup(lookup(f"c{n - 1}"), timeout=5)
+            rows.append(("a preloaded lease after restart", leases_pb2.Decision.Name(r.decision), r.reason))
+    finally:
+        await d.stop()
+    width = max(len(r[0]) for r in rows)
+    print(f"\nkvferry daemon benchmark — {os.cpu_count()} cores, {args.leases:,} leases of {TOKENS} tokens")
+    for name, value, note in rows:
+        print(f"  {name.ljust(width)}  {value:>16}  {note}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--leases", type=int, default=100_000)
+    p.add_argument("--phase-s", type=float, default=10.0)
+    p.add_argument("--turns", type=int, default=30_000)
+    p.add_argument("--claims", type=int, default=20_000, help="lookups in the max-rate phase")
+    asyncio.run(bench(p.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

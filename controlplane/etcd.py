@@ -1,0 +1,206 @@
+"""etcd plumbing: the aetcd client on a multi-member channel, error translation at
+the boundary, and group commit of independent transactions.
+
+Library errors become the project's own `StoreUnavailable` here (`timed`);
+everything above this module speaks kvferry, not gRPC status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import socket
+import time
+from collections import deque
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import aetcd
+import grpc
+from aetcd import rpc
+
+from controlplane import metrics
+from controlplane.errors import StoreUnavailable
+
+T = TypeVar("T")
+
+
+class LeaseGone(Exception):
+    """etcd does not know a lease a write named (expired, or the cluster was restored)."""
+
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    # Come back quickly after an etcd restart instead of gRPC's default minutes of backoff.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+
+
+def channel_target(endpoints: tuple[str, ...]) -> str:
+    """A gRPC target naming every endpoint, so the channel fails over between members."""
+    if len(endpoints) == 1:
+        host, _, port = endpoints[0].rpartition(":")
+        return endpoints[0] if _is_ip(host) else f"dns:///{host}:{port}"
+    addrs = []
+    for ep in endpoints:
+        host, _, port = ep.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"etcd endpoint {ep!r} is not host:port")
+        ip = host.strip("[]") if _is_ip(host.strip("[]")) else socket.gethostbyname(host)
+        addrs.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+    return (
+        "ipv4:" + ",".join(addrs)
+        if all(":" not in a.split("]")[0] for a in addrs)
+        else "ipv6:" + ",".join(addrs)
+    )
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class Client(aetcd.Client):  # type: ignore[misc]
+    """aetcd's client on a channel that knows all cluster members."""
+
+    def __init__(self, target: str, timeout: float) -> None:
+        super().__init__(timeout=timeout)
+        self._target = target
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        self.channel = grpc.aio.insecure_channel(self._target, options=_CHANNEL_OPTIONS)
+        self.kvstub = rpc.KVStub(self.channel)
+        self.leasestub = rpc.LeaseStub(self.channel)
+        self.clusterstub = rpc.ClusterStub(self.channel)
+        self.maintenancestub = rpc.MaintenanceStub(self.channel)
+        self._connected.set()
+
+
+async def timed(op: str, call: Awaitable[T]) -> T:
+    """Await one etcd call, recording its latency and translating its errors."""
+    start = time.perf_counter()
+    try:
+        return await call
+    except grpc.aio.AioRpcError as e:
+        code = e.code()
+        if code == grpc.StatusCode.NOT_FOUND and "lease not found" in (e.details() or ""):
+            raise LeaseGone(e.details() or "") from e
+        metrics.ETCD_ERRORS.labels(op, code.name).inc()
+        raise StoreUnavailable(f"etcd {op}: {code.name}: {e.details()}") from e
+    except aetcd.ClientError as e:
+        metrics.ETCD_ERRORS.labels(op, type(e).__name__).inc()
+        raise StoreUnavailable(f"etcd {op}: {e}") from e
+    except (TimeoutError, ConnectionError, OSError) as e:
+        metrics.ETCD_ERRORS.labels(op, type(e).__name__).inc()
+        raise StoreUnavailable(f"etcd {op}: {e!r}") from e
+    finally:
+        metrics.ETCD_LATENCY.labels(op).observe(time.perf_counter() - start)
+
+
+class TxnBatcher:
+    """Group commit: transactions submitted concurrently leave as one etcd Txn.
+
+    Each submitted transaction becomes a nested transaction (etcd >= 3.3) of one
+    outer Txn, so each keeps its own compares and atomicity, while etcd and this
+    process pay for one request. Nothing waits for a batch to fill: a batch
+    leaves as soon as fewer than `max_inflight` are in flight, so a lone request
+    goes out at once and batches only grow under load. Two transactions touching
+    the same key never share a batch (etcd refuses duplicate keys in one Txn);
+    the later one goes in a later batch.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        timeout_s: float,
+        max_items: int = 64,
+        max_bytes: int = 1 << 20,
+        max_inflight: int = 2,
+    ) -> None:
+        self._client = client
+        self._timeout = timeout_s
+        self._max_items = max_items
+        self._max_bytes = max_bytes
+        self._max_inflight = max_inflight
+        self._queue: deque[tuple[str, rpc.TxnRequest, tuple[bytes, ...], asyncio.Future[rpc.TxnResponse]]] = (
+            deque()
+        )
+        self._inflight = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def submit(self, op: str, txn: rpc.TxnRequest, keys: tuple[bytes, ...]) -> rpc.TxnResponse:
+        """Run `txn` (whose writes touch `keys`) in the next batch. -> its own TxnResponse."""
+        fut: asyncio.Future[rpc.TxnResponse] = asyncio.get_running_loop().create_future()
+        self._queue.append((op, txn, keys, fut))
+        self._kick()
+        return await fut
+
+    def _kick(self) -> None:
+        while self._queue and self._inflight < self._max_inflight:
+            batch = self._take()
+            self._inflight += 1
+            task = asyncio.create_task(self._send(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _take(self) -> list[tuple[str, rpc.TxnRequest, tuple[bytes, ...], asyncio.Future[rpc.TxnResponse]]]:
+        batch: list[tuple[str, rpc.TxnRequest, tuple[bytes, ...], asyncio.Future[rpc.TxnResponse]]] = []
+        taken: set[bytes] = set()
+        size = 0
+        deferred = []
+        while self._queue and len(batch) < self._max_items:
+            item = self._queue.popleft()
+            if item[3].done():  # caller gave up before it left
+                continue
+            item_size = item[1].ByteSize()
+            if taken.intersection(item[2]) or (batch and size + item_size > self._max_bytes):
+                deferred.append(item)
+                continue
+            batch.append(item)
+            taken.update(item[2])
+            size += item_size
+        self._queue.extendleft(reversed(deferred))
+        return batch
+
+    async def _send(
+        self, batch: list[tuple[str, rpc.TxnRequest, tuple[bytes, ...], asyncio.Future[rpc.TxnResponse]]]
+    ) -> None:
+        try:
+            if not batch:
+                return
+            metrics.ETCD_BATCH_ITEMS.observe(len(batch))
+            if len(batch) == 1:
+                op, txn, _, fut = batch[0]
+                results = [await timed(op, self._client.kvstub.Txn(txn, timeout=self._timeout))]
+            else:
+                outer = rpc.TxnRequest(success=[rpc.RequestOp(request_txn=item[1]) for item in batch])
+                resp = await timed("txn_batch", self._client.kvstub.Txn(outer, timeout=self._timeout))
+                results = [r.response_txn for r in resp.responses]
+            for (_, _, _, fut), result in zip(batch, results, strict=True):
+                if not fut.done():
+                    fut.set_result(result)
+        except Exception as e:  # StoreUnavailable, LeaseGone: every caller of the batch sees it
+            for _, _, _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(e)
+        finally:
+            self._inflight -= 1
+            self._kick()
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        for t in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await t

@@ -1,0 +1,139 @@
+"""The OpenAI-compatible surface: shapes, errors, streaming, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tests.emulator.conftest import StartEmulator
+from tests.emulator.helpers import Client, async_test, conversation
+
+MODEL = "kvferry/emulated-model"
+
+
+@async_test()
+async def test_health_models_tokenize(start_emulator: StartEmulator, http: Client) -> None:
+    emu = await start_emulator(max_model_len=4096)
+    async with http.session.get(emu.http_url + "/health") as response:
+        assert response.status == 200
+    async with http.session.get(emu.http_url + "/v1/models") as response:
+        models = await response.json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == 4096
+
+    by_prompt = await http.post(emu, "/tokenize", {"model": MODEL, "prompt": "héllo"})
+    assert by_prompt.body == {"count": 6, "max_model_len": 4096, "tokens": list("héllo".encode())}
+    by_messages = await http.post(emu, "/tokenize", {"model": MODEL, "messages": conversation()})
+    assert by_messages.body["count"] == len(by_messages.body["tokens"]) > 100
+    back = await http.post(emu, "/detokenize", {"model": MODEL, "tokens": by_prompt.body["tokens"]})
+    assert back.body == {"prompt": "héllo"}
+
+
+@async_test()
+async def test_errors_look_like_vllm(start_emulator: StartEmulator, http: Client) -> None:
+    emu = await start_emulator(max_model_len=512)
+    wrong_model = await http.chat(emu, conversation(), model="other")
+    assert wrong_model.status == 404
+    assert wrong_model.body["error"]["type"] == "NotFoundError"
+    assert wrong_model.body["error"]["code"] == 404
+
+    for bad in (
+        {"model": MODEL},  # no messages
+        {"messages": "not a list"},
+        {"messages": [{"content": "no role"}]},
+        {"messages": conversation(), "max_tokens": 10_000},  # beyond max_model_len
+        {"messages": conversation(), "n": 2},
+        {"messages": conversation(), "kv_transfer_params": {"prompt_token_ids": ["x"]}},
+    ):
+        answer = await http.post(emu, "/v1/chat/completions", bad)
+        assert answer.status == 400, bad
+        assert set(answer.body["error"]) >= {"message", "type", "code"}
+        assert answer.body["error"]["code"] == 400
+    async with http.session.post(emu.http_url + "/v1/completions", data=b"{not json") as response:
+        assert response.status == 400
+
+
+@async_test()
+async def test_chat_answer_shape(start_emulator: StartEmulator, http: Client) -> None:
+    emu = await start_emulator()
+    answer = await http.chat(
+        emu, conversation(), model=MODEL, max_tokens=40, return_token_ids=True, session_id="conv-9"
+    )
+    body = answer.body
+    assert answer.status == 200
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert choice["finish_reason"] in ("stop", "length")
+    assert body["usage"]["completion_tokens"] == len(choice["token_ids"])
+    assert (
+        body["prompt_token_ids"]
+        == (await http.post(emu, "/tokenize", {"messages": conversation()})).body["tokens"]
+    )
+    assert body["kv_transfer_params"] is None  # a plain request retains nothing
+    assert body["session_id"] == "conv-9"
+    assert choice["message"]["content"].isprintable()
+    again = await http.chat(emu, conversation(), max_tokens=40)
+    assert again.content == answer.content  # deterministic
+    assert again.count("cached") > 0  # and served from the prefix cache
+
+
+@async_test()
+async def test_completions_plain_and_streamed(start_emulator: StartEmulator, http: Client) -> None:
+    emu = await start_emulator()
+    prompt = "Once upon a time, a ferry crossed the bay. " * 3
+    plain = await http.post(
+        emu, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 30, "return_token_ids": True}
+    )
+    assert plain.body["object"] == "text_completion"
+    choice = plain.body["choices"][0]
+    assert choice["prompt_token_ids"] == list(prompt.encode())
+    events = await http.stream(emu, "/v1/completions", {"prompt": prompt, "max_tokens": 30, "stream": True})
+    assert events[-1] == "[DONE]"
+    text = "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert text == choice["text"]
+    assert events[-2]["choices"][0]["finish_reason"] == choice["finish_reason"]
+    assert "kv_transfer_params" not in events[-2]  # a plain request retains nothing
+
+    ids = await http.post(emu, "/v1/completions", {"prompt": list(prompt.encode()), "max_tokens": 30})
+    assert ids.body["choices"][0]["text"] == choice["text"]
+    capped = await http.post(emu, "/v1/completions", {"prompt": prompt, "max_tokens": 3, "ignore_eos": True})
+    assert capped.body["choices"][0]["finish_reason"] == "length"
+    assert capped.body["usage"]["completion_tokens"] == 3
+
+
+@async_test()
+async def test_metrics(start_emulator: StartEmulator, http: Client) -> None:
+    emu = await start_emulator()
+    await http.chat(emu, conversation(), max_tokens=5, ignore_eos=True)
+    async with http.session.get(emu.http_url + "/metrics") as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = await response.text()
+    assert f'vllm:generation_tokens_total{{engine="0",model_name="{MODEL}"}} 5.0' in text
+    assert "vllm:prompt_tokens_total" in text
+    assert 'vllm:request_success_total{engine="0",finished_reason="length"' in text
+    assert "vllm:kv_cache_usage_perc" in text
+    assert f'engine_id="{emu.engine_id}"' in text
+
+
+@async_test(timeout=15)
+async def test_prefill_is_serialized(start_emulator: StartEmulator, http: Client) -> None:
+    emu = await start_emulator(prefill_ms_per_token=0.5, enable_prefix_caching=False)
+    prompts = [f"Question {i}: " + "why is the sea salty? " * 10 for i in range(4)]
+    began = time.perf_counter()
+    answers = await asyncio.gather(
+        *(http.post(emu, "/v1/completions", {"prompt": p, "max_tokens": 1}) for p in prompts)
+    )
+    elapsed = time.perf_counter() - began
+    total_tokens = sum(a.count("computed") for a in answers)
+    assert elapsed >= total_tokens * 0.5 / 1000 * 0.95  # one GPU: prefills queue, not overlap
+
+
+@async_test()
+async def test_engine_id_is_per_start_unless_given(start_emulator: StartEmulator) -> None:
+    first = await start_emulator()
+    second = await start_emulator()
+    fixed = await start_emulator(engine_id="engine-a")
+    assert first.engine_id != second.engine_id
+    assert fixed.engine_id == "engine-a"

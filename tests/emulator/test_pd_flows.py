@@ -1,0 +1,401 @@
+"""Prefill/decode flows over real HTTP and the real side channel.
+
+A conversation runs through a prefiller P and a decoder D as the router drives
+them. Unless a test says otherwise P has no local prefix cache, so whatever it
+does not pull it must compute.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from emulator import EmulatorServer
+from tests.emulator.conftest import StartEmulator
+from tests.emulator.helpers import Answer, Client, async_test, conversation, wait_until
+
+
+async def _turn(
+    http: Client,
+    p: EmulatorServer,
+    d: EmulatorServer,
+    messages: list[dict[str, Any]],
+    pull_from: dict[str, Any] | None = None,
+) -> tuple[Answer, Answer]:
+    """One P/D turn; returns P's and D's answers."""
+    prefill = await http.prefill(p, messages, pull_from)
+    assert prefill.status == 200, prefill.body
+    assert prefill.params is not None and prefill.params["do_remote_prefill"] is True
+    decode = await http.chat(d, messages, max_tokens=64, kv_transfer_params=prefill.params)
+    assert decode.status == 200, decode.body
+    return prefill, decode
+
+
+def _next_turn(messages: list[dict[str, Any]], answer: str, text: str = "Go on. ") -> list[dict[str, Any]]:
+    return [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": text * 4}]
+
+
+async def _fully_free(http: Client, emu: EmulatorServer) -> bool:
+    state = await http.state(emu)
+    return not state["held_requests"] and state["free_blocks"] == state["num_blocks"]
+
+
+async def wait_until_free(http: Client, emu: EmulatorServer) -> bool:
+    await wait_until(lambda: _fully_free(http, emu))
+    return True
+
+
+async def _reference_answer(start: StartEmulator, http: Client, messages: list[dict[str, Any]]) -> str:
+    """The answer of a fresh engine that computes everything itself."""
+    alone = await start()
+    answer = await http.chat(alone, messages, max_tokens=64)
+    assert answer.pull == "none"
+    assert answer.count("computed") == answer.body["usage"]["prompt_tokens"]
+    return answer.content
+
+
+@async_test(timeout=15)
+async def test_two_turns_pull_the_decoders_blocks(start_emulator: StartEmulator, http: Client) -> None:
+    p = await start_emulator(role="prefill", enable_prefix_caching=False)
+    d = await start_emulator(role="decode")
+    first = conversation()
+
+    prefill, decode = await _turn(http, p, d, first)
+    prompt_len = prefill.body["usage"]["prompt_tokens"]
+    assert prefill.count("computed") == prompt_len
+    assert decode.pull == "pulled" and decode.count("pulled") == prompt_len
+    assert await wait_until_free(http, p)
+
+    params = decode.params
+    assert params is not None
+    generated = decode.body["usage"]["completion_tokens"]
+    assert params["do_remote_decode"] is True and params["do_remote_prefill"] is False
+    assert params["remote_num_tokens"] == prompt_len + generated - 1
+    assert params["remote_engine_id"] == d.engine_id
+    assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1", d.side_channel_port)
+    assert len(params["remote_block_ids"]) == 1
+    assert len(params["remote_block_ids"][0]) == -(-params["remote_num_tokens"] // 16)
+    assert 470 < params["remote_blocks_expiry_time"] - time.perf_counter() <= 480
+    assert params["transfer_mode"] == "pull" and params["tp_size"] == 1
+    state = await http.state(d)
+    assert list(state["held_requests"]) == [params["remote_request_id"]]
+
+    second = _next_turn(first, decode.content)
+    prefill2, decode2 = await _turn(http, p, d, second, pull_from=params)
+    assert prefill2.pull == "pulled"
+    assert prefill2.count("pulled") == params["remote_num_tokens"]
+    assert prefill2.count("computed") == prefill2.body["usage"]["prompt_tokens"] - params["remote_num_tokens"]
+    assert params["remote_request_id"] not in (await http.state(d))["held_requests"]
+    assert decode2.content == await _reference_answer(start_emulator, http, second)
+
+
+@async_test(timeout=15)
+async def test_pull_saves_prefill_time(start_emulator: StartEmulator, http: Client) -> None:
+    p = await start_emulator(enable_prefix_caching=False, prefill_ms_per_token=1.0, transfer_ms_per_block=1.0)
+    d = await start_emulator()
+    first = conversation()
+    _, decode = await _turn(http, p, d, first)
+    second = _next_turn(first, decode.content)
+
+    began = time.perf_counter()
+    reused = await http.prefill(p, second, decode.params)
+    reused_s = time.perf_counter() - began
+    began = time.perf_counter()
+    recomputed = await http.prefill(p, second)
+    recomputed_s = time.perf_counter() - began
+
+    prompt_len = recomputed.count("computed")
+    assert reused.count("computed") < prompt_len / 4
+    assert reused_s < recomputed_s / 2
+    assert recomputed_s >= prompt_len / 1000
+
+
+@async_test(timeout=15)
+async def test_second_read_of_the_same_params_fails(start_emulator: StartEmulator, http: Client) -> None:
+    p = await start_emulator(enable_prefix_caching=False)
+    d = await start_emulator()
+    first = conversation()
+    _, decode = await _turn(http, p, d, first)
+    second = _next_turn(first, decode.content)
+
+    assert (await http.prefill(p, second, decode.params)).pull == "pulled"
+    stale = await http.prefill(p, second, decode.params)
+    assert stale.status == 500
+    assert stale.body["error"]["code"] == 500
+    assert stale.body["error"]["type"] == "InternalServerError"
+    assert "KV load failed" in stale.body["error"]["message"]
+
+    lenient = await start_emulator(enable_prefix_caching=False, kv_load_failure_policy="recompute")
+    recomputed = await http.prefill(lenient, second, decode.params)
+    assert recomputed.status == 200
+    assert recomputed.pull == "recomputed:transfer_error"
+    assert recomputed.count("computed") == recomputed.body["usage"]["prompt_tokens"]
+
+
+@async_test(timeout=15)
+async def test_reads_close_to_expiry_are_refused(start_emulator: StartEmulator, http: Client) -> None:
+    strict = await start_emulator(enable_prefix_caching=False)
+    lenient = await start_emulator(enable_prefix_caching=False, kv_load_failure_policy="recompute")
+    d = await start_emulator(decoder_kv_blocks_ttl=4.0)  # always within 5 s of expiry
+    first = conversation()
+    _, decode = await _turn(http, strict, d, first)
+    second = _next_turn(first, decode.content)
+
+    refused = await http.prefill(strict, second, decode.params)
+    assert refused.status == 500
+    assert await wait_until_free(http, d)  # refused, but D was told and freed the blocks
+
+    _, decode = await _turn(http, strict, d, first)
+    recomputed = await http.prefill(lenient, second, decode.params)
+    assert recomputed.status == 200
+    assert recomputed.pull == "recomputed:expiry_too_close"
+    assert recomputed.count("pulled") == 0
+    assert await wait_until_free(http, d)
+
+
+@async_test(timeout=15)
+async def test_skipped_pulls_still_free_the_decoders_blocks(
+    start_emulator: StartEmulator, http: Client
+) -> None:
+    cautious = await start_emulator(enable_prefix_caching=False, kv_recompute_threshold=100_000)
+    caching = await start_emulator()  # prefills turn 1 itself, so it holds most of turn 2 locally
+    d = await start_emulator()
+    first = conversation()
+    second_text = "Short. "
+
+    _, decode = await _turn(http, cautious, d, first)
+    skipped = await http.prefill(cautious, _next_turn(first, decode.content, second_text), decode.params)
+    assert skipped.pull == "skipped:below_threshold"
+    assert skipped.count("computed") == skipped.body["usage"]["prompt_tokens"]
+    await wait_until(lambda: _fully_free(http, d))
+
+    _, decode = await _turn(http, caching, d, first)
+    local = await http.prefill(caching, _next_turn(first, decode.content, second_text), decode.params)
+    assert local.pull == "skipped:below_threshold"
+    assert local.count("cached") > 0
+    await wait_until(lambda: _fully_free(http, d))
+
+    _, decode = await _turn(http, cautious, d, first)
+    assert decode.params is not None
+    release_only = {**decode.params, "remote_num_tokens": 0}
+    freed = await http.prefill(cautious, _next_turn(first, decode.content), release_only)
+    assert freed.pull == "skipped:no_remote_tokens"
+    await wait_until(lambda: _fully_free(http, d))
+
+
+@async_test(timeout=10)
+async def test_decoder_frees_unclaimed_blocks_at_the_deadline(
+    start_emulator: StartEmulator, http: Client
+) -> None:
+    p = await start_emulator(enable_prefix_caching=False, kv_load_failure_policy="recompute")
+    d = await start_emulator(decoder_kv_blocks_ttl=0.3)
+    first = conversation()
+    _, decode = await _turn(http, p, d, first)
+    assert decode.params is not None
+    assert (await http.state(d))["held_requests"]
+    await wait_until(lambda: _fully_free(http, d))
+    late = await http.prefill(
+        p,
+        _next_turn(first, decode.content),
+        {**decode.params, "remote_blocks_expiry_time": time.perf_counter() + 60},
+    )
+    assert late.pull == "recomputed:transfer_error"
+
+
+@async_test(timeout=15)
+async def test_answers_with_reuse_equal_answers_without(start_emulator: StartEmulator, http: Client) -> None:
+    p = await start_emulator(role="prefill", enable_prefix_caching=False)
+    d = await start_emulator(role="decode")
+    messages = conversation()
+    params = None
+    for turn in range(3):
+        prefill, decode = await _turn(http, p, d, messages, pull_from=params)
+        assert prefill.pull == ("none" if turn == 0 else "pulled")
+        assert decode.content == await _reference_answer(start_emulator, http, messages)
+        params = decode.params
+        messages = _next_turn(messages, decode.content, f"Turn {turn}, continue. ")
+
+
+@async_test(timeout=15)
+async def test_trimmed_pull_is_right_and_an_untrimmed_one_is_wrong(
+    start_emulator: StartEmulator, http: Client
+) -> None:
+    p = await start_emulator(enable_prefix_caching=False)
+    d = await start_emulator()
+    first = conversation()
+    _, decode = await _turn(http, p, d, first)
+    params = decode.params
+    assert params is not None
+    second = _next_turn(first, decode.content)
+    reference = await _reference_answer(start_emulator, http, second)
+
+    # Cut to the leading 5 blocks the right way: token count and block list together.
+    trimmed = {**params, "remote_num_tokens": 80, "remote_block_ids": [params["remote_block_ids"][0][:5]]}
+    prefill = await http.prefill(p, second, trimmed)
+    assert prefill.count("pulled") == 80
+    answer = await http.chat(d, second, max_tokens=64, kv_transfer_params=prefill.params)
+    assert answer.content == reference
+
+    # Cut only the token count: P takes the tail of the list, KV of other positions.
+    _, decode = await _turn(http, p, d, first)
+    assert decode.params is not None
+    wrong = {**decode.params, "remote_num_tokens": 80}
+    prefill = await http.prefill(p, second, wrong)
+    assert prefill.count("pulled") == 80
+    answer = await http.chat(d, second, max_tokens=64, kv_transfer_params=prefill.params)
+    assert answer.content != reference
+
+
+@async_test(timeout=15)
+async def test_pull_for_a_diverged_prompt_changes_the_answer(
+    start_emulator: StartEmulator, http: Client
+) -> None:
+    p = await start_emulator(enable_prefix_caching=False)
+    d = await start_emulator()
+    first = conversation()
+    _, decode = await _turn(http, p, d, first)
+    # The client edited the earlier answer: P's prompt no longer begins with D's tokens.
+    diverged = _next_turn(first, decode.content.upper() + "!")
+    prefill = await http.prefill(p, diverged, decode.params)
+    assert prefill.pull == "pulled"
+    answer = await http.chat(d, diverged, max_tokens=64, kv_transfer_params=prefill.params)
+    assert answer.content != await _reference_answer(start_emulator, http, diverged)
+
+
+@async_test(timeout=15)
+async def test_stream_final_chunk_carries_params(start_emulator: StartEmulator, http: Client) -> None:
+    p = await start_emulator(enable_prefix_caching=False)
+    d = await start_emulator()
+    messages = conversation()
+    prefill = await http.prefill(p, messages)
+    events = await http.stream(
+        d,
+        "/v1/chat/completions",
+        {
+            "messages": messages,
+            "max_tokens": 64,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+            "kv_transfer_params": prefill.params,
+        },
+    )
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert (
+        chunks[0]["prompt_token_ids"]
+        == (await http.post(d, "/tokenize", {"messages": messages})).body["tokens"]
+    )
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens"] > 0
+    content = chunks[1:-1]
+    final = content[-1]
+    assert final["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all(c["choices"][0]["finish_reason"] is None for c in content[:-1])
+    assert all("kv_transfer_params" not in c for c in content[:-1])
+    params = final["kv_transfer_params"]
+    assert params["do_remote_decode"] is True and params["remote_engine_id"] == d.engine_id
+    token_ids = [t for c in content for t in c["choices"][0]["token_ids"]]
+    assert params["remote_num_tokens"] == usage["usage"]["prompt_tokens"] + len(token_ids) - 1
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in content)
+    plain = await http.chat(d, messages, max_tokens=64)
+    assert text == plain.content
+
+
+@async_test(timeout=15)
+async def test_client_disconnect_retains_nothing(start_emulator: StartEmulator, http: Client) -> None:
+    p = await start_emulator(enable_prefix_caching=False)
+    d = await start_emulator(decode_ms_per_token=20)
+    messages = conversation()
+    prefill = await http.prefill(p, messages)
+    body = {
+        "messages": messages,
+        "max_tokens": 500,
+        "ignore_eos": True,
+        "stream": True,
+        "kv_transfer_params": prefill.params,
+    }
+    async with http.session.post(d.http_url + "/v1/chat/completions", json=body) as response:
+        assert response.status == 200
+        await response.content.readline()
+        response.close()
+    await wait_until(lambda: _fully_free(http, d))
+    assert await wait_until_free(http, p)
+
+
+@async_test(timeout=15)
+async def test_prompt_token_ids_skip_templating(start_emulator: StartEmulator, http: Client) -> None:
+    p = await start_emulator(enable_prefix_caching=False)
+    d = await start_emulator()
+    messages = conversation()
+    tokens = await http.post(p, "/tokenize", {"messages": messages})
+    ids = tokens.body["tokens"]
+    prefill = await http.chat(
+        p,
+        [{"role": "user", "content": "ignored"}],
+        max_tokens=1,
+        return_token_ids=True,
+        kv_transfer_params={"do_remote_decode": True, "prompt_token_ids": ids},
+    )
+    assert prefill.body["prompt_token_ids"] == ids
+    assert prefill.params is not None and prefill.params["remote_num_tokens"] == len(ids)
+    decode = await http.chat(
+        d,
+        [{"role": "user", "content": "also ignored"}],
+        max_tokens=64,
+        return_token_ids=True,
+        kv_transfer_params={**prefill.params, "prompt_token_ids": ids},
+    )
+    assert decode.body["prompt_token_ids"] == ids
+    assert decode.content == (await http.chat(d, messages, max_tokens=64)).content
+    generated = decode.body["choices"][0]["token_ids"]
+    again = await http.post(d, "/tokenize", {"prompt": decode.content})
+    assert again.body["tokens"] == [t for t in generated if t < 256]
+
+
+@async_test(timeout=15)
+async def test_pinned_blocks_survive_pressure(start_emulator: StartEmulator, http: Client) -> None:
+    p = await start_emulator(enable_prefix_caching=False)
+    d = await start_emulator(num_blocks=64)
+    first = conversation()
+    _, decode = await _turn(http, p, d, first)
+    assert decode.params is not None
+    held = len(decode.params["remote_block_ids"][0])
+    for i in range(4):  # fill the rest of D's pool with other conversations
+        other = [{"role": "user", "content": f"Unrelated question number {i}. " * 12}]
+        assert (await http.chat(d, other, max_tokens=8)).status == 200
+    state = await http.state(d)
+    assert state["free_blocks"] == 64 - held
+    second = _next_turn(first, decode.content)
+    prefill = await http.prefill(p, second, decode.params)
+    assert prefill.pull == "pulled"
+    answer = await http.chat(d, second, max_tokens=64, kv_transfer_params=prefill.params)
+    assert answer.content == await _reference_answer(start_emulator, http, second)
+
+
+@async_test(timeout=10)
+async def test_prefiller_frees_blocks_its_decoder_never_read(
+    start_emulator: StartEmulator, http: Client
+) -> None:
+    p = await start_emulator(kv_abort_timeout=0.3)
+    prefill = await http.prefill(p, conversation())
+    assert prefill.params is not None
+    assert list((await http.state(p))["held_requests"]) == [prefill.params["remote_request_id"]]
+    await wait_until(lambda: _fully_free(http, p))
+
+
+@async_test(timeout=15)
+async def test_params_of_a_previous_engine_generation_fail(
+    start_emulator: StartEmulator, http: Client
+) -> None:
+    p = await start_emulator(enable_prefix_caching=False)
+    d = await start_emulator()
+    first = conversation()
+    _, decode = await _turn(http, p, d, first)
+    port = d.side_channel_port
+    await d.stop()
+    restarted = await start_emulator(side_channel_port=port)  # same address, new engine id
+    assert restarted.engine_id != d.engine_id
+    stale = await http.prefill(p, _next_turn(first, decode.content), decode.params)
+    assert stale.status == 500
