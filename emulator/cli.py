@@ -1,0 +1,171 @@
+"""``kvferry emulate``: run an emulated vLLM server from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+import structlog
+
+from emulator.config import KV_LOAD_FAILURE_POLICIES, ROLES, ConfigError, EmulatorConfig
+from emulator.server import serve_forever
+
+_DEFAULTS = EmulatorConfig()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags of the emulator; defaults mirror ``EmulatorConfig``."""
+    parser = argparse.ArgumentParser(
+        prog="kvferry emulate",
+        description="A vLLM stand-in: OpenAI HTTP API, NIXL-like KV transfer, KV events.",
+    )
+    add = parser.add_argument
+    add("--host", default=_DEFAULTS.host, help="HTTP bind address")
+    add("--port", type=int, default=_DEFAULTS.port, help="HTTP port (0 = any free)")
+    add("--role", choices=ROLES, default=_DEFAULTS.role, help="deployment role")
+    add("--model", default=_DEFAULTS.model, help="served model name")
+    add("--block-size", type=int, default=_DEFAULTS.block_size, help="tokens per KV block")
+    add("--num-blocks", type=int, default=_DEFAULTS.num_blocks, help="KV blocks in the pool")
+    add("--max-model-len", type=int, default=_DEFAULTS.max_model_len, help="longest sequence")
+    add("--engine-id", default=None, help="fixed engine id (default: fresh uuid per start)")
+    add("--side-channel-host", default=_DEFAULTS.side_channel_host, help="KV side-channel host")
+    add(
+        "--side-channel-port",
+        type=int,
+        default=_DEFAULTS.side_channel_port,
+        help="KV side-channel port (0 = any free)",
+    )
+    add("--kv-events-host", default=_DEFAULTS.kv_events_host, help="KV-event bind interface")
+    add("--kv-events-port", type=int, default=0, help="KV-event ZMQ PUB port (0 = off)")
+    add(
+        "--kv-events-replay-port",
+        type=int,
+        default=0,
+        help="KV-event ZMQ ROUTER replay port (0 = off)",
+    )
+    add("--kv-events-topic", default=_DEFAULTS.kv_events_topic, help="KV-event topic")
+    add(
+        "--bidirectional-kv-xfer",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS.bidirectional_kv_xfer,
+        help="as decoder, pin finished requests' blocks for the next turn's prefiller",
+    )
+    add(
+        "--kv-recompute-threshold",
+        type=int,
+        default=_DEFAULTS.kv_recompute_threshold,
+        help="as prefiller, recompute pulls of fewer tokens",
+    )
+    add(
+        "--decoder-kv-blocks-ttl",
+        type=float,
+        default=_DEFAULTS.decoder_kv_blocks_ttl,
+        help="seconds a decoder keeps finished requests' blocks pinned",
+    )
+    add(
+        "--kv-abort-timeout",
+        type=float,
+        default=_DEFAULTS.kv_abort_timeout,
+        help="seconds a prefiller holds blocks for its decoder",
+    )
+    add(
+        "--kv-load-failure-policy",
+        choices=KV_LOAD_FAILURE_POLICIES,
+        default=_DEFAULTS.kv_load_failure_policy,
+        help="on a failed pull: fail the request or recompute",
+    )
+    add("--prefill-ms-per-token", type=float, default=_DEFAULTS.prefill_ms_per_token)
+    add("--decode-ms-per-token", type=float, default=_DEFAULTS.decode_ms_per_token)
+    add("--transfer-ms-per-block", type=float, default=_DEFAULTS.transfer_ms_per_block)
+    add(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="disable local prefix caching (and KV events)",
+    )
+    add("--log-level", default="info", help="log level (debug, info, warning)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
+    """The validated settings of parsed flags."""
+    config = EmulatorConfig(
+        host=args.host,
+        port=args.port,
+        role=args.role,
+        model=args.model,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_model_len=args.max_model_len,
+        engine_id=args.engine_id,
+        side_channel_host=args.side_channel_host,
+        side_channel_port=args.side_channel_port,
+        kv_events_host=args.kv_events_host,
+        kv_events_port=args.kv_events_port or None,
+        kv_events_replay_port=args.kv_events_replay_port or None,
+        kv_events_topic=args.kv_events_topic,
+        bidirectional_kv_xfer=args.bidirectional_kv_xfer,
+        kv_recompute_threshold=args.kv_recompute_threshold,
+        decoder_kv_blocks_ttl=args.decoder_kv_blocks_ttl,
+        kv_abort_timeout=args.kv_abort_timeout,
+        kv_load_failure_policy=args.kv_load_failure_policy,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefill_ms_per_token=args.prefill_ms_per_token,
+        decode_ms_per_token=args.decode_ms_per_token,
+        transfer_ms_per_block=args.transfer_ms_per_block,
+    )
+    config.validate()
+    return config
+
+
+def configure_logging(level: str) -> None:
+    """structlog once per entrypoint: console on a terminal, JSON otherwise."""
+    renderer: structlog.types.Processor = (
+        structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
+        ),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+
+
+async def _run(config: EmulatorConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await serve_forever(config, stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags, run until SIGINT/SIGTERM; 0 on a clean stop, 2 on bad flags."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"kvferry emulate: error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level)
+    try:
+        asyncio.run(_run(config))
+    except OSError as exc:
+        print(f"kvferry emulate: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

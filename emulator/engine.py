@@ -1,0 +1,462 @@
+"""The emulated engine: prefill with prefix caching and remote pulls, decode, holds.
+
+One engine per process start (a generation, with a fresh ``engine_id``). It
+owns the block pool and the side channel through which other engines read the
+blocks it holds for them. Prefill work is serialized through one lock, the
+"GPU", so concurrent requests queue; remote pulls and decode steps are not
+(NIXL reads run beside the compute, decode steps are batched on a real engine).
+
+Lifecycle of a request: ``submit`` prefills (local cache hit, remote pull per
+``kv_transfer_params``, compute the rest) and returns a ``RunningRequest`` whose
+``tokens()`` yields generated tokens. A normal finish (stop or length) may hold
+the blocks for a remote reader and produce the ``kv_transfer_params`` that say
+so; an abort never does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from emulator import kvmodel
+from emulator.blocks import Block, BlockPool
+from emulator.config import EmulatorConfig
+from emulator.errors import CapacityExceeded, InvalidRequest, KVLoadFailed
+from emulator.hashing import block_hashes, none_hash
+from emulator.holds import REGISTRATION_GENERATION, HeldBlockTable
+from emulator.kvevents import Event
+from emulator.metrics import EngineMetrics
+from emulator.sidechannel import (
+    Notify,
+    ReadBlocks,
+    SideChannelServer,
+    TransferError,
+    notify_remote,
+    read_remote_blocks,
+)
+from emulator.tokenizer import EOS_TOKEN_ID, is_valid_token
+from emulator.transfer import (
+    HeldBlocks,
+    PullAction,
+    PullDirection,
+    PullPlan,
+    describe_held_blocks,
+    parse_remote,
+    plan_pull,
+)
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """One request as the engine sees it, after templating and validation."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    ignore_eos: bool = False
+    kv_transfer_params: Mapping[str, Any] | None = None
+    session_id: str | None = None
+
+
+@dataclass
+class PrefillStats:
+    """Where the prompt's KV came from."""
+
+    prompt_tokens: int
+    local_cached_tokens: int = 0
+    pulled_tokens: int = 0
+    pulled_blocks: int = 0
+    computed_tokens: int = 0
+    pull: str = "none"
+    """``none``, ``pulled``, ``skipped:<reason>``, ``failed:<reason>`` or ``recomputed:<reason>``."""
+
+
+@dataclass(eq=False)
+class _Sequence:
+    token_ids: list[int]
+    blocks: list[Block] = field(default_factory=list)
+    num_computed: int = 0
+    hashes: list[bytes] = field(default_factory=list)
+    session_id: str | None = None
+
+
+class RunningRequest:
+    """A prefilled request; iterate ``tokens()`` to decode it."""
+
+    def __init__(self, engine: Engine, spec: GenerationSpec, seq: _Sequence, stats: PrefillStats) -> None:
+        self._engine = engine
+        self._seq = seq
+        self._done = False
+        self.spec = spec
+        self.stats = stats
+        self.output_token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.kv_transfer_params: dict[str, Any] | None = None
+        """Set on a normal finish when the engine holds the blocks for a remote reader."""
+
+    async def tokens(self) -> AsyncIterator[tuple[int, bool]]:
+        """Yield ``(token, is_last)``; the request is finished before the last one."""
+        engine, seq, spec = self._engine, self._seq, self.spec
+        state = engine.prefill_state(seq)
+        while True:
+            token = kvmodel.sample(state, len(self.output_token_ids), ignore_eos=spec.ignore_eos)
+            self.output_token_ids.append(token)
+            seq.token_ids.append(token)
+            engine.metrics.generation_tokens.inc()
+            if token == EOS_TOKEN_ID and not spec.ignore_eos:
+                reason: str | None = "stop"
+            elif (
+                len(self.output_token_ids) >= spec.max_tokens
+                or len(seq.token_ids) >= engine.config.max_model_len
+            ):
+                reason = "length"
+            else:
+                reason = None
+            if reason is not None:
+                self._finish(reason)
+                yield token, True
+                return
+            yield token, False
+            state = await engine.decode_step(seq, state)
+
+    def _finish(self, reason: str) -> None:
+        self._done = True
+        self.finish_reason = reason
+        self.kv_transfer_params = self._engine.finish(self.spec, self._seq, reason)
+
+    def abort(self) -> None:
+        """Free the request's blocks unless it already finished; idempotent."""
+        if self._done:
+            return
+        self._done = True
+        self._engine.release(self._seq)
+
+
+class Engine:
+    """Block pool, prefill/decode and the NIXL-like holder of blocks."""
+
+    def __init__(
+        self,
+        config: EmulatorConfig,
+        *,
+        emit: Callable[[Event], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.engine_id = config.engine_id or str(uuid.uuid4())
+        self.none_hash = none_hash()
+        self.pool = BlockPool(
+            config.num_blocks,
+            config.block_size,
+            enable_caching=config.enable_prefix_caching,
+            emit=emit,
+        )
+        self.metrics = EngineMetrics(config.model, self.engine_id)
+        self.metrics.track_kv_cache_usage(self.pool.usage)
+        self._gpu = asyncio.Lock()
+        self._freed = asyncio.Event()
+        self._holds = HeldBlockTable(self.engine_id, self._free)
+        self._side_channel = SideChannelServer(
+            self._holds, config.side_channel_host, config.side_channel_port
+        )
+
+    # --- lifecycle --------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the side channel."""
+        await self._side_channel.start()
+        log.info(
+            "engine.started",
+            engine_id=self.engine_id,
+            side_channel_port=self.side_channel_port,
+        )
+
+    async def close(self) -> None:
+        """Close the side channel and drop hold timers."""
+        await self._side_channel.close()
+        self._holds.close()
+
+    @property
+    def side_channel_port(self) -> int:
+        """Port of the side channel, reported as ``remote_port``."""
+        return self._side_channel.port
+
+    # --- prefill ----------------------------------------------------------
+
+    async def submit(self, spec: GenerationSpec) -> RunningRequest:
+        """Prefill a request; raises EngineError subclasses on bad input or failed loads."""
+        prompt = list(spec.prompt_token_ids)
+        self._validate(spec, prompt)
+        bs = self.config.block_size
+        seq = _Sequence(token_ids=prompt, session_id=spec.session_id)
+        stats = PrefillStats(prompt_tokens=len(prompt))
+        try:
+            if self.pool.enable_caching:
+                hashes = block_hashes(prompt, bs, root=self.none_hash)
+                hits = self.pool.find_cached_prefix(hashes[: (len(prompt) - 1) // bs])
+                self.pool.touch(hits)
+                seq.blocks, seq.hashes = hits, hashes[: len(hits)]
+                seq.num_computed = stats.local_cached_tokens = len(hits) * bs
+                self.metrics.prefix_cache_queries.inc(len(prompt))
+                self.metrics.prefix_cache_hits.inc(seq.num_computed)
+            plan = self._plan(spec, len(prompt), stats.local_cached_tokens)
+            seq.blocks += await self._allocate(math.ceil(len(prompt) / bs) - len(seq.blocks))
+            await self._apply_plan(plan, seq, stats)
+            await self._compute_prompt(seq, stats)
+        except BaseException:
+            self.release(seq)
+            raise
+        self.metrics.prompt_tokens.inc(len(prompt))
+        log.debug("engine.prefill.done", request_id=spec.request_id, **vars(stats))
+        return RunningRequest(self, spec, seq, stats)
+
+    def _validate(self, spec: GenerationSpec, prompt: list[int]) -> None:
+        if not prompt:
+            raise InvalidRequest("The prompt must contain at least one token.")
+        if not all(isinstance(t, int) and is_valid_token(t) for t in prompt):
+            raise InvalidRequest("The prompt contains token ids outside the vocabulary.")
+        if spec.max_tokens < 1:
+            raise InvalidRequest("max_tokens must be at least 1.")
+        if len(prompt) + spec.max_tokens > self.config.max_model_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.config.max_model_len} "
+                f"tokens. However, you requested {len(prompt) + spec.max_tokens} tokens "
+                f"({len(prompt)} in the messages, {spec.max_tokens} in the completion)."
+            )
+        if math.ceil(len(prompt) / self.config.block_size) > self.pool.num_blocks:
+            raise InvalidRequest("The prompt needs more KV blocks than the engine has.")
+
+    def _plan(self, spec: GenerationSpec, prompt_len: int, cached: int) -> PullPlan:
+        params = spec.kv_transfer_params
+        try:
+            if params and params.get("do_remote_prefill"):
+                source = parse_remote(params, PullDirection.FROM_PREFILLER)
+                threshold = 0
+            elif params and params.get("do_remote_decode"):
+                if not self.config.bidirectional_kv_xfer:
+                    return PullPlan(PullAction.SKIP, "bidirectional_disabled")
+                source = parse_remote(params, PullDirection.FROM_DECODER)
+                threshold = self.config.kv_recompute_threshold
+            else:
+                return PullPlan(PullAction.SKIP, "no_remote_blocks")
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequest(f"Invalid kv_transfer_params: {exc}") from exc
+        return plan_pull(
+            source,
+            prompt_len=prompt_len,
+            cached_tokens=cached,
+            block_size=self.config.block_size,
+            threshold=threshold,
+            now=time.perf_counter(),
+        )
+
+    async def _apply_plan(self, plan: PullPlan, seq: _Sequence, stats: PrefillStats) -> None:
+        failure = plan.reason if plan.action is PullAction.FAIL else None
+        if plan.action is PullAction.PULL:
+            try:
+                await self._pull(plan, seq)
+            except TransferError as exc:
+                failure = "transfer_error"
+                log.warning("engine.kv_pull.failed", error=str(exc))
+            else:
+                stats.pulled_tokens = plan.num_tokens
+                stats.pulled_blocks = len(plan.remote_block_ids)
+                stats.pull = "pulled"
+                self.metrics.kv_pulled_blocks.inc(stats.pulled_blocks)
+                self.metrics.kv_pulled_tokens.inc(stats.pulled_tokens)
+        if plan.notify:
+            await self._notify(plan)
+        if plan.action is PullAction.SKIP and plan.source is not None:
+            stats.pull = f"skipped:{plan.reason}"
+        if failure is not None:
+            stats.pull = f"failed:{failure}"
+            self.metrics.kv_pull(stats.pull)
+            if self.config.kv_load_failure_policy == "fail":
+                raise KVLoadFailed(f"KV load failed ({failure}) for remote request")
+            stats.pull = f"recomputed:{failure}"
+        elif stats.pull != "none":
+            self.metrics.kv_pull(stats.pull)
+
+    async def _pull(self, plan: PullPlan, seq: _Sequence) -> None:
+        source = plan.source
+        assert source is not None
+        first = plan.first_local_block
+        local = seq.blocks[first : first + len(plan.remote_block_ids)]
+        request = ReadBlocks(
+            engine_id=source.engine_id,
+            request_id=source.request_id,
+            block_ids=list(plan.remote_block_ids),
+            registration_generation=source.registration_generation,
+        )
+        try:
+            async with asyncio.timeout(self.config.side_channel_timeout):
+                buffers = await read_remote_blocks(source.host, source.port, request)
+        except TimeoutError as exc:
+            raise TransferError(f"read from {source.host}:{source.port} timed out") from exc
+        if any(len(buf) != len(block.kv) for buf, block in zip(buffers, local, strict=True)):
+            raise TransferError("remote block size differs from the local one")
+        await asyncio.sleep(self.config.transfer_ms_per_block * len(local) / 1000)
+        for buf, block in zip(buffers, local, strict=True):
+            block.kv[:] = buf
+
+    async def _notify(self, plan: PullPlan) -> None:
+        source = plan.source
+        assert source is not None
+        notify = Notify(engine_id=source.engine_id, request_id=source.request_id)
+        try:
+            async with asyncio.timeout(self.config.side_channel_timeout):
+                await notify_remote(source.host, source.port, notify)
+        except (TransferError, TimeoutError) as exc:
+            log.info("engine.kv_notify.failed", error=str(exc), reason=plan.reason)
+
+    async def _compute_prompt(self, seq: _Sequence, stats: PrefillStats) -> None:
+        prompt_len = len(seq.token_ids)
+        start = min(stats.local_cached_tokens + stats.pulled_tokens, prompt_len - 1)
+        self.metrics.num_requests_waiting.inc()
+        try:
+            await self._gpu.acquire()
+        finally:
+            self.metrics.num_requests_waiting.dec()
+        try:
+            for position in range(start, prompt_len):
+                self._write_kv(seq, position)
+            seq.num_computed = prompt_len
+            stats.computed_tokens = prompt_len - start
+            await asyncio.sleep(self.config.prefill_ms_per_token * stats.computed_tokens / 1000)
+        finally:
+            self._gpu.release()
+        self._commit_full_blocks(seq)
+
+    # --- KV slots ---------------------------------------------------------
+
+    def _slot(self, seq: _Sequence, position: int) -> bytes:
+        if position < 0:
+            return kvmodel.GENESIS_KV
+        block, offset = divmod(position, self.config.block_size)
+        start = offset * kvmodel.SLOT_BYTES
+        return bytes(seq.blocks[block].kv[start : start + kvmodel.SLOT_BYTES])
+
+    def _write_kv(self, seq: _Sequence, position: int) -> bytes:
+        kv = kvmodel.token_kv(self._slot(seq, position - 1), position, seq.token_ids[position])
+        block, offset = divmod(position, self.config.block_size)
+        start = offset * kvmodel.SLOT_BYTES
+        seq.blocks[block].kv[start : start + kvmodel.SLOT_BYTES] = kv
+        return kv
+
+    def prefill_state(self, seq: _Sequence) -> bytes:
+        """Sampler state over every KV slot of the prefilled context."""
+        data = b"".join(bytes(block.kv) for block in seq.blocks)
+        return kvmodel.context_state([data[: seq.num_computed * kvmodel.SLOT_BYTES]])
+
+    def _commit_full_blocks(self, seq: _Sequence) -> None:
+        if not self.pool.enable_caching:
+            return
+        bs = self.config.block_size
+        done, full = len(seq.hashes), seq.num_computed // bs
+        if full <= done:
+            return
+        parent = seq.hashes[-1] if seq.hashes else None
+        tokens = seq.token_ids[done * bs : full * bs]
+        new = block_hashes(tokens, bs, parent=parent, root=self.none_hash)
+        self.pool.cache_blocks(
+            seq.blocks[done:full],
+            new,
+            [tokens[i * bs : (i + 1) * bs] for i in range(full - done)],
+            parent=parent,
+            session_id=seq.session_id,
+        )
+        seq.hashes.extend(new)
+
+    # --- decode -----------------------------------------------------------
+
+    async def decode_step(self, seq: _Sequence, state: bytes) -> bytes:
+        """Feed the last sampled token back: its KV joins the context."""
+        await asyncio.sleep(self.config.decode_ms_per_token / 1000)
+        position = seq.num_computed
+        if position // self.config.block_size >= len(seq.blocks):
+            seq.blocks += await self._allocate(1)
+        kv = self._write_kv(seq, position)
+        seq.num_computed += 1
+        self._commit_full_blocks(seq)
+        return kvmodel.advance_state(state, kv)
+
+    async def _allocate(self, count: int) -> list[Block]:
+        if count <= 0:
+            return []
+        if count > self.pool.num_blocks:
+            raise InvalidRequest("The request needs more KV blocks than the engine has.")
+        try:
+            async with asyncio.timeout(self.config.block_wait_timeout):
+                while self.pool.num_free < count:
+                    self._freed.clear()
+                    await self._freed.wait()
+        except TimeoutError as exc:
+            raise CapacityExceeded("No free KV blocks; try again later.") from exc
+        return self.pool.allocate(count)
+
+    # --- finish, holds and the side channel ---------------------------------
+
+    def finish(self, spec: GenerationSpec, seq: _Sequence, reason: str) -> dict[str, Any] | None:
+        """End a request normally; hold its blocks and describe them when asked to."""
+        self.metrics.request_finished(reason)
+        params = spec.kv_transfer_params or {}
+        if params.get("do_remote_decode") and reason == "length":
+            return self._hold(spec.request_id, seq, self.config.kv_abort_timeout, True)
+        if params.get("do_remote_prefill") and self.config.bidirectional_kv_xfer:
+            ttl = self.config.decoder_kv_blocks_ttl
+            return self._hold(spec.request_id, seq, ttl, False)
+        self.release(seq)
+        return None
+
+    def _hold(self, request_id: str, seq: _Sequence, ttl: float, for_decoder: bool) -> dict[str, Any]:
+        blocks, seq.blocks = seq.blocks, []
+        expiry = self._holds.hold(request_id, blocks, ttl)
+        self.metrics.held_requests.set(len(self._holds))
+        held = HeldBlocks(
+            engine_id=self.engine_id,
+            request_id=request_id,
+            host=self.config.side_channel_host,
+            port=self.side_channel_port,
+            block_ids=[block.block_id for block in blocks],
+            num_tokens=seq.num_computed,
+            expiry_time=expiry,
+            registration_generation=REGISTRATION_GENERATION,
+            tp_size=self.config.tp_size,
+        )
+        return describe_held_blocks(held, for_decoder=for_decoder)
+
+    def release(self, seq: _Sequence) -> None:
+        """Drop a sequence's block references (not held ones)."""
+        blocks, seq.blocks = seq.blocks, []
+        self._free(blocks)
+
+    def _free(self, blocks: list[Block]) -> None:
+        self.pool.free(blocks)
+        self.metrics.held_requests.set(len(self._holds))
+        self._freed.set()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached blocks; refused while blocks are in use."""
+        return self.pool.reset_prefix_cache()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Emulator-only state for tests and demos."""
+        return {
+            "engine_id": self.engine_id,
+            "role": self.config.role,
+            "model": self.config.model,
+            "block_size": self.config.block_size,
+            "num_blocks": self.pool.num_blocks,
+            "free_blocks": self.pool.num_free,
+            "cached_blocks": self.pool.num_cached,
+            "side_channel_port": self.side_channel_port,
+            "held_requests": self._holds.snapshot(),
+        }

@@ -1,0 +1,96 @@
+"""Prometheus metrics of one emulated engine, named like vLLM's where they exist."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
+
+
+class EngineMetrics:
+    """Counters and gauges in a registry of their own (one per engine)."""
+
+    def __init__(self, model: str, engine_id: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"model_name": model, "engine": "0"}
+        names = list(labels)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, [*names, *extra], registry=self.registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, names, registry=self.registry)
+
+        self._labels = labels
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.").labels(
+            **labels
+        )
+        self.generation_tokens = counter(
+            "vllm:generation_tokens", "Number of generation tokens processed."
+        ).labels(**labels)
+        self._request_success = counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            ("finished_reason",),
+        )
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+        ).labels(**labels)
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+        ).labels(**labels)
+        self.num_requests_running = gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches."
+        ).labels(**labels)
+        self.num_requests_waiting = gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+        ).labels(**labels)
+        self._kv_cache_usage = gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        ).labels(**labels)
+        self._kv_pulls = counter(
+            "kvferry_emulator:kv_pulls",
+            "Remote KV pull decisions by outcome (pulled, skipped:*, failed:*).",
+            ("outcome",),
+        )
+        self.kv_pulled_blocks = counter(
+            "kvferry_emulator:kv_pulled_blocks", "KV blocks pulled from remote engines."
+        ).labels(**labels)
+        self.kv_pulled_tokens = counter(
+            "kvferry_emulator:kv_pulled_tokens", "Tokens whose KV was pulled."
+        ).labels(**labels)
+        self.held_requests = gauge(
+            "kvferry_emulator:held_requests",
+            "Requests whose blocks are held for a remote reader.",
+        ).labels(**labels)
+        self.engine_info = Gauge(
+            "kvferry_emulator:engine_info",
+            "Constant 1, labelled with the engine id of this generation.",
+            ["model_name", "engine_id"],
+            registry=self.registry,
+        )
+        self.engine_info.labels(model_name=model, engine_id=engine_id).set(1)
+
+    def request_finished(self, reason: str) -> None:
+        """Count one request that finished normally (stop or length)."""
+        self._request_success.labels(**self._labels, finished_reason=reason).inc()
+
+    def kv_pull(self, outcome: str) -> None:
+        """Count one pull decision."""
+        self._kv_pulls.labels(**self._labels, outcome=outcome).inc()
+
+    def track_kv_cache_usage(self, usage: Callable[[], float]) -> None:
+        """Read KV-cache usage at scrape time."""
+        self._kv_cache_usage.set_function(usage)
+
+    def render(self) -> tuple[bytes, str]:
+        """Exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

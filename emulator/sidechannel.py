@@ -1,0 +1,196 @@
+"""The emulated NIXL side channel: block reads and notifications over TCP.
+
+Every engine listens at its ``remote_host:remote_port``. A message is a 4-byte
+big-endian length followed by a msgspec-msgpack struct. A puller sends
+``ReadBlocks`` (answered with the raw KV of those blocks, copied) and then
+``Notify`` (the holder frees the request's blocks). Errors come back as
+``Reply(ok=False, error=...)`` and surface as ``TransferError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+from typing import Protocol
+
+import msgspec
+import structlog
+
+log = structlog.get_logger(__name__)
+
+_HEADER = struct.Struct(">I")
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+
+class ReadBlocks(msgspec.Struct, tag="read"):
+    """Ask for the KV of blocks held for a request."""
+
+    engine_id: str
+    request_id: str
+    block_ids: list[int]
+    registration_generation: int | None = None
+
+
+class Notify(msgspec.Struct, tag="notify"):
+    """Tell the holder the puller is done with a request's blocks."""
+
+    engine_id: str
+    request_id: str
+
+
+class Reply(msgspec.Struct, tag="reply"):
+    """Answer to a read or notify; ``blocks`` holds one KV buffer per block read."""
+
+    ok: bool
+    error: str = ""
+    blocks: list[bytes] = []
+
+
+Message = ReadBlocks | Notify | Reply
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+class SideChannelError(Exception):
+    """A holder refuses a request (unknown engine or request, bad block ids)."""
+
+
+class TransferError(Exception):
+    """A read or notify failed: refused, unreachable, timed out or garbled."""
+
+
+class BlockHolder(Protocol):
+    """What the server asks of the engine."""
+
+    def read_blocks(self, request: ReadBlocks) -> list[bytes]:
+        """KV of the requested blocks; raises SideChannelError to refuse."""
+        ...
+
+    def release_blocks(self, request: Notify) -> None:
+        """Free a request's held blocks; raises SideChannelError when unknown."""
+        ...
+
+
+async def _read_message(reader: asyncio.StreamReader) -> Message:
+    header = await reader.readexactly(_HEADER.size)
+    (size,) = _HEADER.unpack(header)
+    if size > MAX_FRAME_BYTES:
+        raise ValueError(f"frame of {size} bytes is too large")
+    return _decoder.decode(await reader.readexactly(size))
+
+
+async def _write_message(writer: asyncio.StreamWriter, message: Message) -> None:
+    payload = _encoder.encode(message)
+    writer.write(_HEADER.pack(len(payload)) + payload)
+    await writer.drain()
+
+
+def _resolve_bind_host(host: str) -> str:
+    """One address for a host name, so that port 0 gives a single port."""
+    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)
+    return str(infos[0][4][0])
+
+
+class SideChannelServer:
+    """TCP server answering reads and notifies for one engine."""
+
+    def __init__(self, holder: BlockHolder, host: str, port: int) -> None:
+        self._holder = holder
+        self._host = host
+        self._port = port
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Listen; the bound port is ``self.port`` afterwards."""
+        self._server = await asyncio.start_server(self._serve, _resolve_bind_host(self._host), self._port)
+
+    @property
+    def port(self) -> int:
+        """The bound port."""
+        if self._server is None:
+            raise RuntimeError("side channel not started")
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        try:
+            while True:
+                try:
+                    message = await _read_message(reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                except (msgspec.DecodeError, ValueError) as exc:
+                    await _write_message(writer, Reply(ok=False, error=str(exc)))
+                    return
+                await _write_message(writer, self._answer(message))
+        except ConnectionError:
+            return
+        finally:
+            self._connections.discard(task)
+            writer.close()
+            with contextlib.suppress(ConnectionError, asyncio.CancelledError):
+                await writer.wait_closed()
+
+    def _answer(self, message: Message) -> Reply:
+        try:
+            if isinstance(message, ReadBlocks):
+                return Reply(ok=True, blocks=self._holder.read_blocks(message))
+            if isinstance(message, Notify):
+                self._holder.release_blocks(message)
+                return Reply(ok=True)
+        except SideChannelError as exc:
+            return Reply(ok=False, error=str(exc))
+        return Reply(ok=False, error="unexpected message")
+
+    async def close(self) -> None:
+        """Stop listening and drop open connections."""
+        if self._server is None:
+            return
+        self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+        await self._server.wait_closed()
+        self._server = None
+
+
+async def _call(host: str, port: int, message: Message) -> Reply:
+    """One request/reply exchange; callers bound it with ``asyncio.timeout``."""
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            await _write_message(writer, message)
+            reply = await _read_message(reader)
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+    except (OSError, asyncio.IncompleteReadError) as exc:
+        raise TransferError(f"side channel {host}:{port} unreachable: {exc}") from exc
+    except (msgspec.DecodeError, ValueError) as exc:
+        raise TransferError(f"side channel {host}:{port} garbled: {exc}") from exc
+    if not isinstance(reply, Reply):
+        raise TransferError(f"side channel {host}:{port} sent no reply")
+    if not reply.ok:
+        raise TransferError(reply.error or "refused")
+    return reply
+
+
+async def read_remote_blocks(host: str, port: int, request: ReadBlocks) -> list[bytes]:
+    """KV of remote blocks, one buffer per requested block id."""
+    reply = await _call(host, port, request)
+    if len(reply.blocks) != len(request.block_ids):
+        raise TransferError(f"asked for {len(request.block_ids)} blocks, got {len(reply.blocks)}")
+    return reply.blocks
+
+
+async def notify_remote(host: str, port: int, request: Notify) -> None:
+    """Tell a holder to free a request's blocks."""
+    await _call(host, port, request)
