@@ -13,6 +13,7 @@ import grpc
 import structlog
 from prometheus_client import start_http_server
 
+from controlplane import metrics
 from controlplane.embedded import EmbeddedEtcd
 from controlplane.errors import StoreUnavailable
 from controlplane.records import Keys
@@ -72,6 +73,7 @@ class Daemon:
             log.warning("etcd.unreachable_at_start", endpoints=list(endpoints))
         cp = ControlPlane(store, s)
         self.control_plane = cp
+        metrics.INDEXED_BLOCKS.set_function(cp.index.total)
         with contextlib.suppress(StoreUnavailable):
             await cp.nodes.refresh()
         self._server, self.port, self._health = await start_server(

@@ -26,6 +26,8 @@ ETCD_BATCH_ITEMS = Histogram(
     "Transactions per etcd request (group commit)",
     buckets=(1, 2, 4, 8, 16, 32, 64),
 )
+INDEXED_HASHES = Counter("kvferry_kv_event_hashes_total", "Block hashes folded into the KV-event index")
+INDEXED_BLOCKS = Gauge("kvferry_indexed_blocks", "Blocks in the KV-event index (this replica)")
 RPC_LATENCY = Histogram("kvferry_rpc_seconds", "gRPC handler latency", ["method"], buckets=_LATENCY_BUCKETS)
 
 

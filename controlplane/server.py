@@ -7,6 +7,7 @@ cancellation and deadlines pass through untouched.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,6 +21,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from controlplane import metrics
+from controlplane.blockindex import IndexUpdate
 from controlplane.convert import apply_handout, struct_to_dict
 from controlplane.errors import (
     Conflict,
@@ -184,6 +186,13 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
                         log.warning("node.heartbeat.store_unavailable", engine_id=rec.engine_id, error=str(e))
                         ttl = 0
                     yield nodes_pb2.AttachResponse(heartbeat_ack=msg.heartbeat, ttl_seconds=ttl)
+                elif kind == "kv_events":
+                    if rec is None:
+                        raise InvalidArgument("the first message on Attach must be hello")
+                    b = msg.kv_events
+                    self._cp.index_events(
+                        rec, IndexUpdate(list(b.stored), list(b.removed), b.cleared, b.reset, b.seq)
+                    )
                 else:
                     raise InvalidArgument("Attach message has no body")
         except KvferryError as e:
@@ -191,6 +200,7 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
         finally:
             metrics.ATTACHED.dec()
             if rec is not None:
+                self._cp.detach(rec)
                 log.info("node.detached", engine_id=rec.engine_id)
 
     @_rpc("Nodes/List")
@@ -199,8 +209,20 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
     ) -> nodes_pb2.ListNodesResponse:
         states = await self._cp.list_nodes(int(request.role), request.include_dead)
         held = self._cp.held
-        return nodes_pb2.ListNodesResponse(
-            nodes=[node_message(s, held.get(s.record.engine_id, (0, 0))) for s in states]
+        nodes = []
+        for st in states:
+            m = node_message(st, held.get(st.record.engine_id, (0, 0)))
+            m.indexed_blocks = self._cp.index.count(st.record.engine_id)
+            nodes.append(m)
+        return nodes_pb2.ListNodesResponse(nodes=nodes)
+
+    @_rpc("Nodes/Score")
+    async def Score(
+        self, request: nodes_pb2.ScoreRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> nodes_pb2.ScoreResponse:
+        scores = await self._cp.score(list(request.block_hashes), int(request.role))
+        return nodes_pb2.ScoreResponse(
+            scores=[nodes_pb2.NodeScore(engine_id=e, cached_blocks=n) for e, n in scores]
         )
 
     @_rpc("Nodes/Deregister")
@@ -214,10 +236,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
     def __init__(self, cp: ControlPlane) -> None:
         self._cp = cp
 
-    @_rpc("Leases/Register")
-    async def Register(
-        self, request: leases_pb2.RegisterLeaseRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> leases_pb2.RegisterLeaseResponse:
+    async def _register(self, request: leases_pb2.RegisterLeaseRequest) -> leases_pb2.RegisterLeaseResponse:
         view, replaced = await self._cp.register_lease(
             LeaseRegistration(
                 tenant=request.tenant,
@@ -235,10 +254,10 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         # The stored lease without its params and digests: the caller just sent them.
         return leases_pb2.RegisterLeaseResponse(lease=lease_message(view, summary=True), replaced=replaced)
 
-    @_rpc("Leases/Lookup")
-    async def Lookup(
-        self, request: leases_pb2.LookupRequest, context: grpc.aio.ServicerContext[Any, Any]
+    async def _lookup(
+        self, request: leases_pb2.LookupRequest, resp: leases_pb2.LookupResponse | None = None
     ) -> leases_pb2.LookupResponse:
+        """Answer a lookup into `resp` (a new message if None)."""
         result = await self._cp.lookup(
             LookupQuery(
                 tenant=request.tenant,
@@ -249,19 +268,87 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
             )
         )
         d = result.decision
-        resp = leases_pb2.LookupResponse(
-            decision=leases_pb2.PULL if d.pull else leases_pb2.RECOMPUTE,
-            reason=d.reason.value,
-            detail=d.detail,
-            reusable_tokens=d.reusable_tokens,
-            engine_id=d.engine_id,
-            claimed=result.claimed,
-        )
+        if resp is None:
+            resp = leases_pb2.LookupResponse()
+        resp.decision = leases_pb2.PULL if d.pull else leases_pb2.RECOMPUTE
+        resp.reason = d.reason.value
+        resp.detail = d.detail
+        resp.reusable_tokens = d.reusable_tokens
+        resp.engine_id = d.engine_id
+        resp.claimed = result.claimed
         if d.params is not None:
             apply_handout(result.params_blob, d.params, resp.kv_transfer_params)
         if d.release is not None:
             apply_handout(result.params_blob, d.release, resp.release_params)
         return resp
+
+    @_rpc("Leases/Register")
+    async def Register(
+        self, request: leases_pb2.RegisterLeaseRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> leases_pb2.RegisterLeaseResponse:
+        return await self._register(request)
+
+    @_rpc("Leases/Lookup")
+    async def Lookup(
+        self, request: leases_pb2.LookupRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> leases_pb2.LookupResponse:
+        return await self._lookup(request)
+
+    async def Stream(
+        self,
+        request_iterator: AsyncIterator[leases_pb2.LeaseOp],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[leases_pb2.LeaseOpResult]:
+        """Run each op as it arrives (up to STREAM_WINDOW at once); answer in completion order."""
+        results: asyncio.Queue[leases_pb2.LeaseOpResult | None] = asyncio.Queue()
+        window = asyncio.Semaphore(STREAM_WINDOW)
+        running: set[asyncio.Task[None]] = set()
+
+        async def run(op: leases_pb2.LeaseOp) -> None:
+            res = leases_pb2.LeaseOpResult(id=op.id)
+            kind = op.WhichOneof("op")
+            start = time.perf_counter()
+            try:
+                if kind == "register":
+                    res.register.CopyFrom(await self._register(op.register))
+                elif kind == "lookup":
+                    await self._lookup(op.lookup, res.lookup)
+                else:
+                    raise InvalidArgument("LeaseOp has no op")
+            except KvferryError as e:
+                res.error.code, res.error.message = _status(e).value[0], str(e)
+            except Exception:
+                log.exception("rpc.failed", method=f"Leases/Stream.{kind}")
+                res.error.code, res.error.message = (
+                    grpc.StatusCode.INTERNAL.value[0],
+                    f"internal error in {kind}",
+                )
+            finally:
+                window.release()
+                _STREAM_LATENCY[kind == "lookup"].observe(time.perf_counter() - start)
+            results.put_nowait(res)
+
+        async def read() -> None:
+            try:
+                async for op in request_iterator:
+                    await window.acquire()
+                    task = asyncio.create_task(run(op))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                while running:
+                    await asyncio.wait(set(running))
+            finally:
+                results.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await results.get()) is not None:
+                yield item
+            await reader  # surfaces a broken request stream
+        finally:
+            reader.cancel()
+            for t in list(running):
+                t.cancel()
 
     @_rpc("Leases/Get")
     async def Get(
@@ -293,6 +380,13 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
             apply_handout(retention.params, RELEASE, resp.release_params)
         return resp
 
+
+# Operations one Leases/Stream may have in flight at once (backpressure beyond it).
+STREAM_WINDOW = 1024
+_STREAM_LATENCY = {
+    False: metrics.RPC_LATENCY.labels("Leases/Stream.register"),
+    True: metrics.RPC_LATENCY.labels("Leases/Stream.lookup"),
+}
 
 SERVICE_NAMES = (
     leases_pb2.DESCRIPTOR.services_by_name["Leases"].full_name,

@@ -17,6 +17,7 @@ from typing import Any
 import structlog
 
 from controlplane import metrics
+from controlplane.blockindex import BlockIndex, IndexUpdate
 from controlplane.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound, StoreUnavailable
 from controlplane.policy import Decision, Prompt, Reason, decide, digest_problem, param_problems
 from controlplane.records import Claim, NodeRecord, NodeState, Retention, Role
@@ -119,6 +120,9 @@ class NodeCache:
     def put(self, state: NodeState) -> None:
         self._nodes[state.record.engine_id] = state
 
+    def snapshot(self) -> dict[str, NodeState]:
+        return dict(self._nodes)
+
     def drop(self, engine_id: str) -> None:
         self._nodes.pop(engine_id, None)
 
@@ -153,6 +157,7 @@ class ControlPlane:
         self._limits = settings.limits
         # Per engine: (live retentions, held tokens), from the last gauge scan.
         self.held: dict[str, tuple[int, int]] = {}
+        self.index = BlockIndex()
 
     # -- nodes ----------------------------------------------------------------
 
@@ -224,6 +229,29 @@ class ControlPlane:
         if ttl <= 0:
             raise FailedPrecondition(f"node {rec.engine_id} was re-registered or removed; register again")
         return ttl
+
+    def index_events(self, rec: NodeRecord, update: IndexUpdate) -> None:
+        """Fold one KV-event batch of an attached node into the block index."""
+        self.index.apply(rec.engine_id, update)
+        metrics.INDEXED_HASHES.inc(len(update.stored) + len(update.removed))
+
+    def detach(self, rec: NodeRecord) -> None:
+        """The node's Attach stream ended: its index would go stale, so drop it."""
+        self.index.drop(rec.engine_id)
+
+    async def score(self, hashes: list[int], role: int) -> list[tuple[str, int]]:
+        """Alive nodes (of `role`, 0 = any) by how many leading prompt blocks they cache."""
+        if len(hashes) > self._limits.max_tokens:
+            raise InvalidArgument(
+                f"block_hashes has {len(hashes)} entries, at most {self._limits.max_tokens}"
+            )
+        states = self.nodes.snapshot()
+        engines = [
+            e
+            for e, s in states.items()
+            if s.alive and (not role or s.record.role == role or s.record.role == Role.BOTH)
+        ]
+        return self.index.score(engines, hashes)
 
     async def list_nodes(self, role: int, include_dead: bool) -> list[NodeState]:
         states = await self.nodes.refresh()
@@ -416,7 +444,9 @@ class ControlPlane:
         now = self._clock()
         leases: dict[str, int] = {}
         tokens: dict[str, int] = {}
-        async for s in self.store.scan_retentions():
+        # A background pass: ~5,000 records/s at most, so a large store never
+        # competes with lookups for long.
+        async for s in self.store.scan_retentions(page=500, pause_s=0.1):
             r = s.retention
             if r.expires_at > now:
                 leases[r.engine_id] = leases.get(r.engine_id, 0) + 1

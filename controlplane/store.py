@@ -275,7 +275,8 @@ class EtcdStore:
         more = resp.more and resp.kvs
         return out, (bytes(resp.kvs[-1].key) + b"\0") if more else b""
 
-    async def scan_retentions(self, page: int = 1000) -> AsyncIterator[Stored]:
+    async def scan_retentions(self, page: int = 500, pause_s: float = 0.0) -> AsyncIterator[Stored]:
+        """Every retention, a page at a time, pausing between pages to spread the load."""
         start = b""
         while True:
             batch, start = await self.list_retentions(self.keys.retentions, start, page)
@@ -283,6 +284,7 @@ class EtcdStore:
                 yield s
             if not start:
                 return
+            await asyncio.sleep(pause_s)
 
     # -- nodes ----------------------------------------------------------------
 

@@ -414,3 +414,92 @@ class RevokeLeaseResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RevokeLeaseResponse: _TypeAlias = RevokeLeaseResponse  # noqa: Y015
+
+@_typing.final
+class LeaseOp(_message.Message):
+    """One operation on a Leases/Stream; its result carries the same id."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    REGISTER_FIELD_NUMBER: _builtins.int
+    LOOKUP_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    @_builtins.property
+    def register(self) -> Global___RegisterLeaseRequest: ...
+    @_builtins.property
+    def lookup(self) -> Global___LookupRequest: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        register: Global___RegisterLeaseRequest | None = ...,
+        lookup: Global___LookupRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lookup", b"lookup", "op", b"op", "register", b"register"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "lookup", b"lookup", "op", b"op", "register", b"register"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["register", "lookup"]  # noqa: Y015
+    _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
+
+Global___LeaseOp: _TypeAlias = LeaseOp  # noqa: Y015
+
+@_typing.final
+class OpError(_message.Message):
+    """Why one operation on a stream failed (the status the unary call would return)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """gRPC status code number, e.g. 3 = INVALID_ARGUMENT, 14 = UNAVAILABLE."""
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpError: _TypeAlias = OpError  # noqa: Y015
+
+@_typing.final
+class LeaseOpResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    REGISTER_FIELD_NUMBER: _builtins.int
+    LOOKUP_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    @_builtins.property
+    def register(self) -> Global___RegisterLeaseResponse: ...
+    @_builtins.property
+    def lookup(self) -> Global___LookupResponse: ...
+    @_builtins.property
+    def error(self) -> Global___OpError: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        register: Global___RegisterLeaseResponse | None = ...,
+        lookup: Global___LookupResponse | None = ...,
+        error: Global___OpError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "lookup", b"lookup", "register", b"register", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "id", b"id", "lookup", b"lookup", "register", b"register", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["register", "lookup", "error"]  # noqa: Y015
+    _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
+
+Global___LeaseOpResult: _TypeAlias = LeaseOpResult  # noqa: Y015

@@ -59,6 +59,11 @@ class LeasesStub:
                 request_serializer=kvferry_dot_v1_dot_leases__pb2.RevokeLeaseRequest.SerializeToString,
                 response_deserializer=kvferry_dot_v1_dot_leases__pb2.RevokeLeaseResponse.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/kvferry.v1.Leases/Stream',
+                request_serializer=kvferry_dot_v1_dot_leases__pb2.LeaseOp.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_leases__pb2.LeaseOpResult.FromString,
+                _registered_method=True)
 
 
 class LeasesServicer:
@@ -97,6 +102,16 @@ class LeasesServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stream(self, request_iterator, context):
+        """Register and Lookup multiplexed on one long-lived stream, for sidecars and
+        routers: same semantics as the unary calls, several in flight, results in
+        completion order matched by id. A failed operation answers OpError and the
+        stream goes on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LeasesServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +139,11 @@ def add_LeasesServicer_to_server(servicer, server):
                     servicer.Revoke,
                     request_deserializer=kvferry_dot_v1_dot_leases__pb2.RevokeLeaseRequest.FromString,
                     response_serializer=kvferry_dot_v1_dot_leases__pb2.RevokeLeaseResponse.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=kvferry_dot_v1_dot_leases__pb2.LeaseOp.FromString,
+                    response_serializer=kvferry_dot_v1_dot_leases__pb2.LeaseOpResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +281,33 @@ class Leases:
             '/kvferry.v1.Leases/Revoke',
             kvferry_dot_v1_dot_leases__pb2.RevokeLeaseRequest.SerializeToString,
             kvferry_dot_v1_dot_leases__pb2.RevokeLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvferry.v1.Leases/Stream',
+            kvferry_dot_v1_dot_leases__pb2.LeaseOp.SerializeToString,
+            kvferry_dot_v1_dot_leases__pb2.LeaseOpResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,6 +41,12 @@ class LeasesStub:
     List: _grpc.UnaryUnaryMultiCallable[_leases_pb2.ListLeasesRequest, _leases_pb2.ListLeasesResponse]
     Revoke: _grpc.UnaryUnaryMultiCallable[_leases_pb2.RevokeLeaseRequest, _leases_pb2.RevokeLeaseResponse]
     """Delete a retention so it is never handed out."""
+    Stream: _grpc.StreamStreamMultiCallable[_leases_pb2.LeaseOp, _leases_pb2.LeaseOpResult]
+    """Register and Lookup multiplexed on one long-lived stream, for sidecars and
+    routers: same semantics as the unary calls, several in flight, results in
+    completion order matched by id. A failed operation answers OpError and the
+    stream goes on.
+    """
 
 @_typing.type_check_only
 class LeasesAsyncStub(LeasesStub):
@@ -53,6 +59,12 @@ class LeasesAsyncStub(LeasesStub):
     List: _aio.UnaryUnaryMultiCallable[_leases_pb2.ListLeasesRequest, _leases_pb2.ListLeasesResponse]  # type: ignore[assignment]
     Revoke: _aio.UnaryUnaryMultiCallable[_leases_pb2.RevokeLeaseRequest, _leases_pb2.RevokeLeaseResponse]  # type: ignore[assignment]
     """Delete a retention so it is never handed out."""
+    Stream: _aio.StreamStreamMultiCallable[_leases_pb2.LeaseOp, _leases_pb2.LeaseOpResult]  # type: ignore[assignment]
+    """Register and Lookup multiplexed on one long-lived stream, for sidecars and
+    routers: same semantics as the unary calls, several in flight, results in
+    completion order matched by id. A failed operation answers OpError and the
+    stream goes on.
+    """
 
 class LeasesServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -92,5 +104,17 @@ class LeasesServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_leases_pb2.RevokeLeaseResponse, _abc.Awaitable[_leases_pb2.RevokeLeaseResponse]]:
         """Delete a retention so it is never handed out."""
+
+    @_abc_1.abstractmethod
+    def Stream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_leases_pb2.LeaseOp],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_leases_pb2.LeaseOpResult], _abc.AsyncIterator[_leases_pb2.LeaseOpResult]]:
+        """Register and Lookup multiplexed on one long-lived stream, for sidecars and
+        routers: same semantics as the unary calls, several in flight, results in
+        completion order matched by id. A failed operation answers OpError and the
+        stream goes on.
+        """
 
 def add_LeasesServicer_to_server(servicer: LeasesServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

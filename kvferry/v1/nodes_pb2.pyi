@@ -58,6 +58,7 @@ class Node(_message.Message):
     REGISTERED_AT_FIELD_NUMBER: _builtins.int
     LIVE_LEASES_FIELD_NUMBER: _builtins.int
     HELD_TOKENS_FIELD_NUMBER: _builtins.int
+    INDEXED_BLOCKS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     role: Global___Role.ValueType
     model: _builtins.str
@@ -73,8 +74,10 @@ class Node(_message.Message):
     alive: _builtins.bool
     """True while the node's liveness lease holds (sidecar attached and heartbeating)."""
     live_leases: _builtins.int
-    """Live retentions held on this node and the tokens they cover (this replica's view)."""
+    """Live retentions held on this node and the tokens they cover (last gauge scan)."""
     held_tokens: _builtins.int
+    indexed_blocks: _builtins.int
+    """Blocks in the node's prefix cache per its KV events (this replica's index)."""
     @_builtins.property
     def registered_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -92,10 +95,11 @@ class Node(_message.Message):
         registered_at: _timestamp_pb2.Timestamp | None = ...,
         live_leases: _builtins.int = ...,
         held_tokens: _builtins.int = ...,
+        indexed_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["registered_at", b"registered_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "block_size", b"block_size", "engine_id", b"engine_id", "generation", b"generation", "held_tokens", b"held_tokens", "http_url", b"http_url", "live_leases", b"live_leases", "model", b"model", "registered_at", b"registered_at", "role", b"role", "side_channel_host", b"side_channel_host", "side_channel_port", b"side_channel_port"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "block_size", b"block_size", "engine_id", b"engine_id", "generation", b"generation", "held_tokens", b"held_tokens", "http_url", b"http_url", "indexed_blocks", b"indexed_blocks", "live_leases", b"live_leases", "model", b"model", "registered_at", b"registered_at", "role", b"role", "side_channel_host", b"side_channel_host", "side_channel_port", b"side_channel_port"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -216,26 +220,75 @@ class Heartbeat(_message.Message):
 Global___Heartbeat: _TypeAlias = Heartbeat  # noqa: Y015
 
 @_typing.final
+class KvEventBatch(_message.Message):
+    """What an engine's prefix cache gained and lost, from its KV-event stream
+    (vLLM BlockStored / BlockRemoved / AllBlocksCleared), as net effect in order:
+    apply `cleared`, then remove `removed`, then add `stored` (the two are disjoint).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    STORED_FIELD_NUMBER: _builtins.int
+    REMOVED_FIELD_NUMBER: _builtins.int
+    CLEARED_FIELD_NUMBER: _builtins.int
+    RESET_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    """The engine's KV-event sequence number of the last batch folded in."""
+    cleared: _builtins.bool
+    """AllBlocksCleared was seen: drop everything indexed for this node first."""
+    reset: _builtins.bool
+    """The sidecar lost track (gap it could not replay, reconnect, engine restart):
+    the daemon drops the node's index before applying this batch.
+    """
+    @_builtins.property
+    def stored(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Block hashes, 64-bit (vLLM's int hashes, or the low 64 bits of byte hashes)."""
+
+    @_builtins.property
+    def removed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        stored: _abc.Iterable[_builtins.int] | None = ...,
+        removed: _abc.Iterable[_builtins.int] | None = ...,
+        cleared: _builtins.bool = ...,
+        reset: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "removed", b"removed", "reset", b"reset", "seq", b"seq", "stored", b"stored"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvEventBatch: _TypeAlias = KvEventBatch  # noqa: Y015
+
+@_typing.final
 class AttachRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HELLO_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
+    KV_EVENTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___AttachHello: ...
     @_builtins.property
     def heartbeat(self) -> Global___Heartbeat: ...
+    @_builtins.property
+    def kv_events(self) -> Global___KvEventBatch: ...
     def __init__(
         self,
         *,
         hello: Global___AttachHello | None = ...,
         heartbeat: Global___Heartbeat | None = ...,
+        kv_events: Global___KvEventBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "heartbeat", b"heartbeat", "hello", b"hello"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "heartbeat", b"heartbeat", "hello", b"hello", "kv_events", b"kv_events"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "heartbeat", b"heartbeat", "hello", b"hello"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "heartbeat", b"heartbeat", "hello", b"hello", "kv_events", b"kv_events"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "heartbeat"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "heartbeat", "kv_events"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -356,3 +409,74 @@ class DeregisterNodeResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeregisterNodeResponse: _TypeAlias = DeregisterNodeResponse  # noqa: Y015
+
+@_typing.final
+class ScoreRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    role: Global___Role.ValueType
+    """Empty = all roles."""
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """vLLM block hashes of the prompt's full blocks, in order (64-bit form)."""
+
+    def __init__(
+        self,
+        *,
+        block_hashes: _abc.Iterable[_builtins.int] | None = ...,
+        role: Global___Role.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScoreRequest: _TypeAlias = ScoreRequest  # noqa: Y015
+
+@_typing.final
+class NodeScore(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    cached_blocks: _builtins.int
+    """Leading blocks of the prompt present in the node's cache."""
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        cached_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_blocks", b"cached_blocks", "engine_id", b"engine_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeScore: _TypeAlias = NodeScore  # noqa: Y015
+
+@_typing.final
+class ScoreResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCORES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def scores(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeScore]:
+        """Alive nodes, best first."""
+
+    def __init__(
+        self,
+        *,
+        scores: _abc.Iterable[Global___NodeScore] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["scores", b"scores"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScoreResponse: _TypeAlias = ScoreResponse  # noqa: Y015

@@ -54,6 +54,11 @@ class NodesStub:
                 request_serializer=kvferry_dot_v1_dot_nodes__pb2.DeregisterNodeRequest.SerializeToString,
                 response_deserializer=kvferry_dot_v1_dot_nodes__pb2.DeregisterNodeResponse.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/kvferry.v1.Nodes/Score',
+                request_serializer=kvferry_dot_v1_dot_nodes__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_nodes__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class NodesServicer:
@@ -87,6 +92,14 @@ class NodesServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """How many leading blocks of a prompt each node's prefix cache holds (from
+        the KV-event index), for routers choosing a prefill node.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodesServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +122,11 @@ def add_NodesServicer_to_server(servicer, server):
                     servicer.Deregister,
                     request_deserializer=kvferry_dot_v1_dot_nodes__pb2.DeregisterNodeRequest.FromString,
                     response_serializer=kvferry_dot_v1_dot_nodes__pb2.DeregisterNodeResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=kvferry_dot_v1_dot_nodes__pb2.ScoreRequest.FromString,
+                    response_serializer=kvferry_dot_v1_dot_nodes__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +237,33 @@ class Nodes:
             '/kvferry.v1.Nodes/Deregister',
             kvferry_dot_v1_dot_nodes__pb2.DeregisterNodeRequest.SerializeToString,
             kvferry_dot_v1_dot_nodes__pb2.DeregisterNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvferry.v1.Nodes/Score',
+            kvferry_dot_v1_dot_nodes__pb2.ScoreRequest.SerializeToString,
+            kvferry_dot_v1_dot_nodes__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

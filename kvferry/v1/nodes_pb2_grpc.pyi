@@ -40,6 +40,10 @@ class NodesStub:
     List: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.ListNodesRequest, _nodes_pb2.ListNodesResponse]
     Deregister: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.DeregisterNodeRequest, _nodes_pb2.DeregisterNodeResponse]
     """Remove a node: its liveness ends at once and its retentions become dead."""
+    Score: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.ScoreRequest, _nodes_pb2.ScoreResponse]
+    """How many leading blocks of a prompt each node's prefix cache holds (from
+    the KV-event index), for routers choosing a prefill node.
+    """
 
 @_typing.type_check_only
 class NodesAsyncStub(NodesStub):
@@ -53,6 +57,10 @@ class NodesAsyncStub(NodesStub):
     List: _aio.UnaryUnaryMultiCallable[_nodes_pb2.ListNodesRequest, _nodes_pb2.ListNodesResponse]  # type: ignore[assignment]
     Deregister: _aio.UnaryUnaryMultiCallable[_nodes_pb2.DeregisterNodeRequest, _nodes_pb2.DeregisterNodeResponse]  # type: ignore[assignment]
     """Remove a node: its liveness ends at once and its retentions become dead."""
+    Score: _aio.UnaryUnaryMultiCallable[_nodes_pb2.ScoreRequest, _nodes_pb2.ScoreResponse]  # type: ignore[assignment]
+    """How many leading blocks of a prompt each node's prefix cache holds (from
+    the KV-event index), for routers choosing a prefill node.
+    """
 
 class NodesServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -87,5 +95,15 @@ class NodesServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_nodes_pb2.DeregisterNodeResponse, _abc.Awaitable[_nodes_pb2.DeregisterNodeResponse]]:
         """Remove a node: its liveness ends at once and its retentions become dead."""
+
+    @_abc_1.abstractmethod
+    def Score(
+        self,
+        request: _nodes_pb2.ScoreRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_nodes_pb2.ScoreResponse, _abc.Awaitable[_nodes_pb2.ScoreResponse]]:
+        """How many leading blocks of a prompt each node's prefix cache holds (from
+        the KV-event index), for routers choosing a prefill node.
+        """
 
 def add_NodesServicer_to_server(servicer: NodesServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,84 @@
+"""Leases/Stream (the sidecar's and router's path) and the KV-event block index."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from controlplane.blockindex import BlockIndex, IndexUpdate
+from kvferry.v1 import leases_pb2, nodes_pb2
+from tests.conftest import Client
+from tests.factories import lease_request, lookup_request, node_request
+
+
+async def test_stream_multiplexes_register_and_lookup_with_per_op_errors(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    ops = [leases_pb2.LeaseOp(id=i, register=lease_request(f"s-{i}")) for i in range(50)]
+    bad = lease_request("s-bad")
+    bad.num_tokens = -1
+    ops.append(leases_pb2.LeaseOp(id=999, register=bad))
+    ops.append(leases_pb2.LeaseOp(id=1000))  # no op at all
+
+    async def requests(items: list[leases_pb2.LeaseOp]) -> AsyncIterator[leases_pb2.LeaseOp]:
+        for op in items:
+            yield op
+
+    results = {r.id: r async for r in client.leases.Stream(requests(ops))}
+    assert set(results) == set(range(50)) | {999, 1000}
+    assert all(results[i].WhichOneof("result") == "register" for i in range(50))
+    assert results[999].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "num_tokens -1" in results[999].error.message
+    assert results[1000].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+    lookups = [leases_pb2.LeaseOp(id=i, lookup=lookup_request(f"s-{i % 50}")) for i in range(100)]
+    answers = [r async for r in client.leases.Stream(requests(lookups))]
+    pulls = [r for r in answers if r.lookup.decision == leases_pb2.PULL]
+    assert len(answers) == 100 and len(pulls) == 50, "each lease handed out exactly once"
+    assert {r.id % 50 for r in pulls} == set(range(50))
+
+
+async def test_kv_events_feed_the_index_and_score(client: Client) -> None:
+    await client.nodes.Register(node_request("p-1", role=nodes_pb2.PREFILL))
+    await client.nodes.Register(node_request("p-2", role=nodes_pb2.PREFILL, side_channel_port=5601))
+    queue: asyncio.Queue[nodes_pb2.AttachRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[nodes_pb2.AttachRequest]:
+        while (item := await queue.get()) is not None:
+            yield item
+
+    call = client.nodes.Attach(requests())
+    queue.put_nowait(nodes_pb2.AttachRequest(hello=nodes_pb2.AttachHello(engine_id="p-1", generation=1)))
+    await call.read()
+    batches = [
+        nodes_pb2.KvEventBatch(seq=0, stored=[1, 2, 3, 4, 5]),
+        nodes_pb2.KvEventBatch(seq=1, removed=[4], stored=[6]),
+        nodes_pb2.KvEventBatch(seq=2, cleared=True, stored=[1, 2, 3]),
+    ]
+    for b in batches:
+        queue.put_nowait(nodes_pb2.AttachRequest(kv_events=b))
+    queue.put_nowait(nodes_pb2.AttachRequest(heartbeat=nodes_pb2.Heartbeat(seq=1)))
+    await call.read()  # the heartbeat ack: everything before it was applied
+    listed = {n.engine_id: n for n in (await client.nodes.List(nodes_pb2.ListNodesRequest())).nodes}
+    assert listed["p-1"].indexed_blocks == 3 and listed["p-2"].indexed_blocks == 0
+    score = await client.nodes.Score(nodes_pb2.ScoreRequest(block_hashes=[1, 2, 9, 3], role=nodes_pb2.PREFILL))
+    assert [(s.engine_id, s.cached_blocks) for s in score.scores] == [("p-1", 2), ("p-2", 0)]
+    queue.put_nowait(None)
+    call.cancel()
+    await asyncio.sleep(0.2)
+    listed = {n.engine_id: n for n in (await client.nodes.List(nodes_pb2.ListNodesRequest())).nodes}
+    assert listed["p-1"].indexed_blocks == 0, "a detached node's index would go stale: dropped"
+
+
+def test_block_index_applies_net_effect_in_order() -> None:
+    idx = BlockIndex()
+    idx.apply("a", IndexUpdate(stored=[1, 2, 3]))
+    idx.apply("a", IndexUpdate(stored=[4], removed=[2]))
+    assert idx.count("a") == 3 and not idx.contains("a", 2) and idx.leading("a", [1, 3, 4, 2]) == 3
+    idx.apply("a", IndexUpdate(stored=[7], cleared=True))
+    assert idx.count("a") == 1
+    idx.apply("a", IndexUpdate(stored=[8], reset=True))
+    assert idx.count("a") == 1 and idx.contains("a", 8)
+    idx.drop("a")
+    assert idx.total() == 0
