@@ -14,7 +14,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from emulator.hashing import external_block_hash
 from emulator.kvevents import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -23,6 +22,7 @@ from emulator.kvevents import (
     Event,
 )
 from emulator.kvmodel import SLOT_BYTES
+from kvferry.blockhash import external_block_hash
 
 
 class NoFreeBlocks(RuntimeError):

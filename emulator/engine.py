@@ -29,7 +29,6 @@ from emulator import kvmodel
 from emulator.blocks import Block, BlockPool
 from emulator.config import EmulatorConfig
 from emulator.errors import CapacityExceeded, InvalidRequest, KVLoadFailed
-from emulator.hashing import block_hashes, none_hash
 from emulator.holds import REGISTRATION_GENERATION, HeldBlockTable
 from emulator.kvevents import Event
 from emulator.metrics import EngineMetrics
@@ -51,6 +50,7 @@ from emulator.transfer import (
     parse_remote,
     plan_pull,
 )
+from kvferry.blockhash import block_hashes, none_hash
 
 log = structlog.get_logger(__name__)
 

@@ -66,3 +66,10 @@ def common_prefix_blocks(a: bytes, b: bytes) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def seed_for(base_model: str, requested_model: str) -> bytes:
+    """The chain seed for one request: the node's base model, plus the adapter when
+    the request names another model (a LoRA adapter). The sidecar and the router
+    both use this, or their digests never match."""
+    return seed(base_model, "" if requested_model in ("", base_model) else requested_model)

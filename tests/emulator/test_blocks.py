@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from emulator.blocks import Block, BlockPool, NoFreeBlocks
-from emulator.hashing import block_hashes, external_block_hash
 from emulator.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from kvferry.blockhash import block_hashes, external_block_hash
 
 BS = 4
 

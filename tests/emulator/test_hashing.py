@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from emulator.hashing import (
+from kvferry.blockhash import (
     DEFAULT_NONE_HASH_SEED,
     block_hashes,
     external_block_hash,

@@ -9,7 +9,6 @@ import pytest_asyncio
 import zmq
 import zmq.asyncio
 
-from emulator.hashing import block_hashes, external_block_hash
 from emulator.kvevents import (
     END_SEQ,
     AllBlocksCleared,
@@ -21,6 +20,7 @@ from emulator.kvevents import (
     decode_seq,
     encode_seq,
 )
+from kvferry.blockhash import block_hashes, external_block_hash
 from tests.emulator.conftest import StartEmulator
 from tests.emulator.helpers import Client, async_test, conversation
 

@@ -1,4 +1,5 @@
-"""vLLM's chained prefix-cache block hashes with ``sha256_cbor``.
+"""vLLM's chained prefix-cache block hashes with ``sha256_cbor`` (shared: the emulator
+produces them; the router computes them to ask which prefill node caches a prompt).
 
 Per full block: ``sha256(cbor2.dumps((parent or NONE_HASH, tuple(tokens),
 extra_keys or None), canonical=True))``, chained on the full 32-byte digest.
