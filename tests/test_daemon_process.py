@@ -1,0 +1,95 @@
+"""The daemon as an operator runs it: `kvferry daemon` with its embedded etcd,
+metrics on their own port, structured logs, graceful stop on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import urllib.request
+from pathlib import Path
+
+import grpc
+import structlog.testing
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from controlplane.daemon import Daemon
+from kvferry.v1 import leases_pb2_grpc
+from tests.conftest import Client, DaemonFactory, daemon_settings, free_port
+from tests.factories import lease_request, lookup_request, node_request
+
+BIN = Path(sys.executable).parent
+
+
+async def test_kvferry_daemon_embedded_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
+    port, metrics_port, etcd_port = free_port(), free_port(), free_port()
+    proc = await asyncio.create_subprocess_exec(
+        str(BIN / "kvferry"), "daemon", "--listen", f"127.0.0.1:{port}", "--metrics-port", str(metrics_port),
+        "--data-dir", str(tmp_path / "etcd"), "--embedded-port", str(etcd_port),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            resp = await health.Check(
+                health_pb2.HealthCheckRequest(service="kvferry.v1.Leases"), wait_for_ready=True, timeout=30
+            )
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+            await leases_pb2_grpc.LeasesStub(ch).Lookup(lookup_request("c"), timeout=5)
+        text = await asyncio.to_thread(
+            lambda: (
+                urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+            )
+        )
+        assert 'kvferry_lookups_total{decision="RECOMPUTE",reason="no_lease"} 1.0' in text
+        assert "kvferry_etcd_seconds_bucket" in text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, err.decode()
+    events = [json.loads(line)["event"] for line in err.decode().splitlines() if line.startswith("{")]
+    assert events[0] == "etcd.embedded.started" and "daemon.serving" in events
+    assert events[-2:] == ["etcd.embedded.stopped", "daemon.stopped"], events
+    assert (tmp_path / "etcd" / "member").is_dir(), "etcd data kept for the next start"
+
+
+async def test_metrics_count_decisions_claims_and_registrations(
+    make_daemon: DaemonFactory, connect, etcd_endpoint: str
+) -> None:  # type: ignore[no-untyped-def]
+    from controlplane.settings import ServerSettings
+
+    d: Daemon = await make_daemon(
+        daemon_settings(etcd_endpoint, server=ServerSettings(listen="127.0.0.1:0", metrics_port=0))
+    )
+    c: Client = connect(d)
+    await c.nodes.Register(node_request("d-1"))
+    await c.leases.Register(lease_request("m-1"))
+    await c.leases.Lookup(lookup_request("m-1"))
+    await c.leases.Lookup(lookup_request("m-1"))
+    assert d.control_plane is not None
+    await d.control_plane.scan_gauges()
+    text = await asyncio.to_thread(
+        lambda: (
+            urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=5).read().decode()
+        )
+    )
+    for line in (
+        'kvferry_lookups_total{decision="PULL",reason="pull"}',
+        'kvferry_lookups_total{decision="RECOMPUTE",reason="already_claimed"}',
+        'kvferry_claims_total{kind="pull"}',
+        'kvferry_lease_registrations_total{outcome="new"}',
+        'kvferry_etcd_seconds_count{op="claim"}',
+    ):
+        assert line in text, line
+
+
+async def test_logs_are_structured_events(client: Client) -> None:
+    with structlog.testing.capture_logs() as logs:
+        await client.nodes.Register(node_request("d-log"))
+        await client.nodes.Register(node_request("d-log"))
+    registered = [e for e in logs if e["event"] == "node.registered"]
+    assert [(e["engine_id"], e["generation"], e["restarted"]) for e in registered] == [
+        ("d-log", 1, False),
+        ("d-log", 2, True),
+    ]
