@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test check proto bench fmt clean
+.PHONY: run test check proto bench demo fmt clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ proto: $(STAMP)
 ## make bench: the daemon benchmark (prints its figures)
 bench: $(STAMP)
 	$(BIN)/python -m bench.daemon
+
+## make demo: daemon + P/D emulators with sidecars + router, a multi-turn agent workload with and without reuse
+demo: $(STAMP)
+	$(BIN)/python -m bench.demo
 
 fmt: $(STAMP)
 	$(BIN)/ruff format .

@@ -49,7 +49,21 @@ def _emulate(argv: list[str]) -> int:
     return emulator_cli.main(argv)
 
 
+def _sidecar(argv: list[str]) -> int:
+    from sidecar import cli as sidecar_cli
+
+    return sidecar_cli.main(argv)
+
+
+def _router(argv: list[str]) -> int:
+    from router import cli as router_cli
+
+    return router_cli.main(argv)
+
+
 DELEGATED: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "sidecar": (_sidecar, "run the sidecar next to one vLLM server; see `kvferry sidecar --help`"),
+    "router": (_router, "run the OpenAI-compatible P/D router; see `kvferry router --help`"),
     "emulate": (_emulate, "run a vLLM engine emulator (no GPU); see `kvferry emulate --help`"),
 }
 
