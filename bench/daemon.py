@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import os
 import re
@@ -46,6 +47,10 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+async def _ignore_index(op: Callable[[], Awaitable[None]], _: int) -> None:
+    await op()
 
 
 def _du(path: Path) -> str:
@@ -275,7 +280,7 @@ async def bench(args: argparse.Namespace) -> None:
         for path, claim in (("stream", claim_stream), ("unary", claim_unary)):
             for rate in (100, 500, 1000):
                 seconds = args.phase_s if rate > 100 else max(5, args.phase_s / 2)
-                lat, got = await open_loop(rate, seconds, lambda _, claim=claim: claim())
+                lat, got = await open_loop(rate, seconds, functools.partial(_ignore_index, claim))
                 rows.append(
                     (
                         f"Lookup+claim {path} @ {rate}/s: p50 / p99",
