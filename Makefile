@@ -34,9 +34,11 @@ check: $(STAMP)
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py
 
-## make bench: the daemon benchmark (prints its figures)
+## make bench: the benchmarks (each prints its figures)
 bench: $(STAMP)
 	$(BIN)/python -m bench.daemon
+	$(BIN)/python -m bench.sidecar
+	test ! -f bench/router.py || $(BIN)/python -m bench.router
 
 ## make demo: daemon + P/D emulators with sidecars + router, a multi-turn agent workload with and without reuse
 demo: $(STAMP)

@@ -40,6 +40,9 @@ class NodeRecord(msgspec.Struct, frozen=True):
     registered_at: float
     liveness_ttl: int
     lease_id: int = 0
+    # Set when the node was deregistered: the record stays as a tombstone that
+    # remembers the generation (a new registration gets a newer one).
+    removed_at: float = 0.0
 
 
 class Retention(msgspec.Struct, frozen=True):

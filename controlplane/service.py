@@ -180,6 +180,9 @@ class ControlPlane:
             current, revision = await self.store.get_node(reg.engine_id)
             previous = current.record.generation if current else 0
             generation = reg.generation or previous + 1
+            if current is not None and current.record.removed_at:
+                # Deregistered: whatever it says, what comes back is a new generation.
+                generation = max(generation, previous + 1)
             if generation < previous:
                 raise FailedPrecondition(
                     f"generation {generation} of {reg.engine_id} is older than the registered {previous}"
@@ -215,7 +218,7 @@ class ControlPlane:
         """Check that a sidecar attaching speaks for the registered generation."""
         _check_id("hello.engine_id", engine_id, self._limits.max_id_bytes)
         state, _ = await self.store.get_node(engine_id)
-        if state is None:
+        if state is None or state.record.removed_at:
             raise NotFound(f"node {engine_id} is not registered")
         if generation != state.record.generation:
             raise FailedPrecondition(
@@ -256,13 +259,19 @@ class ControlPlane:
     async def list_nodes(self, role: int, include_dead: bool) -> list[NodeState]:
         states = await self.nodes.refresh()
         return sorted(
-            (s for s in states.values() if (include_dead or s.alive) and (not role or s.record.role == role)),
+            (
+                s
+                for s in states.values()
+                if not s.record.removed_at
+                and (include_dead or s.alive)
+                and (not role or s.record.role == role)
+            ),
             key=lambda s: s.record.engine_id,
         )
 
     async def deregister_node(self, engine_id: str) -> bool:
         _check_id("engine_id", engine_id, self._limits.max_id_bytes)
-        found = await self.store.delete_node(engine_id)
+        found = await self.store.delete_node(engine_id, self._clock())
         self.nodes.drop(engine_id)
         log.info("node.deregistered", engine_id=engine_id, found=found)
         return found
@@ -290,7 +299,7 @@ class ControlPlane:
         if expires_at > now + policy.max_lifetime_s:
             raise InvalidArgument(f"expires_at is more than {policy.max_lifetime_s:g}s ahead")
         node = await self.nodes.get(reg.engine_id)
-        if node is None:
+        if node is None or node.record.removed_at:
             raise FailedPrecondition(f"engine {reg.engine_id} is not a registered node")
         if node.record.role == Role.PREFILL:
             raise FailedPrecondition(

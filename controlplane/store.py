@@ -299,7 +299,8 @@ class EtcdStore:
         revisions: dict[str, int] = {}
         for kv in resp.responses[0].response_range.kvs:
             rec = decode_node(kv.value)
-            states[rec.engine_id] = NodeState(rec, alive.get(rec.engine_id) == rec.generation)
+            alive_now = not rec.removed_at and alive.get(rec.engine_id) == rec.generation
+            states[rec.engine_id] = NodeState(rec, alive_now)
             revisions[rec.engine_id] = int(kv.mod_revision)
         return states, revisions
 
@@ -313,7 +314,7 @@ class EtcdStore:
             return None, 0
         rec = decode_node(node_kvs[0].value)
         alive_kvs = resp.responses[1].response_range.kvs
-        alive = bool(alive_kvs) and int(alive_kvs[0].value or b"0") == rec.generation
+        alive = not rec.removed_at and bool(alive_kvs) and int(alive_kvs[0].value or b"0") == rec.generation
         return NodeState(rec, alive), int(node_kvs[0].mod_revision)
 
     async def put_node(self, rec: NodeRecord, expect_revision: int) -> NodeRecord:
@@ -360,21 +361,34 @@ class EtcdStore:
         except LeaseGone:
             pass
         current, revision = await self.get_node(rec.engine_id)
-        if current is None or current.record.generation != rec.generation:
+        if current is None or current.record.removed_at or current.record.generation != rec.generation:
             return 0
         renewed = await self.put_node(current.record, revision)
         log.info("node.liveness.renewed", engine_id=rec.engine_id, lease=renewed.lease_id)
         return rec.liveness_ttl
 
-    async def delete_node(self, engine_id: str) -> bool:
-        state, _ = await self.get_node(engine_id)
+    async def delete_node(self, engine_id: str, now: float) -> bool:
+        """End a node's liveness and leave a tombstone of its record.
+
+        The tombstone keeps the generation, so a later registration of the same
+        engine id gets a newer one and the retentions of this one stay dead.
+        """
+        state, revision = await self.get_node(engine_id)
+        if state is None or state.record.removed_at:
+            return False
         k = self.keys
+        tomb = msgspec.structs.replace(state.record, removed_at=now, lease_id=0)
         resp = await self._txn(
-            "delete_node", [], [_delete(k.node(engine_id)), _delete(k.alive_key(engine_id))], []
+            "delete_node",
+            [_mod_is(k.node(engine_id), revision)],
+            [_put(k.node(engine_id), encode(tomb)), _delete(k.alive_key(engine_id))],
+            [],
         )
-        if state is not None and state.record.lease_id:
+        if not resp.succeeded:
+            raise Conflict(f"node {engine_id} changed concurrently")
+        if state.record.lease_id:
             await self.revoke_lease_quietly(state.record.lease_id)
-        return bool(resp.responses[0].response_delete_range.deleted)
+        return True
 
     async def revoke_lease_quietly(self, lease_id: int) -> None:
         try:

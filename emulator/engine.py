@@ -159,7 +159,15 @@ class Engine:
             enable_caching=config.enable_prefix_caching,
             emit=emit,
         )
-        self.metrics = EngineMetrics(config.model, self.engine_id)
+        self.metrics = EngineMetrics(
+            config.model,
+            self.engine_id,
+            {
+                "block_size": str(config.block_size),
+                "num_gpu_blocks": str(config.num_blocks),
+                "enable_prefix_caching": str(config.enable_prefix_caching),
+            },
+        )
         self.metrics.track_kv_cache_usage(self.pool.usage)
         self._gpu = asyncio.Lock()
         self._freed = asyncio.Event()

@@ -16,7 +16,7 @@ from prometheus_client import (
 class EngineMetrics:
     """Counters and gauges in a registry of their own (one per engine)."""
 
-    def __init__(self, model: str, engine_id: str) -> None:
+    def __init__(self, model: str, engine_id: str, cache_config: dict[str, str] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = {"model_name": model, "engine": "0"}
         names = list(labels)
@@ -78,6 +78,15 @@ class EngineMetrics:
             registry=self.registry,
         )
         self.engine_info.labels(model_name=model, engine_id=engine_id).set(1)
+        if cache_config:
+            # vLLM's info gauge: how sidecars learn the block size of an engine.
+            info = Gauge(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                list(cache_config),
+                registry=self.registry,
+            )
+            info.labels(**cache_config).set(1)
 
     def request_finished(self, reason: str) -> None:
         """Count one request that finished normally (stop or length)."""

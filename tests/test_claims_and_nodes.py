@@ -135,8 +135,16 @@ async def test_deregister_kills_retentions(client: Client) -> None:
     await client.nodes.Register(node_request("d-1"))
     await client.leases.Register(lease_request("conv-d"))
     assert (await client.nodes.Deregister(nodes_pb2.DeregisterNodeRequest(engine_id="d-1"))).found
-    resp = await client.leases.Lookup(lookup_request("conv-d"))
+    resp = await client.leases.Lookup(lookup_request("conv-d", peek=True))
     assert resp.reason == "node_gone"
+    assert not (await client.nodes.List(nodes_pb2.ListNodesRequest(include_dead=True))).nodes
+    # A sidecar that still speaks for generation 1 comes back: it gets a new generation,
+    # so the deregistered node's retentions never come back to life.
+    back = await client.nodes.Register(node_request("d-1", generation=1))
+    assert back.node.generation == 2 and back.restarted
+    resp = await client.leases.Lookup(lookup_request("conv-d"))
+    assert resp.reason == "node_restarted"
+    assert not (await client.nodes.Deregister(nodes_pb2.DeregisterNodeRequest(engine_id="nobody"))).found
 
 
 async def test_lease_survives_a_daemon_restart_on_the_embedded_etcd(

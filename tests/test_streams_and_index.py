@@ -62,7 +62,9 @@ async def test_kv_events_feed_the_index_and_score(client: Client) -> None:
     await call.read()  # the heartbeat ack: everything before it was applied
     listed = {n.engine_id: n for n in (await client.nodes.List(nodes_pb2.ListNodesRequest())).nodes}
     assert listed["p-1"].indexed_blocks == 3 and listed["p-2"].indexed_blocks == 0
-    score = await client.nodes.Score(nodes_pb2.ScoreRequest(block_hashes=[1, 2, 9, 3], role=nodes_pb2.PREFILL))
+    score = await client.nodes.Score(
+        nodes_pb2.ScoreRequest(block_hashes=[1, 2, 9, 3], role=nodes_pb2.PREFILL)
+    )
     assert [(s.engine_id, s.cached_blocks) for s in score.scores] == [("p-1", 2), ("p-2", 0)]
     queue.put_nowait(None)
     call.cancel()
