@@ -1,0 +1,145 @@
+"""One sidecar, in-process: ``async with Sidecar(settings) as sc: ... sc.url ...``.
+
+Starts the tap (HTTP), the health watch, the node session (Register + Attach),
+the lease sender and, when configured, the KV-event ingest; `stop` shuts the
+tap down (in-flight answers get the runner's grace), gives queued lease
+registrations a moment to go out, then cancels and awaits every task and
+closes every socket and channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Coroutine
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+import structlog
+import zmq.asyncio
+from aiohttp import web
+
+from sidecar.daemon import DaemonLink
+from sidecar.engine import EngineInstance, watch_health
+from sidecar.kvindex import KvMirror
+from sidecar.kvstream import KvIngest
+from sidecar.leases import LeaseSender
+from sidecar.metrics import SidecarMetrics
+from sidecar.node import NodeSession
+from sidecar.settings import Settings, listen_address
+from sidecar.tap import Tap, start_server
+
+log = structlog.get_logger(__name__)
+
+
+#: Pause before a component that failed unexpectedly is started again.
+RESTART_DELAY_S = 1.0
+
+
+async def _supervise(run: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
+    """Run a component forever: one that fails on a bug is logged and started again."""
+    while True:
+        try:
+            await run()
+            return
+        except Exception:
+            log.exception("sidecar.task.crashed", task=name)
+        await asyncio.sleep(RESTART_DELAY_S)
+
+
+class Sidecar:
+    """A running sidecar; `start()` then `stop()`, or `async with`."""
+
+    def __init__(self, settings: Settings) -> None:
+        settings.validate()
+        self.settings = settings
+        self.metrics = SidecarMetrics()
+        self.instance = EngineInstance(self.metrics)
+        self.mirror = KvMirror()
+        self.port = 0
+        self._link = DaemonLink(settings.daemon.addresses)
+        self._http: aiohttp.ClientSession | None = None
+        self._zmq: zmq.asyncio.Context | None = None
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.leases: LeaseSender | None = None
+        self.node: NodeSession | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL of the tap, e.g. ``http://127.0.0.1:PORT``."""
+        host, _ = listen_address(self.settings)
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+
+    async def start(self) -> None:
+        s = self.settings
+        try:
+            self._http = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.tap.connect_timeout_s),
+                auto_decompress=False,
+            )
+            self.leases = LeaseSender(s, self.instance, self._link, self.metrics)
+            self.node = NodeSession(s, self.instance, self.mirror, self._link, self._http, self.metrics)
+            tap = Tap(s, self._http, self.instance, self.leases, self.metrics)
+            host, port = listen_address(s)
+            self._runner, self.port = await start_server(tap.app(), host, port)
+            self.node.tap_port = self.port
+            http = self._http
+            self._spawn(lambda: watch_health(http, s.engine, self.instance, self.metrics), "health")
+            self._spawn(self.node.run, "node")
+            self._spawn(self.leases.run, "leases")
+            if s.kv_events.endpoint:
+                self._zmq = zmq.asyncio.Context()
+                ingest = KvIngest(
+                    s.kv_events, self._zmq, self.mirror, self.instance, self.metrics, self.node.kv_changed
+                )
+                self._spawn(ingest.run, "kvevents")
+        except BaseException:
+            await self.stop()
+            raise
+        log.info(
+            "sidecar.started",
+            url=self.url,
+            engine=s.engine.url,
+            engine_id=s.node_id,
+            daemon=list(s.daemon.addresses),
+            kv_events=s.kv_events.endpoint or None,
+        )
+
+    def _spawn(self, run: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
+        self._tasks.append(asyncio.create_task(_supervise(run, name), name=f"sidecar-{name}"))
+
+    async def stop(self, lease_grace_s: float = 1.0) -> None:
+        """Stop everything; idempotent."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.leases is not None and self.leases.pending and self._tasks:
+            await self.leases.wait_idle(lease_grace_s)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        await self._link.close()
+        if self._zmq is not None:
+            self._zmq.term()
+            self._zmq = None
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+        log.info("sidecar.stopped")
+
+    async def __aenter__(self) -> Sidecar:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()

@@ -1,0 +1,246 @@
+"""What the HTTP tap decides, as pure functions over bytes and dicts.
+
+For a generation request that names a conversation (`plan_request`): strip the
+body's ``conversation_id`` (vLLM does not know it; ``session_id`` is vLLM's and
+stays), ask the engine for ``return_token_ids`` and remember whether the client
+wanted them. On the way back (`TurnObserver`, fed the JSON body or each SSE
+event): collect the prompt's and the generated token ids, the finish reason and
+``kv_transfer_params``, and remove the token ids the client did not ask for.
+`SseRewriter` cuts a byte stream into SSE events without holding back any
+complete event. The lease itself is built from the finished turn in
+``sidecar.drafts``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+#: Paths whose requests the tap rewrites and whose answers it reads.
+TAPPED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+CONVERSATION_HEADERS = ("X-Conversation-Id", "X-Session-ID")
+NORMAL_FINISH = frozenset({"stop", "length"})
+
+_json_decode = msgspec.json.Decoder().decode
+_json_encode = msgspec.json.Encoder().encode
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """A tapped request: what to forward and what to remember for the answer."""
+
+    body: bytes
+    """The body to send to the engine."""
+    tenant: str
+    conversation_id: str
+    model: str
+    """The model the request names ("" = the engine's default)."""
+    strip_token_ids: bool
+    """The client did not ask for token ids: remove them from the answer."""
+    capture: bool = True
+    """Read the answer for D's params (decode and both nodes)."""
+
+
+def conversation_of(headers: Mapping[str, str], body: Mapping[str, Any]) -> str:
+    """The conversation a request names: headers first, then body fields; "" = none."""
+    candidates = (
+        headers.get(CONVERSATION_HEADERS[0]),
+        body.get("conversation_id"),
+        headers.get(CONVERSATION_HEADERS[1]),
+        body.get("session_id"),
+    )
+    for value in candidates:
+        if isinstance(value, str) and value.strip():
+            return value.strip()
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+    return ""
+
+
+def plan_request(
+    method: str,
+    path: str,
+    headers: Mapping[str, str],
+    raw: bytes,
+    tenant_header: str,
+    capture: bool = True,
+) -> RequestPlan | None:
+    """The rewrite of a request the tap should follow, or None to pass it through untouched.
+
+    Without `capture` (a prefill node) only the body's ``conversation_id`` is removed.
+    """
+    if method != "POST" or path not in TAPPED_PATHS or not raw:
+        return None
+    try:
+        body = _json_decode(raw)
+    except msgspec.DecodeError:
+        return None  # the engine answers bad JSON itself
+    if not isinstance(body, dict):
+        return None
+    conversation = conversation_of(headers, body)
+    if not conversation or (not capture and "conversation_id" not in body):
+        return None
+    body.pop("conversation_id", None)
+    wants_ids = body.get("return_token_ids") is True
+    if capture:
+        body["return_token_ids"] = True
+    model = body.get("model")
+    return RequestPlan(
+        body=_json_encode(body),
+        tenant=headers.get(tenant_header, "").strip(),
+        conversation_id=conversation,
+        model=model if isinstance(model, str) else "",
+        strip_token_ids=capture and not wants_ids,
+        capture=capture,
+    )
+
+
+@dataclass
+class FinishedTurn:
+    """What an answer said about the finished request (choice 0)."""
+
+    params: dict[str, Any]
+    prompt_token_ids: list[int] | None
+    output_token_ids: list[int] | None
+    finish_reason: str
+
+
+@dataclass
+class TurnObserver:
+    """Reads one answer's JSON objects (the body, or each SSE event) in order."""
+
+    strip_token_ids: bool
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    params: dict[str, Any] | None = None
+    failed: bool = False
+    choices: set[int] = field(default_factory=set)
+
+    def observe(self, obj: Any) -> bool:
+        """Take in one object; -> whether it was changed (token ids stripped)."""
+        if not isinstance(obj, dict):
+            return False
+        if "error" in obj and "choices" not in obj:
+            self.failed = True
+            return False
+        changed = False
+        prompt = obj.get("prompt_token_ids")
+        if isinstance(prompt, list) and self.prompt_token_ids is None:
+            self.prompt_token_ids = prompt
+        if self.strip_token_ids and "prompt_token_ids" in obj:
+            del obj["prompt_token_ids"]
+            changed = True
+        params = obj.get("kv_transfer_params")
+        if isinstance(params, dict):
+            self.params = params
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            for choice in choices:
+                if isinstance(choice, dict):
+                    changed |= self._choice(choice)
+        return changed
+
+    def _choice(self, choice: dict[str, Any]) -> bool:
+        index = choice.get("index", 0)
+        self.choices.add(index if isinstance(index, int) else -1)
+        changed = False
+        if index == 0:
+            prompt = choice.get("prompt_token_ids")
+            if isinstance(prompt, list) and self.prompt_token_ids is None:
+                self.prompt_token_ids = prompt
+            tokens = choice.get("token_ids")
+            if isinstance(tokens, list):
+                self.output_token_ids = (self.output_token_ids or []) + tokens
+            reason = choice.get("finish_reason")
+            if isinstance(reason, str):
+                self.finish_reason = reason
+        if self.strip_token_ids:
+            for key in ("token_ids", "prompt_token_ids"):
+                if key in choice:
+                    del choice[key]
+                    changed = True
+        return changed
+
+    def finished(self) -> FinishedTurn | str:
+        """The finished turn, or why there is none (a metrics label)."""
+        if self.failed:
+            return "engine_error"
+        if self.finish_reason is None:
+            return "unfinished"
+        if self.finish_reason not in NORMAL_FINISH:
+            return "abnormal_finish"
+        if len(self.choices) > 1:
+            return "several_choices"
+        if self.params is None or not self.params.get("do_remote_decode"):
+            return "no_params"
+        return FinishedTurn(self.params, self.prompt_token_ids, self.output_token_ids, self.finish_reason)
+
+
+def rewrite_json(raw: bytes, observer: TurnObserver) -> bytes:
+    """A JSON answer as the client gets it (unchanged bytes when nothing was stripped)."""
+    try:
+        obj = _json_decode(raw)
+    except msgspec.DecodeError:
+        observer.failed = True
+        return raw
+    had_prompt_ids = isinstance(obj, dict) and "prompt_token_ids" in obj
+    if not observer.observe(obj):
+        return raw
+    if had_prompt_ids and "prompt_token_ids" not in obj:
+        obj["prompt_token_ids"] = None  # what vLLM answers when not asked for them
+    return _json_encode(obj)
+
+
+class SseRewriter:
+    """Cuts a byte stream into SSE events and passes each one through `observer`.
+
+    Every complete event is returned as soon as its terminating blank line has
+    arrived; only a partial event is held back. Events whose data is not JSON
+    (``[DONE]``, comments) pass unchanged.
+    """
+
+    def __init__(self, observer: TurnObserver) -> None:
+        self._observer = observer
+        self._buffer = b""
+        self._sep = b"\n\n"
+        self.done = False
+        """``data: [DONE]`` was seen."""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Bytes to forward now for `chunk`."""
+        data = self._buffer + chunk if self._buffer else chunk
+        if b"\r\n" in data[:512]:
+            self._sep = b"\r\n\r\n"  # a server that ends lines with CRLF
+        sep = self._sep
+        end = data.rfind(sep)
+        if end < 0:
+            self._buffer = data
+            return b""
+        cut = end + len(sep)
+        complete, self._buffer = data[:cut], data[cut:]
+        events = complete[: -len(sep)].split(sep)
+        return sep.join([self._event(e) for e in events]) + sep
+
+    def flush(self) -> bytes:
+        """Whatever is held back (an unterminated event) at the end of the stream."""
+        rest, self._buffer = self._buffer, b""
+        return rest
+
+    def _event(self, event: bytes) -> bytes:
+        if not event.startswith(b"data:") or b"\n" in event.rstrip(b"\r"):
+            return event  # comments, multi-line or named events: not vLLM's, pass through
+        payload = event[5:].strip()
+        if payload == b"[DONE]":
+            self.done = True
+            return event
+        try:
+            obj = _json_decode(payload)
+        except msgspec.DecodeError:
+            return event
+        if self._observer.observe(obj):
+            return b"data: " + _json_encode(obj)
+        return event

@@ -1,0 +1,83 @@
+"""``kvferry sidecar``: run one sidecar next to one vLLM server until SIGTERM/SIGINT.
+
+``kvferry sidecar ARGS`` calls `main` with ARGS; `add_arguments` + `run_args`
+put the same flags on any other parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from kvferry import logs
+from sidecar import settings as sidecar_settings
+from sidecar.app import Sidecar
+from sidecar.settings import Settings
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sidecar's flags on `parser`, and ``func`` = `run_args`."""
+    sidecar_settings.add_arguments(parser)
+    parser.set_defaults(func=run_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvferry sidecar",
+        description="Register a vLLM server with the kvferry daemon, keep it alive, tap its answers "
+        "for kv_transfer_params and forward its KV events.",
+    )
+    parser.add_argument(
+        "--log-level", default=None, help="debug, info, warning (default: $KVFERRY_LOG_LEVEL)"
+    )
+    add_arguments(parser)
+    return parser
+
+
+async def run(settings: Settings) -> int:
+    """Run until SIGTERM or SIGINT, then shut down cleanly."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with Sidecar(settings):
+        await stop.wait()
+    return 0
+
+
+def _run_loop(main: Coroutine[Any, Any, int]) -> int:
+    """On uvloop when installed, like the daemon (kvferry.cli.run_async: not imported, so that
+    the sidecar does not depend on the other processes' entry points)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """Entry point for parsed flags (what ``kvferry sidecar`` calls)."""
+    try:
+        settings = sidecar_settings.from_args(args)
+    except ValueError as e:
+        print(f"kvferry sidecar: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _run_loop(run(settings))
+    except OSError as e:  # e.g. the listen port is taken
+        print(f"kvferry sidecar: {e}", file=sys.stderr)
+        return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logs.configure(args.log_level)
+    return run_args(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""The sidecar's connection to the daemon: one gRPC channel, failover between replicas, backoff."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import grpc
+import structlog
+
+from kvferry.v1 import leases_pb2_grpc, nodes_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    ("grpc.max_send_message_length", 16 * 1024 * 1024),
+]
+
+#: Codes after which a call is worth repeating on the same or another replica.
+TRANSIENT = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.CANCELLED,
+    }
+)
+
+
+class Backoff:
+    """Exponential backoff with jitter: initial, x2 per failure, capped."""
+
+    def __init__(self, initial_s: float, max_s: float) -> None:
+        self._initial = initial_s
+        self._max = max_s
+        self._next = initial_s
+
+    def next(self) -> float:
+        """The delay before the next attempt."""
+        delay = self._next
+        self._next = min(self._next * 2, self._max)
+        return delay * random.uniform(0.8, 1.2)
+
+    def reset(self) -> None:
+        self._next = self._initial
+
+
+class DaemonLink:
+    """The channel to the current daemon replica; `failover` moves to the next one."""
+
+    def __init__(self, addresses: Sequence[str]) -> None:
+        self._addresses = list(addresses)
+        self._index = 0
+        self._channel: grpc.aio.Channel | None = None
+
+    @property
+    def address(self) -> str:
+        return self._addresses[self._index]
+
+    def channel(self) -> grpc.aio.Channel:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+        return self._channel
+
+    def nodes(self, channel: grpc.aio.Channel) -> nodes_pb2_grpc.NodesAsyncStub:
+        return nodes_pb2_grpc.NodesStub(channel)
+
+    def leases(self, channel: grpc.aio.Channel) -> leases_pb2_grpc.LeasesAsyncStub:
+        return leases_pb2_grpc.LeasesStub(channel)
+
+    async def failover(self, failed: grpc.aio.Channel) -> None:
+        """`failed` did not work: use the next replica (no-op with one, or if already moved).
+
+        The failed channel is closed; calls still open on it end and are retried
+        on the new one by their owners.
+        """
+        if len(self._addresses) < 2 or failed is not self._channel:
+            return
+        self._channel = None
+        self._index = (self._index + 1) % len(self._addresses)
+        log.info("daemon.failover", address=self.address)
+        await failed.close(None)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close(None)
+            self._channel = None

@@ -1,0 +1,217 @@
+"""Decoding of vLLM's KV-event payloads (the third frame of a ZMQ message).
+
+A payload is msgpack ``[ts, events, data_parallel_rank]``. Two encodings of an
+event exist and both are accepted:
+
+- current (vLLM >= 0.11-ish, checked against 0.33 bytes): a map tagged by
+  ``"type"`` — ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared`` — whose
+  fields equal to their default may be absent and whose unknown fields are
+  ignored;
+- older (``array_like=True``): an array ``[tag, field1, field2, ...]`` with
+  ``block_hashes`` as the first field.
+
+Only the block hashes matter to the index. A hash is a 64-bit int (masked to
+64 bits: old releases sent Python's signed ``hash()``) or raw digest bytes, of
+which the low 64 bits are taken, big-endian (what vLLM puts in int events).
+An event of an unknown type is skipped and counted; anything else that does
+not decode makes the payload malformed (`MalformedPayload`). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+MASK64 = (1 << 64) - 1
+
+_Hash = int | bytes
+
+
+class MalformedPayload(ValueError):
+    """A payload that is not a KV-event batch in either encoding."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """Blocks entered the prefix cache."""
+
+    hashes: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    """Blocks left the prefix cache."""
+
+    hashes: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    """The whole prefix cache was reset."""
+
+
+KvEvent = Stored | Removed | Cleared
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedBatch:
+    """The events of one payload, in order, and how many were of unknown types."""
+
+    events: list[KvEvent]
+    unknown: int = 0
+
+
+# -- current encoding: maps tagged by "type" ---------------------------------------
+
+
+class _MapStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
+    block_hashes: list[_Hash]
+
+
+class _MapRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
+    block_hashes: list[_Hash]
+
+
+class _MapCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
+    pass
+
+
+_MapEvent = _MapStored | _MapRemoved | _MapCleared
+
+
+class _MapBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_MapEvent]
+    data_parallel_rank: int | None = None
+
+
+# -- older encoding: arrays [tag, field, ...] ------------------------------------------
+
+
+class _ArrStored(msgspec.Struct, array_like=True, tag="BlockStored"):
+    block_hashes: list[_Hash]
+
+
+class _ArrRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
+    block_hashes: list[_Hash]
+
+
+class _ArrCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+_ArrEvent = _ArrStored | _ArrRemoved | _ArrCleared
+
+
+class _ArrBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_ArrEvent]
+    data_parallel_rank: int | None = None
+
+
+class _RawBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+_KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
+
+
+def hash64(h: int | bytes) -> int:
+    """A block hash in the index's 64-bit form."""
+    if isinstance(h, bytes):
+        return int.from_bytes(h[-8:], "big")
+    return h & MASK64
+
+
+def _hashes(raw: list[_Hash]) -> list[int]:
+    # Fast path: vLLM's default int hashes, already non-negative.
+    if all(type(h) is int for h in raw):
+        ints: list[int] = raw  # type: ignore[assignment]
+        return ints if not ints or min(ints) >= 0 else [h & MASK64 for h in ints]
+    return [hash64(h) for h in raw]
+
+
+def _convert(event: Any) -> KvEvent:
+    if isinstance(event, _MapStored | _ArrStored):
+        return Stored(_hashes(event.block_hashes))
+    if isinstance(event, _MapRemoved | _ArrRemoved):
+        return Removed(_hashes(event.block_hashes))
+    return Cleared()
+
+
+class Decoder:
+    """Decodes payloads; remembers which encoding the engine uses and tries it first."""
+
+    def __init__(self) -> None:
+        self._map = msgspec.msgpack.Decoder(_MapBatch)
+        self._arr = msgspec.msgpack.Decoder(_ArrBatch)
+        self._raw = msgspec.msgpack.Decoder(_RawBatch)
+        self._map_event = msgspec.msgpack.Decoder(_MapEvent)
+        self._arr_event = msgspec.msgpack.Decoder(_ArrEvent)
+        self._any = msgspec.msgpack.Decoder()
+        self._prefer_arrays = False
+
+    def decode(self, payload: bytes) -> DecodedBatch:
+        """The events of a payload; raises MalformedPayload."""
+        first, second = (self._arr, self._map) if self._prefer_arrays else (self._map, self._arr)
+        for decoder in (first, second):
+            try:
+                batch = decoder.decode(payload)
+            except _DECODE_ERRORS:
+                continue
+            self._prefer_arrays = decoder is self._arr
+            return DecodedBatch([_convert(e) for e in batch.events])
+        return self._decode_leniently(payload)
+
+    def _decode_leniently(self, payload: bytes) -> DecodedBatch:
+        """Event by event: mixed encodings, unknown event types skipped."""
+        try:
+            batch = self._raw.decode(payload)
+        except _DECODE_ERRORS as e:
+            raise MalformedPayload(f"not a KV-event batch: {e}") from e
+        events: list[KvEvent] = []
+        unknown = 0
+        for raw in batch.events:
+            event = self._decode_event(raw)
+            if event is None:
+                unknown += 1
+            else:
+                events.append(event)
+        return DecodedBatch(events, unknown)
+
+    def _decode_event(self, raw: msgspec.Raw) -> KvEvent | None:
+        for decoder in (self._map_event, self._arr_event):
+            try:
+                return _convert(decoder.decode(raw))
+            except _DECODE_ERRORS:
+                continue
+        try:
+            value = self._any.decode(raw)
+        except _DECODE_ERRORS as e:
+            raise MalformedPayload(f"undecodable event: {e}") from e
+        if isinstance(value, dict):
+            tag = value.get("type")
+        elif isinstance(value, list) and value:
+            tag = value[0]
+        else:
+            tag = None
+        if isinstance(tag, str) and tag not in _KNOWN_TAGS:
+            return None  # a newer event type: not ours to understand
+        raise MalformedPayload(f"malformed {tag!r} event")
+
+
+def decode_seq(frame: bytes) -> int:
+    """The seq of an 8-byte big-endian frame (-1 ends a replay); ValueError otherwise."""
+    if len(frame) != 8:
+        raise ValueError(f"seq frame must be 8 bytes, got {len(frame)}")
+    return int.from_bytes(frame, "big", signed=True)
+
+
+def encode_seq(seq: int) -> bytes:
+    """The 8-byte big-endian seq frame."""
+    return seq.to_bytes(8, "big", signed=True)

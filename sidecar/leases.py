@@ -1,0 +1,256 @@
+"""Retention registrations: a bounded queue, and its sender over one Leases/Stream.
+
+The tap hands finished turns to `LeaseSender.submit` and returns at once; the
+sender registers them in the background, several in flight on one
+``Leases/Stream`` (``kvferry.leaseclient.LeaseStream``). While the daemon is
+unreachable registrations wait in a capped queue: beyond `queue_size` the
+oldest is dropped, entries past their deadline or from an engine process that
+has since restarted are dropped, and a registration is tried at most
+`max_attempts` times. Every drop is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from dataclasses import replace
+
+import grpc
+import structlog
+
+from kvferry.leaseclient import LeaseOpError, LeaseStream
+from kvferry.v1 import leases_pb2
+from sidecar.daemon import TRANSIENT, Backoff, DaemonLink
+from sidecar.drafts import LeaseDraft, digests_of
+from sidecar.engine import EngineInstance
+from sidecar.metrics import SidecarMetrics
+from sidecar.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+
+class RegistrationQueue:
+    """Drafts waiting to be sent, oldest first, at most `capacity`. Pure."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: deque[LeaseDraft] = deque()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def push(self, draft: LeaseDraft) -> LeaseDraft | None:
+        """Add a new draft; -> the oldest one, dropped to make room."""
+        self._items.append(draft)
+        return self._items.popleft() if len(self._items) > self.capacity else None
+
+    def retry(self, draft: LeaseDraft) -> LeaseDraft | None:
+        """Put a failed draft back in front; -> the newest one, dropped to make room."""
+        self._items.appendleft(draft)
+        return self._items.pop() if len(self._items) > self.capacity else None
+
+    def pop(self, now_wall: float, epoch: int) -> tuple[LeaseDraft | None, list[tuple[LeaseDraft, str]]]:
+        """The next draft worth sending, and the dead ones skipped on the way (with why)."""
+        dead: list[tuple[LeaseDraft, str]] = []
+        while self._items:
+            draft = self._items.popleft()
+            reason = dead_reason(draft, now_wall, epoch)
+            if reason is None:
+                return draft, dead
+            dead.append((draft, reason))
+        return None, dead
+
+
+def dead_reason(draft: LeaseDraft, now_wall: float, epoch: int) -> str | None:
+    """Why a draft is no longer worth registering (None: it is)."""
+    if draft.epoch != epoch:
+        return "restarted"
+    if draft.expires_at is not None and draft.expires_at <= now_wall:
+        return "expired"
+    return None
+
+
+#: The daemon could not be reached or could not reach etcd: the draft was not sent.
+UNSENT = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
+
+
+def retry_decision(code: grpc.StatusCode, attempts: int, max_attempts: int) -> str:
+    """After a failed try, what to do with the draft.
+
+    "requeue": it was not sent (daemon or etcd unreachable): wait for the daemon,
+    bounded by the queue's capacity and the draft's deadline, not by attempts.
+    "retry": the daemon answered with a passing trouble (FAILED_PRECONDITION while
+    the node re-registers, ABORTED, INTERNAL ...). "attempts": tried enough.
+    "failed": refused for good (INVALID_ARGUMENT, ...).
+    """
+    if code in UNSENT:
+        return "requeue"
+    if code in TRANSIENT or code == grpc.StatusCode.FAILED_PRECONDITION:
+        return "retry" if attempts < max_attempts else "attempts"
+    return "failed"
+
+
+class LeaseSender:
+    """Sends queued drafts to the daemon, forever, several at a time on one Leases/Stream."""
+
+    def __init__(
+        self, settings: Settings, instance: EngineInstance, link: DaemonLink, metrics: SidecarMetrics
+    ) -> None:
+        self._s = settings
+        self._instance = instance
+        self._link = link
+        self._metrics = metrics
+        self._queue = RegistrationQueue(settings.leases.queue_size)
+        self._in_flight: set[asyncio.Task[None]] = set()
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._backoff = Backoff(settings.daemon.backoff_initial_s, settings.daemon.backoff_max_s)
+        self._pause_until = 0.0
+        instance.watch(self._wakeup.set)
+
+    @property
+    def pending(self) -> int:
+        """Drafts queued or in flight."""
+        return len(self._queue) + len(self._in_flight)
+
+    def submit(self, draft: LeaseDraft) -> None:
+        """Queue a draft (never blocks)."""
+        dropped = self._queue.push(draft)
+        if dropped is not None:
+            self._drop(dropped, "overflow")
+        self._changed()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until nothing is queued or in flight; -> whether that happened in time."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        return self._idle.is_set()
+
+    def _changed(self) -> None:
+        self._metrics.lease_queue.set(len(self._queue))
+        if self.pending:
+            self._idle.clear()
+        else:
+            self._idle.set()
+        self._wakeup.set()
+
+    def _drop(self, draft: LeaseDraft, reason: str) -> None:
+        self._metrics.registrations_dropped.labels(reason).inc()
+        log.info("lease.register.dropped", reason=reason, conversation_id=draft.conversation_id)
+
+    def _next(self) -> LeaseDraft | None:
+        draft, dead = self._queue.pop(time.time(), self._instance.epoch)
+        for d, reason in dead:
+            self._drop(d, reason)
+        return draft
+
+    def _request(self, draft: LeaseDraft) -> leases_pb2.RegisterLeaseRequest:
+        facts = self._instance.facts
+        assert facts is not None and self._instance.generation is not None
+        req = leases_pb2.RegisterLeaseRequest(
+            tenant=draft.tenant,
+            conversation_id=draft.conversation_id,
+            engine_id=self._s.node_id,
+            num_tokens=draft.num_tokens,
+            block_size=facts.block_size,
+            block_digests=digests_of(draft, facts.model, facts.block_size),
+            generation=self._instance.generation,
+        )
+        req.kv_transfer_params.update(draft.params)
+        if draft.expires_at is not None:
+            req.expires_at.FromNanoseconds(int(draft.expires_at * 1e9))
+        return req
+
+    def _failed(self, draft: LeaseDraft, code: grpc.StatusCode, detail: str) -> None:
+        """A try failed with `code`: put it back and pause, or give up."""
+        decision = retry_decision(code, draft.attempts + 1, self._s.leases.max_attempts)
+        if decision in ("requeue", "retry"):
+            if decision == "retry":
+                draft = replace(draft, attempts=draft.attempts + 1)
+            self._metrics.registrations.labels(decision).inc()
+            dropped = self._queue.retry(draft)
+            if dropped is not None:
+                self._drop(dropped, "overflow")
+            self._pause_until = asyncio.get_running_loop().time() + self._backoff.next()
+        elif decision == "attempts":
+            self._drop(draft, "attempts")
+        else:
+            self._metrics.registrations.labels("failed").inc()
+            log.warning(
+                "lease.register.failed", code=code.name, detail=detail, conversation_id=draft.conversation_id
+            )
+
+    # -- the loop -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        channel = self._link.channel()
+        stream = LeaseStream(channel)
+        try:
+            while True:
+                await self._ready()
+                if self._link.channel() is not channel:  # failed over
+                    await stream.close()
+                    channel = self._link.channel()
+                    stream = LeaseStream(channel)
+                draft = self._next()
+                if draft is None:
+                    self._changed()
+                    continue
+                try:
+                    req = self._request(draft)  # now, while the generation is surely this epoch's
+                except (ValueError, TypeError) as e:  # params a Struct cannot hold
+                    self._failed(draft, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                    continue
+                task = asyncio.create_task(self._send(stream, channel, draft, req), name="sidecar-lease")
+                self._in_flight.add(task)
+        finally:
+            for task in self._in_flight:
+                task.cancel()
+            await asyncio.gather(*self._in_flight, return_exceptions=True)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stream.close(), 1.0)
+
+    async def _ready(self) -> None:
+        """Until a draft may go: something queued, node registered, not paused, room in flight."""
+        loop = asyncio.get_running_loop()
+        while True:
+            pause = self._pause_until - loop.time()
+            if pause > 0:
+                await asyncio.sleep(pause)
+                continue
+            if (
+                self._instance.registered.is_set()
+                and len(self._queue)
+                and len(self._in_flight) < self._s.leases.max_in_flight
+            ):
+                return
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+    async def _send(
+        self,
+        stream: LeaseStream,
+        channel: grpc.aio.Channel,
+        draft: LeaseDraft,
+        req: leases_pb2.RegisterLeaseRequest,
+    ) -> None:
+        try:
+            await stream.register(req, self._s.daemon.rpc_timeout_s)
+        except LeaseOpError as e:
+            if e.code in TRANSIENT:
+                log.warning("lease.daemon.unavailable", code=e.code.name, address=self._link.address)
+                await self._link.failover(channel)
+            self._failed(draft, e.code, e.message)
+        else:
+            self._backoff.reset()
+            self._metrics.registrations.labels("sent").inc()
+        finally:
+            task = asyncio.current_task()
+            if task is not None:
+                self._in_flight.discard(task)
+            self._changed()

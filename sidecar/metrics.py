@@ -1,0 +1,92 @@
+"""Prometheus metrics of one sidecar, in a registry of its own (served at /kvferry/metrics).
+
+A registry per sidecar, not the global one: several sidecars run in one test
+or benchmark process and each must count only its own traffic.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+
+class SidecarMetrics:
+    """Every counter and gauge of the sidecar."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.proxied = Counter(
+            "kvferry_sidecar_proxied_requests", "Requests proxied to the engine", ["tapped"], registry=r
+        )
+        self.upstream_errors = Counter(
+            "kvferry_sidecar_upstream_errors", "Requests the engine failed to answer", ["stage"], registry=r
+        )
+        self.turns = Counter(
+            "kvferry_sidecar_turns",
+            "Tapped answers by outcome (captured, or why nothing was registered)",
+            ["outcome"],
+            registry=r,
+        )
+        self.registrations = Counter(
+            "kvferry_sidecar_lease_registrations",
+            "Registrations by outcome: sent, failed (refused), retry (daemon trouble), requeue (unsent)",
+            ["outcome"],
+            registry=r,
+        )
+        self.registrations_dropped = Counter(
+            "kvferry_sidecar_lease_registrations_dropped",
+            "Registrations given up: overflow (queue full), expired, restarted (engine), attempts",
+            ["reason"],
+            registry=r,
+        )
+        self.lease_queue = Gauge(
+            "kvferry_sidecar_lease_queue", "Registrations waiting to be sent", registry=r
+        )
+        self.kv_payloads = Counter(
+            "kvferry_sidecar_kv_payloads", "KV-event payloads received", ["source"], registry=r
+        )
+        self.kv_events = Counter(
+            "kvferry_sidecar_kv_events_decoded", "KV events decoded", ["type"], registry=r
+        )
+        self.kv_malformed = Counter(
+            "kvferry_sidecar_kv_events_malformed", "KV-event payloads that did not decode", registry=r
+        )
+        self.kv_unknown = Counter(
+            "kvferry_sidecar_kv_events_unknown", "KV events of types this sidecar does not know", registry=r
+        )
+        self.kv_gaps = Counter("kvferry_sidecar_kv_gaps", "Gaps in the KV-event seq", registry=r)
+        self.kv_replays = Counter(
+            "kvferry_sidecar_kv_replays", "KV-event replays by outcome", ["outcome"], registry=r
+        )
+        self.kv_batches_sent = Counter(
+            "kvferry_sidecar_kv_batches_sent", "KvEventBatch messages sent to the daemon", registry=r
+        )
+        self.kv_hashes_sent = Counter(
+            "kvferry_sidecar_kv_hashes_sent", "Block hashes sent to the daemon", registry=r
+        )
+        self.kv_resets = Counter("kvferry_sidecar_kv_resets", "Reset batches (whole mirror) sent", registry=r)
+        self.kv_mirror_blocks = Gauge(
+            "kvferry_sidecar_kv_mirror_blocks", "Block hashes the engine caches, per its events", registry=r
+        )
+        self.heartbeats = Counter(
+            "kvferry_sidecar_heartbeats", "Heartbeats by outcome (sent, acked)", ["outcome"], registry=r
+        )
+        self.attaches = Counter(
+            "kvferry_sidecar_attaches", "Attach streams by outcome", ["outcome"], registry=r
+        )
+        self.node_registrations = Counter(
+            "kvferry_sidecar_node_registrations", "Nodes/Register calls by outcome", ["outcome"], registry=r
+        )
+        self.engine_restarts = Counter(
+            "kvferry_sidecar_engine_restarts", "Engine restarts detected, by signal", ["signal"], registry=r
+        )
+        self.engine_up = Gauge("kvferry_sidecar_engine_up", "1 while the engine answers /health", registry=r)
+        self.attached = Gauge("kvferry_sidecar_attached", "1 while an Attach stream is open", registry=r)
+
+    def render(self) -> tuple[bytes, str]:
+        """Exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def value(self, name: str, **labels: str) -> float:
+        """Current value of a sample (0 when absent), for tests and benchmarks."""
+        v = self.registry.get_sample_value(name, labels)
+        return 0.0 if v is None else v

@@ -1,0 +1,272 @@
+"""The node at the daemon: Nodes/Register, then one Nodes/Attach stream held open.
+
+While the engine answers /health the session keeps an Attach stream open,
+heartbeating every third of the liveness TTL and sending the KV mirror's
+changes (at the latest `flush_interval_s` after the first one, at once when
+`flush_hashes` are pending). Every new stream starts with a reset batch: the
+daemon's index of the node is rebuilt from the mirror.
+
+Registration: a new engine epoch registers with generation 0 (the daemon
+assigns the next one). A refusal of the known generation (hello or heartbeat
+answered FAILED_PRECONDITION or NOT_FOUND: the liveness lapsed, the record was
+removed or replaced) re-registers the same generation, the same engine process
+still holding its blocks; if the daemon refuses that too (a newer generation
+is registered), generation 0. Unreachable daemon: backoff, failover, retry;
+traffic through the tap is not affected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import aiohttp
+import grpc
+import structlog
+
+from kvferry.v1 import nodes_pb2
+from sidecar.daemon import Backoff, DaemonLink
+from sidecar.engine import EngineFacts, EngineInstance, learn_facts
+from sidecar.kvindex import KvBatch, KvMirror
+from sidecar.metrics import SidecarMetrics
+from sidecar.settings import Settings, listen_address
+
+log = structlog.get_logger(__name__)
+
+_AttachCall = grpc.aio.StreamStreamCall[nodes_pb2.AttachRequest, nodes_pb2.AttachResponse]
+_ROLES = {"prefill": nodes_pb2.PREFILL, "decode": nodes_pb2.DECODE, "both": nodes_pb2.BOTH}
+_REFUSED = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND})
+
+
+class _LinkLost(Exception):
+    """The Attach stream stopped answering heartbeats."""
+
+
+def batch_message(b: KvBatch) -> nodes_pb2.AttachRequest:
+    return nodes_pb2.AttachRequest(
+        kv_events=nodes_pb2.KvEventBatch(
+            seq=b.seq, stored=b.stored, removed=b.removed, cleared=b.cleared, reset=b.reset
+        )
+    )
+
+
+class NodeSession:
+    """Keeps the node registered and attached while the engine is up."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        instance: EngineInstance,
+        mirror: KvMirror,
+        link: DaemonLink,
+        http: aiohttp.ClientSession,
+        metrics: SidecarMetrics,
+    ) -> None:
+        self._s = settings
+        self._instance = instance
+        self._mirror = mirror
+        self._link = link
+        self._http = http
+        self._metrics = metrics
+        self._registered_epoch: int | None = None
+        self._generation = 0
+        self._refused = False
+        self._wakeup = asyncio.Event()
+        self._kv_since: float | None = None
+        self.tap_port = 0
+        """Port the tap listens on (for the default advertised URL); set by the app."""
+        instance.watch(self._wakeup.set)
+
+    # -- called by the KV ingest ---------------------------------------------------
+
+    def kv_changed(self) -> None:
+        """The mirror has changes to send."""
+        if self._kv_since is None:
+            self._kv_since = asyncio.get_running_loop().time()
+            self._wakeup.set()
+        elif self._mirror.pending >= self._s.kv_events.flush_hashes:
+            self._wakeup.set()
+
+    # -- the session loop -------------------------------------------------------------
+
+    async def run(self) -> None:
+        backoff = Backoff(self._s.daemon.backoff_initial_s, self._s.daemon.backoff_max_s)
+        up = self._instance.up
+        while True:
+            if not up.is_set():
+                await up.wait()
+            channel = self._link.channel()
+            try:
+                epoch = self._instance.epoch
+                await self._ensure_registered(channel, epoch)
+                if await self._attached(channel, epoch):
+                    backoff.reset()
+                continue
+            except grpc.aio.AioRpcError as e:
+                if e.code() in _REFUSED:
+                    self._refused = True
+                    self._instance.unregistered()
+                    self._metrics.attaches.labels("refused").inc()
+                    log.info("node.refused", code=e.code().name, detail=e.details())
+                    await asyncio.sleep(min(backoff.next(), 0.2))
+                    continue
+                self._metrics.attaches.labels("failed").inc()
+                log.warning("node.daemon.unreachable", address=self._link.address, code=e.code().name)
+                await self._link.failover(channel)
+            except _LinkLost:
+                self._metrics.attaches.labels("lost").inc()
+                log.warning("node.attach.lost", address=self._link.address)
+                await self._link.failover(channel)
+            except (aiohttp.ClientError, TimeoutError) as e:
+                log.warning("node.engine.facts_failed", error=str(e))
+            await asyncio.sleep(backoff.next())
+
+    async def _facts(self) -> EngineFacts:
+        facts = self._instance.facts
+        if facts is None:
+            epoch = self._instance.epoch
+            facts = await learn_facts(self._http, self._s.engine)
+            if self._instance.epoch == epoch:  # not learned from a process that is gone
+                self._instance.facts = facts
+            log.info("engine.facts", model=facts.model, block_size=facts.block_size)
+        return facts
+
+    def _request(self, facts: EngineFacts, generation: int) -> nodes_pb2.RegisterNodeRequest:
+        s = self._s
+        host = s.side_channel_host
+        url = s.tap.advertise_url or f"http://{host}:{self.tap_port or listen_address(s)[1]}"
+        return nodes_pb2.RegisterNodeRequest(
+            engine_id=s.node_id,
+            role=_ROLES[s.engine.role],
+            model=facts.model,
+            block_size=facts.block_size,
+            http_url=url,
+            side_channel_host=host,
+            side_channel_port=s.engine.side_channel_port,
+            generation=generation,
+            liveness_ttl_seconds=s.daemon.liveness_ttl_s,
+        )
+
+    async def _ensure_registered(self, channel: grpc.aio.Channel, epoch: int) -> None:
+        if self._registered_epoch == epoch and not self._refused:
+            return
+        facts = await self._facts()
+        stub = self._link.nodes(channel)
+        timeout = self._s.daemon.rpc_timeout_s
+        # The same engine process keeps its generation; a new one asks for the next.
+        known = self._generation if self._registered_epoch == epoch else 0
+        try:
+            resp = await stub.Register(self._request(facts, known), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            if not known or e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                self._metrics.node_registrations.labels("failed").inc()
+                raise
+            log.warning("node.register.superseded", generation=known, detail=e.details())
+            resp = await stub.Register(self._request(facts, 0), timeout=timeout)
+        self._registered_epoch = epoch
+        self._generation = resp.node.generation
+        self._refused = False
+        self._metrics.node_registrations.labels("restarted" if resp.restarted else "ok").inc()
+        log.info(
+            "node.register.complete",
+            engine_id=self._s.node_id,
+            generation=self._generation,
+            restarted=resp.restarted,
+            epoch=epoch,
+        )
+        self._instance.set_generation(epoch, self._generation)
+
+    async def _attached(self, channel: grpc.aio.Channel, epoch: int) -> bool:
+        """Hold one Attach stream until the engine goes down or restarts. -> it was healthy."""
+        generation = self._generation
+        call = self._link.nodes(channel).Attach(None)
+        reader: asyncio.Task[None] | None = None
+        try:
+            await call.write(
+                nodes_pb2.AttachRequest(
+                    hello=nodes_pb2.AttachHello(engine_id=self._s.node_id, generation=generation)
+                )
+            )
+            first = await asyncio.wait_for(call.read(), self._s.daemon.rpc_timeout_s)
+            if not isinstance(first, nodes_pb2.AttachResponse):
+                raise _LinkLost()  # the daemon closed the stream
+            ttl = first.ttl_seconds or self._s.daemon.liveness_ttl_s
+            self._metrics.attaches.labels("ok").inc()
+            self._metrics.attached.set(1)
+            log.info("node.attach.open", engine_id=self._s.node_id, generation=generation, ttl_s=ttl)
+            self._mirror.request_reset()
+            self._kv_since = None
+            self.kv_changed()
+            loop = asyncio.get_running_loop()
+            acked = [loop.time()]
+            reader = asyncio.create_task(self._read_acks(call, acked), name="sidecar-attach-reader")
+            await self._serve(call, reader, acked, epoch, ttl)
+            return True
+        except TimeoutError as e:
+            raise _LinkLost() from e
+        finally:
+            self._metrics.attached.set(0)
+            if reader is not None:
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                    await reader
+            call.cancel()
+
+    async def _read_acks(self, call: _AttachCall, acked: list[float]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                msg = await call.read()
+                if not isinstance(msg, nodes_pb2.AttachResponse):
+                    return  # end of stream
+                if msg.HasField("heartbeat_ack"):
+                    acked[0] = loop.time()
+                    self._metrics.heartbeats.labels("acked").inc()
+        finally:
+            self._wakeup.set()
+
+    async def _serve(
+        self,
+        call: _AttachCall,
+        reader: asyncio.Task[None],
+        acked: list[float],
+        epoch: int,
+        ttl: int,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        kv = self._s.kv_events
+        interval = max(ttl / 3.0, 0.05)
+        next_beat = loop.time()
+        seq = 0
+        while self._instance.epoch == epoch and self._instance.up.is_set():
+            self._wakeup.clear()  # before acting: a wake-up while writing below is not lost
+            if reader.done():
+                reader.result()  # raises the stream's error
+                raise _LinkLost()  # the daemon ended the stream
+            now = loop.time()
+            if now - acked[0] > ttl:
+                raise _LinkLost()
+            if now >= next_beat:
+                seq += 1
+                await call.write(nodes_pb2.AttachRequest(heartbeat=nodes_pb2.Heartbeat(seq=seq)))
+                self._metrics.heartbeats.labels("sent").inc()
+                next_beat = now + interval
+            since = self._kv_since
+            if since is not None and (
+                now >= since + kv.flush_interval_s or self._mirror.pending >= kv.flush_hashes
+            ):
+                await self._send_kv(call)
+            since = self._kv_since
+            wake_at = next_beat if since is None else min(next_beat, since + kv.flush_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), max(wake_at - loop.time(), 0.0))
+
+    async def _send_kv(self, call: _AttachCall) -> None:
+        self._kv_since = None
+        for batch in self._mirror.drain():
+            await call.write(batch_message(batch))
+            self._metrics.kv_batches_sent.inc()
+            self._metrics.kv_hashes_sent.inc(batch.size)
+            if batch.reset:
+                self._metrics.kv_resets.inc()
+        self._metrics.kv_mirror_blocks.set(len(self._mirror))

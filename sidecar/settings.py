@@ -1,0 +1,246 @@
+"""The sidecar's settings: one typed object, parsed once from flags and environment.
+
+Every flag defaults to its ``KVFERRY_SIDECAR_*`` environment variable (the flag
+name upper-cased, dashes as underscores), then to the value below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+ROLES = ("prefill", "decode", "both")
+ENV_PREFIX = "KVFERRY_SIDECAR_"
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The vLLM server this sidecar stands next to."""
+
+    url: str = "http://127.0.0.1:8000"
+    """Base URL of the engine's OpenAI-compatible server."""
+    engine_id: str = ""
+    """The node's id at the daemon, stable across engine restarts; "" = <hostname>-<engine port>."""
+    role: str = "decode"
+    """prefill, decode or both (only decode and both nodes register retentions)."""
+    model: str = ""
+    """Base model; "" = learned from the engine's /v1/models."""
+    block_size: int = 0
+    """Tokens per KV block; 0 = learned from vllm:cache_config_info in /metrics, else 16."""
+    side_channel_host: str = ""
+    """NIXL side-channel host as prefill nodes reach it; "" = this host's address."""
+    side_channel_port: int = 5600
+    """NIXL side-channel port (vLLM: VLLM_NIXL_SIDE_CHANNEL_PORT + dp rank)."""
+    health_interval_s: float = 1.0
+    """Seconds between /health probes."""
+    health_timeout_s: float = 2.0
+    """A /health probe slower than this failed."""
+    health_failures: int = 3
+    """Consecutive failed probes after which the engine counts as down (and, once back, restarted)."""
+
+
+@dataclass(frozen=True)
+class KvEventSettings:
+    """The engine's KV-event stream (vLLM --kv-events-config)."""
+
+    endpoint: str = ""
+    """ZMQ PUB endpoint to subscribe to, e.g. tcp://127.0.0.1:5557; "" = no KV events."""
+    replay_endpoint: str = ""
+    """ZMQ ROUTER endpoint for replays, e.g. tcp://127.0.0.1:5558; "" = gaps are not replayed."""
+    topic: str = ""
+    """Topic to subscribe to ("" = all)."""
+    flush_interval_s: float = 0.02
+    """Longest time a folded change waits before it is sent to the daemon."""
+    flush_hashes: int = 16384
+    """Send at once when this many hashes are pending."""
+    replay_timeout_s: float = 2.0
+    """A replay that has not ended after this long is given up."""
+
+
+@dataclass(frozen=True)
+class DaemonSettings:
+    """How to reach the kvferry daemon."""
+
+    addresses: tuple[str, ...] = ("127.0.0.1:50051",)
+    """Daemon replicas (host:port); the sidecar fails over between them."""
+    liveness_ttl_s: int = 10
+    """Seconds the node stays alive without a heartbeat (2..3600)."""
+    rpc_timeout_s: float = 5.0
+    """Deadline of a unary call to the daemon."""
+    backoff_initial_s: float = 0.1
+    """First delay before reconnecting after a failure."""
+    backoff_max_s: float = 5.0
+    """Longest delay between reconnection attempts."""
+
+
+@dataclass(frozen=True)
+class TapSettings:
+    """The HTTP reverse proxy in front of the engine."""
+
+    listen: str = "0.0.0.0:8100"
+    """host:port the proxy listens on (port 0 picks a free one)."""
+    advertise_url: str = ""
+    """URL registered as the node's http_url; "" = http://<side-channel host>:<listen port>."""
+    tenant_header: str = "X-Kvferry-Tenant"
+    """Request header naming the tenant ("" or absent = the daemon's default tenant)."""
+    max_body_bytes: int = 64 * 1024 * 1024
+    """Largest request body accepted."""
+    connect_timeout_s: float = 10.0
+    """Timeout for connecting to the engine."""
+
+
+@dataclass(frozen=True)
+class LeaseSettings:
+    """Retention registrations waiting for the daemon."""
+
+    queue_size: int = 1024
+    """Registrations kept while the daemon is unreachable; the oldest is dropped beyond."""
+    max_attempts: int = 5
+    """Tries per registration before it is dropped."""
+    max_in_flight: int = 64
+    """Registrations sent on the stream and not yet answered."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything one sidecar needs."""
+
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    kv_events: KvEventSettings = field(default_factory=KvEventSettings)
+    daemon: DaemonSettings = field(default_factory=DaemonSettings)
+    tap: TapSettings = field(default_factory=TapSettings)
+    leases: LeaseSettings = field(default_factory=LeaseSettings)
+
+    def validate(self) -> None:
+        """Raise ValueError on a setting out of range."""
+        e = self.engine
+        if urlsplit(e.url).scheme not in ("http", "https"):
+            raise ValueError(f"engine url {e.url!r} must start with http:// or https://")
+        if e.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {e.role!r}")
+        if e.block_size < 0 or e.block_size > 4096:
+            raise ValueError("block size must be in 0..4096 (0 = learn it)")
+        if not 0 < e.side_channel_port < 65536:
+            raise ValueError("side-channel port must be a port number")
+        if e.health_interval_s <= 0 or e.health_timeout_s <= 0 or e.health_failures < 1:
+            raise ValueError("health interval and timeout must be positive, failures at least 1")
+        k = self.kv_events
+        for endpoint in (k.endpoint, k.replay_endpoint):
+            if endpoint and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"KV-event endpoint {endpoint!r} must be a ZMQ endpoint (tcp://host:port)")
+        if k.replay_endpoint and not k.endpoint:
+            raise ValueError("a KV-event replay endpoint needs the KV-event endpoint")
+        if k.flush_interval_s <= 0 or k.flush_hashes < 1 or k.replay_timeout_s <= 0:
+            raise ValueError("KV-event flush interval, flush size and replay timeout must be positive")
+        d = self.daemon
+        if not d.addresses or any(":" not in a for a in d.addresses):
+            raise ValueError("daemon addresses must be host:port")
+        if not 2 <= d.liveness_ttl_s <= 3600:
+            raise ValueError("liveness TTL must be in 2..3600 s")
+        if d.rpc_timeout_s <= 0 or not 0 < d.backoff_initial_s <= d.backoff_max_s:
+            raise ValueError("RPC timeout and backoff must be positive, initial <= max")
+        _host_port(self.tap.listen)
+        if self.leases.queue_size < 1 or self.leases.max_attempts < 1 or self.leases.max_in_flight < 1:
+            raise ValueError("lease queue size, attempts and in-flight limit must be positive")
+
+    @property
+    def node_id(self) -> str:
+        """The engine id the node registers under."""
+        if self.engine.engine_id:
+            return self.engine.engine_id
+        port = urlsplit(self.engine.url).port or 80
+        return f"{socket.gethostname()}-{port}"
+
+    @property
+    def side_channel_host(self) -> str:
+        """The side-channel host prefill nodes are told."""
+        return self.engine.side_channel_host or default_host()
+
+
+def default_host() -> str:
+    """This host's address as other hosts see it (best effort), else its name."""
+    name = socket.gethostname()
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return name
+
+
+def _host_port(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"listen address {listen!r} must be host:port")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def listen_address(s: Settings) -> tuple[str, int]:
+    """(host, port) the tap binds."""
+    return _host_port(s.tap.listen)
+
+
+def _env(name: str, default: object) -> str:
+    return os.environ.get(ENV_PREFIX + name, str(default))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The sidecar's flags; each defaults to KVFERRY_SIDECAR_<FLAG>."""
+    d = Settings()
+    e, k, dm, t, ls = d.engine, d.kv_events, d.daemon, d.tap, d.leases
+
+    def add(flag: str, default: object, help: str, kind: type = str) -> None:
+        env = flag.upper().replace("-", "_")
+        p.add_argument(
+            f"--{flag}", type=kind, default=_env(env, default), help=f"{help} [${ENV_PREFIX}{env}]"
+        )
+
+    add("engine-url", e.url, "base URL of the engine's OpenAI server")
+    add("listen", t.listen, "host:port the HTTP tap listens on")
+    add("daemon", ",".join(dm.addresses), "daemon address(es), host:port[,host:port...]")
+    add("role", e.role, "prefill, decode or both")
+    add("engine-id", e.engine_id, "node id at the daemon (default <hostname>-<engine port>)")
+    add("model", e.model, "base model (default: learned from /v1/models)")
+    add("block-size", e.block_size, "tokens per KV block (0: learn from /metrics, else 16)", int)
+    add("side-channel-host", e.side_channel_host, "NIXL side-channel host prefill nodes reach")
+    add("side-channel-port", e.side_channel_port, "NIXL side-channel port", int)
+    add("kv-events-endpoint", k.endpoint, "engine's KV-event ZMQ PUB endpoint (empty: off)")
+    add("kv-events-replay-endpoint", k.replay_endpoint, "engine's KV-event replay endpoint")
+    add("kv-events-topic", k.topic, "KV-event topic")
+    add("tenant-header", t.tenant_header, "request header naming the tenant")
+    add("advertise-url", t.advertise_url, "URL registered as the node's http_url")
+    add("liveness-ttl", dm.liveness_ttl_s, "seconds the node stays alive without a heartbeat", int)
+    add("health-interval", e.health_interval_s, "seconds between engine /health probes", float)
+    add("health-failures", e.health_failures, "failed probes after which the engine is down", int)
+    add("lease-queue-size", ls.queue_size, "registrations kept while the daemon is unreachable", int)
+
+
+def from_args(a: argparse.Namespace) -> Settings:
+    """Settings from parsed flags; raises ValueError when invalid."""
+    s = Settings(
+        engine=EngineSettings(
+            url=a.engine_url.rstrip("/"),
+            engine_id=a.engine_id,
+            role=a.role,
+            model=a.model,
+            block_size=a.block_size,
+            side_channel_host=a.side_channel_host,
+            side_channel_port=a.side_channel_port,
+            health_interval_s=a.health_interval,
+            health_failures=a.health_failures,
+        ),
+        kv_events=KvEventSettings(
+            endpoint=a.kv_events_endpoint,
+            replay_endpoint=a.kv_events_replay_endpoint,
+            topic=a.kv_events_topic,
+        ),
+        daemon=DaemonSettings(
+            addresses=tuple(x.strip() for x in a.daemon.split(",") if x.strip()),
+            liveness_ttl_s=a.liveness_ttl,
+        ),
+        tap=TapSettings(listen=a.listen, advertise_url=a.advertise_url, tenant_header=a.tenant_header),
+        leases=LeaseSettings(queue_size=a.lease_queue_size),
+    )
+    s.validate()
+    return s

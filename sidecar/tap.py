@@ -1,0 +1,242 @@
+"""The HTTP tap: an aiohttp reverse proxy in front of the engine, for every path.
+
+Answers pass through chunk by chunk as they arrive (each chunk is written to
+the client at once; nothing is buffered but an SSE event's unterminated tail).
+A generation request naming a conversation is rewritten (see
+``sidecar.capture.plan_request``) and its answer read on the way through; when
+the engine finished it normally with D's ``kv_transfer_params``, the turn is
+drafted into a retention and queued for registration — after the answer, and
+never delaying it. Anything the engine does with bad input is passed back as
+the engine answered it. ``/kvferry/metrics`` is the sidecar's own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import aiohttp
+import structlog
+from aiohttp import hdrs, web
+from multidict import CIMultiDict
+
+from sidecar.capture import RequestPlan, SseRewriter, TurnObserver, plan_request, rewrite_json
+from sidecar.drafts import draft_lease
+from sidecar.engine import EngineInstance
+from sidecar.leases import LeaseSender
+from sidecar.metrics import SidecarMetrics
+from sidecar.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+METRICS_PATH = "/kvferry/metrics"
+_HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "Proxy-Connection",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+    )
+)
+_NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length"}
+
+
+def request_headers(headers: Mapping[str, str], tapped: bool) -> CIMultiDict[str]:
+    """Client headers as the engine should get them."""
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower in _NOT_FORWARDED or (tapped and lower == "accept-encoding"):
+            continue
+        out.add(name, value)
+    if tapped:
+        out["Accept-Encoding"] = "identity"  # the tap reads the answer
+    return out
+
+
+def response_headers(headers: Mapping[str, str], rewritten: bool) -> CIMultiDict[str]:
+    """Engine headers as the client should get them."""
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower in _HOP_BY_HOP or (rewritten and lower == "content-length"):
+            continue
+        out.add(name, value)
+    return out
+
+
+def _bad_gateway(message: str) -> web.Response:
+    body = {"error": {"message": message, "type": "BadGateway", "param": None, "code": 502}}
+    return web.json_response(body, status=502)
+
+
+class Tap:
+    """The proxy's request handling."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        http: aiohttp.ClientSession,
+        instance: EngineInstance,
+        leases: LeaseSender,
+        metrics: SidecarMetrics,
+    ) -> None:
+        self._s = settings
+        self._base = settings.engine.url
+        self._http = http
+        self._instance = instance
+        self._leases = leases
+        self._metrics = metrics
+        self._capture = settings.engine.role != "prefill"
+        self._side_channel_host = settings.side_channel_host
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self._s.tap.max_body_bytes)
+        app.router.add_get(METRICS_PATH, self._serve_metrics)
+        app.router.add_route("*", "/{tail:.*}", self.proxy)
+        return app
+
+    async def _serve_metrics(self, request: web.Request) -> web.Response:
+        payload, content_type = self._metrics.render()
+        return web.Response(body=payload, headers={"Content-Type": content_type})
+
+    async def proxy(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        plan = plan_request(
+            request.method, request.path, request.headers, body, self._s.tap.tenant_header, self._capture
+        )
+        tapped = plan is not None
+        self._metrics.proxied.labels("yes" if tapped else "no").inc()
+        try:
+            upstream = await self._http.request(
+                request.method,
+                self._base + request.raw_path,
+                headers=request_headers(request.headers, tapped),
+                data=(plan.body if plan else body) or None,
+                allow_redirects=False,
+                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+            )
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            self._metrics.upstream_errors.labels("connect").inc()
+            log.warning("tap.engine.unreachable", path=request.path, error=str(e) or type(e).__name__)
+            return _bad_gateway(f"engine unreachable: {e}")
+        try:
+            content_type = upstream.headers.get(hdrs.CONTENT_TYPE, "")
+            if plan is None or not plan.capture or upstream.status != 200:
+                if plan is not None and plan.capture:
+                    self._metrics.turns.labels("engine_status").inc()
+                return await self._pass(request, upstream)
+            if content_type.startswith("text/event-stream"):
+                return await self._stream(request, upstream, plan)
+            if "json" in content_type:
+                return await self._json(upstream, plan)
+            self._metrics.turns.labels("not_json").inc()
+            return await self._pass(request, upstream)
+        finally:
+            if upstream.content.at_eof():
+                upstream.release()  # the connection goes back to the pool
+            else:
+                upstream.close()  # the engine sees the client leave and aborts the request
+
+    async def _pass(self, request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            status=upstream.status, reason=upstream.reason, headers=response_headers(upstream.headers, False)
+        )
+        await resp.prepare(request)
+        try:
+            async for chunk in upstream.content.iter_any():
+                await resp.write(chunk)
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return self._broken(request, resp, e)
+        await resp.write_eof()
+        return resp
+
+    def _broken(self, request: web.Request, resp: web.StreamResponse, e: BaseException) -> web.StreamResponse:
+        """The engine failed mid-answer: cut the client's connection so it sees a truncated answer."""
+        self._metrics.upstream_errors.labels("mid_answer").inc()
+        log.warning("tap.engine.failed_mid_answer", path=request.path, error=str(e) or type(e).__name__)
+        request.protocol.force_close()
+        return resp
+
+    async def _json(self, upstream: aiohttp.ClientResponse, plan: RequestPlan) -> web.Response:
+        observer = TurnObserver(strip_token_ids=plan.strip_token_ids)
+        try:
+            raw = await upstream.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            self._metrics.upstream_errors.labels("mid_answer").inc()
+            return _bad_gateway(f"engine failed: {e}")
+        body = rewrite_json(raw, observer)
+        self._conclude(observer, plan)
+        return web.Response(
+            body=body, status=upstream.status, headers=response_headers(upstream.headers, body is not raw)
+        )
+
+    async def _stream(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, plan: RequestPlan
+    ) -> web.StreamResponse:
+        observer = TurnObserver(strip_token_ids=plan.strip_token_ids)
+        sse = SseRewriter(observer)
+        resp = web.StreamResponse(status=upstream.status, headers=response_headers(upstream.headers, True))
+        try:
+            await resp.prepare(request)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    out = sse.feed(chunk)
+                    if out:
+                        await resp.write(out)
+                rest = sse.flush()
+                if rest:
+                    await resp.write(rest)
+            except (aiohttp.ClientError, TimeoutError) as e:
+                return self._broken(request, resp, e)
+            await resp.write_eof()
+            return resp
+        finally:
+            # Also when the client left: if the engine finished the turn, D holds the blocks.
+            self._conclude(observer, plan)
+
+    def _conclude(self, observer: TurnObserver, plan: RequestPlan) -> None:
+        """Draft and queue the retention the answer describes (no I/O, never raises)."""
+        try:
+            turn = observer.finished()
+            if isinstance(turn, str):
+                self._metrics.turns.labels(turn).inc()
+                return
+            epoch = self._instance.observe_engine_id(turn.params.get("remote_engine_id"))
+            draft = draft_lease(
+                turn,
+                tenant=plan.tenant,
+                conversation_id=plan.conversation_id,
+                model=plan.model,
+                epoch=epoch,
+                side_channel_host=self._side_channel_host,
+                now_mono=time.perf_counter(),
+                now_wall=time.time(),
+            )
+            if isinstance(draft, str):
+                self._metrics.turns.labels(draft).inc()
+                return
+            self._metrics.turns.labels("captured").inc()
+            self._leases.submit(draft)
+        except Exception:  # a bug here must not cost the client its answer
+            log.exception("tap.capture.failed", conversation_id=plan.conversation_id)
+
+
+async def start_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve `app`; -> (runner, bound port)."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound = runner.addresses[0]
+    return runner, int(bound[1])

@@ -1,0 +1,107 @@
+"""Fixtures of the sidecar tests: emulated engines, sidecars in front of them, one HTTP session.
+
+Everything is real and on loopback: the daemon (root conftest) on a real etcd,
+emulators with their HTTP server, side channel and ZMQ publisher, sidecars with
+their tap. Ports are picked at runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+import pytest
+
+from controlplane.daemon import Daemon
+from emulator import EmulatorServer
+from sidecar import Settings, Sidecar
+from sidecar.settings import DaemonSettings, EngineSettings, KvEventSettings, TapSettings
+from tests.emulator.helpers import config
+
+StartEmulator = Callable[..., Awaitable[EmulatorServer]]
+StartSidecar = Callable[..., Awaitable[Sidecar]]
+
+
+@pytest.fixture
+async def start_emulator() -> AsyncIterator[StartEmulator]:
+    """Start emulators (config fields as keywords); all are stopped at teardown."""
+    started: list[EmulatorServer] = []
+
+    async def start(**changes: Any) -> EmulatorServer:
+        emu = EmulatorServer(config(**changes), shutdown_timeout=0.5)
+        await emu.start()
+        started.append(emu)
+        return emu
+
+    yield start
+    for emu in reversed(started):
+        await asyncio.wait_for(emu.stop(), timeout=10)
+
+
+def sidecar_settings(emu: EmulatorServer, daemon: Daemon, **changes: Any) -> Settings:
+    """A sidecar in front of `emu`, talking to `daemon`, with short timings for tests.
+
+    Keywords replace fields of the settings groups: ``engine__role="both"``,
+    ``daemon__liveness_ttl_s=2`` ...
+    """
+    s = Settings(
+        engine=EngineSettings(
+            url=emu.http_url,
+            engine_id=f"node-{emu.http_port}",
+            role="decode",
+            side_channel_host="127.0.0.1",
+            side_channel_port=emu.side_channel_port,
+            health_interval_s=0.1,
+            health_timeout_s=1.0,
+            health_failures=2,
+        ),
+        kv_events=KvEventSettings(
+            endpoint=emu.kv_events_endpoint or "",
+            replay_endpoint=emu.kv_events_replay_endpoint or "",
+            topic=emu.config.kv_events_topic,
+            replay_timeout_s=1.0,
+        ),
+        daemon=DaemonSettings(addresses=(daemon.address,), liveness_ttl_s=10, backoff_max_s=0.5),
+        tap=TapSettings(listen="127.0.0.1:0"),
+    )
+    groups: dict[str, dict[str, Any]] = {}
+    for key, value in changes.items():
+        group, _, name = key.partition("__")
+        groups.setdefault(group, {})[name] = value
+    return replace(s, **{g: replace(getattr(s, g), **fields) for g, fields in groups.items()})
+
+
+@pytest.fixture
+async def start_sidecar(daemon: Daemon) -> AsyncIterator[StartSidecar]:
+    """Start sidecars (`sidecar_settings` keywords); all are stopped at teardown."""
+    started: list[Sidecar] = []
+
+    async def start(emu: EmulatorServer, against: Daemon | None = None, **changes: Any) -> Sidecar:
+        sc = Sidecar(sidecar_settings(emu, against or daemon, **changes))
+        await sc.start()
+        started.append(sc)
+        return sc
+
+    yield start
+    for sc in reversed(started):
+        await asyncio.wait_for(sc.stop(), timeout=10)
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def eventually(
+    predicate: Callable[[], Awaitable[bool]], within: float = 5.0, interval: float = 0.02
+) -> None:
+    """Poll until `predicate` holds; fail after `within` seconds."""
+    async with asyncio.timeout(within):
+        while True:
+            if await predicate():
+                return
+            await asyncio.sleep(interval)

@@ -1,0 +1,249 @@
+"""The tap's decisions: request rewrite, reading answers, SSE framing, drafting leases. Pure."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvferry.digests import block_digests, seed
+from sidecar.capture import FinishedTurn, SseRewriter, TurnObserver, plan_request, rewrite_json
+from sidecar.drafts import (
+    LeaseDraft,
+    digests_of,
+    draft_lease,
+    is_loopback,
+    rewrite_remote_host,
+    wall_deadline,
+)
+
+TENANT = "X-Kvferry-Tenant"
+
+
+def _plan(body: Any, headers: dict[str, str] | None = None, path: str = "/v1/chat/completions", **kw: Any):  # type: ignore[no-untyped-def]
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return plan_request("POST", path, headers or {}, raw, TENANT, **kw)
+
+
+def test_requests_without_a_conversation_pass_untouched() -> None:
+    assert _plan({"messages": []}) is None
+    assert _plan(b"{not json") is None
+    assert _plan([1, 2]) is None
+    assert _plan({"conversation_id": "c"}, path="/tokenize") is None
+    assert plan_request("GET", "/v1/chat/completions", {}, b"", TENANT) is None
+
+
+def test_conversation_sources_in_order() -> None:
+    body = {"conversation_id": "from-body", "session_id": "sess-body"}
+    assert _plan(body, {"X-Conversation-Id": "hdr"}).conversation_id == "hdr"
+    assert _plan(body, {"X-Session-ID": "sess-hdr"}).conversation_id == "from-body"
+    assert _plan({"session_id": "sess-body"}, {"X-Session-ID": "sess-hdr"}).conversation_id == "sess-hdr"
+    assert _plan({"session_id": "sess-body"}).conversation_id == "sess-body"
+    assert _plan({"conversation_id": 42}).conversation_id == "42"
+    assert _plan({"conversation_id": "  "}) is None
+
+
+def test_the_body_sent_on() -> None:
+    plan = _plan(
+        {"model": "m", "conversation_id": "c", "session_id": "s", "messages": [], "stream": True},
+        {TENANT: "acme"},
+    )
+    assert plan is not None and plan.tenant == "acme" and plan.model == "m" and plan.strip_token_ids
+    sent = json.loads(plan.body)
+    assert "conversation_id" not in sent and sent["session_id"] == "s" and sent["return_token_ids"] is True
+    asked = _plan({"conversation_id": "c", "return_token_ids": True})
+    assert asked is not None and not asked.strip_token_ids
+
+
+def test_a_prefill_node_only_loses_the_conversation_field() -> None:
+    plan = _plan({"conversation_id": "c", "messages": []}, capture=False)
+    assert plan is not None and not plan.capture and not plan.strip_token_ids
+    assert json.loads(plan.body) == {"messages": []}
+    assert _plan({"messages": []}, {"X-Conversation-Id": "c"}, capture=False) is None
+
+
+D_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_num_tokens": 40}
+
+
+def _stream_chunks() -> list[dict[str, Any]]:
+    return [
+        {"choices": [{"index": 0, "delta": {"role": "assistant"}}], "prompt_token_ids": [1, 2, 3]},
+        {"choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": [7], "finish_reason": None}]},
+        {
+            "choices": [{"index": 0, "delta": {"content": "b"}, "token_ids": [8], "finish_reason": "stop"}],
+            "kv_transfer_params": D_PARAMS,
+        },
+    ]
+
+
+def test_observer_collects_a_streamed_turn_and_strips_ids() -> None:
+    obs = TurnObserver(strip_token_ids=True)
+    chunks = _stream_chunks()
+    assert all(obs.observe(c) for c in chunks)
+    assert not any("token_ids" in json.dumps(c) for c in chunks)
+    turn = obs.finished()
+    assert isinstance(turn, FinishedTurn)
+    assert (turn.prompt_token_ids, turn.output_token_ids, turn.finish_reason) == ([1, 2, 3], [7, 8], "stop")
+    kept = TurnObserver(strip_token_ids=False)
+    chunks = _stream_chunks()
+    assert not any(kept.observe(c) for c in chunks) and chunks[0]["prompt_token_ids"] == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"finish_reason": "abort"}, "abnormal_finish"),
+        ({"finish_reason": None}, "unfinished"),
+        ({"params": {"do_remote_decode": False, "do_remote_prefill": True}}, "no_params"),
+        ({"params": None}, "no_params"),
+    ],
+)
+def test_only_normal_finishes_with_d_params_count(change: dict[str, Any], why: str) -> None:
+    obs = TurnObserver(strip_token_ids=False)
+    body: dict[str, Any] = {
+        "choices": [{"index": 0, "message": {}, "finish_reason": change.get("finish_reason", "length")}],
+        "kv_transfer_params": change.get("params", D_PARAMS),
+    }
+    obs.observe(body)
+    assert obs.finished() == why
+    err = TurnObserver(strip_token_ids=False)
+    err.observe({"error": {"message": "boom", "code": 500}})
+    assert err.finished() == "engine_error"
+
+
+def test_json_answers_keep_their_bytes_unless_stripped() -> None:
+    raw = json.dumps(
+        {"choices": [{"index": 0, "finish_reason": "stop"}], "kv_transfer_params": D_PARAMS}
+    ).encode()
+    assert rewrite_json(raw, TurnObserver(strip_token_ids=True)) is raw
+    with_ids = json.dumps(
+        {"prompt_token_ids": [1], "choices": [{"index": 0, "token_ids": [2], "finish_reason": "stop"}]}
+    ).encode()
+    out = json.loads(rewrite_json(with_ids, TurnObserver(strip_token_ids=True)))
+    assert out == {"prompt_token_ids": None, "choices": [{"index": 0, "finish_reason": "stop"}]}
+    obs = TurnObserver(strip_token_ids=True)
+    assert rewrite_json(b"<html>", obs) == b"<html>" and obs.finished() == "engine_error"
+
+
+def _sse(chunks: list[dict[str, Any]]) -> bytes:
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+@given(st.lists(st.integers(1, 400), min_size=1, max_size=30))
+def test_sse_rewriting_does_not_depend_on_chunk_boundaries(cuts: list[int]) -> None:
+    stream = _sse(_stream_chunks())
+    pieces, at = [], 0
+    for n in cuts:
+        pieces.append(stream[at : at + n])
+        at += n
+    pieces.append(stream[at:])
+    obs = TurnObserver(strip_token_ids=True)
+    sse = SseRewriter(obs)
+    out = b"".join(sse.feed(p) for p in pieces) + sse.flush()
+    events = [e for e in out.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]" and sse.done
+    decoded = [msgspec.json.decode(e[len(b"data: ") :]) for e in events[:-1]]
+    expected = _stream_chunks()
+    reference = TurnObserver(strip_token_ids=True)
+    for chunk in expected:
+        reference.observe(chunk)
+    assert decoded == expected
+    assert isinstance(obs.finished(), FinishedTurn) and obs.finished() == reference.finished()
+
+
+def test_sse_complete_events_are_released_at_once() -> None:
+    sse = SseRewriter(TurnObserver(strip_token_ids=False))
+    assert sse.feed(b'data: {"a": 1}\n\ndata: {"b"') == b'data: {"a": 1}\n\n'
+    assert sse.feed(b": 2}\n\n") == b'data: {"b": 2}\n\n'
+    assert sse.feed(b": keep-alive comment\n\n") == b": keep-alive comment\n\n"
+    assert sse.feed(b"data: tail") == b"" and sse.flush() == b"data: tail"
+    crlf = SseRewriter(TurnObserver(strip_token_ids=True))
+    assert crlf.feed(b'data: {"prompt_token_ids": [1]}\r\n\r\n') == b"data: {}\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("localhost", True),
+        ("127.0.0.1", True),
+        ("127.3.2.1", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("0.0.0.0", True),
+        ("10.0.0.7", False),
+        ("d-1.pods.svc", False),
+        ("fe80::1", False),
+    ],
+)
+def test_loopback_hosts(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+def test_remote_host_rewrite_keeps_everything_else() -> None:
+    params = {"remote_host": "localhost", "remote_port": 5600, "future": [1]}
+    out = rewrite_remote_host(params, "10.1.2.3")
+    assert out == {"remote_host": "10.1.2.3", "remote_port": 5600, "future": [1]}
+    assert params["remote_host"] == "localhost"  # not mutated
+    routable = {"remote_host": "10.9.9.9"}
+    assert rewrite_remote_host(routable, "10.1.2.3") is routable
+
+
+def test_expiry_conversion() -> None:
+    assert wall_deadline(1480.0, now_mono=1000.0, now_wall=1_700_000_000.0) == 1_700_000_480.0
+    assert wall_deadline(990.0, 1000.0, 5000.0) == 4990.0  # past: the caller drops it
+    assert wall_deadline(1000.0 + 7200, 1000.0, 5000.0) is None  # not our clock
+    assert wall_deadline(None, 1000.0, 5000.0) is None and wall_deadline("soon", 0.0, 0.0) is None
+
+
+def _turn(**params: Any) -> FinishedTurn:
+    return FinishedTurn(
+        {**D_PARAMS, "remote_host": "localhost", **params}, list(range(30)), [100, 101, 102], "stop"
+    )
+
+
+def test_draft_from_a_finished_turn() -> None:
+    draft = draft_lease(
+        _turn(remote_num_tokens=32, remote_blocks_expiry_time=1480.0),
+        tenant="t",
+        conversation_id="c",
+        model="",
+        epoch=3,
+        side_channel_host="10.0.0.5",
+        now_mono=1000.0,
+        now_wall=2000.0,
+    )
+    assert isinstance(draft, LeaseDraft)
+    assert draft.num_tokens == 32 and draft.expires_at == 2480.0 and draft.epoch == 3
+    assert draft.tokens == [*range(30), 100, 101] and draft.params["remote_host"] == "10.0.0.5"
+    assert digests_of(draft, "base", 16) == block_digests(draft.tokens, 16, seed("base"))
+    lora = LeaseDraft(**{**draft.__dict__, "model": "my-lora"})
+    assert digests_of(lora, "base", 16) == block_digests(draft.tokens, 16, seed("base", "my-lora"))
+    same = LeaseDraft(**{**draft.__dict__, "model": "base"})
+    assert digests_of(same, "base", 16) == digests_of(draft, "base", 16)
+    assert digests_of(LeaseDraft(**{**draft.__dict__, "tokens": None}), "base", 16) == b""
+
+
+@pytest.mark.parametrize(
+    ("params", "why"),
+    [
+        ({"remote_num_tokens": 0}, "no_tokens"),
+        ({"remote_num_tokens": "many"}, "no_tokens"),
+        ({"remote_blocks_expiry_time": 999.0}, "expired"),
+    ],
+)
+def test_no_draft(params: dict[str, Any], why: str) -> None:
+    got = draft_lease(
+        _turn(**params),
+        tenant="",
+        conversation_id="c",
+        model="",
+        epoch=0,
+        side_channel_host="h",
+        now_mono=1000.0,
+        now_wall=2000.0,
+    )
+    assert got == why

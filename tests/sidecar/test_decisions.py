@@ -1,0 +1,143 @@
+"""Small decisions of the sidecar: engine health and identity, the registration queue, settings. Pure."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from sidecar.drafts import LeaseDraft
+from sidecar.engine import (
+    EngineInstance,
+    Health,
+    HealthTracker,
+    Transition,
+    block_size_of,
+    normalize_engine_id,
+)
+from sidecar.leases import RegistrationQueue, dead_reason, retry_decision
+from sidecar.metrics import SidecarMetrics
+from sidecar.settings import Settings, add_arguments, from_args
+
+
+def test_health_transitions() -> None:
+    t = HealthTracker(failures_to_down=2)
+    assert t.observe(False) is None and t.state is Health.STARTING  # engine still loading
+    assert t.observe(True) is Transition.UP
+    assert t.observe(False) is None  # one failed probe is a blip
+    assert t.observe(True) is None
+    assert t.observe(False) is None and t.observe(False) is Transition.DOWN
+    assert t.observe(False) is None
+    assert t.observe(True) is Transition.RESTARTED and t.state is Health.UP
+
+
+def test_engine_ids_per_dp_rank_are_one_engine() -> None:
+    assert normalize_engine_id("abc_dp3") == "abc" and normalize_engine_id("abc") == "abc"
+
+
+def test_a_new_engine_id_is_a_restart() -> None:
+    instance = EngineInstance(SidecarMetrics())
+    restarts: list[int] = []
+    instance.on_restart(lambda: restarts.append(instance.epoch))
+    instance.set_generation(0, 4)
+    assert instance.observe_engine_id("e1_dp0") == 0
+    assert instance.observe_engine_id("e1_dp1") == 0 and instance.generation == 4
+    assert instance.observe_engine_id(None) == 0
+    assert instance.observe_engine_id("e2") == 1 and restarts == [1]
+    assert instance.generation is None and not instance.registered.is_set()
+    instance.set_generation(0, 9)  # a registration for the old epoch that finished late
+    assert instance.generation is None
+    assert instance.observe_engine_id("e2") == 1
+
+
+def test_block_size_from_vllm_metrics() -> None:
+    text = (
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching="True"} 1.0\n'
+    )
+    assert block_size_of(text) == 32 and block_size_of("vllm:num_requests_running 0\n") is None
+
+
+def _draft(name: str, epoch: int = 0, expires_at: float | None = None) -> LeaseDraft:
+    return LeaseDraft("t", name, {}, 32, expires_at, None, "", epoch)
+
+
+def test_queue_is_capped_and_drops_the_oldest() -> None:
+    q = RegistrationQueue(capacity=2)
+    assert q.push(_draft("a")) is None and q.push(_draft("b")) is None
+    dropped = q.push(_draft("c"))
+    assert dropped is not None and dropped.conversation_id == "a"
+    retried = q.retry(_draft("b2"))  # a retry goes first; the newest yields
+    assert retried is not None and retried.conversation_id == "c"
+    got, dead = q.pop(now_wall=0.0, epoch=0)
+    assert got is not None and got.conversation_id == "b2" and not dead
+
+
+def test_queue_skips_dead_drafts() -> None:
+    q = RegistrationQueue(capacity=10)
+    q.push(_draft("old-engine", epoch=0))
+    q.push(_draft("expired", epoch=1, expires_at=99.0))
+    q.push(_draft("fine", epoch=1, expires_at=200.0))
+    got, dead = q.pop(now_wall=100.0, epoch=1)
+    assert got is not None and got.conversation_id == "fine"
+    assert [(d.conversation_id, why) for d, why in dead] == [
+        ("old-engine", "restarted"),
+        ("expired", "expired"),
+    ]
+    assert dead_reason(_draft("x", epoch=1), 100.0, 1) is None
+
+
+def test_retry_decisions() -> None:
+    assert retry_decision(grpc.StatusCode.UNAVAILABLE, 99, 5) == "requeue"  # not sent: attempts do not count
+    assert retry_decision(grpc.StatusCode.DEADLINE_EXCEEDED, 99, 5) == "requeue"
+    assert retry_decision(grpc.StatusCode.FAILED_PRECONDITION, 2, 5) == "retry"
+    assert retry_decision(grpc.StatusCode.ABORTED, 4, 5) == "retry"
+    assert retry_decision(grpc.StatusCode.ABORTED, 5, 5) == "attempts"  # the fifth try failed
+    assert retry_decision(grpc.StatusCode.INVALID_ARGUMENT, 1, 5) == "failed"
+
+
+def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVFERRY_SIDECAR_ROLE", "both")
+    monkeypatch.setenv("KVFERRY_SIDECAR_LIVENESS_TTL", "4")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    s = from_args(
+        parser.parse_args(
+            [
+                "--engine-url",
+                "http://10.0.0.1:8000/",
+                "--daemon",
+                "a:1, b:2",
+                "--engine-id",
+                "d-7",
+                "--block-size",
+                "32",
+            ]
+        )
+    )
+    assert s.engine.url == "http://10.0.0.1:8000" and s.engine.role == "both" and s.engine.block_size == 32
+    assert s.daemon.addresses == ("a:1", "b:2") and s.daemon.liveness_ttl_s == 4 and s.node_id == "d-7"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--block-size", "many"])
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"engine": {"url": "ftp://x"}},
+        {"engine": {"role": "router"}},
+        {"daemon": {"liveness_ttl_s": 1}},
+        {"daemon": {"addresses": ()}},
+        {"tap": {"listen": "nowhere"}},
+        {"kv_events": {"replay_endpoint": "tcp://x:1"}},
+        {"kv_events": {"endpoint": "127.0.0.1:5557"}},
+    ],
+)
+def test_invalid_settings_are_refused(change: dict[str, dict[str, object]]) -> None:
+    s = Settings()
+    ((group, fields),) = change.items()
+    with pytest.raises(ValueError):
+        replace(s, **{group: replace(getattr(s, group), **fields)}).validate()

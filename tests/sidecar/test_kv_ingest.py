@@ -1,0 +1,216 @@
+"""KV events engine -> sidecar -> daemon index, over real ZMQ and a real daemon."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+from structlog.testing import capture_logs
+
+from controlplane.daemon import Daemon
+from emulator import EmulatorServer
+from kvferry.blockhash import external_block_hash
+from kvferry.v1 import nodes_pb2
+from sidecar import Sidecar
+from tests.conftest import Client, DaemonFactory
+from tests.sidecar.conftest import StartEmulator, StartSidecar, eventually
+from tests.sidecar.helpers import FakePublisher, chat, first_turn
+
+KV = {"kv_events_port": 0, "kv_events_replay_port": 0}
+
+
+def engine_cache(emu: EmulatorServer) -> set[int]:
+    """The hashes the emulated engine caches, as its events name them (test-only peek)."""
+    return {external_block_hash(h) for h in emu.engine.pool._cached}
+
+
+async def index_of(client: Client, engine_id: str, expected: set[int]) -> bool:
+    """Whether the daemon's index of `engine_id` is exactly `expected`."""
+    nodes = (await client.nodes.List(nodes_pb2.ListNodesRequest())).nodes
+    node = next((n for n in nodes if n.engine_id == engine_id), None)
+    if node is None or node.indexed_blocks != len(expected):
+        return False
+    if not expected:
+        return True
+    scores = await client.nodes.Score(nodes_pb2.ScoreRequest(block_hashes=sorted(expected)))
+    return any(s.engine_id == engine_id and s.cached_blocks == len(expected) for s in scores.scores)
+
+
+async def _traffic(http: aiohttp.ClientSession, url: str, topics: list[str]) -> None:
+    for topic in topics:
+        answer = await chat(http, url, first_turn(topic), max_tokens=20, ignore_eos=True)
+        assert answer.status == 200, answer.body
+
+
+async def test_the_index_follows_the_engine_through_evictions_and_resets(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    d = await start_emulator(role="both", num_blocks=48, **KV)
+    sc = await start_sidecar(d)
+    node_id = sc.settings.node_id
+    await _traffic(http, sc.url, ["ferries", "harbours", "lighthouses", "tides"])  # 48 blocks: evictions
+    await eventually(lambda: index_of(client, node_id, engine_cache(d)))
+    assert engine_cache(d)
+    assert sc.metrics.value("kvferry_sidecar_kv_events_decoded_total", type="BlockRemoved") > 0
+
+    async with http.post(sc.url + "/reset_prefix_cache") as r:
+        assert r.status == 200
+    await eventually(lambda: index_of(client, node_id, set()))
+    await _traffic(http, d.http_url, ["canals"])
+    await eventually(lambda: index_of(client, node_id, engine_cache(d)))
+    assert sc.metrics.value("kvferry_sidecar_kv_gaps_total") == 0
+
+
+async def test_a_late_joiner_catches_up_by_replay(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    d = await start_emulator(role="both", **KV)
+    await _traffic(http, d.http_url, ["ferries", "harbours"])  # before any sidecar listens
+    sc = await start_sidecar(d)
+    await eventually(lambda: index_of(client, sc.settings.node_id, engine_cache(d)))
+    assert sc.metrics.value("kvferry_sidecar_kv_payloads_total", source="replay") > 0
+    assert sc.metrics.value("kvferry_sidecar_kv_replays_total", outcome="complete") >= 1
+
+
+class _Dropping:
+    """The publisher's PUB socket, losing the messages whose seq is in `drop` (a lossy network)."""
+
+    def __init__(self, socket: Any, drop: set[int]) -> None:
+        self._socket = socket
+        self.drop = drop
+
+    async def send_multipart(self, frames: list[bytes]) -> None:
+        if int.from_bytes(frames[1], "big", signed=True) in self.drop:
+            return
+        await self._socket.send_multipart(frames)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._socket, name)
+
+
+async def test_lost_messages_are_replayed_and_the_index_is_exact(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    d = await start_emulator(role="both", num_blocks=100, **KV)
+    sc = await start_sidecar(d)
+    node_id = sc.settings.node_id
+    await _traffic(http, d.http_url, ["ferries"])
+    await eventually(lambda: index_of(client, node_id, engine_cache(d)))
+    publisher = d._publisher
+    assert publisher is not None
+    published = publisher.published
+    publisher._pub = _Dropping(publisher._pub, {published, published + 2, published + 3})  # type: ignore[assignment]
+    await _traffic(http, d.http_url, ["harbours", "lighthouses", "tides"])
+    await eventually(lambda: index_of(client, node_id, engine_cache(d)))
+    assert sc.metrics.value("kvferry_sidecar_kv_gaps_total") >= 1
+    assert sc.metrics.value("kvferry_sidecar_kv_replays_total", outcome="complete") >= 2  # start + gap
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakePublisher]:
+    pub = FakePublisher()
+    await pub.start()
+    yield pub
+    await pub.close()
+
+
+async def _counted(sc: Sidecar, name: str) -> bool:
+    return sc.metrics.value(name) > 0
+
+
+def _maps(*events: dict[str, Any]) -> bytes:
+    return msgspec.msgpack.encode([1.0, list(events), 0])
+
+
+async def test_encodings_malformed_payloads_gaps_and_restarts(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, fake: FakePublisher
+) -> None:
+    d = await start_emulator(role="decode")  # the HTTP engine; its KV events come from `fake`
+    sc = await start_sidecar(
+        d, kv_events__endpoint=fake.endpoint, kv_events__replay_endpoint=fake.replay_endpoint
+    )
+    node_id = sc.settings.node_id
+
+    async def index(expected: set[int]) -> None:
+        await eventually(lambda: index_of(client, node_id, expected))
+
+    await fake.publish(0, _maps({"type": "BlockStored", "block_hashes": [1, 2, 3]}))
+    await fake.publish(
+        1, msgspec.msgpack.encode([1.0, [["BlockStored", [4], 3, [], 16, None], ["BlockRemoved", [1]]]])
+    )
+    with capture_logs() as logs:
+        await fake.publish(2, b"\x93garbage")
+        await eventually(lambda: _counted(sc, "kvferry_sidecar_kv_events_malformed_total"))
+    assert [e["seq"] for e in logs if e["event"] == "kvevents.payload.malformed"] == [2]
+    await fake.publish(
+        3, _maps({"type": "BlockEvicted?", "block_hashes": [2]}, {"type": "BlockStored", "block_hashes": [5]})
+    )
+    await index({2, 3, 4, 5})
+    assert sc.metrics.value("kvferry_sidecar_kv_events_malformed_total") == 1
+    assert sc.metrics.value("kvferry_sidecar_kv_events_unknown_total") == 1
+
+    await fake.publish(4, _maps({"type": "BlockStored", "block_hashes": [6]}), deliver=False)  # lost
+    await fake.publish(5, _maps({"type": "BlockStored", "block_hashes": [7]}))
+    await index({2, 3, 4, 5, 6, 7})
+    assert 4 in fake.replays
+
+    await fake.publish(6, _maps({"type": "BlockStored", "block_hashes": [8]}), deliver=False)
+    fake.kept.pop()  # ... and gone from the engine's replay buffer too
+    await fake.publish(7, _maps({"type": "BlockStored", "block_hashes": [9]}))
+    await index({2, 3, 4, 5, 6, 7, 9})  # the best the sidecar can know
+    assert sc.metrics.value("kvferry_sidecar_kv_replays_total", outcome="incomplete") == 1
+
+    await fake.publish(8, _maps({"type": "BlockStored", "block_hashes": [10]}))
+    await index({2, 3, 4, 5, 6, 7, 9, 10})
+    fake.kept.clear()
+    await fake.publish(0, _maps({"type": "BlockStored", "block_hashes": [100]}))  # a new engine
+    await index({100})
+    assert sc.metrics.value("kvferry_sidecar_engine_restarts_total", signal="kv_seq") == 1
+    nodes = (await client.nodes.List(nodes_pb2.ListNodesRequest())).nodes
+    assert [n.generation for n in nodes if n.engine_id == node_id] == [2]
+
+
+async def test_another_replica_rebuilds_the_index_after_failover(
+    daemon: Daemon,
+    client: Client,
+    make_daemon: DaemonFactory,
+    connect: Callable[[Daemon], Client],
+    start_emulator: StartEmulator,
+    start_sidecar: StartSidecar,
+    http: aiohttp.ClientSession,
+) -> None:
+    other = await make_daemon(etcd=daemon.settings.etcd)  # a second replica: same etcd, same prefix
+    d = await start_emulator(role="both", **KV)
+    sc = await start_sidecar(d, daemon__addresses=(daemon.address, other.address))
+    node_id = sc.settings.node_id
+    await _traffic(http, d.http_url, ["ferries"])
+    await eventually(lambda: index_of(client, node_id, engine_cache(d)))
+    await daemon.stop()
+    await eventually(lambda: index_of(connect(other), node_id, engine_cache(d)), within=10)
+
+
+async def test_changes_reach_the_daemon_in_milliseconds_not_heartbeats(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, fake: FakePublisher
+) -> None:
+    d = await start_emulator(role="decode")
+    sc = await start_sidecar(
+        d, kv_events__endpoint=fake.endpoint, kv_events__replay_endpoint=fake.replay_endpoint
+    )  # heartbeats every 10/3 s: a change must not wait for one
+    node_id = sc.settings.node_id
+    await eventually(lambda: index_of(client, node_id, set()))
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    await fake.publish(0, _maps({"type": "BlockStored", "block_hashes": [1]}))
+    await eventually(lambda: index_of(client, node_id, {1}))
+    assert loop.time() - began < 0.5
+    burst = list(range(10, 10 + 60 * 1024))  # several flushes' worth
+    began = loop.time()
+    for i in range(60):
+        chunk = burst[i * 1024 : (i + 1) * 1024]
+        await fake.publish(1 + i, _maps({"type": "BlockStored", "block_hashes": chunk}))
+    await eventually(lambda: index_of(client, node_id, {1, *burst}))
+    assert loop.time() - began < 1.0

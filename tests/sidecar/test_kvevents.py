@@ -1,0 +1,126 @@
+"""Decoding vLLM's KV-event payloads: the current map encoding (real vLLM 0.33 bytes) and the older arrays."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from sidecar.kvevents import (
+    MASK64,
+    Cleared,
+    Decoder,
+    MalformedPayload,
+    Removed,
+    Stored,
+    decode_seq,
+    encode_seq,
+    hash64,
+)
+
+VECTORS = Path("/work/shared/vectors")
+_pack = msgspec.msgpack.encode
+
+
+def test_vllm_033_batch_with_int_hashes() -> None:
+    batch = Decoder().decode((VECTORS / "kv_events_batch_vllm_0.33.0.msgpack").read_bytes())
+    assert batch.events == [
+        Stored([11111111111111111, 22222222222222222]),
+        Stored([33333333333333333]),  # carries group_idx and session_id: ignored
+        Removed([11111111111111111]),
+        Cleared(),
+    ]
+    assert batch.unknown == 0
+
+
+def test_vllm_033_batch_with_byte_hashes_takes_the_low_64_bits() -> None:
+    batch = Decoder().decode((VECTORS / "kv_events_batch_bytes_hashes_vllm_0.33.0.msgpack").read_bytes())
+    digest = bytes(range(32))
+    assert batch.events == [Stored([int.from_bytes(digest[-8:], "big")])]
+
+
+def test_older_array_encoding() -> None:
+    payload = _pack(
+        [
+            1700000000.0,
+            [
+                ["BlockStored", [1, 2], None, list(range(32)), 16, None],  # before `medium`
+                ["BlockStored", [3], 2, list(range(16)), 16, None, "GPU", None, "future-field"],
+                ["BlockRemoved", [1], "GPU"],
+                ["AllBlocksCleared"],
+            ],
+        ]  # no data_parallel_rank: older still
+    )
+    batch = Decoder().decode(payload)
+    assert batch.events == [Stored([1, 2]), Stored([3]), Removed([1]), Cleared()]
+
+
+def test_python_hash_values_are_masked_to_64_bits() -> None:
+    payload = _pack([0.0, [["BlockStored", [-1, -(2**63)], None, [], 16, None]], 0])
+    assert Decoder().decode(payload).events == [Stored([MASK64, 2**63])]
+    assert hash64(-1) == MASK64 and hash64(b"\x01" * 40) == int.from_bytes(b"\x01" * 8, "big")
+
+
+def test_absent_defaults_and_unknown_fields_in_maps() -> None:
+    payload = _pack(
+        [
+            0.0,
+            [
+                {"type": "BlockStored", "block_hashes": [7], "brand_new": {"x": 1}},
+                {"type": "BlockRemoved", "block_hashes": [7]},
+            ],
+        ]
+    )
+    assert Decoder().decode(payload).events == [Stored([7]), Removed([7])]
+
+
+def test_unknown_event_types_are_skipped_and_counted() -> None:
+    payload = _pack(
+        [
+            0.0,
+            [
+                {"type": "BlockStored", "block_hashes": [7]},
+                {"type": "BlockPromoted", "block_hashes": [7], "tier": "CPU"},
+                ["SomethingElse", 1, 2],
+                {"type": "BlockRemoved", "block_hashes": [7]},
+            ],
+            0,
+        ]
+    )
+    batch = Decoder().decode(payload)
+    assert batch.events == [Stored([7]), Removed([7])] and batch.unknown == 2
+
+
+def test_the_decoder_follows_an_engine_that_switches_encodings() -> None:
+    decoder = Decoder()
+    arrays = _pack([0.0, [["BlockStored", [1], None, [], 16, None]]])
+    maps = _pack([0.0, [{"type": "BlockStored", "block_hashes": [2]}]])
+    assert decoder.decode(arrays).events == [Stored([1])]
+    assert decoder.decode(maps).events == [Stored([2])]
+    assert decoder.decode(arrays).events == [Stored([1])]
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        b"\xc1",  # never used in msgpack
+        _pack({"ts": 0.0}),
+        _pack([0.0, "not-a-list"]),
+        _pack([0.0, [{"type": "BlockStored", "block_hashes": "nope"}]]),
+        _pack([0.0, [{"type": "BlockStored"}]]),
+        _pack([0.0, [["BlockRemoved", [1.5]]]]),
+        _pack([0.0, [42]]),
+    ],
+)
+def test_malformed_payloads_raise(payload: bytes) -> None:
+    with pytest.raises(MalformedPayload):
+        Decoder().decode(payload)
+
+
+def test_seq_frames() -> None:
+    assert decode_seq(encode_seq(5)) == 5 and decode_seq(b"\xff" * 8) == -1
+    assert encode_seq(1) == b"\x00" * 7 + b"\x01"
+    with pytest.raises(ValueError):
+        decode_seq(b"\x00" * 4)

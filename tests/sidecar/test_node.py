@@ -1,0 +1,185 @@
+"""The node at the daemon across engine restarts, sidecar stops, daemon outages and refusals."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+
+from controlplane.daemon import Daemon
+from emulator import EmulatorServer
+from kvferry.v1 import leases_pb2, nodes_pb2
+from sidecar import Sidecar
+from tests.conftest import Client, DaemonFactory, daemon_settings, free_port
+from tests.sidecar.conftest import StartEmulator, StartSidecar, eventually, sidecar_settings
+from tests.sidecar.helpers import chat, first_turn, prefill
+
+
+async def _node(client: Client, engine_id: str) -> nodes_pb2.Node | None:
+    nodes = (await client.nodes.List(nodes_pb2.ListNodesRequest(include_dead=True))).nodes
+    return next((n for n in nodes if n.engine_id == engine_id), None)
+
+
+async def _alive_at(client: Client, engine_id: str, generation: int) -> bool:
+    node = await _node(client, engine_id)
+    return node is not None and node.alive and node.generation == generation
+
+
+async def _d_turn(
+    http: aiohttp.ClientSession, p: EmulatorServer, sc: Sidecar, conversation: str, topic: str = "ferries"
+) -> dict[str, Any]:
+    messages = first_turn(topic)
+    p1 = await prefill(http, p.http_url, messages)
+    d1 = await chat(
+        http,
+        sc.url,
+        messages,
+        {"X-Conversation-Id": conversation},
+        max_tokens=8,
+        kv_transfer_params=p1.params,
+    )
+    assert d1.status == 200 and d1.params is not None, d1.body
+    return d1.params
+
+
+async def _lookup(client: Client, conversation: str) -> leases_pb2.LookupResponse:
+    return await client.leases.Lookup(
+        leases_pb2.LookupRequest(conversation_id=conversation, prompt_tokens=10_000, peek=True)
+    )
+
+
+def _fixed_ports(**extra: Any) -> dict[str, Any]:
+    """Emulator config with fixed ports, so that a restarted engine is found at the same address."""
+    return {"port": free_port(), "side_channel_port": free_port(), **extra}
+
+
+async def test_engine_restart_seen_by_health_makes_old_leases_node_restarted(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    p = await start_emulator(role="prefill", enable_prefix_caching=False)
+    ports = _fixed_ports(role="decode")
+    d = await start_emulator(**ports)
+    sc = await start_sidecar(d)
+    node_id = sc.settings.node_id
+    await eventually(lambda: _alive_at(client, node_id, 1))
+    await _d_turn(http, p, sc, "before")
+    assert sc.leases is not None and await sc.leases.wait_idle(5)
+    assert (await _lookup(client, "before")).decision == leases_pb2.PULL
+
+    await d.stop()
+    await eventually(lambda: _gauge(sc, "kvferry_sidecar_engine_up", 0.0))
+    await start_emulator(**ports)  # a new engine process at the same address
+    await eventually(lambda: _alive_at(client, node_id, 2))
+    old = await _lookup(client, "before")
+    assert old.decision == leases_pb2.RECOMPUTE and old.reason == "node_restarted"
+    assert sc.metrics.value("kvferry_sidecar_engine_restarts_total", signal="health") == 1
+
+    await _d_turn(http, p, sc, "after")
+    assert await sc.leases.wait_idle(5)
+    assert (await _lookup(client, "after")).decision == leases_pb2.PULL
+
+
+async def _gauge(sc: Sidecar, name: str, value: float) -> bool:
+    return sc.metrics.value(name) == value
+
+
+async def test_a_new_remote_engine_id_is_a_restart_even_when_health_missed_it(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    p = await start_emulator(role="prefill", enable_prefix_caching=False)
+    ports = _fixed_ports(role="decode")
+    d = await start_emulator(**ports)
+    sc = await start_sidecar(d, engine__health_interval_s=30.0)  # too slow to notice
+    node_id = sc.settings.node_id
+    await eventually(lambda: _alive_at(client, node_id, 1))
+    first = await _d_turn(http, p, sc, "old")
+    assert sc.leases is not None and await sc.leases.wait_idle(5)
+
+    await d.stop()
+    await start_emulator(**ports)
+    second = await _d_turn(http, p, sc, "new")
+    assert second["remote_engine_id"] != first["remote_engine_id"]
+    assert await sc.leases.wait_idle(5)
+    await eventually(lambda: _alive_at(client, node_id, 2))
+    assert (await _lookup(client, "old")).reason == "node_restarted"
+    new = await client.leases.Get(leases_pb2.GetLeaseRequest(conversation_id="new"))
+    assert new.generation == 2, "the new engine's lease waited for the new generation"
+    assert (await _lookup(client, "new")).decision == leases_pb2.PULL
+    assert sc.metrics.value("kvferry_sidecar_engine_restarts_total", signal="engine_id") == 1
+
+
+async def test_stopped_sidecar_means_node_gone_after_the_liveness_ttl(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    p = await start_emulator(role="prefill", enable_prefix_caching=False)
+    d = await start_emulator(role="decode")
+    sc = await start_sidecar(d, daemon__liveness_ttl_s=2)
+    await eventually(lambda: _alive_at(client, sc.settings.node_id, 1))
+    await _d_turn(http, p, sc, "conv")
+    await asyncio.sleep(2.5)  # heartbeats keep a 2 s TTL alive
+    assert (await _lookup(client, "conv")).decision == leases_pb2.PULL
+    await sc.stop()
+    assert (await _lookup(client, "conv")).decision == leases_pb2.PULL  # not before the TTL ...
+    await asyncio.sleep(2.5)
+    gone = await _lookup(client, "conv")  # ... but after it
+    assert gone.decision == leases_pb2.RECOMPUTE and gone.reason == "node_gone"
+
+
+async def test_daemon_outage_leaves_traffic_alone_and_registrations_catch_up(
+    make_daemon: DaemonFactory,
+    etcd_endpoint: str,
+    connect: Any,
+    start_emulator: StartEmulator,
+    http: aiohttp.ClientSession,
+) -> None:
+    settings = daemon_settings(etcd_endpoint)
+    settings = replace(settings, server=replace(settings.server, listen=f"127.0.0.1:{free_port()}"))
+    first = await make_daemon(settings)
+    p = await start_emulator(role="prefill", enable_prefix_caching=False)
+    d = await start_emulator(role="decode")
+    async with Sidecar(sidecar_settings(d, first)) as sc:
+        client = connect(first)
+        await eventually(lambda: _alive_at(client, sc.settings.node_id, 1))
+        await first.stop()
+
+        params = await _d_turn(http, p, sc, "during-outage")  # served all the same
+        assert params["do_remote_decode"] is True
+        await eventually(lambda: _counted(sc, "kvferry_sidecar_lease_registrations_total", outcome="requeue"))
+        assert sc.leases is not None and sc.leases.pending == 1
+
+        second = await make_daemon(settings)  # same address, same etcd and prefix
+        client = connect(second)
+        assert await sc.leases.wait_idle(10)
+        assert sc.metrics.value("kvferry_sidecar_lease_registrations_total", outcome="sent") == 1
+        await eventually(lambda: _alive_at(client, sc.settings.node_id, 1))  # re-attached, same generation
+        assert (await _lookup(client, "during-outage")).decision == leases_pb2.PULL
+
+
+async def _counted(sc: Sidecar, name: str, **labels: str) -> bool:
+    return sc.metrics.value(name, **labels) > 0
+
+
+async def test_refused_attach_re_registers(
+    daemon: Daemon, client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar
+) -> None:
+    d = await start_emulator(role="decode")
+    sc = await start_sidecar(d, daemon__liveness_ttl_s=2)
+    node_id = sc.settings.node_id
+    await eventually(lambda: _alive_at(client, node_id, 1))
+    assert (await client.nodes.Deregister(nodes_pb2.DeregisterNodeRequest(engine_id=node_id))).found
+    await eventually(lambda: _counted(sc, "kvferry_sidecar_attaches_total", outcome="refused"))
+    # Deregistration is final for generation 1: the node comes back as generation 2.
+    await eventually(lambda: _alive_at(client, node_id, 2))
+    assert sc.metrics.value("kvferry_sidecar_node_registrations_total", outcome="restarted") == 1
+
+
+async def test_failover_to_the_next_daemon_address(
+    daemon: Daemon, client: Client, start_emulator: StartEmulator
+) -> None:
+    d = await start_emulator(role="decode")
+    s = sidecar_settings(d, daemon)
+    s = replace(s, daemon=replace(s.daemon, addresses=(f"127.0.0.1:{free_port()}", daemon.address)))
+    async with Sidecar(s) as sc:
+        await eventually(lambda: _alive_at(client, sc.settings.node_id, 1))

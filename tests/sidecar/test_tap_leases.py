@@ -1,0 +1,76 @@
+"""A decode turn through the tap registers a retention the daemon hands to a prefill node."""
+
+from __future__ import annotations
+
+import time
+
+import aiohttp
+
+from kvferry.digests import block_digests, seed
+from kvferry.v1 import leases_pb2, nodes_pb2
+from tests.conftest import Client
+from tests.sidecar.conftest import StartEmulator, StartSidecar, eventually
+from tests.sidecar.helpers import chat, first_turn, next_turn, params_of, prefill, tokenize
+
+MODEL = "kvferry/emulated-model"
+
+
+async def _node_alive(client: Client, engine_id: str) -> bool:
+    nodes = (await client.nodes.List(nodes_pb2.ListNodesRequest())).nodes
+    return any(n.engine_id == engine_id and n.alive for n in nodes)
+
+
+async def test_decode_turn_registers_a_lease_that_prefill_pulls(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    p = await start_emulator(role="prefill", enable_prefix_caching=False)
+    d = await start_emulator(role="decode", side_channel_host="localhost")
+    sc = await start_sidecar(d)
+    node_id = sc.settings.node_id
+    await eventually(lambda: _node_alive(client, node_id))
+
+    messages = first_turn()
+    p1 = await prefill(http, p.http_url, messages)
+    headers = {"X-Conversation-Id": "conv-1", "X-Kvferry-Tenant": "acme"}
+    d1 = await chat(
+        http, sc.url, messages, headers, max_tokens=40, kv_transfer_params=p1.params, return_token_ids=True
+    )
+    assert d1.status == 200, d1.body
+    d_params = d1.params
+    assert d_params is not None and d_params["do_remote_decode"] is True
+    assert d_params["remote_host"] == "localhost"  # the client sees what the engine said
+    assert sc.leases is not None and await sc.leases.wait_idle(5)
+    assert sc.metrics.value("kvferry_sidecar_lease_registrations_total", outcome="sent") == 1
+
+    lease = await client.leases.Get(leases_pb2.GetLeaseRequest(tenant="acme", conversation_id="conv-1"))
+    n = d_params["remote_num_tokens"]
+    sequence = (d1.body["prompt_token_ids"] + d1.body["choices"][0]["token_ids"])[:n]
+    assert lease.engine_id == node_id and lease.num_tokens == n and lease.block_size == 16
+    assert lease.block_digests == block_digests(sequence, 16, seed(MODEL))
+    stored = params_of(lease.kv_transfer_params)
+    assert stored == {**d_params, "remote_host": "127.0.0.1"}
+    assert 470 < lease.expires_at.ToNanoseconds() / 1e9 - time.time() <= 480
+
+    second = next_turn(messages, d1.content)
+    prompt = await tokenize(http, p.http_url, second)
+    decision = await client.leases.Lookup(
+        leases_pb2.LookupRequest(
+            tenant="acme",
+            conversation_id="conv-1",
+            prompt_tokens=len(prompt),
+            prompt_digests=block_digests(prompt, 16, seed(MODEL)),
+        )
+    )
+    assert decision.decision == leases_pb2.PULL, decision
+    handout = params_of(decision.kv_transfer_params)
+    assert handout["remote_host"] == "127.0.0.1" and handout["remote_port"] == d.side_channel_port
+
+    p2 = await prefill(http, p.http_url, second, handout)
+    assert p2.status == 200, p2.body
+    assert p2.pull == "pulled" and p2.count("pulled") == decision.reusable_tokens
+    d2 = await chat(
+        http, sc.url, second, {"X-Conversation-Id": "conv-1"}, max_tokens=40, kv_transfer_params=p2.params
+    )
+    reference = await start_emulator()
+    alone = await chat(http, reference.http_url, second, max_tokens=40)
+    assert d2.content == alone.content
