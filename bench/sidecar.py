@@ -58,6 +58,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _rss_bytes(pid: int) -> int:
+    """Resident set size of a process (Linux /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
 def pct(xs: list[float], p: float) -> float:
     """The p-th percentile of seconds, in milliseconds."""
     s = sorted(xs)
@@ -251,9 +259,19 @@ async def bench(args: argparse.Namespace) -> None:
         remove = removed_payloads(1_000, n, per_event, per_batch)
         phases = (("BlockStored", store, n + 1), ("BlockRemoved", remove, 1))
         for label, payloads, target in phases:
+            rss_before = _rss_bytes(daemon.pid)
             t0 = time.perf_counter()
             publisher.publish_all(payloads)
             secs = await wait_indexed(nodes, target) - t0
+            if label == "BlockStored":
+                grown = _rss_bytes(daemon.pid) - rss_before
+                rows.append(
+                    (
+                        "daemon memory per indexed block",
+                        f"{grown / n:.0f} bytes",
+                        f"daemon RSS grew {grown / 2**20:.1f} MiB for {n:,} blocks",
+                    )
+                )
             rows.append(
                 (
                     f"KV ingest, {label} -> daemon index",
