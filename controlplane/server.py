@@ -296,13 +296,16 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
 
     async def Stream(
         self,
-        request_iterator: AsyncIterator[leases_pb2.LeaseOp],
+        request_iterator: AsyncIterator[leases_pb2.LeaseOpBatch],
         context: grpc.aio.ServicerContext[Any, Any],
-    ) -> AsyncIterator[leases_pb2.LeaseOpResult]:
-        """Run each op as it arrives (up to STREAM_WINDOW at once); answer in completion order."""
-        results: asyncio.Queue[leases_pb2.LeaseOpResult | None] = asyncio.Queue()
+    ) -> AsyncIterator[leases_pb2.LeaseOpResultBatch]:
+        """Run each op as it arrives (up to STREAM_WINDOW at once); answer in completion
+        order, every result that is ready going out in one message."""
+        ready: list[leases_pb2.LeaseOpResult] = []
+        wake = asyncio.Event()
         window = asyncio.Semaphore(STREAM_WINDOW)
         running: set[asyncio.Task[None]] = set()
+        reading = True
 
         async def run(op: leases_pb2.LeaseOp) -> None:
             res = leases_pb2.LeaseOpResult(id=op.id)
@@ -319,31 +322,39 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
                 res.error.code, res.error.message = _status(e).value[0], str(e)
             except Exception:
                 log.exception("rpc.failed", method=f"Leases/Stream.{kind}")
-                res.error.code, res.error.message = (
-                    grpc.StatusCode.INTERNAL.value[0],
-                    f"internal error in {kind}",
-                )
+                res.error.code = grpc.StatusCode.INTERNAL.value[0]
+                res.error.message = f"internal error in {kind}"
             finally:
                 window.release()
                 _STREAM_LATENCY[kind == "lookup"].observe(time.perf_counter() - start)
-            results.put_nowait(res)
+            ready.append(res)
+            wake.set()
 
         async def read() -> None:
+            nonlocal reading
             try:
-                async for op in request_iterator:
-                    await window.acquire()
-                    task = asyncio.create_task(run(op))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
+                async for batch in request_iterator:
+                    for op in batch.ops:
+                        await window.acquire()
+                        task = asyncio.create_task(run(op))
+                        running.add(task)
+                        task.add_done_callback(running.discard)
                 while running:
                     await asyncio.wait(set(running))
             finally:
-                results.put_nowait(None)
+                reading = False
+                wake.set()
 
         reader = asyncio.create_task(read())
         try:
-            while (item := await results.get()) is not None:
-                yield item
+            while True:
+                await wake.wait()
+                wake.clear()
+                if ready:
+                    out, ready[:] = list(ready), []
+                    yield leases_pb2.LeaseOpResultBatch(results=out)
+                elif not reading:
+                    break
             await reader  # surfaces a broken request stream
         finally:
             reader.cancel()

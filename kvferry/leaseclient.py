@@ -1,9 +1,10 @@
 """Client side of Leases/Stream: many concurrent Register and Lookup calls over one
-long-lived gRPC stream (a stream message costs a fraction of a unary call in
-gRPC Python). Shared by the sidecar, the router and the benchmarks.
+long-lived gRPC stream. Shared by the sidecar, the router and the benchmarks.
 
-A broken stream fails the calls in flight with UNAVAILABLE; the next call opens
-a new one. Each call has its own timeout.
+A gRPC message costs far more than an operation in gRPC Python, so calls made
+while a write is in progress leave together in the next message (one op per
+message when idle, many under load). A broken stream fails the calls in flight
+with UNAVAILABLE; the next call opens a new one. Each call has its own timeout.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ class LeaseStream:
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[leases_pb2.LeaseOpResult]] = {}
         self._ids = itertools.count(1)
-        self._write_lock = asyncio.Lock()
+        self._outbox: list[leases_pb2.LeaseOp] = []
+        self._wake = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
         self._open_lock = asyncio.Lock()
 
     async def register(
@@ -57,13 +60,13 @@ class LeaseStream:
         self._pending[op.id] = fut
         try:
             async with asyncio.timeout(deadline_s):
-                call = await self._open()
-                async with self._write_lock:
-                    await call.write(op)
+                await self._open()
+                self._outbox.append(op)
+                self._wake.set()
                 res = await fut
         except TimeoutError:
             raise LeaseOpError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {deadline_s}s") from None
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
             await self._reset()
             raise LeaseOpError(grpc.StatusCode.UNAVAILABLE, f"lease stream broke: {e}") from e
         finally:
@@ -72,25 +75,42 @@ class LeaseStream:
             raise LeaseOpError(_CODES.get(res.error.code, grpc.StatusCode.UNKNOWN), res.error.message)
         return res
 
+    async def _write(self, call: Any) -> None:
+        """The stream's only writer: sends whatever is in the outbox, one message at a time.
+
+        Callers never write themselves, so a caller that times out cannot cancel a
+        write half-way (which would end the whole stream)."""
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                while self._outbox:
+                    batch, self._outbox = self._outbox, []
+                    await call.write(leases_pb2.LeaseOpBatch(ops=batch))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            call.cancel()  # the reader sees the stream end and fails what is in flight
+
     async def _open(self) -> Any:
         if self._call is not None:
             return self._call
         async with self._open_lock:
             if self._call is None:
                 self._call = self._stub.Stream()  # type: ignore[call-arg]  # written to, not iterated
-                self._reader = asyncio.create_task(self._read(self._call))
+                self._writer = asyncio.create_task(self._write(self._call))
+                self._reader = asyncio.create_task(self._read(self._call, self._writer))
             return self._call
 
-    async def _read(self, call: Any) -> None:
+    async def _read(self, call: Any, writer: asyncio.Task[None]) -> None:
         error: BaseException = LeaseOpError(grpc.StatusCode.UNAVAILABLE, "lease stream ended")
         try:
             while True:
-                res = await call.read()
-                if res is _EOF:
+                batch = await call.read()
+                if batch is _EOF:
                     break
-                fut = self._pending.get(res.id)
-                if fut is not None and not fut.done():
-                    fut.set_result(res)
+                for res in batch.results:
+                    fut = self._pending.get(res.id)
+                    if fut is not None and not fut.done():
+                        fut.set_result(res)
         except grpc.aio.AioRpcError as e:
             error = LeaseOpError(
                 grpc.StatusCode.UNAVAILABLE, f"lease stream broke: {e.code().name}: {e.details()}"
@@ -99,14 +119,17 @@ class LeaseStream:
             error = LeaseOpError(grpc.StatusCode.CANCELLED, "lease stream closed")
             raise
         finally:
+            writer.cancel()
             if self._call is call:
                 self._call = None
+                self._outbox = []
             for fut in self._pending.values():
                 if not fut.done():
                     fut.set_exception(error)
 
     async def _reset(self) -> None:
         call, self._call = self._call, None
+        self._outbox = []
         if call is not None:
             call.cancel()
 
@@ -117,6 +140,10 @@ class LeaseStream:
             with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
                 await call.done_writing()
             call.cancel()
+        if self._writer is not None:
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
         if reader is not None:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -21,11 +21,14 @@ async def test_stream_multiplexes_register_and_lookup_with_per_op_errors(client:
     ops.append(leases_pb2.LeaseOp(id=999, register=bad))
     ops.append(leases_pb2.LeaseOp(id=1000))  # no op at all
 
-    async def requests(items: list[leases_pb2.LeaseOp]) -> AsyncIterator[leases_pb2.LeaseOp]:
-        for op in items:
-            yield op
+    async def requests(items: list[leases_pb2.LeaseOp]) -> AsyncIterator[leases_pb2.LeaseOpBatch]:
+        for i in range(0, len(items), 7):  # several ops per message, as LeaseStream sends them
+            yield leases_pb2.LeaseOpBatch(ops=items[i : i + 7])
 
-    results = {r.id: r async for r in client.leases.Stream(requests(ops))}
+    async def run(items: list[leases_pb2.LeaseOp]) -> list[leases_pb2.LeaseOpResult]:
+        return [r async for batch in client.leases.Stream(requests(items)) for r in batch.results]
+
+    results = {r.id: r for r in await run(ops)}
     assert set(results) == set(range(50)) | {999, 1000}
     assert all(results[i].WhichOneof("result") == "register" for i in range(50))
     assert results[999].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -33,7 +36,7 @@ async def test_stream_multiplexes_register_and_lookup_with_per_op_errors(client:
     assert results[1000].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
     lookups = [leases_pb2.LeaseOp(id=i, lookup=lookup_request(f"s-{i % 50}")) for i in range(100)]
-    answers = [r async for r in client.leases.Stream(requests(lookups))]
+    answers = await run(lookups)
     pulls = [r for r in answers if r.lookup.decision == leases_pb2.PULL]
     assert len(answers) == 100 and len(pulls) == 50, "each lease handed out exactly once"
     assert {r.id % 50 for r in pulls} == set(range(50))
@@ -84,3 +87,31 @@ def test_block_index_applies_net_effect_in_order() -> None:
     assert idx.count("a") == 1 and idx.contains("a", 8)
     idx.drop("a")
     assert idx.total() == 0
+
+
+async def test_lease_stream_client_batches_under_load_and_survives_timeouts(client: Client) -> None:
+    from kvferry.leaseclient import LeaseOpError, LeaseStream
+
+    await client.nodes.Register(node_request("d-1"))
+    stream = LeaseStream(client.channel)
+    try:
+        regs = await asyncio.gather(*(stream.register(lease_request(f"b-{i}"), 10) for i in range(200)))
+        assert all(r.lease.engine_id == "d-1" for r in regs)
+        looks = await asyncio.gather(*(stream.lookup(lookup_request(f"b-{i}"), 10) for i in range(200)))
+        assert all(r.decision == leases_pb2.PULL for r in looks)
+        bad = lease_request("b-bad")
+        bad.conversation_id = ""
+        try:
+            await stream.register(bad, 10)
+            raise AssertionError("expected an error")
+        except LeaseOpError as e:
+            assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "conversation_id" in e.message
+        # A deadline too short to be met fails that call only; the stream goes on.
+        try:
+            await stream.lookup(lookup_request("b-0"), 0.000001)
+        except LeaseOpError as e:
+            assert e.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        again = await stream.lookup(lookup_request("b-1", peek=True), 10)
+        assert again.reason == "already_claimed"
+    finally:
+        await stream.close()

@@ -503,3 +503,47 @@ class LeaseOpResult(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
 Global___LeaseOpResult: _TypeAlias = LeaseOpResult  # noqa: Y015
+
+@_typing.final
+class LeaseOpBatch(_message.Message):
+    """Operations sent together; each is run on its own, as if sent alone."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___LeaseOp]: ...
+    def __init__(
+        self,
+        *,
+        ops: _abc.Iterable[Global___LeaseOp] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaseOpBatch: _TypeAlias = LeaseOpBatch  # noqa: Y015
+
+@_typing.final
+class LeaseOpResultBatch(_message.Message):
+    """Results that were ready together, in completion order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___LeaseOpResult]: ...
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___LeaseOpResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaseOpResultBatch: _TypeAlias = LeaseOpResultBatch  # noqa: Y015
