@@ -1,0 +1,427 @@
+"""Router benchmark: what the router adds to a turn, and what reuse saves.
+
+1. Overhead. TTFT of the same P-then-D sequence issued directly by the client
+   (P's sidecar, then D's sidecar), through the kvferry router (plain P/D: no
+   conversation id), and through an aiohttp stand-in for vLLM's example
+   multi-turn proxy (``examples/disaggregated/disaggregated_serving/
+   disagg_proxy_multiturn.py``), all against the same engines in the same run,
+   interleaved, one request at a time. Engines with no simulated delays, so
+   the differences are the hops. The reuse path's own work (tokenize, digests,
+   lookup) is reported from the router's stage histograms.
+
+   The stand-in re-creates that proxy's per-request structure, not its code:
+   the body parsed and re-serialized with the stdlib ``json`` for P and again
+   for D, P's answer parsed, D's stream relayed line by line with every
+   ``data:`` line parsed (to capture ``kv_transfer_params``) and each line
+   written on its own. The original runs on FastAPI/uvicorn with httpx, which
+   cost more per request than aiohttp; so the stand-in's figure is a lower
+   bound of the original's.
+
+2. Emulated TTFT speedup at 8k, 32k and 64k-token contexts: turn 2 of a
+   conversation through kvferry vs the same turn with reuse off, on engines
+   with the timing model (prefill 0.05 ms/token, KV transfer 0.05 ms/block,
+   decode 2 ms/token). The ideal speedup is the ratio of the model's costs for
+   what the engines actually did (computed tokens and transferred blocks, read
+   off their metrics around each request); efficiency = measured / ideal.
+
+    python -m bench.router [--requests 300] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from bench.demo import TIMING, Deployment, deployment, free_port, pct, timing_text
+from emulator import EmulatorServer
+from kvferry import logs
+from router import Router
+
+CHAT = "/v1/chat/completions"
+FRESH = {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def counter(emu: EmulatorServer, family: str) -> float:
+    """Sum of a counter family of an engine's metrics."""
+    total = 0.0
+    for metric in emu.engine.metrics.registry.collect():
+        if metric.name == family:
+            total += sum(s.value for s in metric.samples if s.name.endswith("_total"))
+    return total
+
+
+async def first_token(response: aiohttp.ClientResponse, t0: float) -> tuple[float, int, str]:
+    """Seconds to the first content token of a stream, the prompt tokens (when reported), the text."""
+    ttft, prompt = 0.0, 0
+    text: list[str] = []
+    async for raw in response.content:
+        line = raw.strip()
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if event.get("usage"):
+            prompt = event["usage"]["prompt_tokens"]
+        for choice in event.get("choices") or []:
+            piece = (choice.get("delta") or {}).get("content")
+            if piece:
+                if not ttft:
+                    ttft = time.perf_counter() - t0
+                text.append(piece)
+    return ttft, prompt, "".join(text)
+
+
+# -- 1. overhead ------------------------------------------------------------------------------
+
+
+async def direct(http: aiohttp.ClientSession, p_url: str, d_url: str, body: dict[str, Any]) -> float:
+    """The P-then-D sequence, issued by the client itself."""
+    t0 = time.perf_counter()
+    prefill = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": FRESH}
+    async with http.post(p_url + CHAT, json=prefill) as r:
+        params = (await r.json())["kv_transfer_params"]
+    async with http.post(d_url + CHAT, json={**body, "kv_transfer_params": params}) as r:
+        return (await first_token(r, t0))[0]
+
+
+async def through(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> float:
+    t0 = time.perf_counter()
+    async with http.post(url + CHAT, json=body) as r:
+        assert r.status == 200, await r.text()
+        return (await first_token(r, t0))[0]
+
+
+class MultiturnProxyStandIn:
+    """The per-request structure of vLLM's example multi-turn P/D proxy, on aiohttp."""
+
+    def __init__(self, p_url: str, d_url: str) -> None:
+        self.p_url, self.d_url = p_url, d_url
+        self.cache: dict[str, dict[str, Any]] = {}
+        self.http: aiohttp.ClientSession | None = None
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        assert self.http is not None
+        req = json.loads(await request.read())
+        conversation = req.pop("conversation_id", "")
+        cached = self.cache.pop(conversation, None) if conversation else None
+        req["kv_transfer_params"] = {**cached, **FRESH} if cached else dict(FRESH)
+        payload = dict(req)
+        payload.update(stream=False, max_tokens=1)
+        for name in ("max_completion_tokens", "min_tokens", "stream_options"):
+            payload.pop(name, None)
+        headers = {"Content-Type": "application/json"}
+        async with self.http.post(self.p_url + CHAT, data=json.dumps(payload), headers=headers) as r:
+            answer = json.loads(await r.read())
+        if answer.get("kv_transfer_params"):
+            req["kv_transfer_params"] = answer["kv_transfer_params"]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        async with self.http.post(
+            self.d_url + CHAT, data=json.dumps({**req, "stream": True}), headers=headers
+        ) as r:
+            async for raw in r.content:
+                line = raw.decode().rstrip("\n")
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    if chunk.get("kv_transfer_params") and conversation:
+                        self.cache[conversation] = chunk["kv_transfer_params"]
+                await resp.write((line + "\n").encode())
+        await resp.write_eof()
+        return resp
+
+    async def start(self) -> None:
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        app = web.Application()
+        app.router.add_post(CHAT, self.handle)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        port = free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self.http is not None:
+            await self.http.close()
+
+
+def _stage_mean(router: Router, stage: str) -> float:
+    """Mean time of a router stage so far, ms."""
+    reg = router.metrics.registry
+    count = reg.get_sample_value("kvferry_router_stage_seconds_count", {"stage": stage}) or 0.0
+    total = reg.get_sample_value("kvferry_router_stage_seconds_sum", {"stage": stage}) or 0.0
+    return total / count * 1e3 if count else float("nan")
+
+
+async def overhead(requests: int, prompt_tokens: int) -> None:
+    # D pins every answer's blocks for the next turn (vLLM's bidirectional mode): a short pin
+    # and a large pool, so that thousands of one-off requests never run D out of blocks.
+    async with deployment(None, {"num_blocks": 65536, "decoder_kv_blocks_ttl": 10.0}) as dep:
+        p_url = dep.sidecars[0].url
+        d_url = dep.sidecars[1].url
+        proxy = MultiturnProxyStandIn(p_url, d_url)
+        await proxy.start()
+        rng = random.Random(3)
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+                paths: dict[str, Callable[[dict[str, Any]], Awaitable[float]]] = {
+                    "direct P then D": lambda b: direct(http, p_url, d_url, b),
+                    "kvferry router": lambda b: through(http, dep.plain.url, b),
+                    "multi-turn proxy stand-in": lambda b: through(http, proxy.url, b),
+                }
+                times: dict[str, list[float]] = {name: [] for name in paths}
+                for i in range(requests + 20):
+                    body = {
+                        "messages": [{"role": "user", "content": _filler(rng, prompt_tokens)}],
+                        "max_tokens": 8,
+                        "stream": True,
+                    }
+                    order = list(paths)
+                    rng.shuffle(order)
+                    for name in order:
+                        t = await paths[name](body)
+                        if i >= 20:  # warm-up
+                            times[name].append(t * 1e3)
+                # The reuse path's own work, on conversation turns through the kvferry router.
+                messages = [{"role": "user", "content": _filler(rng, prompt_tokens)}]
+                for turn in range(40):
+                    body = {"messages": messages, "max_tokens": 8, "stream": True, "conversation_id": "c"}
+                    async with http.post(dep.kvferry.url + CHAT, json=body) as r:
+                        text = await _text(r)
+                    messages = [
+                        *messages,
+                        {"role": "assistant", "content": text},
+                        {"role": "user", "content": f"{turn}"},
+                    ]
+                    await asyncio.sleep(0.02)
+                wrong = await edited_history(http, dep, proxy, rng)
+        finally:
+            await proxy.stop()
+    base = times["direct P then D"]
+    print(f"\n1. Router overhead: TTFT, {requests} requests per path, ~{prompt_tokens}-token prompts")
+    print(f"   {'path':<28} {'p50':>8} {'p90':>8} {'p99':>8} {'+p50 vs direct':>15}")
+    for name, xs in times.items():
+        print(
+            f"   {name:<28} {pct(xs, 50):>6.2f}ms {pct(xs, 90):>6.2f}ms {pct(xs, 99):>6.2f}ms "
+            f"{pct(xs, 50) - pct(base, 50):>+13.2f}ms"
+        )
+    print(
+        f"   edited history (the client drops half of the previous answer), {EDITED} conversations: "
+        f"wrong answers: kvferry {wrong['kvferry']}, multi-turn proxy stand-in {wrong['stand-in']}"
+    )
+    print(
+        f"   reuse path (40 conversation turns, ~{prompt_tokens}-token prompts growing), the router's own "
+        f"work, mean: tokenize {_stage_mean(dep.kvferry, 'tokenize'):.2f}ms, "
+        f"digests + lookup {_stage_mean(dep.kvferry, 'lookup'):.2f}ms"
+    )
+
+
+EDITED = 10
+
+
+async def edited_history(
+    http: aiohttp.ClientSession, dep: Deployment, proxy: MultiturnProxyStandIn, rng: random.Random
+) -> dict[str, int]:
+    """Turn 2 after the client cut the previous answer short: how many answers differ from
+    the no-reuse answer, through kvferry and through the stand-in."""
+    wrong = {"kvferry": 0, "stand-in": 0}
+    urls = {"kvferry": dep.kvferry.url, "stand-in": proxy.url}
+    for i in range(EDITED):
+        messages = [{"role": "user", "content": _filler(rng, 2000)}]
+        turn1 = {"messages": messages, "max_tokens": 40, "ignore_eos": True, "stream": True}
+        answers = {}
+        for name, url in urls.items():
+            async with http.post(url + CHAT, json={**turn1, "conversation_id": f"edit-{name}-{i}"}) as r:
+                answers[name] = await _text(r)
+        await asyncio.sleep(0.05)  # D's sidecar registers kvferry's turn
+        answer = answers["kvferry"]
+        turn2 = [
+            *messages,
+            {"role": "assistant", "content": answer[: len(answer) // 2]},
+            {"role": "user", "content": "And?"},
+        ]
+        async with http.post(dep.plain.url + CHAT, json={**turn1, "messages": turn2}) as r:
+            truth = await _text(r)
+        for name, url in urls.items():
+            body = {**turn1, "messages": turn2, "conversation_id": f"edit-{name}-{i}"}
+            async with http.post(url + CHAT, json=body) as r:
+                wrong[name] += await _text(r) != truth
+    return wrong
+
+
+def _filler(rng: random.Random, chars: int) -> str:
+    return "".join(rng.choice("abcdefghij klmnop qrstuv wxyz.\n") for _ in range(chars))
+
+
+async def _text(r: aiohttp.ClientResponse) -> str:
+    out = []
+    async for raw in r.content:
+        line = raw.strip()
+        if line.startswith(b"data: {"):
+            for c in json.loads(line[6:]).get("choices") or []:
+                out.append((c.get("delta") or {}).get("content") or "")
+    return "".join(out)
+
+
+# -- 2. speedup ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    ttft_s: float
+    prompt: int
+    model_ms: float
+    reused: int
+    answer: str
+    router_ms: float = 0.0
+    """The router's own reuse work for this turn: tokenize + digests + lookup."""
+
+
+def _stage_sums(router: Router) -> float:
+    reg = router.metrics.registry
+    return sum(
+        reg.get_sample_value("kvferry_router_stage_seconds_sum", {"stage": stage}) or 0.0
+        for stage in ("tokenize", "lookup")
+    )
+
+
+async def measured_turn(
+    http: aiohttp.ClientSession, dep: Deployment, url: str, body: dict[str, Any]
+) -> Sample:
+    """One streamed turn; its TTFT and the timing model's cost of what the engines did for it."""
+    p, d = dep.prefill, dep.decode
+
+    def engine_counts() -> list[float]:
+        return [
+            counter(p, "kvferry_emulator:kv_pulled_tokens"),
+            counter(p, "kvferry_emulator:kv_pulled_blocks"),
+            counter(d, "kvferry_emulator:kv_pulled_tokens"),
+            counter(d, "kvferry_emulator:kv_pulled_blocks"),
+            counter(d, "vllm:prefix_cache_hits"),
+        ]
+
+    before, stages = engine_counts(), _stage_sums(dep.kvferry)
+    t0 = time.perf_counter()
+    async with http.post(url + CHAT, json={**body, "stream_options": {"include_usage": True}}) as r:
+        assert r.status == 200, await r.text()
+        reused = int(r.headers.get("X-Kvferry-Reused-Tokens", "0"))
+        ttft, prompt, answer = await first_token(r, t0)
+    p_tokens, p_blocks, d_tokens, d_blocks, d_hits = (
+        a - b for a, b in zip(engine_counts(), before, strict=True)
+    )
+    p_computed = prompt - p_tokens
+    d_computed = max(prompt - d_tokens - d_hits, 1)
+    model_ms = TIMING["prefill_ms_per_token"] * (p_computed + d_computed) + TIMING[
+        "transfer_ms_per_block"
+    ] * (p_blocks + d_blocks)
+    router_ms = (_stage_sums(dep.kvferry) - stages) * 1e3
+    return Sample(ttft, prompt, model_ms, reused, answer, router_ms)
+
+
+async def speedup(lengths: Sequence[int], repeats: int) -> None:
+    d_blocks = sum(lengths) * repeats * 6 // 16 + 16384
+    rows = []
+    async with (
+        deployment(
+            {**TIMING, "num_blocks": 2 * max(lengths) // 16 + 4096},
+            {**TIMING, "num_blocks": d_blocks, "decoder_kv_blocks_ttl": 600.0},
+        ) as dep,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http,
+    ):
+        proxy = MultiturnProxyStandIn(dep.sidecars[0].url, dep.sidecars[1].url)
+        await proxy.start()
+        rng = random.Random(5)
+        try:
+            for length in lengths:
+                runs: dict[str, list[Sample]] = {"off": [], "kvferry": [], "stand-in": []}
+                for i in range(repeats):
+                    messages = [
+                        {"role": "system", "content": _filler(rng, length - 600)},
+                        {"role": "user", "content": f"Question {i}: " + _filler(rng, 200)},
+                    ]
+                    urls = {"off": dep.plain.url, "kvferry": dep.kvferry.url, "stand-in": proxy.url}
+                    turn1 = {"messages": messages, "max_tokens": 16, "stream": True}
+                    answers = set()
+                    for name in ("kvferry", "stand-in"):  # turn 1, leaving D's blocks for turn 2
+                        async with http.post(
+                            urls[name] + CHAT, json={**turn1, "conversation_id": f"{name}-{length}-{i}"}
+                        ) as r:
+                            answers.add(await _text(r))
+                    assert len(answers) == 1, answers  # (reuse's correctness is section 3's business)
+                    await asyncio.sleep(0.1)  # D's sidecar registers kvferry's turn
+                    tool = {"role": "tool", "content": _filler(rng, 400)}
+                    turn2 = [*messages, {"role": "assistant", "content": answers.pop()}, tool]
+                    order = list(urls)
+                    rng.shuffle(order)  # neither always meets a warmer engine
+                    for name in order:
+                        body = {**turn1, "messages": turn2, "conversation_id": f"{name}-{length}-{i}"}
+                        runs[name].append(await measured_turn(http, dep, urls[name], body))
+                    assert len({runs[n][-1].answer for n in urls}) == 1, "answers differ"
+                rows.append(runs)
+        finally:
+            await proxy.stop()
+    print(f"\n2. Emulated TTFT speedup, turn 2 vs reuse off ({timing_text()}), {repeats} conversations each")
+    print(
+        f"   {'context':>8} {'reused':>6} | {'TTFT off':>8} {'kvferry':>8} {'speedup':>7} | "
+        f"{'model off':>9} {'model on':>8} {'ideal':>6} | {'of ideal':>8} | {'router':>6} "
+        f"{'stand-in':>8} {'speedup':>7}"
+    )
+    for runs in rows:
+        on, off, toy = runs["kvferry"], runs["off"], runs["stand-in"]
+
+        def p50(xs: list[Sample], key: Callable[[Sample], float]) -> float:
+            return statistics.median(key(x) for x in xs)
+
+        t_on, t_off, t_toy = (p50(xs, lambda x: x.ttft_s * 1e3) for xs in (on, off, toy))
+        m_on, m_off = p50(on, lambda x: x.model_ms), p50(off, lambda x: x.model_ms)
+        measured, ideal = t_off / t_on, m_off / m_on
+        reused = sum(x.reused for x in on) / sum(x.prompt for x in on)
+        print(
+            f"   {on[0].prompt:>8,} {reused:>6.0%} | {t_off:>6.0f}ms {t_on:>6.0f}ms {measured:>6.2f}x | "
+            f"{m_off:>7.0f}ms {m_on:>6.0f}ms {ideal:>5.2f}x | {measured / ideal:>8.0%} | "
+            f"{p50(on, lambda x: x.router_ms):>4.1f}ms {t_toy:>6.0f}ms {t_off / t_toy:>6.2f}x"
+        )
+    print(
+        "   model = the timing model's cost of the tokens the engines computed and the blocks they moved;\n"
+        "   router = tokenize + digests + lookup, the work kvferry adds to verify and claim a reuse;\n"
+        "   stand-in = the multi-turn proxy's reuse (D's last params, unverified) on the same engines."
+    )
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    print(f"kvferry router benchmark ({'uvloop' if args.uvloop else 'asyncio'}; everything on this machine)")
+    await overhead(args.requests, args.prompt_chars)
+    await speedup(args.lengths, args.repeats)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.router", description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=300, help="requests per path in the overhead test")
+    p.add_argument("--prompt-chars", type=int, default=2000, help="prompt size in the overhead test")
+    p.add_argument("--repeats", type=int, default=5, help="conversations per context length")
+    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[8192, 32768, 65536])
+    p.add_argument("--no-uvloop", dest="uvloop", action="store_false")
+    args = p.parse_args(argv)
+    logs.configure("warning")
+    if args.uvloop:
+        import uvloop
+
+        return uvloop.run(main_async(args))
+    return asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

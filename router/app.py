@@ -1,0 +1,132 @@
+"""One router, in-process: ``async with Router(settings) as r: ... r.url ...``.
+
+Starts the HTTP session to the engines, the daemon client (when addresses are
+given), the node directory and its refresh task, and the HTTP server. `stop`
+lets in-flight answers finish (the server's grace), then cancels the refresh
+and closes every channel and connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from types import TracebackType
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from router.control import ControlPlane
+from router.http_api import build_app
+from router.metrics import RouterMetrics
+from router.nodes import Load, NodeDirectory
+from router.settings import Settings, host_port
+from router.turn import Shared
+from router.upstream import Engines
+
+log = structlog.get_logger(__name__)
+
+
+class Router:
+    """A running router; `start()` then `stop()`, or `async with`."""
+
+    def __init__(self, settings: Settings) -> None:
+        settings.validate()
+        self.settings = settings
+        self.metrics = RouterMetrics()
+        self.port = 0
+        self.control: ControlPlane | None = None
+        self.directory: NodeDirectory | None = None
+        self._http: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._refresh: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:PORT``."""
+        host, _ = host_port(self.settings.server.listen)
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+
+    async def start(self, nodes_timeout_s: float = 5.0) -> None:
+        """Serve; waits up to `nodes_timeout_s` for a first node list (serving 503 until then)."""
+        s = self.settings
+        try:
+            self._http = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30),
+                auto_decompress=False,
+            )
+            if s.daemon.addresses:
+                self.control = ControlPlane(s.daemon.addresses, s.daemon)
+            directory = self.directory = NodeDirectory(s, self.control, self._http)
+            self.metrics.track_nodes(
+                lambda: {
+                    "prefill": sum(n.prefills for n in directory.nodes),
+                    "decode": sum(n.decodes for n in directory.nodes),
+                }
+            )
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(nodes_timeout_s):
+                    while True:
+                        await directory.refresh()
+                        if directory.ready.is_set():
+                            break
+                        await asyncio.sleep(0.1)
+            self._refresh = asyncio.create_task(directory.run(), name="router-nodes")
+            shared = Shared(
+                settings=s,
+                engines=Engines(self._http, s.upstream),
+                directory=directory,
+                load=Load(),
+                control=self.control,
+                metrics=self.metrics,
+                tickets=itertools.count(),
+            )
+            self._runner = web.AppRunner(
+                build_app(shared),
+                handler_cancellation=True,
+                access_log=None,
+                shutdown_timeout=s.server.shutdown_grace_s,
+            )
+            await self._runner.setup()
+            host, port = host_port(s.server.listen)
+            await web.TCPSite(self._runner, host, port).start()
+            self.port = int(self._runner.addresses[0][1])
+        except BaseException:
+            await self.stop()
+            raise
+        log.info(
+            "router.started",
+            url=self.url,
+            daemon=list(s.daemon.addresses),
+            nodes=[n.engine_id for n in directory.nodes],
+            reuse=s.reuse.enabled,
+        )
+
+    async def stop(self) -> None:
+        """Stop serving (in-flight answers get the grace), then everything else; idempotent."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._refresh is not None:
+            self._refresh.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresh
+            self._refresh = None
+        if self.control is not None:
+            await self.control.close()
+            self.control = None
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    async def __aenter__(self) -> Router:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()

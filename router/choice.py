@@ -1,0 +1,94 @@
+"""Which engines serve a turn. Pure: plain data in, a node out.
+
+- Prefill (P): least loaded, preferring the P whose prefix cache holds most of
+  the prompt (Nodes/Score). A P caching more wins unless it is busier than the
+  least loaded P by more than `load_slack` requests: a cached prefix saves
+  compute, a queue costs all of it.
+- Decode (D): least outstanding requests.
+
+Ties rotate with a counter the caller bumps, so equal nodes share the work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+PREFILL_ROLES = frozenset({"prefill", "both"})
+DECODE_ROLES = frozenset({"decode", "both"})
+
+
+@dataclass(frozen=True)
+class Node:
+    """An engine as the router routes to it."""
+
+    engine_id: str
+    """Stable id (the daemon's engine id; the URL for static nodes)."""
+    role: str
+    """prefill, decode or both."""
+    url: str
+    """Base URL requests go to (the node's sidecar when it has one)."""
+    model: str = ""
+    """Base model ("" = unknown)."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    indexed_blocks: int = 0
+    """Blocks the daemon's KV-event index holds for it (0: scoring it is pointless)."""
+
+    @property
+    def prefills(self) -> bool:
+        return self.role in PREFILL_ROLES
+
+    @property
+    def decodes(self) -> bool:
+        return self.role in DECODE_ROLES
+
+
+def _rotate(best: list[Node], tiebreak: int) -> Node:
+    return best[tiebreak % len(best)]
+
+
+def choose_decode(
+    nodes: Sequence[Node], load: Mapping[str, int], tiebreak: int = 0, exclude: Collection[str] = ()
+) -> Node | None:
+    """The decode node with the fewest outstanding requests (None: there is none left)."""
+    candidates = [n for n in nodes if n.decodes and n.engine_id not in exclude]
+    if not candidates:
+        return None
+    least = min(load.get(n.engine_id, 0) for n in candidates)
+    return _rotate([n for n in candidates if load.get(n.engine_id, 0) == least], tiebreak)
+
+
+def prefill_candidates(nodes: Sequence[Node], exclude: Collection[str] = ()) -> list[Node]:
+    """Prefill-capable nodes, minus those already tried."""
+    return [n for n in nodes if n.prefills and n.engine_id not in exclude]
+
+
+def choose_prefill(
+    nodes: Sequence[Node],
+    load: Mapping[str, int],
+    cached_blocks: Mapping[str, int] | None = None,
+    *,
+    exclude: Collection[str] = (),
+    load_slack: int = 4,
+    tiebreak: int = 0,
+) -> Node | None:
+    """The prefill node for a prompt (None: there is none left)."""
+    candidates = prefill_candidates(nodes, exclude)
+    if not candidates:
+        return None
+    least = min(load.get(n.engine_id, 0) for n in candidates)
+    eligible = [n for n in candidates if load.get(n.engine_id, 0) <= least + load_slack]
+    cached = cached_blocks or {}
+
+    def key(n: Node) -> tuple[int, int]:
+        return (-cached.get(n.engine_id, 0), load.get(n.engine_id, 0))
+
+    best_key = min(key(n) for n in eligible)
+    return _rotate([n for n in eligible if key(n) == best_key], tiebreak)
+
+
+def worth_scoring(nodes: Sequence[Node], exclude: Collection[str] = ()) -> bool:
+    """Whether asking Nodes/Score can change the prefill choice: several P, some caching."""
+    candidates = prefill_candidates(nodes, exclude)
+    return len(candidates) > 1 and any(n.indexed_blocks > 0 for n in candidates)

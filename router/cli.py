@@ -1,0 +1,66 @@
+"""``kvferry router``: the OpenAI-compatible front door of a P/D deployment.
+
+Examples::
+
+    kvferry router --daemon 127.0.0.1:50051                  # nodes from the daemon
+    kvferry router --prefill http://p:8100 --decode http://d-sidecar:8200 --daemon 127.0.0.1:50051
+    kvferry router --prefill http://p:8100 --decode http://d:8200   # plain P/D, no reuse
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+
+import structlog
+
+from kvferry import logs
+from router.app import Router
+from router.settings import Settings, add_arguments, from_args
+
+log = structlog.get_logger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvferry router", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--log-level", default=None, help="debug, info, warning (default: $KVFERRY_LOG_LEVEL or info)"
+    )
+    add_arguments(p)
+    return p
+
+
+async def run(settings: Settings) -> int:
+    """Serve until SIGTERM or SIGINT, then stop gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with Router(settings):
+        await stop.wait()
+        log.info("router.stopping")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    logs.configure(args.log_level)
+    try:
+        settings = from_args(args)
+    except ValueError as e:
+        print(f"kvferry router: {e}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(run(settings))
+    return uvloop.run(run(settings))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""The router's side of the daemon: lookups, node lists and prefix scores.
+
+Every call has a short deadline and turns any failure into plain data the
+caller can serve without reuse: nothing here raises for a daemon that is slow,
+gone or confused. Lookups go over one multiplexed ``Leases/Stream``
+(``kvferry.leaseclient.LeaseStream``) per replica; a replica that fails hands
+the next call to the next replica. A `Breaker` stops lookups for a moment after
+failures, so a dead daemon costs a turn nothing instead of a deadline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import structlog
+from google.protobuf import struct_pb2
+
+from kvferry.leaseclient import LeaseOpError, LeaseStream
+from kvferry.v1 import leases_pb2, nodes_pb2, nodes_pb2_grpc
+from router.choice import Node
+from router.decisions import Breaker, LookupAnswer, Reuse, Skip, reuse_of, skipped
+from router.settings import DaemonSettings
+
+log = structlog.get_logger(__name__)
+
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    ("grpc.max_send_message_length", 16 * 1024 * 1024),
+]
+_ROLES = {nodes_pb2.PREFILL: "prefill", nodes_pb2.DECODE: "decode", nodes_pb2.BOTH: "both"}
+_UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+_MAX_EXACT = 2**53
+
+
+def struct_to_dict(s: struct_pb2.Struct) -> dict[str, Any]:
+    """A Struct as a plain dict; integral numbers come back as int (Struct keeps doubles)."""
+    return {k: _value(v) for k, v in s.fields.items()}
+
+
+def _value(v: struct_pb2.Value) -> Any:
+    kind = v.WhichOneof("kind")
+    if kind == "number_value":
+        n = v.number_value
+        return int(n) if n.is_integer() and abs(n) < _MAX_EXACT else n
+    if kind == "string_value":
+        return v.string_value
+    if kind == "bool_value":
+        return v.bool_value
+    if kind == "struct_value":
+        return struct_to_dict(v.struct_value)
+    if kind == "list_value":
+        return [_value(x) for x in v.list_value.values]
+    return None
+
+
+def answer_of(res: leases_pb2.LookupResponse) -> LookupAnswer:
+    """A LookupResponse as plain data."""
+    return LookupAnswer(
+        pull=res.decision == leases_pb2.PULL,
+        reason=res.reason,
+        params=struct_to_dict(res.kv_transfer_params),
+        release=struct_to_dict(res.release_params),
+        reusable_tokens=res.reusable_tokens,
+    )
+
+
+def node_of(n: nodes_pb2.Node) -> Node | None:
+    """A listed node as the router routes to it (None: unusable, e.g. no URL or role)."""
+    role = _ROLES.get(n.role)
+    if role is None or not n.http_url:
+        return None
+    return Node(
+        engine_id=n.engine_id,
+        role=role,
+        url=n.http_url.rstrip("/"),
+        model=n.model,
+        block_size=n.block_size or 16,
+        indexed_blocks=n.indexed_blocks,
+    )
+
+
+class _Replica:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.leases = LeaseStream(self.channel)
+        self.nodes = nodes_pb2_grpc.NodesStub(self.channel)
+
+    async def close(self) -> None:
+        await self.leases.close()
+        await self.channel.close(None)
+
+
+class ControlPlane:
+    """Lookups, node lists and scores against the daemon replicas, failing over between them."""
+
+    def __init__(self, addresses: Sequence[str], settings: DaemonSettings) -> None:
+        self._s = settings
+        self._replicas = [_Replica(a) for a in addresses]
+        self._current = 0
+        self.breaker = Breaker(settings.breaker_base_s, settings.breaker_max_s)
+
+    @property
+    def _replica(self) -> _Replica:
+        return self._replicas[self._current]
+
+    def _failover(self, failed: _Replica) -> None:
+        if self._replica is failed and len(self._replicas) > 1:
+            self._current = (self._current + 1) % len(self._replicas)
+            log.info("router.daemon.failover", address=self._replica.address)
+
+    async def lookup(self, tenant: str, conversation_id: str, prompt_tokens: int, digests: bytes) -> Reuse:
+        """Claim the conversation's retention for a prompt; any failure = serve without reuse."""
+        now = time.monotonic()
+        if not self.breaker.allows(now):
+            return skipped(Skip.BACKOFF)
+        replica = self._replica
+        req = leases_pb2.LookupRequest(
+            tenant=tenant,
+            conversation_id=conversation_id,
+            prompt_tokens=prompt_tokens,
+            prompt_digests=digests,
+        )
+        try:
+            res = await replica.leases.lookup(req, self._s.lookup_deadline_s)
+        except LeaseOpError as e:
+            late = e.code is grpc.StatusCode.DEADLINE_EXCEEDED
+            unreachable = e.code in _UNREACHABLE
+            if late or unreachable:
+                self.breaker.record(False, time.monotonic())
+            if unreachable:
+                self._failover(replica)
+            log.info(
+                "router.lookup.failed",
+                address=replica.address,
+                code=e.code.name,
+                error=e.message,
+                conversation_id=conversation_id,
+            )
+            return skipped(Skip.LATE if late else Skip.UNAVAILABLE if unreachable else Skip.ERROR)
+        except Exception as e:  # a client-library surprise must not cost the turn
+            self.breaker.record(False, time.monotonic())
+            log.warning("router.lookup.crashed", address=replica.address, error=repr(e))
+            return skipped(Skip.ERROR)
+        self.breaker.record(True, time.monotonic())
+        return reuse_of(answer_of(res))
+
+    async def score(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Leading cached blocks of a prompt per prefill node ({} on any failure)."""
+        replica = self._replica
+        try:
+            res = await replica.nodes.Score(
+                nodes_pb2.ScoreRequest(block_hashes=hashes), timeout=self._s.score_deadline_s
+            )
+        except grpc.aio.AioRpcError as e:
+            log.debug("router.score.failed", address=replica.address, code=e.code().name)
+            return {}
+        except Exception as e:
+            log.warning("router.score.crashed", address=replica.address, error=repr(e))
+            return {}
+        return {s.engine_id: s.cached_blocks for s in res.scores}
+
+    async def list_nodes(self) -> list[Node] | None:
+        """The alive nodes (None: the daemon could not be asked)."""
+        replica = self._replica
+        try:
+            res = await replica.nodes.List(nodes_pb2.ListNodesRequest(), timeout=self._s.rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in _UNREACHABLE or e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._failover(replica)
+            log.info("router.nodes.list_failed", address=replica.address, code=e.code().name)
+            return None
+        return [node for n in res.nodes if n.alive and (node := node_of(n)) is not None]
+
+    async def close(self) -> None:
+        for r in self._replicas:
+            await r.close()

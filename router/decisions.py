@@ -1,0 +1,210 @@
+"""What the router decides per turn, as pure functions over plain data.
+
+- `reuse_of`: the daemon's lookup answer -> what to hand the prefill node.
+- `prefill_kv_params`, `prefill_body`, `decode_body`: the two engine requests.
+- `retry_after`, `retry_decode_elsewhere`: what to do when an engine request failed.
+- `Breaker`: when to stop asking a daemon that keeps failing, and when to ask again.
+
+The rule everywhere: a control-plane problem never becomes a client error. When
+anything about reuse is in doubt, the turn is served as plain P/D.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: kv_transfer_params for a prefill node that computes everything and keeps the KV for D.
+FRESH: Mapping[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
+
+#: Body fields a prefill request must not carry (vLLM's P runs one non-streaming step).
+_NOT_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
+#: Body fields that are the router's, never the engines'.
+_ROUTER_FIELDS = ("conversation_id",)
+
+
+class Skip(enum.StrEnum):
+    """Why a turn with a conversation id was not looked up (lookup metric reasons)."""
+
+    REUSE_OFF = "reuse_off"
+    NO_DAEMON = "no_daemon"
+    NO_TOKENS = "no_tokens"
+    BACKOFF = "daemon_backoff"
+    UNAVAILABLE = "daemon_unavailable"
+    LATE = "daemon_timeout"
+    ERROR = "daemon_error"
+
+
+@dataclass(frozen=True)
+class LookupAnswer:
+    """The daemon's LookupResponse as plain data."""
+
+    pull: bool
+    reason: str
+    params: dict[str, Any]
+    release: dict[str, Any]
+    reusable_tokens: int
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """What the prefill node is told about D's blocks for one turn."""
+
+    decision: str
+    """PULL, RECOMPUTE (the daemon said so) or SKIPPED (not asked, or no usable answer)."""
+    reason: str
+    remote: dict[str, Any] | None = None
+    """Params from the daemon to hand P: a pull, or a release (remote_num_tokens 0); None = none."""
+    reusable_tokens: int = 0
+
+    @property
+    def pull(self) -> bool:
+        return self.decision == "PULL"
+
+
+def skipped(reason: Skip) -> Reuse:
+    return Reuse("SKIPPED", reason.value)
+
+
+def _usable_pull(params: Mapping[str, Any]) -> bool:
+    """P can pull with these: the keys vLLM needs, with values."""
+    ids = params.get("remote_block_ids")
+    return bool(ids) and all(
+        params.get(k) not in (None, "") for k in ("remote_engine_id", "remote_request_id", "remote_host")
+    )
+
+
+def reuse_of(answer: LookupAnswer) -> Reuse:
+    """The daemon's answer as the prefill node's instructions."""
+    if answer.pull:
+        if answer.reusable_tokens > 0 and _usable_pull(answer.params):
+            return Reuse("PULL", answer.reason, answer.params, answer.reusable_tokens)
+        # A PULL we cannot hand over intact is not worth a failed prefill.
+        return Reuse("RECOMPUTE", "unusable_params")
+    release = answer.release if answer.release and _usable_pull(answer.release) else None
+    return Reuse("RECOMPUTE", answer.reason, release)
+
+
+def prefill_kv_params(reuse: Reuse | None, prompt_token_ids: Sequence[int] | None) -> dict[str, Any]:
+    """kv_transfer_params for the prefill request."""
+    kv = dict(reuse.remote) if reuse is not None and reuse.remote else {}
+    kv.update(FRESH)
+    if prompt_token_ids is not None:
+        kv["prompt_token_ids"] = prompt_token_ids
+    return kv
+
+
+def _engine_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(body)
+    for name in _ROUTER_FIELDS:
+        out.pop(name, None)
+    return out
+
+
+def prefill_body(body: Mapping[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
+    """The client's request as the prefill node gets it: one token, not streamed, P's params."""
+    out = _engine_body(body)
+    out["stream"] = False
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    for name in _NOT_FOR_PREFILL:
+        out.pop(name, None)
+    out["kv_transfer_params"] = kv_params
+    return out
+
+
+def decode_body(
+    body: Mapping[str, Any], prefill_params: Mapping[str, Any] | None, prompt_token_ids: Sequence[int] | None
+) -> dict[str, Any]:
+    """The client's request as the decode node gets it: P's params, the prompt's token ids."""
+    out = _engine_body(body)
+    kv: dict[str, Any] = dict(prefill_params) if prefill_params else {}
+    if prompt_token_ids is not None:
+        kv["prompt_token_ids"] = prompt_token_ids
+    if kv:
+        out["kv_transfer_params"] = kv
+    else:
+        out.pop("kv_transfer_params", None)
+    return out
+
+
+class FailureKind(enum.StrEnum):
+    CONNECT = "connect"
+    """Could not reach the engine: it never saw the request."""
+    TIMEOUT = "timeout"
+    STATUS = "status"
+    """The engine answered an error status."""
+    PROTOCOL = "protocol"
+    """The answer broke off or was not what an engine sends."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: FailureKind
+    status: int = 0
+
+    @property
+    def client_error(self) -> bool:
+        """The engine refused the request itself (4xx): the client should see that answer."""
+        return self.kind is FailureKind.STATUS and 400 <= self.status < 500
+
+
+class Retry(enum.Enum):
+    FRESH = "fresh"
+    """Again without the daemon's params (P computes everything), on another P if the first is unreachable."""
+    OTHER_NODE = "other_node"
+    """The same request on another prefill node."""
+
+
+def retry_after(
+    failure: Failure, sent_remote: bool, attempt: int, other_node_available: bool
+) -> Retry | None:
+    """What to do after a failed prefill request (None: give up and answer the client).
+
+    One retry per turn. A failure with the daemon's params (a failed pull, an
+    expired or reused block list, a P that rejects them) is retried without them.
+    An unreachable P is retried on another P. A P's own 4xx without params is
+    the client's answer; so is a timeout (retrying would double the wait).
+    """
+    if attempt >= 1 or failure.kind is FailureKind.TIMEOUT:
+        return None
+    if sent_remote:
+        return Retry.FRESH
+    if failure.kind is FailureKind.CONNECT and other_node_available:
+        return Retry.OTHER_NODE
+    return None
+
+
+def retry_decode_elsewhere(failure: Failure, other_node_available: bool) -> bool:
+    """Whether a failed decode request goes to another D: only when D never saw it (any D
+    can pull P's blocks), never once D answered (it may have started the request)."""
+    return failure.kind is FailureKind.CONNECT and other_node_available
+
+
+@dataclass
+class Breaker:
+    """Stops lookups to a failing daemon for a while, doubling the pause per failure.
+
+    A turn asked while the breaker is open is served without reuse at once
+    instead of waiting for the lookup deadline. The first turn after the pause
+    asks again; one success closes the breaker.
+    """
+
+    base_s: float
+    max_s: float
+    failures: int = 0
+    open_until: float = 0.0
+
+    def allows(self, now: float) -> bool:
+        return now >= self.open_until
+
+    def record(self, ok: bool, now: float) -> None:
+        if ok:
+            self.failures = 0
+            self.open_until = 0.0
+            return
+        self.failures += 1
+        self.open_until = now + min(self.base_s * 2 ** min(self.failures - 1, 30), self.max_s)

@@ -1,0 +1,128 @@
+"""The OpenAI-compatible HTTP surface (aiohttp). Thin handlers: validate, hand off, answer.
+
+Routes: ``/v1/chat/completions`` and ``/v1/completions`` (streaming or not, one
+`router.turn.Turn` each), ``/v1/models`` (a prefill node's answer),
+``/health`` (200 while there is a prefill and a decode node to route to),
+``/metrics`` (Prometheus). Bad client input gets vLLM's 400 error shape.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from router.choice import choose_prefill
+from router.turn import Shared, Turn, bad_gateway, error_response
+from router.upstream import UpstreamError
+
+log = structlog.get_logger(__name__)
+
+SHARED_KEY = web.AppKey("shared", Shared)
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+
+_decode = msgspec.json.Decoder().decode
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def bad_request(message: str) -> web.Response:
+    return error_response(400, message, "BadRequestError")
+
+
+def input_problem(path: str, body: Any) -> str | None:
+    """What is wrong with a generation request body (None: nothing the router must refuse)."""
+    if not isinstance(body, dict):
+        return "The request body must be a JSON object."
+    if path == CHAT_PATH:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return "'messages' is required: a non-empty list of messages."
+        if not all(isinstance(m, dict) for m in messages):
+            return "Each message must be an object."
+    elif "prompt" not in body or body["prompt"] in (None, "", []):
+        return "'prompt' is required."
+    if body.get("stream") not in (None, True, False):
+        return "'stream' must be a boolean."
+    return None
+
+
+@web.middleware
+async def count_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Count answers by endpoint and status; a router bug answers 500 (never a traceback)."""
+    shared = request.app[SHARED_KEY]
+    try:
+        response = await handler(request)
+    except web.HTTPException:
+        raise
+    except Exception:
+        log.exception("router.handler.crashed", path=request.path)
+        response = error_response(500, "internal router error", "InternalServerError")
+    shared.metrics.requests.labels(request.path, str(response.status)).inc()
+    return response
+
+
+async def _generate(request: web.Request, path: str) -> web.StreamResponse:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        return error_response(413, e.text or "Request body too large.", "BadRequestError")
+    try:
+        body = _decode(raw) if raw else None
+    except msgspec.DecodeError as e:
+        return bad_request(f"Invalid JSON in the request body: {e}")
+    problem = input_problem(path, body)
+    if problem is not None:
+        return bad_request(problem)
+    assert isinstance(body, dict)
+    return await Turn(request.app[SHARED_KEY], request, path, body).serve()
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, CHAT_PATH)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, COMPLETIONS_PATH)
+
+
+async def models(request: web.Request) -> web.Response:
+    shared = request.app[SHARED_KEY]
+    node = choose_prefill(shared.directory.nodes, shared.load.view)
+    if node is None:
+        return error_response(503, "no prefill node available", "ServiceUnavailableError")
+    try:
+        reply = await shared.engines.get(
+            node.url + "/v1/models", shared.engines.headers(request.headers, f"kvf-{uuid.uuid4().hex}")
+        )
+    except UpstreamError as e:
+        return bad_gateway(f"models: {e}")
+    return web.Response(body=reply.body, status=reply.status, content_type="application/json")
+
+
+async def health(request: web.Request) -> web.Response:
+    nodes = request.app[SHARED_KEY].directory.nodes
+    ok = any(n.prefills for n in nodes) and any(n.decodes for n in nodes)
+    return web.Response(status=200 if ok else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    payload, content_type = request.app[SHARED_KEY].metrics.render()
+    return web.Response(body=payload, headers={"Content-Type": content_type})
+
+
+def build_app(shared: Shared) -> web.Application:
+    app = web.Application(
+        middlewares=[count_middleware], client_max_size=shared.settings.server.max_body_bytes
+    )
+    app[SHARED_KEY] = shared
+    app.router.add_post(CHAT_PATH, chat_completions)
+    app.router.add_post(COMPLETIONS_PATH, completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app

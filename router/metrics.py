@@ -1,0 +1,101 @@
+"""Prometheus metrics of one router, in a registry of its own (served at /metrics).
+
+A registry per router, not the global one: tests and benchmarks run several
+routers (replicas) in one process, and each must count only its own traffic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from router.decisions import Failure, FailureKind, Reuse
+
+_SECONDS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_STAGE_SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
+
+
+class RouterMetrics:
+    """Every counter, gauge and histogram of the router."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "kvferry_router_requests",
+            "Client requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.lookups = Counter(
+            "kvferry_router_lookups",
+            "Turns with a conversation id by lookup decision (PULL, RECOMPUTE, SKIPPED) and reason",
+            ["decision", "reason"],
+            registry=r,
+        )
+        self.reused_tokens = Counter(
+            "kvferry_router_reused_tokens", "Prompt tokens prefill nodes were told to pull from D", registry=r
+        )
+        self.ttft = Histogram(
+            "kvferry_router_ttft_seconds",
+            "Time from a request's arrival to the first answer bytes sent to the client",
+            ["reuse"],
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "kvferry_router_request_seconds",
+            "Time from a request's arrival to the end of its answer",
+            ["reuse"],
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.stage = Histogram(
+            "kvferry_router_stage_seconds",
+            "Time spent per stage of a turn: tokenize, lookup, prefill, decode_start",
+            ["stage"],
+            buckets=_STAGE_SECONDS,
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "kvferry_router_upstream_errors",
+            "Failed engine requests by role (tokenize, prefill, decode) and kind",
+            ["role", "kind"],
+            registry=r,
+        )
+        self.prefill_retries = Counter(
+            "kvferry_router_prefill_retries", "Prefill requests retried, by how", ["how"], registry=r
+        )
+        self.nodes = Gauge(
+            "kvferry_router_nodes", "Nodes the router routes to, by role", ["role"], registry=r
+        )
+
+    def lookup(self, reuse: Reuse) -> None:
+        self.lookups.labels(reuse.decision, reuse.reason).inc()
+        if reuse.pull:
+            self.reused_tokens.inc(reuse.reusable_tokens)
+
+    def upstream_error(self, role: str, failure: Failure) -> None:
+        kind = failure.kind.value
+        if failure.kind is FailureKind.STATUS:
+            kind = f"status_{failure.status // 100}xx"
+        self.upstream_errors.labels(role, kind).inc()
+
+    def track_nodes(self, counts: Callable[[], dict[str, int]]) -> None:
+        for role in ("prefill", "decode"):
+            self.nodes.labels(role).set_function(lambda role=role: counts().get(role, 0))  # type: ignore[misc]
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def value(self, name: str, **labels: str) -> float:
+        """A sample's current value (0 when absent), for tests and benchmarks."""
+        v = self.registry.get_sample_value(name, labels)
+        return 0.0 if v is None else v

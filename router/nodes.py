@@ -1,0 +1,122 @@
+"""The engines the router knows, kept fresh, and how busy each one is.
+
+Nodes come from the daemon (``Nodes/List``, alive ones, refreshed every
+`nodes_refresh_s`; the last good list is kept while the daemon cannot be asked)
+or, when given on the command line, are fixed: then each one's model is
+learned from its ``/v1/models`` unless the settings name it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+import structlog
+
+from router.choice import Node
+from router.control import ControlPlane
+from router.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+
+class Load:
+    """Outstanding requests per node, as this router sent them."""
+
+    def __init__(self) -> None:
+        self._n: dict[str, int] = {}
+
+    @property
+    def view(self) -> Mapping[str, int]:
+        return self._n
+
+    @contextlib.contextmanager
+    def track(self, node: Node) -> Iterator[None]:
+        key = node.engine_id
+        self._n[key] = self._n.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._n[key] - 1
+            if left:
+                self._n[key] = left
+            else:
+                del self._n[key]
+
+
+def static_nodes(
+    prefill_urls: Sequence[str], decode_urls: Sequence[str], model: str, block_size: int
+) -> list[Node]:
+    """Nodes given as URLs; a URL in both lists is one node of role both."""
+    nodes: list[Node] = []
+    for url in dict.fromkeys([*prefill_urls, *decode_urls]):
+        p, d = url in prefill_urls, url in decode_urls
+        role = "both" if p and d else "prefill" if p else "decode"
+        nodes.append(Node(engine_id=url, role=role, url=url, model=model, block_size=block_size))
+    return nodes
+
+
+def base_model_of(models: Any) -> str:
+    """The base model in a /v1/models answer ("" = none): the first card without a parent."""
+    data = models.get("data") if isinstance(models, dict) else None
+    if not isinstance(data, list):
+        return ""
+    for card in data:
+        if isinstance(card, dict) and isinstance(card.get("id"), str) and not card.get("parent"):
+            return str(card["id"])
+    return ""
+
+
+class NodeDirectory:
+    """The current node list."""
+
+    def __init__(self, settings: Settings, control: ControlPlane | None, http: aiohttp.ClientSession) -> None:
+        self._s = settings
+        self._control = control
+        self._http = http
+        n = settings.nodes
+        self.static = bool(n.prefill_urls or n.decode_urls)
+        self.nodes: list[Node] = (
+            static_nodes(n.prefill_urls, n.decode_urls, n.model, n.block_size) if self.static else []
+        )
+        self.ready = asyncio.Event()
+
+    async def refresh(self) -> None:
+        if self.static:
+            if any(not n.model for n in self.nodes):
+                self.nodes = [await self._learn_model(n) if not n.model else n for n in self.nodes]
+        elif self._control is not None:
+            listed = await self._control.list_nodes()
+            if listed is not None:
+                if {n.engine_id for n in listed} != {n.engine_id for n in self.nodes}:
+                    log.info(
+                        "router.nodes.changed",
+                        prefill=[n.engine_id for n in listed if n.prefills],
+                        decode=[n.engine_id for n in listed if n.decodes],
+                    )
+                self.nodes = listed
+        if self.nodes:
+            self.ready.set()
+
+    async def _learn_model(self, node: Node) -> Node:
+        try:
+            async with self._http.get(
+                node.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=self._s.daemon.rpc_timeout_s)
+            ) as r:
+                model = base_model_of(await r.json()) if r.status == 200 else ""
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            log.info("router.nodes.model_unknown", url=node.url, error=str(e) or type(e).__name__)
+            return node
+        return replace(node, model=model) if model else node
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self._s.daemon.nodes_refresh_s)
+            try:
+                await self.refresh()
+            except Exception:  # keep refreshing whatever one round did
+                log.exception("router.nodes.refresh_failed")

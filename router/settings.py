@@ -1,0 +1,197 @@
+"""The router's settings: one typed object, parsed once from flags and environment.
+
+Every flag defaults to its ``KVFERRY_ROUTER_*`` environment variable (the flag
+name upper-cased, dashes as underscores), then to the value below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+ENV_PREFIX = "KVFERRY_ROUTER_"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The OpenAI-compatible HTTP front door."""
+
+    listen: str = "0.0.0.0:8000"
+    """host:port to listen on (port 0 picks a free one)."""
+    max_body_bytes: int = 64 * 1024 * 1024
+    """Largest request body accepted."""
+    shutdown_grace_s: float = 5.0
+    """Seconds in-flight answers get to finish on shutdown."""
+
+
+@dataclass(frozen=True)
+class DaemonSettings:
+    """The kvferry daemon: node discovery and retention lookups."""
+
+    addresses: tuple[str, ...] = ()
+    """Daemon replicas (host:port); empty = no daemon: static nodes, no reuse."""
+    lookup_deadline_s: float = 0.05
+    """A lookup slower than this is given up and the turn served without reuse."""
+    score_deadline_s: float = 0.05
+    """Same for Nodes/Score (prefill choice by cached prefix)."""
+    rpc_timeout_s: float = 2.0
+    """Deadline of Nodes/List."""
+    nodes_refresh_s: float = 1.0
+    """Seconds between Nodes/List refreshes."""
+    breaker_base_s: float = 0.1
+    """After a failed lookup, skip lookups this long (doubling per failure)."""
+    breaker_max_s: float = 1.0
+    """Longest time lookups are skipped after failures."""
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """Engines given on the command line (used when the daemon lists none)."""
+
+    prefill_urls: tuple[str, ...] = ()
+    """Base URLs of prefill nodes (their sidecars when they have one)."""
+    decode_urls: tuple[str, ...] = ()
+    """Base URLs of decode nodes (their sidecars: D's answers must pass one to be retained)."""
+    model: str = ""
+    """Base model of the static nodes; "" = learned from their /v1/models."""
+    block_size: int = 16
+    """Tokens per KV block of the static nodes."""
+
+
+@dataclass(frozen=True)
+class UpstreamSettings:
+    """How the router talks to the engines."""
+
+    connect_timeout_s: float = 5.0
+    """Timeout to connect to an engine."""
+    prefill_timeout_s: float = 600.0
+    """Longest a prefill request may take."""
+    tokenize_timeout_s: float = 5.0
+    """Longest a tokenize request may take; a slower one means serving that turn without reuse."""
+    api_key: str = ""
+    """Bearer key to send the engines; "" = forward the client's Authorization header."""
+
+
+@dataclass(frozen=True)
+class ReuseSettings:
+    """Conversation identity and KV reuse."""
+
+    enabled: bool = True
+    """Ask the daemon for the previous turn's KV; off = plain P/D serving for every request."""
+    tenant_header: str = "X-Kvferry-Tenant"
+    """Request header naming the tenant when the client sends no API key ("" = ignore it)."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything one router needs."""
+
+    server: ServerSettings = field(default_factory=ServerSettings)
+    daemon: DaemonSettings = field(default_factory=DaemonSettings)
+    nodes: NodeSettings = field(default_factory=NodeSettings)
+    upstream: UpstreamSettings = field(default_factory=UpstreamSettings)
+    reuse: ReuseSettings = field(default_factory=ReuseSettings)
+
+    def validate(self) -> None:
+        """Raise ValueError on a setting out of range."""
+        host_port(self.server.listen)
+        if self.server.max_body_bytes < 1024 or self.server.shutdown_grace_s < 0:
+            raise ValueError("max body must be at least 1 KiB and the shutdown grace >= 0")
+        d = self.daemon
+        if any(":" not in a for a in d.addresses):
+            raise ValueError("daemon addresses must be host:port")
+        for name in ("lookup_deadline_s", "score_deadline_s", "rpc_timeout_s", "nodes_refresh_s"):
+            if getattr(d, name) <= 0:
+                raise ValueError(f"daemon {name} must be positive")
+        if not 0 < d.breaker_base_s <= d.breaker_max_s:
+            raise ValueError("breaker base must be positive and at most the breaker maximum")
+        n = self.nodes
+        for url in (*n.prefill_urls, *n.decode_urls):
+            if urlsplit(url).scheme not in ("http", "https"):
+                raise ValueError(f"node url {url!r} must start with http:// or https://")
+        if not 0 < n.block_size <= 4096:
+            raise ValueError("block size must be in 1..4096")
+        if not d.addresses and not (n.prefill_urls and n.decode_urls):
+            raise ValueError("give the daemon's address, or prefill and decode node URLs")
+        u = self.upstream
+        if u.connect_timeout_s <= 0 or u.prefill_timeout_s <= 0 or u.tokenize_timeout_s <= 0:
+            raise ValueError("upstream timeouts must be positive")
+
+
+def host_port(listen: str) -> tuple[str, int]:
+    """(host, port) of a listen address."""
+    host, _, port = listen.rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"listen address {listen!r} must be host:port")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def _env(name: str, default: object) -> str:
+    return os.environ.get(ENV_PREFIX + name, str(default))
+
+
+def _split(value: str) -> tuple[str, ...]:
+    return tuple(x.strip().rstrip("/") for x in value.split(",") if x.strip())
+
+
+def _bool(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, not {value!r}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The router's flags; each defaults to KVFERRY_ROUTER_<FLAG>."""
+    d = Settings()
+
+    def add(flag: str, default: object, help: str, kind: object = str) -> None:
+        env = flag.upper().replace("-", "_")
+        p.add_argument(
+            f"--{flag}",
+            type=kind,  # type: ignore[arg-type]
+            default=_env(env, default),
+            help=f"{help} [${ENV_PREFIX}{env}, default {default!s}]",
+        )
+
+    add("listen", d.server.listen, "host:port of the OpenAI-compatible server")
+    add("daemon", ",".join(d.daemon.addresses), "daemon address(es) host:port[,...]; empty = none")
+    add("prefill", "", "prefill node URL(s), comma-separated (when not discovered from the daemon)")
+    add("decode", "", "decode node URL(s) (their sidecars), comma-separated")
+    add("model", d.nodes.model, "base model of the static nodes (default: learned from /v1/models)")
+    add("block-size", d.nodes.block_size, "tokens per KV block of the static nodes", int)
+    add("lookup-deadline", d.daemon.lookup_deadline_s, "seconds a lookup may take", float)
+    add("nodes-refresh", d.daemon.nodes_refresh_s, "seconds between node list refreshes", float)
+    add("reuse", "true", "KV reuse across turns (false: plain P/D serving)", _bool)
+    add("tenant-header", d.reuse.tenant_header, "header naming the tenant when there is no API key")
+    add("engine-api-key", d.upstream.api_key, "bearer key for the engines (default: the client's)")
+    add("connect-timeout", d.upstream.connect_timeout_s, "seconds to connect to an engine", float)
+    add("max-body-bytes", d.server.max_body_bytes, "largest request body accepted", int)
+
+
+def from_args(a: argparse.Namespace) -> Settings:
+    """Settings from parsed flags; raises ValueError when invalid."""
+    s = Settings(
+        server=ServerSettings(listen=a.listen, max_body_bytes=int(a.max_body_bytes)),
+        daemon=DaemonSettings(
+            addresses=_split(a.daemon),
+            lookup_deadline_s=float(a.lookup_deadline),
+            nodes_refresh_s=float(a.nodes_refresh),
+        ),
+        nodes=NodeSettings(
+            prefill_urls=_split(a.prefill),
+            decode_urls=_split(a.decode),
+            model=a.model,
+            block_size=int(a.block_size),
+        ),
+        upstream=UpstreamSettings(connect_timeout_s=float(a.connect_timeout), api_key=a.engine_api_key),
+        reuse=ReuseSettings(
+            enabled=a.reuse if isinstance(a.reuse, bool) else _bool(a.reuse),
+            tenant_header=a.tenant_header,
+        ),
+    )
+    s.validate()
+    return s

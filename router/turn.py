@@ -1,0 +1,390 @@
+"""One turn through P and D: the small async layer that applies the decisions.
+
+1. Choose P and D (`router.choice`).
+2. With a conversation id: tokenize once (P's ``/tokenize``), digest the prompt
+   (``kvferry.digests``, the sidecar's function), and ``Lookup`` under a short
+   deadline (`router.control`); with several caching P, score them meanwhile.
+3. P: the daemon's params (a pull, a release, or fresh ones) plus the prompt's
+   token ids, ``max_tokens: 1``, not streamed. A failure is retried once as
+   `router.decisions.retry_after` says.
+4. D, through its sidecar: P's params, the token ids, the conversation and
+   tenant headers (the sidecar registers D's blocks for the next turn). D's
+   answer goes to the client as it comes (`router.relay`).
+
+Engine 4xx answers reach the client as the engine gave them; engine 5xx and
+unreachable engines become a 502 JSON error. Nothing the daemon does (or fails
+to do) changes what the client gets, only how fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import hdrs, web
+
+from kvferry.blockhash import block_hashes, external_block_hash
+from kvferry.digests import block_digests, seed_for
+from router.choice import Node, choose_decode, choose_prefill, prefill_candidates, worth_scoring
+from router.control import ControlPlane
+from router.decisions import (
+    Failure,
+    FailureKind,
+    Retry,
+    Reuse,
+    Skip,
+    decode_body,
+    prefill_body,
+    prefill_kv_params,
+    retry_after,
+    retry_decode_elsewhere,
+    skipped,
+)
+from router.identity import CONVERSATION_HEADER, Identity, identify
+from router.metrics import RouterMetrics
+from router.nodes import Load, NodeDirectory
+from router.relay import SseScrubber, scrub_json
+from router.settings import Settings
+from router.upstream import Engines, Reply, UpstreamError, encode, tokenize_request, tokens_of
+
+log = structlog.get_logger(__name__)
+
+#: The header the D sidecar reads the tenant from (its --tenant-header default).
+SIDECAR_TENANT_HEADER = "X-Kvferry-Tenant"
+_PASSED_RESPONSE_HEADERS = (hdrs.CONTENT_TYPE, "X-Request-Id")
+
+
+def error_response(status: int, message: str, kind: str) -> web.Response:
+    """A vLLM-shaped error answer."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.Response(body=encode(body), status=status, content_type="application/json")
+
+
+def bad_gateway(message: str) -> web.Response:
+    return error_response(502, message, "BadGatewayError")
+
+
+def _passthrough(reply: Reply) -> web.Response:
+    """An engine's 4xx answer, as the engine gave it."""
+    if reply.json() is not None:
+        return web.Response(body=reply.body, status=reply.status, content_type="application/json")
+    text = reply.body.decode(errors="replace")[:2000] or f"engine answered {reply.status}"
+    return error_response(reply.status, text, "BadRequestError" if reply.status == 400 else "EngineError")
+
+
+def _engine_message(reply: Reply | None, failure: Failure, role: str) -> str:
+    detail = ""
+    if reply is not None:
+        obj = reply.json()
+        err = obj.get("error") if isinstance(obj, dict) else None
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            detail = err["message"]
+        elif reply.body:
+            detail = reply.body.decode(errors="replace")[:500]
+    what = f"status {failure.status}" if failure.kind is FailureKind.STATUS else failure.kind.value
+    return f"{role} engine failed ({what}){': ' + detail if detail else ''}"
+
+
+@dataclass
+class Shared:
+    """What every turn of one router uses."""
+
+    settings: Settings
+    engines: Engines
+    directory: NodeDirectory
+    load: Load
+    control: ControlPlane | None
+    metrics: RouterMetrics
+    tickets: itertools.count[int]
+
+
+class Turn:
+    """One client request to /v1/chat/completions or /v1/completions."""
+
+    def __init__(self, shared: Shared, request: web.Request, path: str, body: dict[str, Any]) -> None:
+        self.s = shared
+        self.request = request
+        self.path = path
+        self.body = body
+        self.started = time.perf_counter()
+        self.request_id = f"kvf-{uuid.uuid4().hex}"
+        self.identity: Identity = identify(request.headers, body, shared.settings.reuse.tenant_header)
+        self.tokens: list[int] | None = None
+        self.reuse: Reuse | None = None
+        self.log = log.bind(request_id=self.request_id, conversation_id=self.identity.conversation_id or None)
+
+    # -- the turn ---------------------------------------------------------------------
+
+    async def serve(self) -> web.StreamResponse:
+        nodes = self.s.directory.nodes
+        load = self.s.load.view
+        tiebreak = next(self.s.tickets)
+        prefill = choose_prefill(nodes, load, tiebreak=tiebreak)
+        decode = choose_decode(nodes, load, tiebreak)
+        if prefill is None or decode is None:
+            return error_response(503, "no prefill or no decode node available", "ServiceUnavailableError")
+        conversation = self.identity.conversation_id
+        scoring = self.s.control is not None and worth_scoring(nodes)
+        if conversation or scoring:
+            prefill = await self._prepare(prefill, scoring, tiebreak)
+        params = await self._prefill(prefill)
+        if isinstance(params, web.Response):
+            return params
+        return await self._decode(decode, params)
+
+    async def _prepare(self, prefill: Node, scoring: bool, tiebreak: int) -> Node:
+        """Tokenize, then look up (and score); -> the prefill node to use."""
+        conversation = self.identity.conversation_id
+        reuse_on = self.s.settings.reuse.enabled
+        if conversation and not reuse_on:
+            self.reuse = skipped(Skip.REUSE_OFF)
+        elif conversation and self.s.control is None:
+            self.reuse = skipped(Skip.NO_DAEMON)
+        if self.reuse is None or scoring:
+            self.tokens = await self._tokenize(prefill)
+        if self.tokens is None:
+            if conversation and self.reuse is None:
+                self.reuse = skipped(Skip.NO_TOKENS)
+        else:
+            lookup = self._lookup(prefill) if conversation and self.reuse is None else None
+            score = self._score(prefill) if scoring else None
+            t0 = time.perf_counter()
+            reuse, cached = await asyncio.gather(_maybe(lookup), _maybe(score))
+            if lookup is not None:
+                self.s.metrics.stage.labels("lookup").observe(time.perf_counter() - t0)
+            if reuse is not None:
+                self.reuse = reuse
+            if cached:
+                prefill = (
+                    choose_prefill(self.s.directory.nodes, self.s.load.view, cached, tiebreak=tiebreak)
+                    or prefill
+                )
+        if self.reuse is not None:
+            self.s.metrics.lookup(self.reuse)
+        return prefill
+
+    async def _tokenize(self, node: Node) -> list[int] | None:
+        req = tokenize_request(self.path, self.body)
+        if req is None or isinstance(req, list):
+            return req
+        t0 = time.perf_counter()
+        try:
+            reply = await self.s.engines.post(
+                node.url + "/tokenize",
+                encode(req),
+                self.s.engines.headers(self.request.headers, self.request_id),
+                self.s.settings.upstream.tokenize_timeout_s,
+            )
+        except UpstreamError as e:
+            self.s.metrics.upstream_error("tokenize", e.failure)
+            self.log.info("router.tokenize.failed", node=node.engine_id, error=str(e))
+            return None
+        self.s.metrics.stage.labels("tokenize").observe(time.perf_counter() - t0)
+        tokens = tokens_of(reply.body) if reply.status == 200 else None
+        if tokens is None:
+            self.s.metrics.upstream_error("tokenize", Failure(FailureKind.STATUS, reply.status))
+            self.log.info("router.tokenize.refused", node=node.engine_id, status=reply.status)
+        return tokens
+
+    async def _lookup(self, prefill: Node) -> Reuse:
+        assert self.s.control is not None and self.tokens is not None
+        requested = self.body.get("model")
+        chain = seed_for(prefill.model, requested if isinstance(requested, str) else "")
+        digests = block_digests(self.tokens, prefill.block_size, chain)
+        ident = self.identity
+        return await self.s.control.lookup(ident.tenant, ident.conversation_id, len(self.tokens), digests)
+
+    async def _score(self, prefill: Node) -> dict[str, int]:
+        assert self.s.control is not None and self.tokens is not None
+        hashes = [external_block_hash(h) for h in block_hashes(self.tokens, prefill.block_size)]
+        return await self.s.control.score(hashes) if hashes else {}
+
+    async def _prefill(self, node: Node) -> dict[str, Any] | web.Response | None:
+        """P's kv_transfer_params for D (None: P gave none), or the client's error answer."""
+        remote = self.reuse.remote if self.reuse is not None else None
+        tried: set[str] = set()
+        attempt = 0
+        while True:
+            tried.add(node.engine_id)
+            kv = prefill_kv_params(self.reuse if remote else None, self.tokens)
+            payload = encode(prefill_body(self.body, kv))
+            reply: Reply | None = None
+            t0 = time.perf_counter()
+            with self.s.load.track(node):
+                try:
+                    reply = await self.s.engines.post(
+                        node.url + self.path,
+                        payload,
+                        self.s.engines.headers(self.request.headers, self.request_id),
+                    )
+                except UpstreamError as e:
+                    failure = e.failure
+                    self.log.info("router.prefill.unreachable", node=node.engine_id, error=str(e))
+            if reply is not None:
+                answer = reply.json() if reply.status == 200 else None
+                if isinstance(answer, dict):
+                    self.s.metrics.stage.labels("prefill").observe(time.perf_counter() - t0)
+                    params = answer.get("kv_transfer_params")
+                    return params if isinstance(params, dict) else None
+                kind = FailureKind.STATUS if reply.status != 200 else FailureKind.PROTOCOL
+                failure = Failure(kind, reply.status)
+            self.s.metrics.upstream_error("prefill", failure)
+            spare = prefill_candidates(self.s.directory.nodes, exclude=tried)
+            retry = retry_after(failure, bool(remote), attempt, bool(spare))
+            self.log.info(
+                "router.prefill.failed",
+                node=node.engine_id,
+                kind=failure.kind.value,
+                status=failure.status,
+                with_params=bool(remote),
+                retry=retry.value if retry else None,
+            )
+            if retry is None:
+                if failure.client_error and reply is not None:
+                    return _passthrough(reply)
+                return bad_gateway(_engine_message(reply, failure, "prefill"))
+            self.s.metrics.prefill_retries.labels(retry.value).inc()
+            attempt += 1
+            if retry is Retry.FRESH:
+                remote = None
+                self.reuse = Reuse("RECOMPUTE", "prefill_failed")
+            if spare and (retry is Retry.OTHER_NODE or failure.kind is FailureKind.CONNECT):
+                node = choose_prefill(spare, self.s.load.view) or node
+
+    def _decode_headers(self) -> dict[str, str]:
+        ident = self.identity
+        extra: list[tuple[str, str]] = []
+        if ident.conversation_id:
+            extra.append((CONVERSATION_HEADER, ident.conversation_id))
+            if ident.tenant:
+                extra.append((SIDECAR_TENANT_HEADER, ident.tenant))
+        return self.s.engines.headers(self.request.headers, self.request_id, extra)
+
+    def _reuse_headers(self) -> dict[str, str]:
+        r = self.reuse
+        if r is None:
+            return {"X-Request-Id": self.request_id}
+        return {
+            "X-Request-Id": self.request_id,
+            "X-Kvferry-Reuse": r.decision,
+            "X-Kvferry-Reuse-Reason": r.reason,
+            "X-Kvferry-Reused-Tokens": str(r.reusable_tokens if r.pull else 0),
+        }
+
+    async def _decode(self, node: Node, prefill_params: dict[str, Any] | None) -> web.StreamResponse:
+        payload = encode(decode_body(self.body, prefill_params, self.tokens))
+        t0 = time.perf_counter()
+        tried: set[str] = set()
+        while True:
+            tried.add(node.engine_id)
+            with self.s.load.track(node):
+                try:
+                    upstream = await self.s.engines.open(
+                        node.url + self.path, payload, self._decode_headers()
+                    )
+                except UpstreamError as e:
+                    self.s.metrics.upstream_error("decode", e.failure)
+                    self.log.warning("router.decode.unreachable", node=node.engine_id, error=str(e))
+                    other = choose_decode(self.s.directory.nodes, self.s.load.view, exclude=tried)
+                    if other is not None and retry_decode_elsewhere(e.failure, True):
+                        node = other
+                        continue
+                    return bad_gateway(_engine_message(None, e.failure, "decode"))
+                return await self._decode_answer(node, upstream, t0)
+
+    async def _decode_answer(
+        self, node: Node, upstream: aiohttp.ClientResponse, t0: float
+    ) -> web.StreamResponse:
+        self.s.metrics.stage.labels("decode_start").observe(time.perf_counter() - t0)
+        try:
+            return await self._relay(node, upstream)
+        finally:
+            if upstream.content.at_eof():
+                upstream.release()
+            else:
+                upstream.close()  # the client left or D broke off: D's sidecar sees it and aborts
+
+    async def _relay(self, node: Node, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        if upstream.status != 200:
+            try:
+                reply = Reply(
+                    upstream.status, await upstream.read(), upstream.headers.get(hdrs.CONTENT_TYPE, "")
+                )
+            except (aiohttp.ClientError, TimeoutError):
+                reply = Reply(upstream.status, b"", "")
+            failure = Failure(FailureKind.STATUS, upstream.status)
+            self.s.metrics.upstream_error("decode", failure)
+            self.log.info("router.decode.refused", node=node.engine_id, status=upstream.status)
+            if failure.client_error:
+                return _passthrough(reply)
+            return bad_gateway(_engine_message(reply, failure, "decode"))
+        headers = self._reuse_headers()
+        for name in _PASSED_RESPONSE_HEADERS:
+            if name in upstream.headers and name not in headers:
+                headers[name] = upstream.headers[name]
+        if upstream.headers.get(hdrs.CONTENT_TYPE, "").startswith("text/event-stream"):
+            return await self._stream(node, upstream, headers)
+        try:
+            raw = await upstream.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            self.s.metrics.upstream_error("decode", Failure(FailureKind.PROTOCOL))
+            return bad_gateway(f"decode engine failed mid-answer: {e}")
+        self._observe_first_bytes()
+        self._observe_end()
+        return web.Response(body=scrub_json(raw), status=200, headers=headers)
+
+    async def _stream(
+        self, node: Node, upstream: aiohttp.ClientResponse, headers: Mapping[str, str]
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
+        await resp.prepare(self.request)
+        scrubber = SseScrubber()
+        first = True
+        try:
+            async for chunk in upstream.content.iter_any():
+                out = scrubber.feed(chunk)
+                if out:
+                    await resp.write(out)
+                    if first:
+                        first = False
+                        self._observe_first_bytes()
+            rest = scrubber.flush()
+            if rest:
+                await resp.write(rest)
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as e:
+            # D broke off mid-answer: cut the client's connection so it sees a truncated answer.
+            self.s.metrics.upstream_error("decode", Failure(FailureKind.PROTOCOL))
+            self.log.warning("router.decode.broke_off", node=node.engine_id, error=str(e) or type(e).__name__)
+            if self.request.transport is not None:
+                self.request.transport.close()
+            return resp
+        await resp.write_eof()
+        self._observe_end()
+        return resp
+
+    def _label(self) -> str:
+        return "pull" if self.reuse is not None and self.reuse.pull else "none"
+
+    def _observe_first_bytes(self) -> None:
+        self.s.metrics.ttft.labels(self._label()).observe(time.perf_counter() - self.started)
+
+    def _observe_end(self) -> None:
+        elapsed = time.perf_counter() - self.started
+        self.s.metrics.latency.labels(self._label()).observe(elapsed)
+        self.log.debug(
+            "router.turn.complete",
+            decision=self.reuse.decision if self.reuse else None,
+            reason=self.reuse.reason if self.reuse else None,
+            seconds=round(elapsed, 4),
+        )
+
+
+async def _maybe(aw: Any) -> Any:
+    return None if aw is None else await aw

@@ -1,0 +1,168 @@
+"""HTTP to the engines (through their sidecars): tokenize, prefill, decode.
+
+aiohttp errors are translated here, at the boundary, into `UpstreamError`
+carrying a `Failure` (connect, timeout, protocol); an error status is an
+answer (`Reply`), for the caller to judge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import aiohttp
+import msgspec
+from aiohttp import hdrs
+
+from router.decisions import Failure, FailureKind
+from router.settings import UpstreamSettings
+
+_MAX_TOKEN_ID = 2**32  # what the block digests can encode
+_decode = msgspec.json.Decoder().decode
+encode = msgspec.json.Encoder().encode
+
+#: Client headers passed on to the engines (tracing); everything else is the router's to set.
+_FORWARDED = ("traceparent", "tracestate")
+#: Template fields of a chat request that /tokenize must see to render the same prompt.
+_CHAT_TEMPLATE_FIELDS = (
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "documents",
+    "mm_processor_kwargs",
+)
+
+
+class UpstreamError(Exception):
+    """The engine could not be asked, or its answer broke off."""
+
+    def __init__(self, failure: Failure, message: str) -> None:
+        super().__init__(message)
+        self.failure = failure
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A complete answer of an engine."""
+
+    status: int
+    body: bytes
+    content_type: str
+
+    def json(self) -> Any:
+        """The body as JSON (None when it is not)."""
+        try:
+            return _decode(self.body)
+        except msgspec.DecodeError:
+            return None
+
+
+def _failure_of(e: BaseException) -> Failure:
+    if isinstance(e, TimeoutError):
+        return Failure(FailureKind.TIMEOUT)
+    if isinstance(e, aiohttp.ClientConnectorError | ConnectionRefusedError):
+        return Failure(FailureKind.CONNECT)
+    return Failure(FailureKind.PROTOCOL)
+
+
+def tokenize_request(path: str, body: Mapping[str, Any]) -> dict[str, Any] | list[int] | None:
+    """The /tokenize body rendering the same prompt as the request, its token ids when it
+    carries them already, or None when there is no single prompt to tokenize."""
+    out: dict[str, Any] = {}
+    if isinstance(body.get("model"), str):
+        out["model"] = body["model"]
+    if path.endswith("/chat/completions"):
+        for name in _CHAT_TEMPLATE_FIELDS:
+            if name in body:
+                out[name] = body[name]
+        return out
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        # Ids out of range: no reuse; the engine answers the client's mistake itself.
+        return list(prompt) if min(prompt) >= 0 and max(prompt) < _MAX_TOKEN_ID else None
+    if not isinstance(prompt, str):
+        return None
+    out["prompt"] = prompt
+    if "add_special_tokens" in body:
+        out["add_special_tokens"] = body["add_special_tokens"]
+    return out
+
+
+class _Tokenized(msgspec.Struct):
+    tokens: list[Annotated[int, msgspec.Meta(ge=0, lt=_MAX_TOKEN_ID)]]
+
+
+_decode_tokenized = msgspec.json.Decoder(_Tokenized).decode
+
+
+def tokens_of(raw: bytes) -> list[int] | None:
+    """Token ids of a /tokenize answer (None: not one). Typed decoding checks the ids in C:
+    this runs on every conversation turn, on prompts of up to hundreds of thousands of tokens."""
+    try:
+        tokens = _decode_tokenized(raw).tokens
+    except msgspec.DecodeError:  # includes ValidationError
+        return None
+    return tokens or None
+
+
+class Engines:
+    """Requests to engines over one pooled aiohttp session."""
+
+    def __init__(self, http: aiohttp.ClientSession, settings: UpstreamSettings) -> None:
+        self._http = http
+        self._s = settings
+        self._bounded = aiohttp.ClientTimeout(
+            total=settings.prefill_timeout_s, sock_connect=settings.connect_timeout_s
+        )
+        self._streaming = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
+
+    def headers(
+        self, client: Mapping[str, str], request_id: str, extra: Sequence[tuple[str, str]] = ()
+    ) -> dict[str, str]:
+        """Headers of a request to an engine."""
+        # identity: the router reads D's answer (and passes it on as it came)
+        out = {"Content-Type": "application/json", "Accept-Encoding": "identity", "X-Request-Id": request_id}
+        if self._s.api_key:
+            out["Authorization"] = f"Bearer {self._s.api_key}"
+        elif hdrs.AUTHORIZATION in client:
+            out["Authorization"] = client[hdrs.AUTHORIZATION]
+        for name in _FORWARDED:
+            if name in client:
+                out[name] = client[name]
+        out.update(extra)
+        return out
+
+    async def post(
+        self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float | None = None
+    ) -> Reply:
+        """POST and read the whole answer (bounded by `timeout_s`, default the prefill timeout)."""
+        timeout = self._bounded
+        if timeout_s is not None:
+            timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._s.connect_timeout_s)
+        try:
+            async with self._http.post(url, data=body, headers=headers, timeout=timeout) as r:
+                raw = await r.read()
+                return Reply(r.status, raw, r.headers.get(hdrs.CONTENT_TYPE, ""))
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            raise UpstreamError(_failure_of(e), f"{url}: {str(e) or type(e).__name__}") from e
+
+    async def get(self, url: str, headers: Mapping[str, str]) -> Reply:
+        try:
+            async with self._http.get(url, headers=headers, timeout=self._bounded) as r:
+                return Reply(r.status, await r.read(), r.headers.get(hdrs.CONTENT_TYPE, ""))
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            raise UpstreamError(_failure_of(e), f"{url}: {str(e) or type(e).__name__}") from e
+
+    async def open(self, url: str, body: bytes, headers: Mapping[str, str]) -> aiohttp.ClientResponse:
+        """POST and return as soon as the status line is in; the caller reads and releases it."""
+        try:
+            return await self._http.post(url, data=body, headers=headers, timeout=self._streaming)
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            raise UpstreamError(_failure_of(e), f"{url}: {str(e) or type(e).__name__}") from e

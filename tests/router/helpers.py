@@ -1,0 +1,96 @@
+"""A client of the router for the tests: one turn, streamed or not, decoded."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from emulator import EmulatorServer
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+SYSTEM = {"role": "system", "content": "You are a careful assistant who reads every file. " * 6}
+
+
+@dataclass
+class Result:
+    status: int
+    headers: Mapping[str, str]
+    body: dict[str, Any] = field(default_factory=dict)
+    events: list[Any] = field(default_factory=list)
+    text: str = ""
+
+    @property
+    def decision(self) -> str:
+        return self.headers.get("X-Kvferry-Reuse", "")
+
+    @property
+    def reason(self) -> str:
+        return self.headers.get("X-Kvferry-Reuse-Reason", "")
+
+    @property
+    def reused(self) -> int:
+        return int(self.headers.get("X-Kvferry-Reused-Tokens", "0"))
+
+
+async def ask(
+    http: aiohttp.ClientSession,
+    base_url: str,
+    body: dict[str, Any],
+    headers: Mapping[str, str] | None = None,
+    path: str = CHAT,
+) -> Result:
+    """One request; collects the answer text of a stream or a JSON answer."""
+    async with http.post(base_url + path, json=body, headers=headers) as r:
+        if r.status != 200 or not r.headers.get("Content-Type", "").startswith("text/event-stream"):
+            raw = await r.read()
+            obj = json.loads(raw) if raw else {}
+            res = Result(r.status, r.headers, body=obj)
+            if r.status == 200:
+                choice = obj["choices"][0]
+                res.text = choice["message"]["content"] if "message" in choice else choice["text"]
+            return res
+        res = Result(r.status, r.headers)
+        async for raw_line in r.content:
+            line = raw_line.decode().strip()
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            data = line[len("data: ") :]
+            event = data if data == "[DONE]" else json.loads(data)
+            res.events.append(event)
+            if isinstance(event, dict) and event.get("choices"):
+                choice = event["choices"][0]
+                res.text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+        return res
+
+
+def first_turn(topic: str, size: int = 4) -> list[dict[str, Any]]:
+    return [SYSTEM, {"role": "user", "content": f"Tell me about {topic}. " * size}]
+
+
+def next_turn(
+    messages: list[dict[str, Any]], answer: str, text: str = "Go on, and cite the file. "
+) -> list[dict[str, Any]]:
+    return [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": text * 3}]
+
+
+def pulled_tokens(emu: EmulatorServer) -> float:
+    """Tokens an engine pulled from remote engines so far."""
+    total = 0.0
+    for metric in emu.engine.metrics.registry.collect():
+        if metric.name == "kvferry_emulator:kv_pulled_tokens":
+            total += sum(s.value for s in metric.samples if s.name.endswith("_total"))
+    return total
+
+
+async def tokenize(
+    http: aiohttp.ClientSession, emu: EmulatorServer, messages: list[dict[str, Any]]
+) -> list[int]:
+    async with http.post(emu.http_url + "/tokenize", json={"messages": messages}) as r:
+        assert r.status == 200
+        return list((await r.json())["tokens"])

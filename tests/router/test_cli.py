@@ -1,0 +1,47 @@
+"""``kvferry router`` as a process: flags, serving, SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+import aiohttp
+import pytest
+
+from kvferry import logs
+from router.cli import main
+from tests.conftest import free_port
+
+
+def test_bad_flags_exit_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(logs, "configure", lambda *a, **k: None)  # keep the process's logging as it is
+    assert main(["--prefill", "http://p:1"]) == 2  # no decode node, no daemon
+    assert main(["--prefill", "p:1", "--decode", "http://d:1"]) == 2
+
+
+async def test_serves_until_sigterm(http: aiohttp.ClientSession) -> None:
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvferry.cli", "router", "--listen", f"127.0.0.1:{port}",
+        "--prefill", f"http://127.0.0.1:{free_port()}", "--decode", f"http://127.0.0.1:{free_port()}",
+        "--model", "m",
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        async with asyncio.timeout(20):
+            while True:
+                try:
+                    async with http.get(f"http://127.0.0.1:{port}/health") as r:
+                        assert r.status == 200  # static nodes: routable (the engines are down, though)
+                        break
+                except aiohttp.ClientConnectionError:
+                    await asyncio.sleep(0.1)
+            async with http.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"messages": []}) as r:
+                assert r.status == 400
+            proc.send_signal(signal.SIGTERM)
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -1,0 +1,332 @@
+"""Pure decisions of the router: identity, node choice, what P and D get, retries, relay."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.choice import Node, choose_decode, choose_prefill, worth_scoring
+from router.decisions import (
+    Breaker,
+    Failure,
+    FailureKind,
+    LookupAnswer,
+    Retry,
+    decode_body,
+    prefill_body,
+    prefill_kv_params,
+    retry_after,
+    retry_decode_elsewhere,
+    reuse_of,
+)
+from router.identity import MAX_ID_BYTES, conversation_of, identify, safe_id, tenant_of
+from router.nodes import base_model_of, static_nodes
+from router.relay import SseScrubber, scrub_json
+from router.settings import Settings, add_arguments, from_args
+from router.upstream import tokenize_request, tokens_of
+
+D_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_block_ids": [[1, 2, 3]],
+    "remote_engine_id": "d1",
+    "remote_request_id": "r1",
+    "remote_host": "10.0.0.2",
+    "remote_port": 5600,
+    "remote_num_tokens": 40,
+}
+
+# -- identity -------------------------------------------------------------------------------
+
+
+def test_conversation_identity_sources_in_order() -> None:
+    assert conversation_of({"X-Conversation-Id": "h"}, {"conversation_id": "b"}) == "h"
+    assert conversation_of({"X-Session-ID": "s"}, {"conversation_id": "b"}) == "b"
+    assert conversation_of({"X-Session-ID": "s"}, {"session_id": "v"}) == "s"
+    assert conversation_of({}, {"session_id": "v"}) == "v"
+    assert conversation_of({}, {"conversation_id": 42}) == "42"
+    assert conversation_of({}, {"conversation_id": True, "session_id": "  "}) == ""
+    assert conversation_of({}, {}) == ""
+
+
+def test_ids_the_daemon_would_refuse_become_stable_digests() -> None:
+    long = "x" * (MAX_ID_BYTES + 1)
+    assert safe_id(long, "conv") == safe_id(long, "conv") != long
+    assert len(safe_id(long, "conv")) < MAX_ID_BYTES
+    assert safe_id("a\nb", "conv").startswith("conv-")
+    assert safe_id("ok-id", "conv") == "ok-id"
+
+
+def test_tenant_is_a_hash_of_the_api_key_never_the_key() -> None:
+    alice = tenant_of({"Authorization": "Bearer sk-alice"}, "X-Kvferry-Tenant")
+    assert alice.startswith("key-") and "sk-alice" not in alice
+    assert alice == tenant_of({"Authorization": "bearer  sk-alice "}, "X-Kvferry-Tenant")
+    assert alice != tenant_of({"Authorization": "Bearer sk-bob"}, "X-Kvferry-Tenant")
+    # The key wins over a tenant header: a client cannot name someone else's tenant.
+    assert (
+        tenant_of({"Authorization": "Bearer sk-alice", "X-Kvferry-Tenant": "bob"}, "X-Kvferry-Tenant")
+        == alice
+    )
+    assert tenant_of({"X-Kvferry-Tenant": "acme"}, "X-Kvferry-Tenant") == "acme"
+    assert tenant_of({"X-Kvferry-Tenant": "acme"}, "") == ""
+    assert tenant_of({"Authorization": "Basic abc"}, "") == ""
+
+
+def test_no_conversation_means_no_identity_at_all() -> None:
+    ident = identify({"Authorization": "Bearer k"}, {}, "X-Kvferry-Tenant")
+    assert (ident.tenant, ident.conversation_id) == ("", "")
+
+
+# -- node choice ----------------------------------------------------------------------------
+
+
+def _nodes() -> list[Node]:
+    return [
+        Node("p1", "prefill", "http://p1", indexed_blocks=10),
+        Node("p2", "prefill", "http://p2", indexed_blocks=10),
+        Node("b1", "both", "http://b1"),
+        Node("d1", "decode", "http://d1"),
+        Node("d2", "decode", "http://d2"),
+    ]
+
+
+def test_decode_is_the_least_busy_and_ties_rotate() -> None:
+    nodes = _nodes()
+    assert choose_decode(nodes, {"d1": 2, "d2": 1, "b1": 3}).engine_id == "d2"  # type: ignore[union-attr]
+    picks = {choose_decode(nodes, {"b1": 5}, t).engine_id for t in range(4)}  # type: ignore[union-attr]
+    assert picks == {"d1", "d2"}
+    assert choose_decode([Node("p", "prefill", "u")], {}) is None
+
+
+def test_prefill_prefers_the_cached_prefix_unless_much_busier() -> None:
+    nodes = _nodes()
+    assert choose_prefill(nodes, {"p1": 1, "b1": 1}).engine_id == "p2"  # type: ignore[union-attr]
+    cached = {"p1": 50, "p2": 3}
+    assert choose_prefill(nodes, {"p1": 3}, cached).engine_id == "p1"  # type: ignore[union-attr]
+    assert choose_prefill(nodes, {"p1": 9}, cached, load_slack=4).engine_id == "p2"  # type: ignore[union-attr]
+    assert choose_prefill(nodes, {}, exclude={"p1", "p2", "b1"}) is None
+    assert choose_prefill(nodes, {}, cached, exclude={"p1"}).engine_id == "p2"  # type: ignore[union-attr]
+
+
+def test_scoring_only_when_it_can_change_the_choice() -> None:
+    nodes = _nodes()
+    assert worth_scoring(nodes)
+    assert not worth_scoring([n for n in nodes if n.engine_id != "p2"], exclude={"b1"})
+    assert not worth_scoring([Node("p1", "prefill", "u"), Node("p2", "prefill", "v")])
+
+
+def test_static_nodes_and_the_base_model_of_a_models_answer() -> None:
+    nodes = static_nodes(["http://a", "http://b"], ["http://b", "http://c"], "m", 32)
+    assert [(n.engine_id, n.role) for n in nodes] == [
+        ("http://a", "prefill"),
+        ("http://b", "both"),
+        ("http://c", "decode"),
+    ]
+    assert all(n.block_size == 32 and n.model == "m" for n in nodes)
+    answer = {"data": [{"id": "lora-1", "parent": "base"}, {"id": "base", "parent": None}]}
+    assert base_model_of(answer) == "base"
+    assert base_model_of({"data": "nope"}) == "" == base_model_of([])
+
+
+# -- what the daemon's answer means for P ------------------------------------------------------
+
+
+def test_a_pull_hands_p_the_daemons_params() -> None:
+    reuse = reuse_of(LookupAnswer(True, "pull", D_PARAMS, {}, 40))
+    assert reuse.pull and reuse.remote == D_PARAMS and reuse.reusable_tokens == 40
+    kv = prefill_kv_params(reuse, [1, 2, 3])
+    assert kv == {**D_PARAMS, "prompt_token_ids": [1, 2, 3]}
+
+
+def test_a_recompute_with_release_params_frees_ds_blocks() -> None:
+    release = {**D_PARAMS, "remote_num_tokens": 0}
+    reuse = reuse_of(LookupAnswer(False, "below_threshold", {}, release, 0))
+    assert not reuse.pull and reuse.remote == release
+    assert prefill_kv_params(reuse, None)["remote_num_tokens"] == 0
+
+
+def test_nothing_to_hand_over_means_fresh_params() -> None:
+    reuse = reuse_of(LookupAnswer(False, "no_lease", {}, {}, 0))
+    assert reuse.remote is None and reuse.decision == "RECOMPUTE"
+    assert prefill_kv_params(reuse, [7]) == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "prompt_token_ids": [7],
+    }
+    assert prefill_kv_params(None, None) == {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def test_a_pull_missing_what_p_needs_is_not_handed_over() -> None:
+    broken = {k: v for k, v in D_PARAMS.items() if k != "remote_host"}
+    reuse = reuse_of(LookupAnswer(True, "pull", broken, {}, 40))
+    assert not reuse.pull and reuse.remote is None and reuse.reason == "unusable_params"
+    assert reuse_of(LookupAnswer(True, "pull", D_PARAMS, {}, 0)).remote is None
+
+
+def test_prefill_and_decode_bodies() -> None:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 99,
+        "max_completion_tokens": 99,
+        "min_tokens": 5,
+        "conversation_id": "c",
+        "session_id": "s",
+        "kv_transfer_params": {"client": "junk"},
+    }
+    p = prefill_body(body, {"do_remote_decode": True})
+    assert p["stream"] is False and p["max_tokens"] == 1 == p["max_completion_tokens"]
+    assert "stream_options" not in p and "min_tokens" not in p and "conversation_id" not in p
+    assert p["kv_transfer_params"] == {"do_remote_decode": True} and p["session_id"] == "s"
+    d = decode_body(body, {"do_remote_prefill": True}, [1, 2])
+    assert d["stream"] is True and d["max_tokens"] == 99 and "conversation_id" not in d
+    assert d["kv_transfer_params"] == {"do_remote_prefill": True, "prompt_token_ids": [1, 2]}
+    assert "kv_transfer_params" not in decode_body(body, None, None)
+    assert body["conversation_id"] == "c"  # the client's body is not changed
+
+
+# -- retries ----------------------------------------------------------------------------------
+
+
+def test_a_failed_pull_is_retried_once_without_params() -> None:
+    five = Failure(FailureKind.STATUS, 500)
+    assert retry_after(five, sent_remote=True, attempt=0, other_node_available=False) is Retry.FRESH
+    assert retry_after(Failure(FailureKind.STATUS, 400), True, 0, False) is Retry.FRESH
+    assert retry_after(five, True, 1, True) is None
+
+
+def test_without_params_only_an_unreachable_p_is_retried_elsewhere() -> None:
+    connect = Failure(FailureKind.CONNECT)
+    assert retry_after(connect, False, 0, True) is Retry.OTHER_NODE
+    assert retry_after(connect, False, 0, False) is None
+    assert retry_after(Failure(FailureKind.STATUS, 500), False, 0, True) is None
+    assert retry_after(Failure(FailureKind.STATUS, 404), False, 0, True) is None
+    assert retry_after(Failure(FailureKind.TIMEOUT), True, 0, True) is None
+
+
+def test_decode_goes_elsewhere_only_when_d_never_saw_the_request() -> None:
+    assert retry_decode_elsewhere(Failure(FailureKind.CONNECT), True)
+    assert not retry_decode_elsewhere(Failure(FailureKind.CONNECT), False)
+    assert not retry_decode_elsewhere(Failure(FailureKind.PROTOCOL), True)
+    assert not retry_decode_elsewhere(Failure(FailureKind.TIMEOUT), True)
+    nodes = _nodes()
+    assert choose_decode(nodes, {}, exclude={"d1", "d2"}).engine_id == "b1"  # type: ignore[union-attr]
+    assert choose_decode(nodes, {}, exclude={"d1", "d2", "b1"}) is None
+
+
+def test_client_errors_are_4xx_statuses_only() -> None:
+    assert Failure(FailureKind.STATUS, 404).client_error
+    assert not Failure(FailureKind.STATUS, 503).client_error
+    assert not Failure(FailureKind.CONNECT).client_error
+
+
+def test_breaker_pauses_lookups_doubling_and_closes_on_success() -> None:
+    b = Breaker(0.1, 1.0)
+    assert b.allows(0.0)
+    b.record(False, 10.0)
+    assert not b.allows(10.05) and b.allows(10.1)
+    b.record(False, 10.1)
+    assert not b.allows(10.25) and b.allows(10.3)
+    for _ in range(10):
+        b.record(False, 20.0)
+    assert b.open_until == pytest.approx(21.0)
+    b.record(True, 21.0)
+    assert b.allows(21.0) and b.failures == 0
+
+
+# -- relay --------------------------------------------------------------------------------------
+
+
+def _sse(*objs: object) -> bytes:
+    return b"".join(
+        b"data: " + (o if isinstance(o, bytes) else json.dumps(o).encode()) + b"\n\n" for o in objs
+    )
+
+
+def test_streams_pass_unchanged_except_the_params() -> None:
+    s = SseScrubber()
+    plain = _sse({"choices": [{"delta": {"content": "a"}}]})
+    assert s.feed(plain) is plain
+    last = _sse({"choices": [], "kv_transfer_params": D_PARAMS}, b"[DONE]")
+    out = s.feed(last)
+    assert b"kv_transfer_params" not in out and out.endswith(b"data: [DONE]\n\n")
+    assert json.loads(out.split(b"\n\n")[0][6:]) == {"choices": []}
+
+
+@given(st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=30))
+def test_any_chunking_gives_the_same_stream(cuts: list[int]) -> None:
+    stream = _sse(
+        {"choices": [{"delta": {"content": "héllo"}}]},
+        {"choices": [], "kv_transfer_params": D_PARAMS},
+        b"[DONE]",
+    )
+    s, out, pos = SseScrubber(), b"", 0
+    for c in cuts:
+        out += s.feed(stream[pos : pos + c])
+        pos += c
+    out += s.feed(stream[pos:]) + s.flush()
+    events = [e[len(b"data: ") :] for e in out.split(b"\n\n") if e]
+    assert events[0] == stream.split(b"\n\n")[0][len(b"data: ") :]  # untouched, byte for byte
+    assert json.loads(events[1]) == {"choices": []} and events[2] == b"[DONE]" and len(events) == 3
+
+
+def test_json_answers_get_null_params() -> None:
+    raw = json.dumps({"id": "x", "kv_transfer_params": D_PARAMS}).encode()
+    assert json.loads(scrub_json(raw)) == {"id": "x", "kv_transfer_params": None}
+    untouched = b'{"id": "x", "kv_transfer_params": null}'
+    assert scrub_json(untouched) is untouched
+    assert scrub_json(b"not json kv_transfer_params") == b"not json kv_transfer_params"
+
+
+# -- tokenize requests ----------------------------------------------------------------------------
+
+
+def test_tokenize_renders_what_the_engine_would() -> None:
+    chat = {"model": "m", "messages": [], "tools": [{}], "chat_template_kwargs": {"x": 1}, "max_tokens": 3}
+    assert tokenize_request("/v1/chat/completions", chat) == {
+        "model": "m",
+        "messages": [],
+        "tools": [{}],
+        "chat_template_kwargs": {"x": 1},
+    }
+    assert tokenize_request("/v1/completions", {"prompt": "hi"}) == {"prompt": "hi"}
+    assert tokenize_request("/v1/completions", {"prompt": [1, 2]}) == [1, 2]
+    assert tokenize_request("/v1/completions", {"prompt": [[1, 2]]}) == [1, 2]
+    assert tokenize_request("/v1/completions", {"prompt": ["a", "b"]}) is None
+    assert tokenize_request("/v1/completions", {"prompt": [1, -2]}) is None
+    assert tokenize_request("/v1/completions", {"prompt": [1, 2**32]}) is None
+    assert tokens_of(b'{"count": 2, "tokens": [1, 2]}') == [1, 2]
+    for bad in (
+        b'{"tokens": []}',
+        b'{"tokens": ["a"]}',
+        b'{"tokens": [-1]}',
+        b"[1]",
+        b"nope",
+        b'{"tokens": [1.5]}',
+    ):
+        assert tokens_of(bad) is None, bad
+
+
+# -- settings --------------------------------------------------------------------------------------
+
+
+def _parse(*argv: str) -> Settings:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return from_args(p.parse_args(list(argv)))
+
+
+def test_flags_make_settings() -> None:
+    s = _parse("--daemon", "a:1,b:2", "--prefill", "http://p/", "--decode", "http://d", "--reuse", "false")
+    assert s.daemon.addresses == ("a:1", "b:2") and s.nodes.prefill_urls == ("http://p",)
+    assert s.reuse.enabled is False and s.daemon.lookup_deadline_s == 0.05
+    with pytest.raises(ValueError, match="daemon"):
+        _parse()
+    with pytest.raises(ValueError, match="http"):
+        _parse("--prefill", "p:1", "--decode", "http://d")

@@ -1,0 +1,306 @@
+"""What clients get when something goes wrong: their own mistakes, engine errors, a failed
+pull, unreachable engines, a daemon that is gone or late, a D that breaks off."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from controlplane.daemon import Daemon
+from kvferry.v1 import leases_pb2
+from router import Router
+from router.control import struct_to_dict
+from tests.conftest import free_port
+from tests.router.conftest import MakeStack, router_settings
+from tests.router.helpers import CHAT, ask, first_turn, next_turn
+
+Reference = Callable[[str, dict[str, Any]], Awaitable[str]]
+
+
+async def test_bad_client_input_gets_vllms_400(make_stack: MakeStack, http: aiohttp.ClientSession) -> None:
+    stack = await make_stack()
+    router = await stack.router()
+    cases: list[tuple[str, bytes]] = [
+        (CHAT, b"{not json"),
+        (CHAT, b"[1, 2]"),
+        (CHAT, b'{"model": "m"}'),
+        (CHAT, b'{"messages": []}'),
+        (CHAT, b'{"messages": ["hi"]}'),
+        (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}'),
+        ("/v1/completions", b'{"max_tokens": 3}'),
+        (CHAT, b""),
+    ]
+    for path, raw in cases:
+        async with http.post(router.url + path, data=raw, headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 400, raw
+            err = (await r.json())["error"]
+            assert err["type"] == "BadRequestError" and err["code"] == 400 and err["message"], raw
+    assert router.metrics.value("kvferry_router_requests_total", endpoint=CHAT, status="400") == 7
+
+
+async def test_engine_client_errors_pass_through(make_stack: MakeStack, http: aiohttp.ClientSession) -> None:
+    stack = await make_stack()
+    router = await stack.router()
+    messages = first_turn("errors")
+    wrong_model = await ask(http, router.url, {"model": "nope", "messages": messages, "conversation_id": "e"})
+    assert wrong_model.status == 404
+    assert wrong_model.body["error"]["type"] == "NotFoundError"
+    assert "nope" in wrong_model.body["error"]["message"]
+    too_long = await ask(http, router.url, {"messages": messages, "max_tokens": 10**6, "stream": True})
+    assert too_long.status == 400 and "maximum context length" in too_long.body["error"]["message"]
+    bad_ids = {"prompt": [1, -5, 2**40], "max_tokens": 3, "session_id": "s"}
+    res = await ask(http, router.url, bad_ids, path="/v1/completions")
+    assert res.status == 400 and res.body["error"]["type"] == "BadRequestError"
+
+
+async def test_a_failed_pull_is_retried_without_params_and_answers_right(
+    make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
+) -> None:
+    stack = await make_stack()
+    router = await stack.router()
+    [p] = stack.prefills
+    messages = first_turn("retries")
+    one = await ask(http, router.url, {"messages": messages, "max_tokens": 30, "conversation_id": "r"})
+    await stack.registrations_idle()
+    # Behind the daemon's back, D frees the blocks (a P was handed them with remote_num_tokens 0).
+    lease = await stack.client.leases.Get(leases_pb2.GetLeaseRequest(conversation_id="r"))
+    release = {**struct_to_dict(lease.kv_transfer_params), "remote_num_tokens": 0}
+    prefill = {"messages": messages, "max_tokens": 1, "kv_transfer_params": release}
+    async with http.post(p.http_url + CHAT, json=prefill) as r:
+        assert r.status == 200
+    await asyncio.sleep(0.1)
+
+    body = {"messages": next_turn(messages, one.text), "max_tokens": 30}
+    two = await ask(http, router.url, {**body, "conversation_id": "r", "stream": True})
+    assert two.status == 200, two.body
+    assert (two.decision, two.reason) == ("RECOMPUTE", "prefill_failed")
+    assert two.text == await reference(CHAT, body)
+    assert router.metrics.value("kvferry_router_prefill_retries_total", how="fresh") == 1
+    assert (
+        router.metrics.value("kvferry_router_upstream_errors_total", role="prefill", kind="status_5xx") == 1
+    )
+
+
+async def test_unreachable_engines(
+    make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
+) -> None:
+    stack = await make_stack()
+    await stack.wait_nodes()
+    [p], [d] = stack.prefills, stack.decodes
+    p_url, d_url = stack.sidecar(p).url, stack.sidecar(d).url
+    dead = f"http://127.0.0.1:{free_port()}"
+    body = {"messages": first_turn("dead ends"), "max_tokens": 10}
+
+    # A dead P among live ones: each request still succeeds, on the live P.
+    spare = Router(
+        router_settings(
+            None, nodes__prefill_urls=(dead, p_url), nodes__decode_urls=(d_url,), nodes__model="m"
+        )
+    )
+    async with spare:
+        for _ in range(3):
+            res = await ask(http, spare.url, body)
+            assert res.status == 200 and res.text == await reference(CHAT, body)
+        assert spare.metrics.value("kvferry_router_prefill_retries_total", how="other_node") >= 1
+
+    # A dead D among live ones: D never saw the request, so another D serves it.
+    spare_d = Router(
+        router_settings(
+            None, nodes__prefill_urls=(p_url,), nodes__decode_urls=(dead, d_url), nodes__model="m"
+        )
+    )
+    async with spare_d:
+        for _ in range(3):
+            res = await ask(http, spare_d.url, {**body, "stream": True})
+            assert res.status == 200 and res.text == await reference(CHAT, body)
+
+    # A dead D alone: a 502 JSON error, not a hang or a traceback.
+    no_d = Router(
+        router_settings(None, nodes__prefill_urls=(p_url,), nodes__decode_urls=(dead,), nodes__model="m")
+    )
+    async with no_d:
+        res = await ask(http, no_d.url, {**body, "stream": True})
+        assert res.status == 502
+        assert res.body["error"]["type"] == "BadGatewayError" and "decode" in res.body["error"]["message"]
+
+
+async def test_without_a_daemon_turns_are_served_without_reuse(
+    make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
+) -> None:
+    stack = await make_stack()
+    await stack.wait_nodes()
+    [p], [d] = stack.prefills, stack.decodes
+    nodes = {"nodes__prefill_urls": (stack.sidecar(p).url,), "nodes__decode_urls": (stack.sidecar(d).url,)}
+    messages = first_turn("absence")
+    body = {"messages": messages, "max_tokens": 10, "conversation_id": "gone"}
+
+    gone = Router(
+        router_settings(
+            None,
+            daemon__addresses=(f"127.0.0.1:{free_port()}",),
+            daemon__breaker_base_s=30.0,
+            daemon__breaker_max_s=30.0,
+            **nodes,
+        )
+    )
+    async with gone:
+        for expect in ("daemon_unavailable", "daemon_backoff"):
+            res = await ask(http, gone.url, body)
+            assert res.status == 200 and (res.decision, res.reason) == ("SKIPPED", expect)
+            assert res.text == await reference(CHAT, body)
+
+    late = Router(router_settings(stack.daemon, daemon__lookup_deadline_s=1e-6, **nodes))
+    async with late:
+        res = await ask(http, late.url, body)
+        assert res.status == 200 and (res.decision, res.reason) == ("SKIPPED", "daemon_timeout")
+        assert res.text == await reference(CHAT, body)
+
+
+async def test_health_models_and_metrics(make_stack: MakeStack, http: aiohttp.ClientSession) -> None:
+    stack = await make_stack()
+    router = await stack.router()
+    async with http.get(router.url + "/health") as r:
+        assert r.status == 200
+    async with http.get(router.url + "/v1/models") as r:
+        assert r.status == 200 and (await r.json())["data"][0]["id"] == "kvferry/emulated-model"
+    await ask(http, router.url, {"messages": first_turn("metrics"), "max_tokens": 5, "conversation_id": "m"})
+    async with http.get(router.url + "/metrics") as r:
+        text = await r.text()
+    for name in (
+        'kvferry_router_lookups_total{decision="RECOMPUTE",reason="no_lease"} 1.0',
+        'kvferry_router_nodes{role="prefill"} 1.0',
+        "kvferry_router_ttft_seconds_bucket",
+        "kvferry_router_request_seconds_bucket",
+        'kvferry_router_stage_seconds_count{stage="lookup"} 1.0',
+    ):
+        assert name in text, name
+    with pytest.raises(ValueError, match="decode"):
+        Router(router_settings(None, nodes__prefill_urls=("http://127.0.0.1:9",), nodes__decode_urls=()))
+
+
+# -- what the engines receive: a fake engine that records every request ------------------------
+
+
+def _lower(headers: Any) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items()}
+
+
+class FakeEngine:
+    """Answers like vLLM P and D, records requests; `break_after` events cuts D's stream."""
+
+    def __init__(self, break_after: int | None = None) -> None:
+        self.requests: list[tuple[str, dict[str, str], dict[str, Any]]] = []
+        self.break_after = break_after
+        self.url = ""
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        self.requests.append(("/tokenize", _lower(request.headers), await request.json()))
+        return web.json_response({"count": 40, "max_model_len": 4096, "tokens": list(range(40))})
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append((request.path, _lower(request.headers), body))
+        if not body.get("stream"):
+            params = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_block_ids": [[1]]}
+            return web.json_response(
+                {"id": "x", "object": "chat.completion", "choices": [], "kv_transfer_params": params}
+            )
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(5):
+            if self.break_after is not None and i == self.break_after:
+                assert request.transport is not None
+                request.transport.close()
+                return resp
+            chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "fake", "parent": None}]})
+
+
+@contextlib.asynccontextmanager
+async def fake_engine(break_after: int | None = None) -> AsyncIterator[FakeEngine]:
+    fake = FakeEngine(break_after)
+    app = web.Application()
+    app.router.add_post("/tokenize", fake.tokenize)
+    app.router.add_post("/v1/chat/completions", fake.generate)
+    app.router.add_get("/v1/models", fake.models)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    fake.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        yield fake
+    finally:
+        await runner.cleanup()
+
+
+async def test_what_the_engines_receive(daemon: Daemon, http: aiohttp.ClientSession) -> None:
+    async with fake_engine() as p, fake_engine() as d:
+        settings = router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
+        async with Router(settings) as router:
+            body = {
+                "model": "fake",
+                "messages": [{"role": "user", "content": "hi"}],
+                "conversation_id": "secret-conv",
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "max_tokens": 50,
+            }
+            res = await ask(
+                http, router.url, body, {"Authorization": "Bearer sk-1", "traceparent": "00-ab-cd-01"}
+            )
+            assert res.status == 200 and res.text == "t0t1t2t3t4" and res.events[-1] == "[DONE]"
+    [(path, _, tok)] = p.requests[:1]
+    assert path == "/tokenize" and tok == {"model": "fake", "messages": body["messages"]}
+    (_, p_headers, p_body) = p.requests[1]
+    assert p_body["stream"] is False and p_body["max_tokens"] == 1 and "stream_options" not in p_body
+    assert p_body["kv_transfer_params"] == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "prompt_token_ids": list(range(40)),
+    }
+    [(_, d_headers, d_body)] = d.requests
+    assert d_body["stream"] is True and d_body["max_tokens"] == 50
+    assert d_body["kv_transfer_params"]["do_remote_prefill"] is True
+    assert d_body["kv_transfer_params"]["prompt_token_ids"] == list(range(40))
+    for _, _, sent in [*p.requests, *d.requests]:
+        assert "conversation_id" not in sent and "secret-conv" not in json.dumps(sent)
+    assert d_headers["x-conversation-id"] == "secret-conv"
+    assert d_headers["x-kvferry-tenant"].startswith("key-") and "sk-1" not in d_headers["x-kvferry-tenant"]
+    assert "x-conversation-id" not in p_headers
+    assert p_headers["x-request-id"] == d_headers["x-request-id"]
+    assert d_headers["authorization"] == "Bearer sk-1" and d_headers["traceparent"] == "00-ab-cd-01"
+    assert d_headers["accept-encoding"] == "identity"  # the router reads D's answer
+
+
+async def test_a_decode_that_breaks_off_cuts_the_clients_stream(
+    daemon: Daemon, http: aiohttp.ClientSession
+) -> None:
+    async with fake_engine() as p, fake_engine(break_after=2) as d:
+        settings = router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
+        async with Router(settings) as router:
+            body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+            received = b""
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async with http.post(router.url + CHAT, json=body) as r:
+                    assert r.status == 200
+                    async for chunk in r.content.iter_any():
+                        received += chunk
+            assert b"t1" in received and b"[DONE]" not in received
+            await asyncio.sleep(0.05)
+            assert (
+                router.metrics.value("kvferry_router_upstream_errors_total", role="decode", kind="protocol")
+                == 1
+            )

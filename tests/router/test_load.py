@@ -1,0 +1,130 @@
+"""Many conversations at once, router replicas, and a daemon that dies mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import aiohttp
+
+from router import Router
+from tests.conftest import DaemonFactory
+from tests.router.conftest import MakeStack
+from tests.router.helpers import CHAT, Result, ask, first_turn, next_turn
+
+Reference = Callable[[str, dict[str, Any]], Awaitable[str]]
+
+
+@dataclass
+class Conversation:
+    cid: str
+    messages: list[dict[str, Any]]
+    results: list[Result] = field(default_factory=list)
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+
+    async def turn(self, http: aiohttp.ClientSession, router: Router, stream: bool = True) -> Result:
+        if self.results:
+            self.messages = next_turn(
+                self.messages, self.results[-1].text, f"Step {len(self.results)}: go on. "
+            )
+        body = {"messages": self.messages, "max_tokens": 24, "conversation_id": self.cid, "stream": stream}
+        res = await ask(http, router.url, body, {"Authorization": f"Bearer key-{hash(self.cid) % 7}"})
+        self.bodies.append(body)
+        self.results.append(res)
+        return res
+
+
+async def _check_answers(convs: list[Conversation], reference: Reference) -> int:
+    """Every answer equals the no-reuse answer; -> number of turns checked."""
+    sem = asyncio.Semaphore(16)
+
+    async def one(body: dict[str, Any], res: Result) -> None:
+        async with sem:
+            assert res.text == await reference(CHAT, body), body["conversation_id"]
+
+    pairs = [(b, r) for c in convs for b, r in zip(c.bodies, c.results, strict=True)]
+    await asyncio.gather(*(one(b, r) for b, r in pairs))
+    return len(pairs)
+
+
+async def test_two_replicas_taking_alternate_turns_reuse_as_often_as_one(
+    make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
+) -> None:
+    stack = await make_stack()
+    a = await stack.router()
+    b = await stack.router()
+
+    async def run(routers: list[Router], tag: str) -> list[Conversation]:
+        convs = [Conversation(f"{tag}-{i}", first_turn(f"topic {tag} {i}")) for i in range(6)]
+        for t in range(4):
+            results = await asyncio.gather(*(c.turn(http, routers[t % len(routers)]) for c in convs))
+            assert all(r.status == 200 for r in results)
+            await stack.registrations_idle()
+        return convs
+
+    alone = await run([a], "one")
+    pair = await run([a, b], "two")
+    pulls_alone = sum(r.decision == "PULL" for c in alone for r in c.results)
+    pulls_pair = sum(r.decision == "PULL" for c in pair for r in c.results)
+    assert pulls_alone == pulls_pair == 6 * 3
+    assert (
+        b.metrics.value("kvferry_router_lookups_total", decision="PULL", reason="partial_pull")
+        + b.metrics.value("kvferry_router_lookups_total", decision="PULL", reason="pull")
+        == 6 * 2
+    )  # b served turns 2 and 4 of every "two" conversation, and pulled every time
+    await _check_answers(pair, reference)
+
+
+async def test_200_concurrent_conversations_survive_a_daemon_restart(
+    make_daemon: DaemonFactory, make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
+) -> None:
+    daemon = await make_daemon()
+    stack = await make_stack(d_config={"num_blocks": 65536}, daemon=daemon)
+    router = await stack.router(daemon__lookup_deadline_s=2.0)
+    convs = [Conversation(f"c{i}", first_turn(f"subject {i}", size=2)) for i in range(200)]
+
+    # Turn 1 for everyone at once.
+    one = await asyncio.gather(*(c.turn(http, router, stream=i % 2 == 0) for i, c in enumerate(convs)))
+    assert all(r.status == 200 for r in one)
+    await stack.registrations_idle(20)
+
+    # Turn 2 for everyone: half are running when the daemon dies, the rest arrive after.
+    done, midway = 0, asyncio.Event()
+
+    async def turn_two(c: Conversation) -> Result:
+        nonlocal done
+        res = await c.turn(http, router)
+        done += 1
+        if done == 30:
+            midway.set()
+        return res
+
+    early = asyncio.gather(*(turn_two(c) for c in convs[:100]))
+    async with asyncio.timeout(30):
+        await midway.wait()
+    await daemon.stop()  # 70 of the first 100 still in flight
+    late = await asyncio.gather(*(turn_two(c) for c in convs[100:]))
+    two = [*await early, *late]
+    assert all(r.status == 200 for r in two), [r.body for r in two if r.status != 200][:3]
+    assert any(r.decision == "PULL" for r in two)  # before the kill
+    assert all(r.decision == "SKIPPED" and r.reason.startswith("daemon_") for r in late)
+
+    # Turns while the daemon is down: served, without reuse.
+    while_down = await asyncio.gather(*(c.turn(http, router) for c in convs[:20]))
+    assert all(r.status == 200 and r.decision == "SKIPPED" for r in while_down)
+
+    # The daemon comes back on the same address and etcd: reuse resumes.
+    s = daemon.settings
+    back = await make_daemon(replace(s, server=replace(s.server, listen=f"127.0.0.1:{daemon.port}")))
+    stack.daemon = back
+    await stack.wait_nodes(20)
+    await stack.registrations_idle(20)
+    await asyncio.sleep(1.2)  # the router's breaker lets lookups through again within 1 s
+    three = await asyncio.gather(*(c.turn(http, router) for c in convs[20:]))
+    assert all(r.status == 200 for r in three)
+    assert sum(r.decision == "PULL" for r in three) >= len(three) // 2
+
+    assert await _check_answers(convs, reference) == 200 * 2 + 20 + 180
+    assert router.metrics.value("kvferry_router_upstream_errors_total", role="decode", kind="status_5xx") == 0

@@ -1,0 +1,143 @@
+"""Turns of one conversation through the router: reuse, and answers that never change.
+
+Everything is real: etcd, the daemon, emulated P and D with their sidecars, the
+router. The no-reuse answer comes from a single engine computing the whole prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+
+from tests.router.conftest import MakeStack
+from tests.router.helpers import CHAT, COMPLETIONS, ask, first_turn, next_turn, pulled_tokens, tokenize
+
+Reference = Callable[[str, dict[str, Any]], Awaitable[str]]
+
+
+async def test_a_turn_after_a_finished_turn_pulls_and_answers_the_same(
+    make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
+) -> None:
+    stack = await make_stack()
+    router = await stack.router()
+    [p] = stack.prefills
+    messages = first_turn("ferries")
+    body: dict[str, Any] = {"model": "kvferry/emulated-model", "messages": messages, "max_tokens": 40}
+
+    one = await ask(http, router.url, {**body, "conversation_id": "conv-1", "stream": True})
+    assert one.status == 200
+    assert one.decision == "RECOMPUTE" and one.reason == "no_lease"
+    assert one.events[-1] == "[DONE]"
+    assert all("kv_transfer_params" not in e for e in one.events if isinstance(e, dict))
+    assert one.text == await reference(CHAT, body)
+    await stack.registrations_idle()
+
+    second = {**body, "messages": next_turn(messages, one.text)}
+    before = pulled_tokens(p)
+    two = await ask(http, router.url, {**second, "stream": True}, {"X-Session-ID": "conv-1"})
+    assert two.status == 200
+    # D's sequence ends in a partial block no digest covers: the pull stops at the last full block.
+    assert two.decision == "PULL" and two.reason in ("pull", "partial_pull"), dict(two.headers)
+    assert two.reused >= len(one.text) and two.reused % 16 == 0
+    assert pulled_tokens(p) - before == two.reused  # P really pulled what the daemon handed out
+    assert two.text == await reference(CHAT, second)
+    assert router.metrics.value("kvferry_router_lookups_total", decision="PULL", reason=two.reason) == 1
+    assert router.metrics.value("kvferry_router_reused_tokens_total") == two.reused
+
+    # Non-streaming, conversation named by the header: the JSON answer as vLLM gives it.
+    await stack.registrations_idle()
+    third = {**body, "messages": next_turn(second["messages"], two.text, "And then? ")}
+    three = await ask(http, router.url, third, {"X-Conversation-Id": "conv-1"})
+    assert three.status == 200 and three.decision == "PULL"
+    assert three.body["object"] == "chat.completion"
+    assert three.body["kv_transfer_params"] is None
+    assert three.text == await reference(CHAT, third)
+
+
+async def test_edited_history_pulls_only_what_matches_and_never_answers_wrong(
+    make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
+) -> None:
+    stack = await make_stack()
+    router = await stack.router()
+    messages = first_turn("harbours", size=8)
+    body: dict[str, Any] = {"messages": messages, "max_tokens": 60, "ignore_eos": True}
+    headers = {"X-Conversation-Id": "edited", "Authorization": "Bearer sk-alice"}
+
+    one = await ask(http, router.url, body, headers)
+    assert one.status == 200
+    await stack.registrations_idle()
+    # The client drops the second half of the answer (as clients drop reasoning text).
+    cut = next_turn(messages, one.text[: len(one.text) // 2])
+    two = await ask(http, router.url, {**body, "messages": cut}, headers)
+    assert two.status == 200
+    assert two.decision == "PULL" and two.reason == "partial_pull"
+    first_prompt = len(await tokenize(http, stack.prefills[0], messages))
+    assert 0 < two.reused <= first_prompt + len(one.text) // 2
+    assert two.text == await reference(CHAT, {**body, "messages": cut})
+
+    # Now the client rewrites the system prompt: nothing of D's sequence matches.
+    await stack.registrations_idle()
+    rewritten = [{"role": "system", "content": "Be brief. " * 30}, *next_turn(cut, two.text)[1:]]
+    three = await ask(http, router.url, {**body, "messages": rewritten}, headers)
+    assert three.status == 200
+    assert three.decision == "RECOMPUTE" and three.reason == "prefix_mismatch"
+    assert three.text == await reference(CHAT, {**body, "messages": rewritten})
+
+    # Another API key is another tenant: the conversation id alone reaches nothing.
+    await stack.registrations_idle()
+    other = await ask(
+        http,
+        router.url,
+        {**body, "messages": next_turn(rewritten, three.text)},
+        {**headers, "Authorization": "Bearer sk-mallory"},
+    )
+    assert other.status == 200 and other.decision == "RECOMPUTE" and other.reason == "no_lease"
+
+
+async def test_completions_with_a_session_id_pull_too(
+    make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
+) -> None:
+    stack = await make_stack()
+    router = await stack.router()
+    prompt = "Once upon a time a ferry crossed the bay. " * 12
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": 30, "session_id": "story"}
+    one = await ask(http, router.url, {**body, "stream": True}, path=COMPLETIONS)
+    assert one.status == 200 and one.events[-1] == "[DONE]"
+    assert one.text == await reference(COMPLETIONS, body)
+    await stack.registrations_idle()
+    body2 = {**body, "prompt": prompt + one.text + " The end?"}
+    two = await ask(http, router.url, body2, path=COMPLETIONS)
+    assert two.status == 200 and two.decision == "PULL", dict(two.headers)
+    assert two.body["object"] == "text_completion"
+    assert two.text == await reference(COMPLETIONS, body2)
+
+
+async def test_without_a_conversation_id_the_router_serves_plain_pd(
+    make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
+) -> None:
+    stack = await make_stack()
+    router = await stack.router()
+    body: dict[str, Any] = {"messages": first_turn("tides"), "max_tokens": 20}
+    res = await ask(http, router.url, {**body, "stream": True})
+    assert res.status == 200 and res.decision == ""
+    assert res.text == await reference(CHAT, body)
+    assert router.metrics.value("kvferry_router_lookups_total", decision="PULL", reason="pull") == 0
+    [d] = stack.decodes
+    assert pulled_tokens(d) > 0  # D took P's KV: real P/D
+
+
+async def test_reuse_off_serves_every_turn_without_lookups(
+    make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
+) -> None:
+    stack = await make_stack()
+    router = await stack.router(reuse__enabled=False)
+    messages = first_turn("lighthouses")
+    one = await ask(http, router.url, {"messages": messages, "max_tokens": 20, "conversation_id": "x"})
+    await stack.registrations_idle()
+    body = {"messages": next_turn(messages, one.text), "max_tokens": 20}
+    two = await ask(http, router.url, {**body, "conversation_id": "x"})
+    assert (one.decision, two.decision) == ("SKIPPED", "SKIPPED") and two.reason == "reuse_off"
+    assert two.text == await reference(CHAT, body)
+    assert pulled_tokens(stack.prefills[0]) == 0
