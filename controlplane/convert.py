@@ -1,9 +1,4 @@
-"""google.protobuf.Struct <-> plain dicts, fast and lossless for kv_transfer_params.
-
-Struct keeps every number as a double; block ids, ports and token counts are
-integers in vLLM, so integral values come back as int. (json_format would do
-the same job several times slower on the lookup path.)
-"""
+"""kv_transfer_params between the wire (google.protobuf.Struct) and the domain."""
 
 from __future__ import annotations
 
@@ -12,28 +7,9 @@ from typing import Any
 from google.protobuf import struct_pb2
 
 from controlplane.policy import Handout
+from kvferry.structs import struct_to_dict
 
-_MAX_EXACT = 2**53
-
-
-def struct_to_dict(s: struct_pb2.Struct) -> dict[str, Any]:
-    return {k: _value(v) for k, v in s.fields.items()}
-
-
-def _value(v: struct_pb2.Value) -> Any:
-    kind = v.WhichOneof("kind")
-    if kind == "number_value":
-        n = v.number_value
-        return int(n) if n.is_integer() and abs(n) < _MAX_EXACT else n
-    if kind == "string_value":
-        return v.string_value
-    if kind == "bool_value":
-        return v.bool_value
-    if kind == "struct_value":
-        return struct_to_dict(v.struct_value)
-    if kind == "list_value":
-        return [_value(x) for x in v.list_value.values]
-    return None
+__all__ = ["apply_handout", "dict_to_struct", "struct_to_dict"]
 
 
 def dict_to_struct(d: dict[str, Any], out: struct_pb2.Struct) -> None:

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import grpc
 import structlog
-from google.protobuf import struct_pb2
 
 from kvferry.leaseclient import LeaseOpError, LeaseStream
+from kvferry.structs import struct_to_dict
 from kvferry.v1 import leases_pb2, nodes_pb2, nodes_pb2_grpc
 from router.choice import Node
 from router.decisions import Breaker, LookupAnswer, Reuse, Skip, reuse_of, skipped
@@ -35,28 +34,6 @@ _CHANNEL_OPTIONS = [
 ]
 _ROLES = {nodes_pb2.PREFILL: "prefill", nodes_pb2.DECODE: "decode", nodes_pb2.BOTH: "both"}
 _UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
-_MAX_EXACT = 2**53
-
-
-def struct_to_dict(s: struct_pb2.Struct) -> dict[str, Any]:
-    """A Struct as a plain dict; integral numbers come back as int (Struct keeps doubles)."""
-    return {k: _value(v) for k, v in s.fields.items()}
-
-
-def _value(v: struct_pb2.Value) -> Any:
-    kind = v.WhichOneof("kind")
-    if kind == "number_value":
-        n = v.number_value
-        return int(n) if n.is_integer() and abs(n) < _MAX_EXACT else n
-    if kind == "string_value":
-        return v.string_value
-    if kind == "bool_value":
-        return v.bool_value
-    if kind == "struct_value":
-        return struct_to_dict(v.struct_value)
-    if kind == "list_value":
-        return [_value(x) for x in v.list_value.values]
-    return None
 
 
 def answer_of(res: leases_pb2.LookupResponse) -> LookupAnswer:
