@@ -21,6 +21,7 @@ from controlplane.server import start_server
 from controlplane.service import ControlPlane
 from controlplane.settings import Settings
 from controlplane.store import EtcdStore
+from kvferry.tasks import cancel_and_wait
 
 log = structlog.get_logger(__name__)
 
@@ -105,11 +106,7 @@ class Daemon:
             await self._health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(grace)
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
         if self._metrics_httpd is not None:
             self._metrics_httpd.shutdown()

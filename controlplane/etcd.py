@@ -8,7 +8,6 @@ everything above this module speaks kvferry, not gRPC status codes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import socket
 import time
@@ -22,6 +21,7 @@ from aetcd import rpc
 
 from controlplane import metrics
 from controlplane.errors import StoreUnavailable
+from kvferry.tasks import cancel_and_wait
 
 T = TypeVar("T")
 
@@ -209,8 +209,4 @@ class TxnBatcher:
             self._kick()
 
     async def close(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-        for t in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(list(self._tasks))

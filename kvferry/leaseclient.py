@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from kvferry.tasks import cancel_and_wait
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
 
 
@@ -140,11 +141,4 @@ class LeaseStream:
             with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
                 await call.done_writing()
             call.cancel()
-        if self._writer is not None:
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._writer
-        if reader is not None:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
+        await cancel_and_wait([self._writer, reader])

@@ -17,6 +17,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from kvferry.tasks import cancel_and_wait
 from router.control import ControlPlane
 from router.http_api import build_app
 from router.metrics import RouterMetrics
@@ -110,11 +111,8 @@ class Router:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        if self._refresh is not None:
-            self._refresh.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresh
-            self._refresh = None
+        await cancel_and_wait([self._refresh])
+        self._refresh = None
         if self.control is not None:
             await self.control.close()
             self.control = None

@@ -10,7 +10,6 @@ closes every socket and channel.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any
@@ -20,6 +19,7 @@ import structlog
 import zmq.asyncio
 from aiohttp import web
 
+from kvferry.tasks import cancel_and_wait
 from sidecar.daemon import DaemonLink
 from sidecar.engine import EngineInstance, watch_health
 from sidecar.kvindex import KvMirror
@@ -120,11 +120,7 @@ class Sidecar:
             self._runner = None
         if self.leases is not None and self.leases.pending and self._tasks:
             await self.leases.wait_idle(lease_grace_s)
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
         await self._link.close()
         if self._zmq is not None:

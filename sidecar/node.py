@@ -24,6 +24,7 @@ import aiohttp
 import grpc
 import structlog
 
+from kvferry.tasks import cancel_and_wait
 from kvferry.v1 import nodes_pb2
 from sidecar.daemon import Backoff, DaemonLink
 from sidecar.engine import EngineFacts, EngineInstance, learn_facts
@@ -206,10 +207,7 @@ class NodeSession:
             raise _LinkLost() from e
         finally:
             self._metrics.attached.set(0)
-            if reader is not None:
-                reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-                    await reader
+            await cancel_and_wait([reader])
             call.cancel()
 
     async def _read_acks(self, call: _AttachCall, acked: list[float]) -> None:

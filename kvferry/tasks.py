@@ -1,0 +1,30 @@
+"""Stopping background tasks without swallowing the caller's own cancellation.
+
+`with suppress(CancelledError): await task` after `task.cancel()` also eats a
+cancellation aimed at the *awaiting* task, which then runs on (a loop that can
+never be stopped). `asyncio.wait` never raises the awaited tasks' errors, so the
+caller's cancellation is the only one that can reach it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any] | None]) -> None:
+    """Cancel `tasks` and wait until they have ended; log any that failed."""
+    pending = [t for t in tasks if t is not None]
+    for t in pending:
+        t.cancel()
+    if not pending:
+        return
+    await asyncio.wait(pending)
+    for t in pending:
+        if not t.cancelled() and t.exception() is not None:
+            log.warning("task.failed", task=t.get_name(), error=repr(t.exception()))
