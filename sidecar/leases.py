@@ -126,10 +126,15 @@ class LeaseSender:
         self._changed()
 
     async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until nothing is queued or in flight; -> whether that happened in time."""
-        with contextlib.suppress(TimeoutError):
+        """Wait until nothing is queued or in flight; -> whether that happened in time.
+
+        True once the sender was idle at some moment, even if new work came in
+        right after (checking the flag again after waking would miss that)."""
+        try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
-        return self._idle.is_set()
+        except TimeoutError:
+            return False
+        return True
 
     def _changed(self) -> None:
         self._metrics.lease_queue.set(len(self._queue))
