@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 from emulator.kvevents import (
     MEDIUM_GPU,
@@ -86,11 +87,11 @@ class BlockPool:
         if not self.enable_caching:
             return []
         hits: list[Block] = []
-        for block_hash in hashes:
-            entries = self._cached.get(block_hash)
+        append = hits.append
+        for entries in map(self._cached.get, hashes):
             if not entries:
                 break
-            hits.append(next(iter(entries.values())))
+            append(next(iter(entries.values())))
         return hits
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -105,9 +106,11 @@ class BlockPool:
         if count > len(self._free):
             raise NoFreeBlocks(f"need {count} blocks, {len(self._free)} free")
         taken: list[Block] = []
+        pop = self._free.popitem
         for _ in range(count):
-            _, block = self._free.popitem(last=False)
-            self._evict(block)
+            _, block = pop(last=False)
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_cnt = 1
             taken.append(block)
         return taken
@@ -164,7 +167,7 @@ class BlockPool:
                 BlockStored(
                     block_hashes=[external_block_hash(_hash_of(b)) for b in run],
                     parent_block_hash=(None if run_parent is None else external_block_hash(run_parent)),
-                    token_ids=[t for b in run for t in b.token_ids],
+                    token_ids=list(chain.from_iterable(b.token_ids for b in run)),
                     block_size=self.block_size,
                     lora_id=None,
                     medium=MEDIUM_GPU,

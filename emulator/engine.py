@@ -16,19 +16,22 @@ so; an abort never does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import structlog
 
 from emulator import kvmodel
 from emulator.blocks import Block, BlockPool
 from emulator.config import EmulatorConfig
 from emulator.errors import CapacityExceeded, InvalidRequest, KVLoadFailed
+from emulator.hashing import BlockHasher
 from emulator.holds import REGISTRATION_GENERATION, HeldBlockTable
 from emulator.kvevents import Event
 from emulator.metrics import EngineMetrics
@@ -40,7 +43,7 @@ from emulator.sidechannel import (
     notify_remote,
     read_remote_blocks,
 )
-from emulator.tokenizer import EOS_TOKEN_ID, is_valid_token
+from emulator.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
 from emulator.transfer import (
     HeldBlocks,
     PullAction,
@@ -50,9 +53,29 @@ from emulator.transfer import (
     parse_remote,
     plan_pull,
 )
-from kvferry.blockhash import block_hashes, none_hash
+from kvferry.blockhash import none_hash
 
 log = structlog.get_logger(__name__)
+
+#: Prompt token ids, type and range checked in C (a 64k-token prompt is checked in well
+#: under a millisecond; per-token Python checks cost several, counted by no timing model).
+_PromptIds = list[Annotated[int, msgspec.Meta(ge=0, lt=VOCAB_SIZE)]]
+
+
+@contextlib.asynccontextmanager
+async def _modeled(ms: float) -> AsyncIterator[None]:
+    """A step of the timing model: lasts ``ms`` milliseconds, timed from entry, and at least
+    as long as the body (the emulator's own work for the step, which thus costs nothing
+    extra while it fits in the modeled time). An exception ends it at once."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    timer = loop.call_later(ms / 1000, done.set_result, None)
+    try:
+        yield
+        await done
+    finally:
+        timer.cancel()
+        done.cancel()
 
 
 @dataclass(frozen=True)
@@ -86,7 +109,12 @@ class _Sequence:
     blocks: list[Block] = field(default_factory=list)
     num_computed: int = 0
     hashes: list[bytes] = field(default_factory=list)
+    """Hashes of the blocks entered into the prefix cache (committed)."""
+    prompt_hashes: list[bytes] = field(default_factory=list)
+    """Hashes of the prompt's full blocks, computed once at admission and reused at commit."""
     session_id: str | None = None
+    first_state: bytes | None = None
+    """Sampler state for the first token, set by the prefill."""
 
 
 class RunningRequest:
@@ -106,7 +134,8 @@ class RunningRequest:
     async def tokens(self) -> AsyncIterator[tuple[int, bool]]:
         """Yield ``(token, is_last)``; the request is finished before the last one."""
         engine, seq, spec = self._engine, self._seq, self.spec
-        state = engine.prefill_state(seq)
+        state = seq.first_state
+        assert state is not None, "tokens() before the prefill"
         while True:
             token = kvmodel.sample(state, len(self.output_token_ids), ignore_eos=spec.ignore_eos)
             self.output_token_ids.append(token)
@@ -153,6 +182,7 @@ class Engine:
         self.config = config
         self.engine_id = config.engine_id or str(uuid.uuid4())
         self.none_hash = none_hash()
+        self._hasher = BlockHasher(config.block_size, self.none_hash)
         self.pool = BlockPool(
             config.num_blocks,
             config.block_size,
@@ -170,6 +200,7 @@ class Engine:
         )
         self.metrics.track_kv_cache_usage(self.pool.usage)
         self._gpu = asyncio.Lock()
+        self._notifies: set[asyncio.Task[None]] = set()
         self._freed = asyncio.Event()
         self._holds = HeldBlockTable(self.engine_id, self._free)
         self._side_channel = SideChannelServer(
@@ -188,7 +219,9 @@ class Engine:
         )
 
     async def close(self) -> None:
-        """Close the side channel and drop hold timers."""
+        """Deliver pending notifies, close the side channel and drop hold timers."""
+        if self._notifies:
+            await asyncio.gather(*self._notifies, return_exceptions=True)
         await self._side_channel.close()
         self._holds.close()
 
@@ -201,17 +234,16 @@ class Engine:
 
     async def submit(self, spec: GenerationSpec) -> RunningRequest:
         """Prefill a request; raises EngineError subclasses on bad input or failed loads."""
-        prompt = list(spec.prompt_token_ids)
-        self._validate(spec, prompt)
+        prompt = self._validate(spec)
         bs = self.config.block_size
         seq = _Sequence(token_ids=prompt, session_id=spec.session_id)
         stats = PrefillStats(prompt_tokens=len(prompt))
         try:
             if self.pool.enable_caching:
-                hashes = block_hashes(prompt, bs, root=self.none_hash)
+                hashes = self._hasher.hash_blocks(prompt)
                 hits = self.pool.find_cached_prefix(hashes[: (len(prompt) - 1) // bs])
                 self.pool.touch(hits)
-                seq.blocks, seq.hashes = hits, hashes[: len(hits)]
+                seq.blocks, seq.hashes, seq.prompt_hashes = hits, hashes[: len(hits)], hashes
                 seq.num_computed = stats.local_cached_tokens = len(hits) * bs
                 self.metrics.prefix_cache_queries.inc(len(prompt))
                 self.metrics.prefix_cache_hits.inc(seq.num_computed)
@@ -226,11 +258,14 @@ class Engine:
         log.debug("engine.prefill.done", request_id=spec.request_id, **vars(stats))
         return RunningRequest(self, spec, seq, stats)
 
-    def _validate(self, spec: GenerationSpec, prompt: list[int]) -> None:
-        if not prompt:
+    def _validate(self, spec: GenerationSpec) -> list[int]:
+        """The prompt (a copy) after checking it and the request's limits."""
+        if not spec.prompt_token_ids:
             raise InvalidRequest("The prompt must contain at least one token.")
-        if not all(isinstance(t, int) and is_valid_token(t) for t in prompt):
-            raise InvalidRequest("The prompt contains token ids outside the vocabulary.")
+        try:
+            prompt = msgspec.convert(spec.prompt_token_ids, _PromptIds)
+        except msgspec.ValidationError:
+            raise InvalidRequest("The prompt contains token ids outside the vocabulary.") from None
         if spec.max_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1.")
         if len(prompt) + spec.max_tokens > self.config.max_model_len:
@@ -241,6 +276,7 @@ class Engine:
             )
         if math.ceil(len(prompt) / self.config.block_size) > self.pool.num_blocks:
             raise InvalidRequest("The prompt needs more KV blocks than the engine has.")
+        return prompt
 
     def _plan(self, spec: GenerationSpec, prompt_len: int, cached: int) -> PullPlan:
         params = spec.kv_transfer_params
@@ -281,7 +317,7 @@ class Engine:
                 self.metrics.kv_pulled_blocks.inc(stats.pulled_blocks)
                 self.metrics.kv_pulled_tokens.inc(stats.pulled_tokens)
         if plan.notify:
-            await self._notify(plan)
+            self._notify_later(plan)
         if plan.action is PullAction.SKIP and plan.source is not None:
             stats.pull = f"skipped:{plan.reason}"
         if failure is not None:
@@ -304,16 +340,27 @@ class Engine:
             block_ids=list(plan.remote_block_ids),
             registration_generation=source.registration_generation,
         )
-        try:
-            async with asyncio.timeout(self.config.side_channel_timeout):
-                buffers = await read_remote_blocks(source.host, source.port, request)
-        except TimeoutError as exc:
-            raise TransferError(f"read from {source.host}:{source.port} timed out") from exc
-        if any(len(buf) != len(block.kv) for buf, block in zip(buffers, local, strict=True)):
-            raise TransferError("remote block size differs from the local one")
-        await asyncio.sleep(self.config.transfer_ms_per_block * len(local) / 1000)
-        for buf, block in zip(buffers, local, strict=True):
-            block.kv[:] = buf
+        # The read and the copy are the emulated transfer: they run within its modeled time.
+        async with _modeled(self.config.transfer_ms_per_block * len(local)):
+            try:
+                async with asyncio.timeout(self.config.side_channel_timeout):
+                    data = await read_remote_blocks(source.host, source.port, request)
+            except TimeoutError as exc:
+                raise TransferError(f"read from {source.host}:{source.port} timed out") from exc
+            size = self.config.block_size * kvmodel.SLOT_BYTES
+            if len(data) != size * len(local):
+                raise TransferError("remote block size differs from the local one")
+            view = memoryview(data)
+            for block, start in zip(local, range(0, len(data), size), strict=True):
+                block.kv[:] = view[start : start + size]
+
+    def _notify_later(self, plan: PullPlan) -> None:
+        """Send the notify beside the request, as NIXL does: the holder learns it may free
+        the blocks once the pull is over (or was decided against), but the request does
+        not wait for it. Always sent; ``close`` waits for those still on their way."""
+        task = asyncio.get_running_loop().create_task(self._notify(plan))
+        self._notifies.add(task)
+        task.add_done_callback(self._notifies.discard)
 
     async def _notify(self, plan: PullPlan) -> None:
         source = plan.source
@@ -334,11 +381,13 @@ class Engine:
         finally:
             self.metrics.num_requests_waiting.dec()
         try:
-            for position in range(start, prompt_len):
-                self._write_kv(seq, position)
-            seq.num_computed = prompt_len
+            # Computing the KV and reading the context for the first token is the emulated
+            # prefill (its forward pass): that work runs within the step's modeled time.
+            async with _modeled(self.config.prefill_ms_per_token * (prompt_len - start)):
+                self._write_prompt_kv(seq, start, prompt_len)
+                seq.num_computed = prompt_len
+                seq.first_state = self.prefill_state(seq)
             stats.computed_tokens = prompt_len - start
-            await asyncio.sleep(self.config.prefill_ms_per_token * stats.computed_tokens / 1000)
         finally:
             self._gpu.release()
         self._commit_full_blocks(seq)
@@ -359,10 +408,28 @@ class Engine:
         seq.blocks[block].kv[start : start + kvmodel.SLOT_BYTES] = kv
         return kv
 
+    def _write_prompt_kv(self, seq: _Sequence, start: int, stop: int) -> None:
+        """Compute the KV of positions ``start .. stop - 1`` and write it block by block."""
+        kv = kvmodel.chain_kv(self._slot(seq, start - 1), start, seq.token_ids[start:stop])
+        view = memoryview(kv)
+        bs, slot_bytes = self.config.block_size, kvmodel.SLOT_BYTES
+        position = start
+        while position < stop:
+            block, offset = divmod(position, bs)
+            count = min(bs - offset, stop - position)
+            done = (position - start) * slot_bytes
+            seq.blocks[block].kv[offset * slot_bytes : (offset + count) * slot_bytes] = view[
+                done : done + count * slot_bytes
+            ]
+            position += count
+
     def prefill_state(self, seq: _Sequence) -> bytes:
         """Sampler state over every KV slot of the prefilled context."""
-        data = b"".join(bytes(block.kv) for block in seq.blocks)
-        return kvmodel.context_state([data[: seq.num_computed * kvmodel.SLOT_BYTES]])
+        full, rest = divmod(seq.num_computed, self.config.block_size)
+        slots: list[bytearray | memoryview] = [block.kv for block in seq.blocks[:full]]
+        if rest:
+            slots.append(memoryview(seq.blocks[full].kv)[: rest * kvmodel.SLOT_BYTES])
+        return kvmodel.context_state(slots)
 
     def _commit_full_blocks(self, seq: _Sequence) -> None:
         if not self.pool.enable_caching:
@@ -373,7 +440,10 @@ class Engine:
             return
         parent = seq.hashes[-1] if seq.hashes else None
         tokens = seq.token_ids[done * bs : full * bs]
-        new = block_hashes(tokens, bs, parent=parent, root=self.none_hash)
+        new = seq.prompt_hashes[done:full]  # hashed at admission: never hash tokens twice
+        if len(new) < full - done:
+            last = new[-1] if new else parent
+            new += self._hasher.hash_blocks(tokens[len(new) * bs :], parent=last)
         self.pool.cache_blocks(
             seq.blocks[done:full],
             new,

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import structlog
@@ -22,6 +23,8 @@ from emulator.blocks import Block
 from emulator.sidechannel import Notify, ReadBlocks, SideChannelError
 
 log = structlog.get_logger(__name__)
+
+_kv_of = attrgetter("kv")
 
 #: Bumped when an engine re-registers its KV memory; never, in the emulator.
 REGISTRATION_GENERATION = 0
@@ -32,6 +35,10 @@ class _Hold:
     blocks: list[Block]
     expiry_time: float
     timer: asyncio.TimerHandle
+    by_id: dict[int, Block] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.by_id = {block.block_id: block for block in self.blocks}
 
 
 class HeldBlockTable:
@@ -67,17 +74,17 @@ class HeldBlockTable:
             raise SideChannelError(f"unknown request {request_id!r}")
         return hold
 
-    def read_blocks(self, request: ReadBlocks) -> list[bytes]:
-        """KV of blocks held for a request (copies)."""
+    def read_blocks(self, request: ReadBlocks) -> bytes:
+        """KV of blocks held for a request, concatenated in the order asked for (a copy)."""
         hold = self._checked(request.engine_id, request.request_id)
         generation = request.registration_generation
         if generation is not None and generation != REGISTRATION_GENERATION:
             raise SideChannelError(f"stale registration generation {generation}")
-        held = {block.block_id: block for block in hold.blocks}
-        missing = [b for b in request.block_ids if b not in held]
-        if missing:
-            raise SideChannelError(f"blocks {missing} are not held for this request")
-        return [bytes(held[b].kv) for b in request.block_ids]
+        try:
+            return b"".join(map(_kv_of, map(hold.by_id.__getitem__, request.block_ids)))
+        except KeyError:
+            missing = [b for b in request.block_ids if b not in hold.by_id]
+            raise SideChannelError(f"blocks {missing} are not held for this request") from None
 
     def release_blocks(self, request: Notify) -> None:
         """The reader is done: free the request's blocks."""

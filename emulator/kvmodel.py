@@ -14,7 +14,7 @@ tokens (a wrong pull) gives a different one.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from emulator.tokenizer import EOS_TOKEN_ID
 
@@ -33,7 +33,21 @@ def token_kv(previous: bytes, position: int, token: int) -> bytes:
     return hashlib.blake2b(data, digest_size=SLOT_BYTES).digest()
 
 
-def context_state(slots: Iterable[bytes]) -> bytes:
+def chain_kv(previous: bytes, start: int, tokens: Sequence[int]) -> bytearray:
+    """KV slots of ``tokens`` at positions ``start, start + 1, ...``, concatenated: ``token_kv``
+    chained from ``previous``, the KV of position ``start - 1``, in one tight loop."""
+    out = bytearray()
+    blake2b = hashlib.blake2b
+    position = start
+    for token in tokens:
+        data = previous + position.to_bytes(8, "big") + token.to_bytes(4, "big")
+        previous = blake2b(data, digest_size=SLOT_BYTES).digest()
+        out += previous
+        position += 1
+    return out
+
+
+def context_state(slots: Iterable[bytes | bytearray | memoryview]) -> bytes:
     """Sampler state after prefill: a digest over all KV slots in order."""
     digest = hashlib.blake2b(digest_size=32, person=b"kvferry-ctx")
     for slot in slots:

@@ -5,6 +5,9 @@ big-endian length followed by a msgspec-msgpack struct. A puller sends
 ``ReadBlocks`` (answered with the raw KV of those blocks, copied) and then
 ``Notify`` (the holder frees the request's blocks). Errors come back as
 ``Reply(ok=False, error=...)`` and surface as ``TransferError``.
+
+A read's answer carries the blocks' KV as one buffer, the blocks' contents in
+the order asked for, so that neither side builds or walks one object per block.
 """
 
 from __future__ import annotations
@@ -41,11 +44,11 @@ class Notify(msgspec.Struct, tag="notify"):
 
 
 class Reply(msgspec.Struct, tag="reply"):
-    """Answer to a read or notify; ``blocks`` holds one KV buffer per block read."""
+    """Answer to a read or notify; ``data`` holds the KV of the blocks read, concatenated."""
 
     ok: bool
     error: str = ""
-    blocks: list[bytes] = []
+    data: bytes = b""
 
 
 Message = ReadBlocks | Notify | Reply
@@ -65,8 +68,8 @@ class TransferError(Exception):
 class BlockHolder(Protocol):
     """What the server asks of the engine."""
 
-    def read_blocks(self, request: ReadBlocks) -> list[bytes]:
-        """KV of the requested blocks; raises SideChannelError to refuse."""
+    def read_blocks(self, request: ReadBlocks) -> bytes:
+        """KV of the requested blocks, concatenated in order; raises SideChannelError to refuse."""
         ...
 
     def release_blocks(self, request: Notify) -> None:
@@ -141,7 +144,7 @@ class SideChannelServer:
     def _answer(self, message: Message) -> Reply:
         try:
             if isinstance(message, ReadBlocks):
-                return Reply(ok=True, blocks=self._holder.read_blocks(message))
+                return Reply(ok=True, data=self._holder.read_blocks(message))
             if isinstance(message, Notify):
                 self._holder.release_blocks(message)
                 return Reply(ok=True)
@@ -183,12 +186,11 @@ async def _call(host: str, port: int, message: Message) -> Reply:
     return reply
 
 
-async def read_remote_blocks(host: str, port: int, request: ReadBlocks) -> list[bytes]:
-    """KV of remote blocks, one buffer per requested block id."""
+async def read_remote_blocks(host: str, port: int, request: ReadBlocks) -> bytes:
+    """KV of remote blocks, concatenated in the order of the requested block ids (the
+    caller checks the size against its own blocks')."""
     reply = await _call(host, port, request)
-    if len(reply.blocks) != len(request.block_ids):
-        raise TransferError(f"asked for {len(request.block_ids)} blocks, got {len(reply.blocks)}")
-    return reply.blocks
+    return reply.data
 
 
 async def notify_remote(host: str, port: int, request: Notify) -> None:

@@ -108,7 +108,7 @@ def parse_remote(params: Mapping[str, Any] | None, direction: PullDirection) -> 
         return None
     if not isinstance(raw_ids, list) or not all(isinstance(g, list) for g in raw_ids):
         raise ValueError("remote_block_ids must be a list of lists of block ids")
-    groups = tuple(tuple(int(b) for b in group) for group in raw_ids)
+    groups = tuple(tuple(map(int, group)) for group in raw_ids)
     if not any(groups):
         return None
     port = _int_or_none(params["remote_port"])

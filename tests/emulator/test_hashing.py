@@ -1,13 +1,18 @@
-"""Block hashes: vLLM's chained sha256_cbor, checked against a hand-rolled CBOR encoder."""
+"""Block hashes: vLLM's chained sha256_cbor, checked against a hand-rolled CBOR encoder, and
+the emulator's own hasher (no CBOR library, a memo) checked against both."""
 
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from emulator import hashing
+from emulator.hashing import BlockHasher
+from emulator.tokenizer import IM_END
 from kvferry.blockhash import (
     DEFAULT_NONE_HASH_SEED,
     block_hashes,
@@ -90,3 +95,63 @@ def test_external_hash_is_low_64_bits_big_endian() -> None:
     digest = bytes(range(32))
     assert external_block_hash(digest) == int.from_bytes(bytes(range(24, 32)), "big")
     assert external_block_hash(b"\xff" * 32) == 2**64 - 1
+
+
+# --- the emulator's own hasher: same digests, no CBOR library call per block, memoized ---
+
+_token = st.one_of(
+    st.integers(min_value=0, max_value=257),
+    st.integers(min_value=0, max_value=23),
+    st.integers(min_value=0, max_value=2**40),
+    st.integers(min_value=-(2**20), max_value=-1),
+)
+
+
+@given(
+    st.lists(_token, max_size=120),
+    st.sampled_from([1, 4, 16, 24, 30]),
+    st.sampled_from([None, bytes(range(32)), b"short parent"]),
+)
+def test_emulator_hasher_matches_kvferry(tokens: list[int], block_size: int, parent: bytes | None) -> None:
+    root = none_hash()
+    hasher = BlockHasher(block_size, root)
+    expected = block_hashes(tokens, block_size, parent=parent, root=root)
+    assert hasher.hash_blocks(tokens, parent) == expected
+    assert hasher.hash_blocks(tokens, parent) == expected  # answered from the memo
+
+
+@given(
+    st.lists(st.integers(min_value=0, max_value=257), min_size=16, max_size=200),
+    st.lists(st.integers(min_value=0, max_value=257), max_size=60),
+    st.integers(min_value=1, max_value=4),
+)
+def test_memo_is_exact_for_extended_and_diverged_sequences(
+    prefix: list[int], tail: list[int], memo_blocks: int
+) -> None:
+    root = none_hash()
+    hasher = BlockHasher(4, root, memo_blocks=memo_blocks)  # tiny memo: generations rotate
+    hasher.hash_blocks(prefix)
+    for tokens in (prefix + tail, [prefix[0] ^ 1, *prefix[1:]], prefix[:-5] + tail, prefix):
+        assert hasher.hash_blocks(tokens) == block_hashes(tokens, 4, root=root)
+    extended = block_hashes(prefix[:16] + tail, 4, root=root)
+    assert hasher.hash_blocks(tail, parent=extended[3]) == extended[4:]
+
+
+def test_memo_answers_the_next_turn_without_hashing(monkeypatch: pytest.MonkeyPatch) -> None:
+    hasher = BlockHasher(16, none_hash())
+    turn1 = [ord(c) for c in "the previous turn of a conversation " * 20]
+    first = hasher.hash_blocks(turn1)
+    turn2 = turn1 + [IM_END, 10] + [ord(c) for c in "and the next one " * 4]
+    expected = block_hashes(turn2, 16, root=none_hash())
+    calls = 0
+    real_sha256 = hashlib.sha256
+
+    def counting_sha256(data: bytes) -> Any:
+        nonlocal calls
+        calls += 1
+        return real_sha256(data)
+
+    monkeypatch.setattr(hashing.hashlib, "sha256", counting_sha256)
+    second = hasher.hash_blocks(turn2)
+    assert second == expected and second[: len(first)] == first
+    assert calls == len(second) - len(first)  # only the new blocks were hashed

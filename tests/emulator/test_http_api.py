@@ -137,3 +137,43 @@ async def test_engine_id_is_per_start_unless_given(start_emulator: StartEmulator
     fixed = await start_emulator(engine_id="engine-a")
     assert first.engine_id != second.engine_id
     assert fixed.engine_id == "engine-a"
+
+
+@async_test()
+async def test_prompt_token_ids_are_checked(start_emulator: StartEmulator, http: Client) -> None:
+    emu = await start_emulator()
+    not_ids = "kv_transfer_params.prompt_token_ids must be token ids."
+    outside = "The prompt contains token ids outside the vocabulary."
+    for ids, message in (
+        ([104, True], not_ids),
+        ([104, 105.0], not_ids),
+        ("104", not_ids),
+        ([104, None], not_ids),
+        ([104, 258], outside),
+        ([-1, 104], outside),
+        ([], "The prompt must contain at least one token."),
+    ):
+        answer = await http.chat(
+            emu, conversation(), max_tokens=2, kv_transfer_params={"prompt_token_ids": ids}
+        )
+        assert (answer.status, answer.body["error"]["message"]) == (400, message), ids
+    ok = await http.chat(
+        emu, [], max_tokens=2, return_token_ids=True, kv_transfer_params={"prompt_token_ids": [104, 257]}
+    )
+    assert ok.status == 200 and ok.body["prompt_token_ids"] == [104, 257]
+    assert (await http.post(emu, "/detokenize", {"tokens": [104, 258]})).status == 400
+
+
+@async_test()
+async def test_json_answers_keep_their_content_type(start_emulator: StartEmulator, http: Client) -> None:
+    emu = await start_emulator()
+    for path, body in (
+        ("/tokenize", {"prompt": "héllo ✓"}),
+        ("/v1/chat/completions", {"messages": conversation(), "max_tokens": 3}),
+        ("/v1/chat/completions", {"messages": "not a list"}),
+    ):
+        async with http.session.post(emu.http_url + path, json=body) as response:
+            assert response.headers["Content-Type"] == "application/json; charset=utf-8"
+            assert isinstance(await response.json(), dict)
+    tokens = (await http.post(emu, "/tokenize", {"prompt": "héllo ✓"})).body["tokens"]
+    assert (await http.post(emu, "/detokenize", {"tokens": tokens})).body == {"prompt": "héllo ✓"}

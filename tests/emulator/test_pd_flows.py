@@ -7,10 +7,15 @@ does not pull it must compute.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
+import pytest
+
 from emulator import EmulatorServer
+from emulator import engine as engine_module
+from emulator.sidechannel import Notify
 from tests.emulator.conftest import StartEmulator
 from tests.emulator.helpers import Answer, Client, async_test, conversation, wait_until
 
@@ -38,6 +43,10 @@ def _next_turn(messages: list[dict[str, Any]], answer: str, text: str = "Go on. 
 async def _fully_free(http: Client, emu: EmulatorServer) -> bool:
     state = await http.state(emu)
     return not state["held_requests"] and state["free_blocks"] == state["num_blocks"]
+
+
+async def _not_held(http: Client, emu: EmulatorServer, request_id: str) -> bool:
+    return request_id not in (await http.state(emu))["held_requests"]
 
 
 async def wait_until_free(http: Client, emu: EmulatorServer) -> bool:
@@ -85,7 +94,9 @@ async def test_two_turns_pull_the_decoders_blocks(start_emulator: StartEmulator,
     assert prefill2.pull == "pulled"
     assert prefill2.count("pulled") == params["remote_num_tokens"]
     assert prefill2.count("computed") == prefill2.body["usage"]["prompt_tokens"] - params["remote_num_tokens"]
-    assert params["remote_request_id"] not in (await http.state(d))["held_requests"]
+    await wait_until(  # the notify travels beside P's answer, not before it
+        lambda: _not_held(http, d, params["remote_request_id"])
+    )
     assert decode2.content == await _reference_answer(start_emulator, http, second)
 
 
@@ -108,6 +119,53 @@ async def test_pull_saves_prefill_time(start_emulator: StartEmulator, http: Clie
     assert reused.count("computed") < prompt_len / 4
     assert reused_s < recomputed_s / 2
     assert recomputed_s >= prompt_len / 1000
+    # The emulator's own work runs within the modeled steps, never instead of them: a pull
+    # lasts at least its blocks' transfer time plus the computed tokens' prefill time.
+    pulled_blocks = -(-reused.count("pulled") // 16)
+    assert reused_s >= (pulled_blocks + reused.count("computed")) / 1000
+
+
+@async_test(timeout=15)
+async def test_notify_does_not_hold_up_the_answer_but_always_arrives(
+    start_emulator: StartEmulator, http: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p = await start_emulator(enable_prefix_caching=False)
+    d = await start_emulator()
+    first = conversation()
+    _, decode = await _turn(http, p, d, first)
+    params = decode.params
+    assert params is not None
+    second = _next_turn(first, decode.content)
+
+    real_notify = engine_module.notify_remote
+    delivered = asyncio.Event()
+
+    async def slow_notify(host: str, port: int, request: Notify) -> None:
+        await asyncio.sleep(0.5)
+        await real_notify(host, port, request)
+        delivered.set()
+
+    monkeypatch.setattr(engine_module, "notify_remote", slow_notify)
+    began = time.perf_counter()
+    prefill = await http.prefill(p, second, params)
+    assert prefill.pull == "pulled"
+    assert time.perf_counter() - began < 0.4  # P answered without waiting for the notify
+    assert params["remote_request_id"] in (await http.state(d))["held_requests"]
+    await delivered.wait()
+    assert not (await http.state(d))["held_requests"]  # D freed on the notify
+
+    # A notify still on its way when P shuts down is delivered before P is gone.
+    delivered.clear()
+    assert prefill.params is not None
+    third = _next_turn(second, "An answer.")
+    answer = await http.chat(d, second, max_tokens=64, kv_transfer_params=prefill.params)
+    assert answer.pull == "pulled" and answer.params is not None
+    refused = await http.prefill(p, third, {**answer.params, "remote_num_tokens": 0})
+    assert refused.pull == "skipped:no_remote_tokens"
+    assert not delivered.is_set()
+    await p.stop()
+    assert delivered.is_set()
+    assert not (await http.state(d))["held_requests"]
 
 
 @async_test(timeout=15)
