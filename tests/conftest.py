@@ -20,7 +20,9 @@ import pytest
 from controlplane.daemon import Daemon
 from controlplane.embedded import EmbeddedEtcd
 from controlplane.settings import EtcdSettings, GcSettings, NodeSettings, ServerSettings, Settings
+from emulator import EmulatorServer
 from kvferry.v1 import leases_pb2_grpc, nodes_pb2_grpc
+from tests.emulator.helpers import config as emulator_config
 
 
 def free_port() -> int:
@@ -111,6 +113,23 @@ def daemon_settings(endpoint: str, prefix: str | None = None, **changes: object)
 
 
 DaemonFactory = Callable[..., Awaitable[Daemon]]
+StartEmulator = Callable[..., Awaitable[EmulatorServer]]
+
+
+@pytest.fixture
+async def start_emulator() -> AsyncIterator[StartEmulator]:
+    """Start emulated engines (EmulatorConfig fields as keywords); all stop at teardown."""
+    started: list[EmulatorServer] = []
+
+    async def start(**changes: Any) -> EmulatorServer:
+        emu = EmulatorServer(emulator_config(**changes), shutdown_timeout=0.5)
+        await emu.start()
+        started.append(emu)
+        return emu
+
+    yield start
+    for emu in reversed(started):
+        await asyncio.wait_for(emu.stop(), timeout=10)
 
 
 @pytest.fixture

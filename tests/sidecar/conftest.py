@@ -19,26 +19,11 @@ from controlplane.daemon import Daemon
 from emulator import EmulatorServer
 from sidecar import Settings, Sidecar
 from sidecar.settings import DaemonSettings, EngineSettings, KvEventSettings, TapSettings
-from tests.emulator.helpers import config
+from tests.conftest import StartEmulator
 
-StartEmulator = Callable[..., Awaitable[EmulatorServer]]
+__all__ = ["StartEmulator", "StartSidecar", "eventually", "sidecar_settings"]
+
 StartSidecar = Callable[..., Awaitable[Sidecar]]
-
-
-@pytest.fixture
-async def start_emulator() -> AsyncIterator[StartEmulator]:
-    """Start emulators (config fields as keywords); all are stopped at teardown."""
-    started: list[EmulatorServer] = []
-
-    async def start(**changes: Any) -> EmulatorServer:
-        emu = EmulatorServer(config(**changes), shutdown_timeout=0.5)
-        await emu.start()
-        started.append(emu)
-        return emu
-
-    yield start
-    for emu in reversed(started):
-        await asyncio.wait_for(emu.stop(), timeout=10)
 
 
 def sidecar_settings(emu: EmulatorServer, daemon: Daemon, **changes: Any) -> Settings:
