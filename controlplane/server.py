@@ -348,13 +348,16 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         reader = asyncio.create_task(read())
         try:
             while True:
-                await wake.wait()
-                wake.clear()
+                # Look before waiting: the last results and the end of the request
+                # stream can arrive together, with no wake-up left to come.
                 if ready:
                     out, ready[:] = list(ready), []
                     yield leases_pb2.LeaseOpResultBatch(results=out)
-                elif not reading:
+                    continue
+                if not reading:
                     break
+                await wake.wait()
+                wake.clear()
             await reader  # surfaces a broken request stream
         finally:
             reader.cancel()

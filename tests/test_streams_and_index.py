@@ -21,12 +21,13 @@ async def test_stream_multiplexes_register_and_lookup_with_per_op_errors(client:
     ops.append(leases_pb2.LeaseOp(id=999, register=bad))
     ops.append(leases_pb2.LeaseOp(id=1000))  # no op at all
 
-    async def requests(items: list[leases_pb2.LeaseOp]) -> AsyncIterator[leases_pb2.LeaseOpBatch]:
-        for i in range(0, len(items), 7):  # several ops per message, as LeaseStream sends them
-            yield leases_pb2.LeaseOpBatch(ops=items[i : i + 7])
-
     async def run(items: list[leases_pb2.LeaseOp]) -> list[leases_pb2.LeaseOpResult]:
-        return [r async for batch in client.leases.Stream(requests(items)) for r in batch.results]
+        # Written explicitly, several ops per message as LeaseStream sends them, then half-closed.
+        call = client.leases.Stream()
+        for i in range(0, len(items), 7):
+            await call.write(leases_pb2.LeaseOpBatch(ops=items[i : i + 7]))
+        await call.done_writing()
+        return [r async for batch in call for r in batch.results]
 
     results = {r.id: r for r in await run(ops)}
     assert set(results) == set(range(50)) | {999, 1000}
