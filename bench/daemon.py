@@ -31,9 +31,9 @@ from aetcd import rpc
 
 from controlplane.embedded import EmbeddedEtcd
 from controlplane.etcd import Client as _Client
-from kvferry.cli import run_async
 from kvferry.digests import block_digests, seed
 from kvferry.leaseclient import LeaseStream
+from kvferry.tasks import run_main
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
 BLOCK = 16
@@ -432,7 +432,7 @@ def main() -> None:
         await bench(args)
         return 0
 
-    run_async(run())  # uvloop, like the daemon: the load generator shares these 2 cores
+    run_main(run())  # uvloop, like the daemon: the load generator shares these 2 cores
 
 
 if __name__ == "__main__":

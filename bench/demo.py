@@ -35,10 +35,10 @@ from typing import Any
 
 import aiohttp
 import grpc
-import structlog
 
 from emulator import EmulatorConfig, EmulatorServer
 from kvferry import logs
+from kvferry.tasks import run_main
 from kvferry.v1 import nodes_pb2, nodes_pb2_grpc
 from router import Router
 from router import Settings as RouterSettings
@@ -407,12 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
     logs.configure("warning")
-    structlog.get_logger(__name__)
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main_async(args))
-    return uvloop.run(main_async(args))
+    return run_main(main_async(args))
 
 
 if __name__ == "__main__":

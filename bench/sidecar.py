@@ -45,7 +45,7 @@ from emulator.kvevents import (
     encode_batch,
     encode_seq,
 )
-from kvferry.cli import run_async
+from kvferry.tasks import run_main
 from kvferry.v1 import nodes_pb2, nodes_pb2_grpc
 
 ENGINE_ID = "bench-d"
@@ -331,7 +331,7 @@ def main() -> None:
         await bench(args)
         return 0
 
-    run_async(run())
+    run_main(run())
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import structlog
 
 from kvferry import logs
+from kvferry.tasks import run_main
 from router.app import Router
 from router.settings import Settings, add_arguments, from_args
 
@@ -55,11 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"kvferry router: {e}", file=sys.stderr)
         return 2
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(run(settings))
-    return uvloop.run(run(settings))
+    return run_main(run(settings))
 
 
 if __name__ == "__main__":

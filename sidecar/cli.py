@@ -10,10 +10,10 @@ import argparse
 import asyncio
 import signal
 import sys
-from collections.abc import Coroutine, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from kvferry import logs
+from kvferry.tasks import run_main
 from sidecar import settings as sidecar_settings
 from sidecar.app import Sidecar
 from sidecar.settings import Settings
@@ -49,16 +49,6 @@ async def run(settings: Settings) -> int:
     return 0
 
 
-def _run_loop(main: Coroutine[Any, Any, int]) -> int:
-    """On uvloop when installed, like the daemon (kvferry.cli.run_async: not imported, so that
-    the sidecar does not depend on the other processes' entry points)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
-
-
 def run_args(args: argparse.Namespace) -> int:
     """Entry point for parsed flags (what ``kvferry sidecar`` calls)."""
     try:
@@ -67,7 +57,7 @@ def run_args(args: argparse.Namespace) -> int:
         print(f"kvferry sidecar: {e}", file=sys.stderr)
         return 2
     try:
-        return _run_loop(run(settings))
+        return run_main(run(settings))
     except OSError as e:  # e.g. the listen port is taken
         print(f"kvferry sidecar: {e}", file=sys.stderr)
         return 1

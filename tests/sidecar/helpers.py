@@ -6,38 +6,14 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import zmq
 import zmq.asyncio
 
-from controlplane.convert import struct_to_dict
-from tests.emulator.helpers import SYSTEM
-
-
-@dataclass
-class Answer:
-    status: int
-    body: dict[str, Any]
-    headers: Mapping[str, str]
-
-    @property
-    def params(self) -> dict[str, Any] | None:
-        value = self.body.get("kv_transfer_params")
-        return value if isinstance(value, dict) else None
-
-    @property
-    def content(self) -> str:
-        return str(self.body["choices"][0]["message"]["content"])
-
-    def count(self, what: str) -> int:
-        return int(self.headers[f"X-Kvferry-Emulator-{what.capitalize()}-Tokens"])
-
-    @property
-    def pull(self) -> str:
-        return self.headers["X-Kvferry-Emulator-Pull"]
+from kvferry.structs import struct_to_dict
+from tests.emulator.helpers import SYSTEM, Answer
 
 
 async def chat(
