@@ -131,7 +131,8 @@ class LeaseSender:
         True once the sender was idle at some moment, even if new work came in
         right after (checking the flag again after waking would miss that)."""
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
         except TimeoutError:
             return False
         return True

@@ -188,7 +188,8 @@ class NodeSession:
                     hello=nodes_pb2.AttachHello(engine_id=self._s.node_id, generation=generation)
                 )
             )
-            first = await asyncio.wait_for(call.read(), self._s.daemon.rpc_timeout_s)
+            async with asyncio.timeout(self._s.daemon.rpc_timeout_s):
+                first = await call.read()
             if not isinstance(first, nodes_pb2.AttachResponse):
                 raise _LinkLost()  # the daemon closed the stream
             ttl = first.ttl_seconds or self._s.daemon.liveness_ttl_s
@@ -256,8 +257,11 @@ class NodeSession:
                 await self._send_kv(call)
             since = self._kv_since
             wake_at = next_beat if since is None else min(next_beat, since + kv.flush_interval_s)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
+            # that lands as the event fires, and this loop would then never stop.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wakeup.wait(), max(wake_at - loop.time(), 0.0))
+                async with asyncio.timeout(max(wake_at - loop.time(), 0.0)):
+                    await self._wakeup.wait()
 
     async def _send_kv(self, call: _AttachCall) -> None:
         self._kv_since = None
