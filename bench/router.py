@@ -45,6 +45,7 @@ from aiohttp import web
 from bench.demo import TIMING, Deployment, deployment, free_port, pct, timing_text
 from emulator import EmulatorServer
 from kvferry import logs
+from kvferry.tasks import quiet_gc
 from router import Router
 
 CHAT = "/v1/chat/completions"
@@ -416,6 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-uvloop", dest="uvloop", action="store_false")
     args = p.parse_args(argv)
     logs.configure("warning")
+    quiet_gc()
     if args.uvloop:
         import uvloop
 

@@ -6,6 +6,7 @@ Key layout under a configurable prefix (default ``/kvferry``)::
     <prefix>/alive/<engine_id>                    generation, on the node's liveness lease
     <prefix>/retentions/<tenant>/<conversation>   Retention, on a shared time-bucketed GC lease
     <prefix>/claimed/<tenant>/<conversation>      Claim marker, on a shared GC lease
+    <prefix>/meta/scan-bounds                     Window bounds of the gauge scan (no lease)
 
 Path segments are percent-encoded, so ids may contain ``/`` without ambiguity.
 Values are JSON (msgspec), readable with ``etcdctl get``.
@@ -60,6 +61,15 @@ class Retention(msgspec.Struct, frozen=True):
     digests: bytes = b""
 
 
+class HeldSummary(msgspec.Struct, frozen=True):
+    """The fields of a Retention the per-node gauges need. Decoding only these skips the
+    params and digests (most of a value's bytes) without materialising them."""
+
+    engine_id: str
+    num_tokens: int
+    expires_at: float
+
+
 class Claim(msgspec.Struct, frozen=True):
     """Left behind when a retention was handed out, so later lookups can say why."""
 
@@ -78,6 +88,8 @@ _node_encoder = msgspec.json.Encoder()
 _retention_decoder = msgspec.json.Decoder(Retention)
 _node_decoder = msgspec.json.Decoder(NodeRecord)
 _claim_decoder = msgspec.json.Decoder(Claim)
+_summary_decoder = msgspec.json.Decoder(HeldSummary)
+_bounds_decoder = msgspec.json.Decoder(list[bytes])
 
 
 def encode(obj: NodeRecord | Retention | Claim) -> bytes:
@@ -86,6 +98,18 @@ def encode(obj: NodeRecord | Retention | Claim) -> bytes:
 
 def decode_retention(raw: bytes) -> Retention:
     return _retention_decoder.decode(raw)
+
+
+def decode_summary(raw: bytes) -> HeldSummary:
+    return _summary_decoder.decode(raw)
+
+
+def encode_bounds(bounds: list[bytes]) -> bytes:
+    return _node_encoder.encode(bounds)
+
+
+def decode_bounds(raw: bytes) -> list[bytes]:
+    return _bounds_decoder.decode(raw)
 
 
 def decode_node(raw: bytes) -> NodeRecord:
@@ -109,6 +133,7 @@ class Keys:
         self.alive = f"{self.prefix}/alive/".encode()
         self.retentions = f"{self.prefix}/retentions/".encode()
         self.claimed = f"{self.prefix}/claimed/".encode()
+        self.scan_bounds = f"{self.prefix}/meta/scan-bounds".encode()
 
     def node(self, engine_id: str) -> bytes:
         return self.nodes + _seg(engine_id).encode()

@@ -1,0 +1,110 @@
+"""The gauge scan reads etcd in bounded windows and still sees every retention.
+
+etcd 3.5 counts a range to its end even with a limit, so paging through the
+whole retention prefix costs O(all retentions) per page and stalls writes; the
+scan instead reads windows split at keys remembered from its previous pass (or
+sampled at registration). These tests pin what must not change: every live
+retention is counted exactly once, whatever the remembered bounds are."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import structlog
+from aetcd import rpc
+
+from controlplane import store as store_mod
+from controlplane.records import Keys, Retention, decode_bounds, encode_bounds, prefix_end
+from controlplane.store import EtcdStore
+
+
+def retention(engine: str, tokens: int) -> Retention:
+    now = time.time()
+    return Retention(
+        engine_id=engine, generation=1, params=b"", num_tokens=tokens, block_size=16,
+        created_at=now, expires_at=now + 300,
+    )  # fmt: skip
+
+
+@pytest.fixture
+async def store(etcd_endpoint: str) -> AsyncIterator[EtcdStore]:
+    s = EtcdStore((etcd_endpoint,), Keys(f"/t-{uuid.uuid4().hex[:10]}"), 2.0, 60, 10_000, 600)
+    await s.connect()
+    await s.ready(10)
+    yield s
+    await s.close()
+
+
+async def held(s: EtcdStore) -> dict[str, tuple[int, int]]:
+    out: dict[str, tuple[int, int]] = {}
+    async for r in s.scan_held(pause_s=0):
+        n, t = out.get(r.engine_id, (0, 0))
+        out[r.engine_id] = (n + 1, t + r.num_tokens)
+    return out
+
+
+async def stored_bounds(s: EtcdStore) -> list[bytes]:
+    resp = await s._client.kvstub.Range(rpc.RangeRequest(key=s.keys.scan_bounds))
+    return decode_bounds(resp.kvs[0].value) if resp.kvs else []
+
+
+async def test_every_retention_once_with_sampled_then_remembered_bounds(
+    store: EtcdStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_mod, "SCAN_PAGE", 7)
+    now = time.time()
+    for i in range(60):
+        await store.put_retention("t", f"c{i:03d}", retention("d-a" if i % 3 else "d-b", 100), now)
+    expected = {"d-a": (40, 4000), "d-b": (20, 2000)}
+    assert len(store._sampled) == 60 // 7  # every 7th registration: a window bound
+    assert await held(store) == expected
+    bounds = await stored_bounds(store)
+    assert len(bounds) == 60 // 7 and bounds == sorted(bounds)  # every 7th key seen
+    # Churn between passes: a remembered bound's key is gone, new keys land around them.
+    for i in range(0, 60, 5):
+        await store.claim("t", f"c{i:03d}", now)
+    for i in range(60, 75):
+        await store.put_retention("t", f"c{i:03d}", retention("d-b", 10), now)
+    assert await held(store) == {"d-a": (32, 3200), "d-b": (31, 1750)}
+
+
+async def test_a_new_replica_reads_windows_from_the_bounds_kept_in_etcd(
+    store: EtcdStore, etcd_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_mod, "SCAN_PAGE", 5)
+    now = time.time()
+    for i in range(40):
+        await store.put_retention("t", f"c{i:03d}", retention("d-a", 1), now)
+    assert await held(store) == {"d-a": (40, 40)}
+    bounds = await stored_bounds(store)
+    other = EtcdStore((etcd_endpoint,), store.keys, 2.0, 60, 10_000, 600)
+    await other.connect()
+    ends: list[bytes] = []
+    real = other._client.kvstub.Range
+
+    def recording(req, **kw):  # type: ignore[no-untyped-def]
+        ends.append(req.range_end)
+        return real(req, **kw)
+
+    other._client.kvstub.Range = recording
+    try:
+        assert await held(other) == {"d-a": (40, 40)}
+    finally:
+        await other.close()
+    # Each request ends at a remembered bound (or the prefix's end): O(window), not O(all).
+    assert set(ends) == {*bounds, prefix_end(store.keys.retentions)}
+
+
+async def test_bad_bounds_in_etcd_are_ignored_with_a_log_line(store: EtcdStore) -> None:
+    now = time.time()
+    for i in range(20):
+        await store.put_retention("t", f"c{i}", retention("d-a", 1), now)
+    outside = [store.keys.retentions[:-1], b"\xff"]  # not inside the prefix
+    for value in (b"not json", encode_bounds(outside), encode_bounds([store.keys.retention("t", "c5")] * 2)):
+        await store._client.kvstub.Put(rpc.PutRequest(key=store.keys.scan_bounds, value=value))
+        with structlog.testing.capture_logs() as logs:
+            assert await held(store) == {"d-a": (20, 20)}
+        assert [e["event"] for e in logs] == ["scan_bounds.invalid"]
