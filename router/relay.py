@@ -17,6 +17,8 @@ from typing import Any
 
 import msgspec
 
+from kvferry.sse import SseEvents
+
 _MARKER = b'"kv_transfer_params"'
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
@@ -37,35 +39,21 @@ def scrub_json(raw: bytes) -> bytes:
 
 
 class SseScrubber:
-    """Cuts a byte stream into SSE events and removes kv_transfer_params from the ones carrying them."""
+    """Removes kv_transfer_params from the SSE events of a stream that carry them."""
 
     def __init__(self) -> None:
-        self._buffer = b""
-        self._sep = b"\n\n"
+        self._events = SseEvents()
 
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to send the client now for `chunk`."""
-        data = self._buffer + chunk if self._buffer else chunk
-        if not self._buffer and data.endswith(self._sep) and _MARKER not in data:
-            return data  # the common case: whole events, nothing to remove
-        if b"\r\n\r\n" in data[:512]:
-            self._sep = b"\r\n\r\n"
-        sep = self._sep
-        end = data.rfind(sep)
-        if end < 0:
-            self._buffer = data
-            return b""
-        cut = end + len(sep)
-        complete, self._buffer = data[:cut], data[cut:]
+        complete = self._events.complete(chunk)
         if _MARKER not in complete:
-            return complete
-        events = complete[: -len(sep)].split(sep)
-        return sep.join([_scrub_event(e) for e in events]) + sep
+            return complete  # the common case: passes with no parsing
+        return self._events.join([_scrub_event(e) for e in self._events.split(complete)])
 
     def flush(self) -> bytes:
         """What is held back at the end of the stream (an unterminated event)."""
-        rest, self._buffer = self._buffer, b""
-        return rest
+        return self._events.flush()
 
 
 def _scrub_event(event: bytes) -> bytes:

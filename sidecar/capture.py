@@ -19,6 +19,8 @@ from typing import Any
 
 import msgspec
 
+from kvferry.sse import SseEvents
+
 #: Paths whose requests the tap rewrites and whose answers it reads.
 TAPPED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 CONVERSATION_HEADERS = ("X-Conversation-Id", "X-Session-ID")
@@ -205,30 +207,20 @@ class SseRewriter:
 
     def __init__(self, observer: TurnObserver) -> None:
         self._observer = observer
-        self._buffer = b""
-        self._sep = b"\n\n"
+        self._events = SseEvents()
         self.done = False
         """``data: [DONE]`` was seen."""
 
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to forward now for `chunk`."""
-        data = self._buffer + chunk if self._buffer else chunk
-        if b"\r\n" in data[:512]:
-            self._sep = b"\r\n\r\n"  # a server that ends lines with CRLF
-        sep = self._sep
-        end = data.rfind(sep)
-        if end < 0:
-            self._buffer = data
+        complete = self._events.complete(chunk)
+        if not complete:
             return b""
-        cut = end + len(sep)
-        complete, self._buffer = data[:cut], data[cut:]
-        events = complete[: -len(sep)].split(sep)
-        return sep.join([self._event(e) for e in events]) + sep
+        return self._events.join([self._event(e) for e in self._events.split(complete)])
 
     def flush(self) -> bytes:
         """Whatever is held back (an unterminated event) at the end of the stream."""
-        rest, self._buffer = self._buffer, b""
-        return rest
+        return self._events.flush()
 
     def _event(self, event: bytes) -> bytes:
         if not event.startswith(b"data:") or b"\n" in event.rstrip(b"\r"):
