@@ -453,9 +453,10 @@ class ControlPlane:
         now = self._clock()
         leases: dict[str, int] = {}
         tokens: dict[str, int] = {}
-        # A background pass at ~5,000 records/s, 100 at a time: a large store never
-        # holds lookups up for more than a page's decoding (~1 ms).
-        async for r in self.store.scan_held(pause_s=0.02):
+        # A background pass at ~2,000 records/s, 100 at a time: a large store never holds
+        # lookups up for more than a page's decoding (~1 ms), and the pass costs etcd
+        # little (at 5,000/s it moved Lookup p99 at 1,000/s from ~9 to ~17 ms here).
+        async for r in self.store.scan_held(pause_s=0.05):
             if r.expires_at > now:
                 leases[r.engine_id] = leases.get(r.engine_id, 0) + 1
                 tokens[r.engine_id] = tokens.get(r.engine_id, 0) + r.num_tokens
@@ -468,7 +469,8 @@ class ControlPlane:
 
     async def run_gauges(self, interval_s: float) -> None:
         """Rescan every `interval_s`, or every 10 scan-durations when the store is large,
-        so the scan (paced at ~5,000 records/s) takes at most ~10% of the time."""
+        so the scan (paced at ~2,000 records/s) runs at most ~10% of the time: at 100,000
+        retentions the gauges are up to ~10 minutes old."""
         while True:
             start = time.monotonic()
             try:
