@@ -67,10 +67,20 @@ DELEGATED: dict[str, tuple[Callable[[list[str]], int], str]] = {
 }
 
 
+def _split_global(args: list[str]) -> tuple[list[str], list[str]]:
+    """(the global options before the command, the command and what follows)."""
+    i = 0
+    while i < len(args) and args[i].startswith("-"):
+        i += 1 if "=" in args[i] or args[i] in ("-h", "--help") else 2
+    return args[:i], args[i:]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list and args_list[0] in DELEGATED:
-        return DELEGATED[args_list[0]][0](args_list[1:])
+    global_opts, rest = _split_global(args_list)
+    if rest and rest[0] in DELEGATED and "-h" not in global_opts and "--help" not in global_opts:
+        # Delegated processes take --log-level themselves: a global one goes after the command.
+        return DELEGATED[rest[0]][0]([*global_opts, *rest[1:]] if global_opts else rest[1:])
     args = build_parser().parse_args(args_list)
     logs.configure(args.log_level)
     code: int = args.func(args)

@@ -80,3 +80,18 @@ async def test_cli_tables_and_json(daemon: Daemon, client: Client) -> None:
     assert code == 0 and "revoked" in out
     code, _, err = await run(kvferry, "leases", "get", "conv-cli", "--daemon", daemon.address)
     assert code == 1 and "NOT_FOUND" in err
+
+
+def test_global_log_level_reaches_delegated_commands(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from kvferry import cli
+
+    seen: list[list[str]] = []
+    monkeypatch.setitem(cli.DELEGATED, "sidecar", (lambda argv: seen.append(argv) or 0, ""))
+    assert cli.main(["--log-level", "debug", "sidecar", "--engine-url", "http://e"]) == 0
+    assert cli.main(["--log-level=warning", "sidecar"]) == 0
+    assert cli.main(["sidecar", "--engine-url", "http://e"]) == 0
+    assert seen == [
+        ["--log-level", "debug", "--engine-url", "http://e"],
+        ["--log-level=warning"],
+        ["--engine-url", "http://e"],
+    ]
