@@ -127,11 +127,27 @@ class NodeCache:
         self._nodes.pop(engine_id, None)
 
     async def run(self) -> None:
+        """Refresh every `refresh_s`. While etcd is away, one warning when the refreshes
+        start failing and one a minute after that (not two a second), and a line when
+        they succeed again."""
+        failing_since = last_warned = 0.0
         while True:
             try:
                 await self.refresh()
             except StoreUnavailable as e:
-                log.warning("nodes.refresh.failed", error=str(e))
+                now = time.monotonic()
+                if not failing_since or now - last_warned >= 60.0:
+                    log.warning(
+                        "nodes.refresh.failed",
+                        error=str(e),
+                        failing_s=round(now - failing_since, 1) if failing_since else 0.0,
+                    )
+                    last_warned = now
+                failing_since = failing_since or now
+            else:
+                if failing_since:
+                    log.info("nodes.refresh.recovered", failed_s=round(time.monotonic() - failing_since, 1))
+                    failing_since = 0.0
             await asyncio.sleep(self._refresh_s)
 
 

@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 import pytest
+import structlog
 
 from controlplane.daemon import Daemon
 from kvferry.v1 import leases_pb2, nodes_pb2
@@ -21,20 +22,29 @@ async def test_etcd_stopped_and_restarted_under_the_daemon(
     await c.nodes.Register(node_request("d-1", liveness_ttl_seconds=30))
     await c.leases.Register(lease_request("before"))
 
-    await private_etcd.stop()
-    down = await c.leases.Lookup(lookup_request("before"), timeout=10)
-    assert down.decision == leases_pb2.RECOMPUTE and down.reason == "store_unavailable"
-    with pytest.raises(grpc.aio.AioRpcError) as e:
-        await c.leases.Register(lease_request("during"), timeout=10)
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "etcd" in (e.value.details() or "")
+    with structlog.testing.capture_logs() as logs:
+        await private_etcd.stop()
+        down = await c.leases.Lookup(lookup_request("before"), timeout=10)
+        assert down.decision == leases_pb2.RECOMPUTE and down.reason == "store_unavailable"
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await c.leases.Register(lease_request("during"), timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "etcd" in (e.value.details() or "")
+        await asyncio.sleep(1.5)  # several node refreshes fail meanwhile (every 0.5 s)
 
-    await private_etcd.start()
-    for _ in range(100):  # the daemon reconnects by itself
-        up = await c.leases.Lookup(lookup_request("before", peek=True), timeout=10)
-        if up.reason != "store_unavailable":
-            break
-        await asyncio.sleep(0.1)
-    assert up.decision == leases_pb2.PULL, up
+        await private_etcd.start()
+        for _ in range(100):  # the daemon reconnects by itself
+            up = await c.leases.Lookup(lookup_request("before", peek=True), timeout=10)
+            if up.reason != "store_unavailable":
+                break
+            await asyncio.sleep(0.1)
+        assert up.decision == leases_pb2.PULL, up
+        for _ in range(50):
+            if any(e["event"] == "nodes.refresh.recovered" for e in logs):
+                break
+            await asyncio.sleep(0.1)
+    # One warning for the outage, not one per refresh, and a line when it is over.
+    events = [e["event"] for e in logs if e["event"].startswith("nodes.refresh")]
+    assert events == ["nodes.refresh.failed", "nodes.refresh.recovered"], events
     await c.leases.Register(lease_request("after"))
     assert (await c.leases.Lookup(lookup_request("after"))).decision == leases_pb2.PULL
 
