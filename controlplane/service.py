@@ -23,6 +23,7 @@ from controlplane.policy import Decision, Prompt, Reason, decide, digest_problem
 from controlplane.records import Claim, NodeRecord, NodeState, Retention, Role
 from controlplane.settings import Settings
 from controlplane.store import EtcdStore
+from kvferry.logs import Outage
 
 log = structlog.get_logger(__name__)
 
@@ -127,27 +128,19 @@ class NodeCache:
         self._nodes.pop(engine_id, None)
 
     async def run(self) -> None:
-        """Refresh every `refresh_s`. While etcd is away, one warning when the refreshes
-        start failing and one a minute after that (not two a second), and a line when
-        they succeed again."""
-        failing_since = last_warned = 0.0
+        """Refresh every `refresh_s`; an etcd outage is logged when it starts (then once a
+        minute) and when it ends, not at every refresh."""
+        outage = Outage()
         while True:
             try:
                 await self.refresh()
             except StoreUnavailable as e:
                 now = time.monotonic()
-                if not failing_since or now - last_warned >= 60.0:
-                    log.warning(
-                        "nodes.refresh.failed",
-                        error=str(e),
-                        failing_s=round(now - failing_since, 1) if failing_since else 0.0,
-                    )
-                    last_warned = now
-                failing_since = failing_since or now
+                if outage.failed(now):
+                    log.warning("nodes.refresh.failed", error=str(e), failing_s=round(now - outage.since, 1))
             else:
-                if failing_since:
-                    log.info("nodes.refresh.recovered", failed_s=round(time.monotonic() - failing_since, 1))
-                    failing_since = 0.0
+                if (lasted := outage.ok(time.monotonic())) is not None:
+                    log.info("nodes.refresh.recovered", failed_s=round(lasted, 1))
             await asyncio.sleep(self._refresh_s)
 
 

@@ -28,3 +28,30 @@ def configure(level: str | None = None, json: bool | None = None) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+class Outage:
+    """Says when a retried operation's failures are worth a log line: the first failure
+    of an outage, then one a minute, and its end (a loop that retries twice a second
+    would otherwise write 7,200 identical warnings an hour)."""
+
+    def __init__(self, every_s: float = 60.0) -> None:
+        self._every_s = every_s
+        self.since = 0.0
+        """When the current outage began (time.monotonic()); 0 = none."""
+        self._warned = 0.0
+
+    def failed(self, now: float) -> bool:
+        """A failure at `now`: True when it should be logged."""
+        due = not self.since or now - self._warned >= self._every_s
+        self.since = self.since or now
+        if due:
+            self._warned = now
+        return due
+
+    def ok(self, now: float) -> float | None:
+        """A success at `now`: the seconds the outage lasted when one just ended, else None."""
+        if not self.since:
+            return None
+        lasted, self.since = now - self.since, 0.0
+        return lasted

@@ -151,7 +151,7 @@ class ControlPlane:
         except grpc.aio.AioRpcError as e:
             if e.code() in _UNREACHABLE or e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
                 self._failover(replica)
-            log.info("router.nodes.list_failed", address=replica.address, code=e.code().name)
+            log.debug("router.nodes.list_failed", address=replica.address, code=e.code().name)
             return None
         return [node for n in res.nodes if n.alive and (node := node_of(n)) is not None]
 

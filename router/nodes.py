@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import aiohttp
 import structlog
 
+from kvferry.logs import Outage
 from router.choice import Node
 from router.control import ControlPlane
 from router.settings import Settings
@@ -84,6 +86,7 @@ class NodeDirectory:
             static_nodes(n.prefill_urls, n.decode_urls, n.model, n.block_size) if self.static else []
         )
         self.ready = asyncio.Event()
+        self._outage = Outage()
 
     async def refresh(self) -> None:
         if self.static:
@@ -91,6 +94,12 @@ class NodeDirectory:
                 self.nodes = [await self._learn_model(n) if not n.model else n for n in self.nodes]
         elif self._control is not None:
             listed = await self._control.list_nodes()
+            now = time.monotonic()
+            if listed is None:
+                if self._outage.failed(now):
+                    log.warning("router.nodes.list_failed", failing_s=round(now - self._outage.since, 1))
+            elif (lasted := self._outage.ok(now)) is not None:
+                log.info("router.nodes.list_recovered", failed_s=round(lasted, 1))
             if listed is not None:
                 if {n.engine_id for n in listed} != {n.engine_id for n in self.nodes}:
                     log.info(

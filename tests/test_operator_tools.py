@@ -95,3 +95,13 @@ def test_global_log_level_reaches_delegated_commands(monkeypatch) -> None:  # ty
         ["--log-level=warning"],
         ["--engine-url", "http://e"],
     ]
+
+
+def test_an_outage_is_logged_at_its_start_once_a_minute_and_at_its_end() -> None:
+    from kvferry.logs import Outage
+
+    o = Outage(every_s=60)
+    assert o.ok(1.0) is None  # nothing was failing
+    assert [o.failed(t) for t in (10.0, 10.5, 69.0, 70.0, 70.5)] == [True, False, False, True, False]
+    assert o.ok(75.0) == 65.0
+    assert o.failed(80.0)  # a new outage is news again
