@@ -85,6 +85,9 @@ class Daemon:
             self._metrics_httpd, _ = start_http_server(s.server.metrics_port, addr=host)
             self.metrics_port = self._metrics_httpd.server_address[1]
         self._tasks.append(asyncio.create_task(cp.nodes.run(), name="node-cache"))
+        if s.nodes.gc_after_s > 0:
+            interval = min(60.0, s.nodes.gc_after_s / 4)
+            self._tasks.append(asyncio.create_task(cp.run_node_gc(interval), name="node-gc"))
         if s.gc.gauge_scan_s > 0:
             self._tasks.append(asyncio.create_task(cp.run_gauges(s.gc.gauge_scan_s), name="gauges"))
         log.info(

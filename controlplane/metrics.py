@@ -21,6 +21,7 @@ ETCD_LATENCY = Histogram("kvferry_etcd_seconds", "etcd request latency", ["op"],
 ETCD_ERRORS = Counter("kvferry_etcd_errors_total", "Failed etcd requests", ["op", "code"])
 GC_LEASE_GRANTS = Counter("kvferry_gc_lease_grants_total", "Shared GC leases granted")
 NODE_LEASE_GRANTS = Counter("kvferry_node_lease_grants_total", "Node liveness leases granted")
+NODES_COLLECTED = Counter("kvferry_nodes_collected_total", "Records of long-dead nodes deleted")
 ETCD_BATCH_ITEMS = Histogram(
     "kvferry_etcd_batch_items",
     "Transactions per etcd request (group commit)",

@@ -7,6 +7,7 @@ Key layout under a configurable prefix (default ``/kvferry``)::
     <prefix>/retentions/<tenant>/<conversation>   Retention, on a shared time-bucketed GC lease
     <prefix>/claimed/<tenant>/<conversation>      Claim marker, on a shared GC lease
     <prefix>/meta/scan-bounds                     Window bounds of the gauge scan (no lease)
+    <prefix>/meta/generation-floor                Highest generation of a deleted node record
 
 Path segments are percent-encoded, so ids may contain ``/`` without ambiguity.
 Values are JSON (msgspec), readable with ``etcdctl get``.
@@ -134,6 +135,7 @@ class Keys:
         self.retentions = f"{self.prefix}/retentions/".encode()
         self.claimed = f"{self.prefix}/claimed/".encode()
         self.scan_bounds = f"{self.prefix}/meta/scan-bounds".encode()
+        self.generation_floor = f"{self.prefix}/meta/generation-floor".encode()
 
     def node(self, engine_id: str) -> bytes:
         return self.nodes + _seg(engine_id).encode()

@@ -99,12 +99,18 @@ class NodeCache:
         self._store = store
         self._refresh_s = refresh_s
         self._nodes: dict[str, NodeState] = {}
+        self.revisions: dict[str, int] = {}
+        """Mod revision of each node's record as last loaded."""
+        self.dead_since: dict[str, float] = {}
+        """time.monotonic() when this replica first saw each (still) dead node dead."""
         self.loaded_at = 0.0
 
     async def refresh(self) -> dict[str, NodeState]:
-        nodes, _ = await self._store.load_nodes()
-        self._nodes = nodes
-        self.loaded_at = time.monotonic()
+        nodes, revisions = await self._store.load_nodes()
+        now = time.monotonic()
+        self._nodes, self.revisions = nodes, revisions
+        self.dead_since = {e: self.dead_since.get(e, now) for e, n in nodes.items() if not n.alive}
+        self.loaded_at = now
         metrics.NODES_ALIVE.set(sum(1 for n in nodes.values() if n.alive))
         return nodes
 
@@ -186,9 +192,11 @@ class ControlPlane:
         if not 2 <= ttl <= 3600:
             raise InvalidArgument(f"liveness_ttl_seconds {ttl} must be in 2..3600")
         for attempt in range(3):
-            current, revision = await self.store.get_node(reg.engine_id)
+            current, revision, floor, floor_revision = await self.store.get_node_and_floor(reg.engine_id)
             previous = current.record.generation if current else 0
-            generation = reg.generation or previous + 1
+            # An engine id without a record (new, or its record was collected) starts above
+            # every collected generation: none of their retentions can match it.
+            generation = reg.generation or (previous + 1 if current else floor + 1)
             if current is not None and current.record.removed_at:
                 # Deregistered: whatever it says, what comes back is a new generation.
                 generation = max(generation, previous + 1)
@@ -209,7 +217,7 @@ class ControlPlane:
                 liveness_ttl=ttl,
             )
             try:
-                stored = await self.store.put_node(rec, revision)
+                stored = await self.store.put_node(rec, revision, None if current else floor_revision)
             except Conflict:
                 if attempt == 2:
                     raise
@@ -277,6 +285,38 @@ class ControlPlane:
             ),
             key=lambda s: s.record.engine_id,
         )
+
+    async def collect_dead_nodes(self) -> int:
+        """Delete the records of nodes dead for `nodes.gc_after_s`: deregistered that long
+        ago, or seen without liveness by this replica for that long. -> how many."""
+        after = self.settings.nodes.gc_after_s
+        wall, mono = self._clock(), time.monotonic()
+        collected = 0
+        for engine, state in self.nodes.snapshot().items():
+            rec = state.record
+            if state.alive:
+                continue
+            dead_s = (
+                wall - rec.removed_at if rec.removed_at else mono - self.nodes.dead_since.get(engine, mono)
+            )
+            revision = self.nodes.revisions.get(engine)
+            if dead_s < after or revision is None:
+                continue
+            if await self.store.collect_node(engine, revision, rec.generation):
+                self.nodes.drop(engine)
+                self.index.drop(engine)
+                collected += 1
+                metrics.NODES_COLLECTED.inc()
+                log.info("node.collected", engine_id=engine, generation=rec.generation, dead_s=round(dead_s))
+        return collected
+
+    async def run_node_gc(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.collect_dead_nodes()
+            except StoreUnavailable as e:
+                log.warning("nodes.collect.failed", error=str(e))
 
     async def deregister_node(self, engine_id: str) -> bool:
         _check_id("engine_id", engine_id, self._limits.max_id_bytes)

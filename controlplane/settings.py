@@ -42,6 +42,10 @@ class NodeSettings:
     liveness_ttl_s: int = 10
     # How stale this replica's view of node liveness and generations may get.
     cache_refresh_s: float = 0.5
+    # A node record dead (deregistered, or its liveness lapsed) this long is deleted,
+    # seconds; 0 = kept forever. Engine ids that never come back (pods named by a
+    # Deployment) would otherwise pile up in etcd and in every replica's refresh.
+    gc_after_s: float = 86_400.0
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class Settings:
         self.policy.validate()
         if self.nodes.liveness_ttl_s < 2:
             raise ValueError("liveness TTL must be at least 2 s")
+        if self.nodes.gc_after_s < 0:
+            raise ValueError("node GC delay must be 0 (never) or positive")
         if self.gc.bucket_s < 1 or self.gc.max_keys_per_lease < 1:
             raise ValueError("GC bucket width and keys per lease must be positive")
         if not self.etcd.prefix.startswith("/"):
@@ -119,6 +125,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="retention lifetime when D sends no deadline (vLLM decoder_kv_blocks_ttl)",
     )
     p.add_argument("--liveness-ttl", type=int, default=int(_env("LIVENESS_TTL", str(d.nodes.liveness_ttl_s))))
+    p.add_argument(
+        "--node-gc-after",
+        type=float,
+        default=float(_env("NODE_GC_AFTER", str(d.nodes.gc_after_s))),
+        help="seconds a dead node's record is kept before it is deleted (0 = forever)",
+    )
     p.add_argument("--gc-bucket", type=int, default=int(_env("GC_BUCKET", str(d.gc.bucket_s))))
     p.add_argument("--gauge-scan", type=float, default=float(_env("GAUGE_SCAN", str(d.gc.gauge_scan_s))))
 
@@ -140,7 +152,7 @@ def from_args(a: argparse.Namespace) -> Settings:
             recompute_threshold=a.recompute_threshold,
             default_lifetime_s=a.default_lifetime,
         ),
-        nodes=NodeSettings(liveness_ttl_s=a.liveness_ttl),
+        nodes=NodeSettings(liveness_ttl_s=a.liveness_ttl, gc_after_s=a.node_gc_after),
         gc=GcSettings(bucket_s=a.gc_bucket, gauge_scan_s=a.gauge_scan),
     )
     s.validate()

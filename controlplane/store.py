@@ -147,6 +147,10 @@ def _exists(key: bytes) -> rpc.Compare:
     return rpc.Compare(key=key, target=rpc.Compare.VERSION, result=rpc.Compare.GREATER, version=0)
 
 
+def _absent(key: bytes) -> rpc.Compare:
+    return rpc.Compare(key=key, target=rpc.Compare.VERSION, result=rpc.Compare.EQUAL, version=0)
+
+
 def _mod_is(key: bytes, revision: int) -> rpc.Compare:
     return rpc.Compare(key=key, target=rpc.Compare.MOD, result=rpc.Compare.EQUAL, mod_revision=revision)
 
@@ -367,23 +371,39 @@ class EtcdStore:
         return states, revisions
 
     async def get_node(self, engine_id: str) -> tuple[NodeState | None, int]:
+        """A node's record and liveness, and its record's mod revision (0 = no record)."""
+        state, revision, _, _ = await self.get_node_and_floor(engine_id)
+        return state, revision
+
+    async def get_node_and_floor(self, engine_id: str) -> tuple[NodeState | None, int, int, int]:
+        """A node as get_node reads it, and the generation floor with its mod revision
+        (what a registration of an engine id without a record must stay above)."""
         k = self.keys
         resp = await self._txn(
-            "get_node", [], [_range(k.node(engine_id)), _range(k.alive_key(engine_id))], []
+            "get_node",
+            [],
+            [_range(k.node(engine_id)), _range(k.alive_key(engine_id)), _range(k.generation_floor)],
+            [],
         )
+        floor_kvs = resp.responses[2].response_range.kvs
+        floor = int(floor_kvs[0].value or b"0") if floor_kvs else 0
+        floor_revision = int(floor_kvs[0].mod_revision) if floor_kvs else 0
         node_kvs = resp.responses[0].response_range.kvs
         if not node_kvs:
-            return None, 0
+            return None, 0, floor, floor_revision
         rec = decode_node(node_kvs[0].value)
         alive_kvs = resp.responses[1].response_range.kvs
         alive = not rec.removed_at and bool(alive_kvs) and int(alive_kvs[0].value or b"0") == rec.generation
-        return NodeState(rec, alive), int(node_kvs[0].mod_revision)
+        return NodeState(rec, alive), int(node_kvs[0].mod_revision), floor, floor_revision
 
-    async def put_node(self, rec: NodeRecord, expect_revision: int) -> NodeRecord:
+    async def put_node(
+        self, rec: NodeRecord, expect_revision: int, floor_revision: int | None = None
+    ) -> NodeRecord:
         """Store a node record and start a fresh liveness lease for it.
 
         `expect_revision` is the node key's mod revision the caller decided on
-        (0 = must not exist); a concurrent change raises Conflict.
+        (0 = must not exist), `floor_revision` the generation floor's it decided the
+        generation on (None = it did not); a concurrent change raises Conflict.
         """
         k = self.keys
         grant = await timed(
@@ -394,10 +414,12 @@ class EtcdStore:
         )
         metrics.NODE_LEASE_GRANTS.inc()
         stored = msgspec.structs.replace(rec, lease_id=int(grant.ID))
-        cmp = _mod_is(k.node(rec.engine_id), expect_revision)
+        cmp = [_mod_is(k.node(rec.engine_id), expect_revision)]
+        if floor_revision is not None:
+            cmp.append(_mod_is(k.generation_floor, floor_revision))
         resp = await self._txn(
             "put_node",
-            [cmp],
+            cmp,
             [
                 _put(k.node(rec.engine_id), encode(stored)),
                 _put(k.alive_key(rec.engine_id), b"%d" % rec.generation, grant.ID),
@@ -451,6 +473,36 @@ class EtcdStore:
         if state.record.lease_id:
             await self.revoke_lease_quietly(state.record.lease_id)
         return True
+
+    async def collect_node(self, engine_id: str, expect_revision: int, generation: int) -> bool:
+        """Delete a dead node's record, raising the generation floor to its generation in
+        the same transaction: an engine id registered afresh later gets a generation above
+        every deleted one, so no retention of a deleted record can match a new process.
+
+        Only if the record is unchanged since `expect_revision` and has no liveness key.
+        -> whether it was deleted.
+        """
+        k = self.keys
+        resp = await self._txn("collect_node", [], [_range(k.generation_floor)], [])
+        kvs = resp.responses[0].response_range.kvs
+        floor = int(kvs[0].value or b"0") if kvs else 0
+        floor_revision = int(kvs[0].mod_revision) if kvs else 0
+        resp = await self._txn(
+            "collect_node",
+            [
+                _mod_is(k.node(engine_id), expect_revision),
+                rpc.Compare(
+                    key=k.alive_key(engine_id),
+                    target=rpc.Compare.VERSION,
+                    result=rpc.Compare.EQUAL,
+                    version=0,
+                ),
+                _mod_is(k.generation_floor, floor_revision),
+            ],
+            [_delete(k.node(engine_id)), _put(k.generation_floor, b"%d" % max(floor, generation))],
+            [],
+        )
+        return bool(resp.succeeded)
 
     async def revoke_lease_quietly(self, lease_id: int) -> None:
         try:
