@@ -1,0 +1,36 @@
+"""kv_transfer_params arrive as google.protobuf.Struct; struct_to_dict must read them
+back as a JSON client would (integral numbers as int), fast path or not."""
+
+from __future__ import annotations
+
+from google.protobuf import json_format, struct_pb2
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvferry.structs import struct_to_dict
+
+JSON_VALUES = st.one_of(
+    st.integers(min_value=-(2**60), max_value=2**60),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=3),
+    st.booleans(),
+    st.none(),
+)
+
+
+def as_json_client_reads(v: object) -> object:
+    if isinstance(v, float) and v.is_integer() and abs(v) < 2**53:
+        return int(v)
+    return v
+
+
+@given(st.lists(JSON_VALUES, max_size=40), st.lists(st.integers(0, 2**31), max_size=5000))
+def test_lists_read_back_as_json_would(mixed: list[object], block_ids: list[int]) -> None:
+    s = struct_pb2.Struct()
+    s.update({"mixed": mixed, "remote_block_ids": [block_ids]})
+    expected = {k: [as_json_client_reads(x) for x in v] for k, v in json_format.MessageToDict(s).items()}
+    expected["remote_block_ids"] = [block_ids]
+    got = struct_to_dict(s)
+    assert got == expected
+    assert all(type(a) is type(b) for a, b in zip(got["mixed"], expected["mixed"], strict=True))
+    assert all(type(i) is int for i in got["remote_block_ids"][0])
