@@ -62,6 +62,20 @@ def conversation_of(headers: Mapping[str, str], body: Mapping[str, Any]) -> str:
     return ""
 
 
+class _Head(msgspec.Struct):
+    """The request fields the tap reads; decoding only these skips the rest (messages,
+    token ids) without building it."""
+
+    conversation_id: Any = msgspec.UNSET
+    session_id: Any = msgspec.UNSET
+    return_token_ids: Any = msgspec.UNSET
+    model: Any = msgspec.UNSET
+
+
+_head_decode = msgspec.json.Decoder(_Head).decode
+_ASK_IDS = b'"return_token_ids":true'
+
+
 def plan_request(
     method: str,
     path: str,
@@ -77,27 +91,49 @@ def plan_request(
     if method != "POST" or path not in TAPPED_PATHS or not raw:
         return None
     try:
-        body = _json_decode(raw)
-    except msgspec.DecodeError:
-        return None  # the engine answers bad JSON itself
-    if not isinstance(body, dict):
+        head = _head_decode(raw)
+    except msgspec.DecodeError:  # not JSON, or not an object: the engine answers it itself
         return None
-    conversation = conversation_of(headers, body)
-    if not conversation or (not capture and "conversation_id" not in body):
+    fields = {
+        "conversation_id": head.conversation_id,
+        "session_id": head.session_id,
+    }
+    conversation = conversation_of(headers, {k: v for k, v in fields.items() if v is not msgspec.UNSET})
+    in_body = head.conversation_id is not msgspec.UNSET
+    if not conversation or (not capture and not in_body):
         return None
-    body.pop("conversation_id", None)
-    wants_ids = body.get("return_token_ids") is True
-    if capture:
-        body["return_token_ids"] = True
-    model = body.get("model")
+    wants_ids = head.return_token_ids is True
+    body = raw
+    if in_body or (capture and not wants_ids):
+        body = _rewrite(raw, capture, in_body, head.return_token_ids is msgspec.UNSET)
     return RequestPlan(
-        body=_json_encode(body),
+        body=body,
         tenant=headers.get(tenant_header, "").strip(),
         conversation_id=conversation,
-        model=model if isinstance(model, str) else "",
+        model=head.model if isinstance(head.model, str) else "",
         strip_token_ids=capture and not wants_ids,
         capture=capture,
     )
+
+
+def _rewrite(raw: bytes, capture: bool, drop_conversation: bool, ids_absent: bool) -> bytes:
+    """The body without ``conversation_id`` and, with `capture`, with ``return_token_ids: true``.
+
+    The common case (the router's requests: the conversation in a header, no
+    ``return_token_ids``) only needs the key added: it goes in front of the others,
+    byte for byte the rest of the body (a 64k-token body is 300 KB: re-encoding it
+    whole cost 1.6 ms). Anything else is decoded and encoded again.
+    """
+    if capture and ids_absent and not drop_conversation:
+        start = len(raw) - len(raw.lstrip())
+        rest = raw[start + 1 :]
+        empty = rest.lstrip().startswith(b"}")
+        return raw[: start + 1] + _ASK_IDS + (b"" if empty else b",") + rest
+    body = _json_decode(raw)
+    body.pop("conversation_id", None)
+    if capture:
+        body["return_token_ids"] = True
+    return _json_encode(body)
 
 
 @dataclass

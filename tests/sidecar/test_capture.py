@@ -47,6 +47,32 @@ def test_conversation_sources_in_order() -> None:
     assert _plan({"conversation_id": "  "}) is None
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"messages": [], "kv_transfer_params": {"prompt_token_ids": [1, 2]}}',
+        b'  \n {"model":"m"}',
+        b"{}",
+        b"{ }",
+        b'{"return_token_ids": false, "x": 1}',
+        b'{"return_token_ids": null}',
+        b'{"conversation_id": 7, "x": [1]}',
+    ],
+)
+def test_the_engine_gets_the_same_request_asking_for_token_ids(raw: bytes) -> None:
+    plan = _plan(raw, {"X-Conversation-Id": "c"})
+    assert plan is not None and plan.strip_token_ids
+    original = json.loads(raw)
+    original.pop("conversation_id", None)
+    assert json.loads(plan.body) == {**original, "return_token_ids": True}
+
+
+def test_a_prefill_node_only_loses_the_body_conversation_id() -> None:
+    plan = _plan({"conversation_id": "c", "x": 1}, capture=False)
+    assert plan is not None and json.loads(plan.body) == {"x": 1} and not plan.strip_token_ids
+    assert _plan({"x": 1}, {"X-Conversation-Id": "c"}, capture=False) is None  # nothing to remove
+
+
 def test_the_body_sent_on() -> None:
     plan = _plan(
         {"model": "m", "conversation_id": "c", "session_id": "s", "messages": [], "stream": True},
