@@ -240,7 +240,7 @@ class Engine:
         stats = PrefillStats(prompt_tokens=len(prompt))
         try:
             if self.pool.enable_caching:
-                hashes = self._hasher.hash_blocks(prompt)
+                hashes = self._hasher.hash_prompt(prompt)
                 hits = self.pool.find_cached_prefix(hashes[: (len(prompt) - 1) // bs])
                 self.pool.touch(hits)
                 seq.blocks, seq.hashes, seq.prompt_hashes = hits, hashes[: len(hits)], hashes

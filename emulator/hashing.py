@@ -46,7 +46,9 @@ class BlockHasher:
     of hashed again. Blocks with a token outside ``0 .. 255`` are not remembered.
     """
 
-    def __init__(self, block_size: int, root: bytes, *, memo_blocks: int = 1 << 16) -> None:
+    def __init__(
+        self, block_size: int, root: bytes, *, memo_blocks: int = 1 << 16, memo_prompts: int = 64
+    ) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.block_size = block_size
@@ -55,6 +57,9 @@ class BlockHasher:
         self._parent_heads: dict[int, bytes] = {}
         self._memo_blocks = memo_blocks
         self._recent: dict[bytes, bytes] = {}
+        # Recent prompts by their first block's tokens (newest last), with their digests.
+        self._prompts: dict[tuple[int, ...], tuple[list[int], list[bytes]]] = {}
+        self._memo_prompts = memo_prompts
         self._older: dict[bytes, bytes] = {}
 
     def _parent_head(self, parent: bytes) -> bytes:
@@ -62,6 +67,36 @@ class BlockHasher:
         if head is None:
             head = self._parent_heads[len(parent)] = b"\x83" + _cbor_head(2, len(parent))
         return head
+
+    def hash_prompt(self, tokens: list[int]) -> list[bytes]:
+        """``hash_blocks(tokens)`` for a whole prompt, starting from the longest prefix it
+        shares with a prompt hashed before that began with the same block.
+
+        A conversation's next turn repeats the previous prompt: comparing the token
+        lists (in C) and copying its digests costs ~0.2 ms at 64k tokens, looking each
+        block up in the memo 1.5 ms (on every long request, in no timing model).
+        """
+        bs = self.block_size
+        key = tuple(tokens[:bs])
+        known = self._prompts.pop(key, None)
+        hashes: list[bytes] = []
+        if known is not None:
+            before, before_hashes = known
+            lo, hi = 0, min(len(before_hashes), len(tokens) // bs)
+            if tokens[: hi * bs] == before[: hi * bs]:
+                lo = hi
+            while lo < hi:  # the most leading blocks the two agree on
+                mid = (lo + hi + 1) // 2
+                if tokens[: mid * bs] == before[: mid * bs]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            hashes = before_hashes[:lo]
+        hashes += self.hash_blocks(tokens[len(hashes) * bs :], parent=hashes[-1] if hashes else None)
+        self._prompts[key] = (tokens, hashes)
+        while len(self._prompts) > self._memo_prompts:
+            del self._prompts[next(iter(self._prompts))]
+        return hashes[:]  # the remembered list stays the caller's to keep, not to change
 
     def hash_blocks(self, tokens: Sequence[int], parent: bytes | None = None) -> list[bytes]:
         """Digests of every full block of ``tokens`` (int token ids; a partial tail has

@@ -155,3 +155,35 @@ def test_memo_answers_the_next_turn_without_hashing(monkeypatch: pytest.MonkeyPa
     second = hasher.hash_blocks(turn2)
     assert second == expected and second[: len(first)] == first
     assert calls == len(second) - len(first)  # only the new blocks were hashed
+
+
+CHANGES = ["extend", "edit", "cut", "other"]
+Change = tuple[str, int, int]
+
+
+@given(
+    st.lists(st.integers(0, 300), min_size=0, max_size=200),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["extend", "edit", "cut", "other"]), st.integers(0, 199), st.integers(0, 300)
+        ),
+        max_size=8,
+    ),
+)
+def test_hash_prompt_equals_hashing_every_block(
+    first: list[int], changes: list[tuple[str, int, int]]
+) -> None:
+    """However prompts relate to the remembered ones, the digests are vLLM's."""
+    hasher = BlockHasher(4, none_hash(), memo_prompts=2)
+    prompt = first
+    for kind, at, token in [("extend", 0, 0), *changes]:
+        if kind == "extend":
+            prompt = prompt + [token] * 9
+        elif kind == "edit" and prompt:
+            i = at % len(prompt)
+            prompt = [*prompt[:i], token, *prompt[i + 1 :]]
+        elif kind == "cut":
+            prompt = prompt[: at % (len(prompt) + 1)]
+        else:
+            prompt = [token, *prompt]
+        assert hasher.hash_prompt(list(prompt)) == block_hashes(prompt, 4)
