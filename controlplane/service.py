@@ -108,8 +108,15 @@ class NodeCache:
     async def refresh(self) -> dict[str, NodeState]:
         nodes, revisions = await self._store.load_nodes()
         now = time.monotonic()
+        before, seen = self.revisions, self.dead_since
+        # A record that changed since (a registration this replica did not see alive)
+        # starts its dead time again.
+        self.dead_since = {
+            e: seen[e] if e in seen and before.get(e) == revisions.get(e) else now
+            for e, n in nodes.items()
+            if not n.alive
+        }
         self._nodes, self.revisions = nodes, revisions
-        self.dead_since = {e: self.dead_since.get(e, now) for e, n in nodes.items() if not n.alive}
         self.loaded_at = now
         metrics.NODES_ALIVE.set(sum(1 for n in nodes.values() if n.alive))
         return nodes

@@ -227,7 +227,7 @@ class EtcdStore:
         key = self.keys.retention(tenant, conversation_id)
         value = encode(r)
         self._registered += 1
-        if self._registered % SCAN_PAGE == 0:
+        if self._registered % SCAN_PAGE == 0 and len(self._sampled) < MAX_SCAN_BOUNDS:
             self._sampled.append(key)  # a window bound for the next gauge scan
 
         async def write(lease: int) -> tuple[int, bool]:
@@ -326,7 +326,9 @@ class EtcdStore:
                         bounds.append(bytes(kv.key))
                     seen += 1
                     yield decode_summary(kv.value)
-                await asyncio.sleep(pause_s)
+                # Paced by what was read: a window that came back (nearly) empty costs
+                # one cheap request, and sampled bounds never slow the scan down.
+                await asyncio.sleep(pause_s * len(resp.kvs) / page)
                 if not (resp.more and resp.kvs):
                     break
                 start = bytes(resp.kvs[-1].key) + b"\0"
@@ -491,15 +493,13 @@ class EtcdStore:
             "collect_node",
             [
                 _mod_is(k.node(engine_id), expect_revision),
-                rpc.Compare(
-                    key=k.alive_key(engine_id),
-                    target=rpc.Compare.VERSION,
-                    result=rpc.Compare.EQUAL,
-                    version=0,
-                ),
+                _absent(k.alive_key(engine_id)),
                 _mod_is(k.generation_floor, floor_revision),
             ],
-            [_delete(k.node(engine_id)), _put(k.generation_floor, b"%d" % max(floor, generation))],
+            # The floor is only written when it rises: an unchanged one leaves fresh
+            # registrations (which compare its revision) nothing to conflict on.
+            [_delete(k.node(engine_id))]
+            + ([_put(k.generation_floor, b"%d" % generation)] if generation > floor else []),
             [],
         )
         return bool(resp.succeeded)

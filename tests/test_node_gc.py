@@ -92,3 +92,23 @@ async def test_live_and_recently_dead_nodes_are_kept(client: Client, daemon: Dae
     await cp.nodes.refresh()
     assert await cp.collect_dead_nodes() == 0  # default: a day
     assert (await cp.store.get_node("d-2"))[0] is not None
+
+
+async def test_the_floor_is_only_written_when_it_rises(client: Client, daemon: Daemon) -> None:
+    from aetcd import rpc
+
+    store = daemon.control_plane.store  # type: ignore[union-attr]
+
+    async def floor() -> tuple[int, int]:
+        resp = await store._client.kvstub.Range(rpc.RangeRequest(key=store.keys.generation_floor))
+        return (int(resp.kvs[0].value), int(resp.kvs[0].mod_revision)) if resp.kvs else (0, 0)
+
+    for engine, times in (("d-high", 3), ("d-low", 1)):
+        for _ in range(times):
+            await client.nodes.Register(node_request(engine))
+        await client.nodes.Deregister(nodes_pb2.DeregisterNodeRequest(engine_id=engine))
+    assert await store.collect_node("d-high", (await store.get_node("d-high"))[1], 3)
+    raised = await floor()
+    assert raised[0] == 3
+    assert await store.collect_node("d-low", (await store.get_node("d-low"))[1], 1)
+    assert await floor() == raised  # not rewritten: registrations have nothing to conflict on

@@ -37,3 +37,10 @@ def test_join_frames_with_the_streams_own_separator() -> None:
     sse = SseEvents()
     complete = sse.complete(b"data: 1\r\n\r\ndata: 2\r\n\r\n")
     assert sse.join(sse.split(complete)) == complete
+
+
+def test_a_long_first_event_of_a_crlf_stream_is_not_held_back() -> None:
+    sse = SseEvents()
+    first = b"data: " + b"x" * 2000 + b"\r\n\r\n"
+    assert sse.complete(first[:700]) == b""
+    assert sse.complete(first[700:] + b"data: 2\r\n\r\n") == first + b"data: 2\r\n\r\n"
