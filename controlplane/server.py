@@ -31,7 +31,7 @@ from controlplane.errors import (
     NotFound,
     StoreUnavailable,
 )
-from controlplane.policy import RELEASE
+from controlplane.policy import RELEASE, Prompt
 from controlplane.records import NodeRecord, NodeState
 from controlplane.service import ControlPlane, LeaseRegistration, LeaseView, LookupQuery, NodeRegistration
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
@@ -255,9 +255,15 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         return leases_pb2.RegisterLeaseResponse(lease=lease_message(view, summary=True), replaced=replaced)
 
     async def _lookup(
-        self, request: leases_pb2.LookupRequest, resp: leases_pb2.LookupResponse | None = None
+        self,
+        request: leases_pb2.LookupRequest,
+        resp: leases_pb2.LookupResponse | None = None,
+        later: asyncio.Future[leases_pb2.LookupPrompt] | None = None,
     ) -> leases_pb2.LookupResponse:
-        """Answer a lookup into `resp` (a new message if None)."""
+        """Answer a lookup into `resp` (a new message if None); `later` brings the prompt
+        of a lookup sent with prompt_follows."""
+        if request.prompt_follows and later is None:
+            raise InvalidArgument("prompt_follows needs Leases/Stream (the prompt comes in a later op)")
         result = await self._cp.lookup(
             LookupQuery(
                 tenant=request.tenant,
@@ -265,7 +271,8 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
                 prompt_tokens=request.prompt_tokens,
                 prompt_digests=request.prompt_digests,
                 peek=request.peek,
-            )
+            ),
+            None if later is None else _prompt_of(later),
         )
         d = result.decision
         if resp is None:
@@ -305,9 +312,11 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         wake = asyncio.Event()
         window = asyncio.Semaphore(STREAM_WINDOW)
         running: set[asyncio.Task[None]] = set()
+        # Lookups sent with prompt_follows, by op id, until their LookupPrompt op arrives.
+        awaiting: dict[int, asyncio.Future[leases_pb2.LookupPrompt]] = {}
         reading = True
 
-        async def run(op: leases_pb2.LeaseOp) -> None:
+        async def run(op: leases_pb2.LeaseOp, later: asyncio.Future[leases_pb2.LookupPrompt] | None) -> None:
             res = leases_pb2.LeaseOpResult(id=op.id)
             kind = op.WhichOneof("op")
             start = time.perf_counter()
@@ -315,7 +324,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
                 if kind == "register":
                     res.register.CopyFrom(await self._register(op.register))
                 elif kind == "lookup":
-                    await self._lookup(op.lookup, res.lookup)
+                    await self._lookup(op.lookup, res.lookup, later)
                 else:
                     raise InvalidArgument("LeaseOp has no op")
             except KvferryError as e:
@@ -326,8 +335,20 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
                 res.error.message = f"internal error in {kind}"
             finally:
                 window.release()
+                awaiting.pop(op.id, None)
                 _STREAM_LATENCY[kind == "lookup"].observe(time.perf_counter() - start)
             ready.append(res)
+            wake.set()
+
+        def prompt_arrived(op: leases_pb2.LeaseOp) -> None:
+            waiting = awaiting.pop(op.id, None)
+            if waiting is not None and not waiting.done():
+                waiting.set_result(op.prompt)
+                return
+            err = leases_pb2.LeaseOpResult(id=op.id)
+            err.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            err.error.message = f"no lookup on this stream is waiting for a prompt with id {op.id}"
+            ready.append(err)
             wake.set()
 
         async def read() -> None:
@@ -335,8 +356,15 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
             try:
                 async for batch in request_iterator:
                     for op in batch.ops:
+                        if op.WhichOneof("op") == "prompt":
+                            prompt_arrived(op)
+                            continue
+                        later = None
+                        if op.WhichOneof("op") == "lookup" and op.lookup.prompt_follows:
+                            # Registered before the next op is read: its prompt may be in the same batch.
+                            later = awaiting[op.id] = asyncio.get_running_loop().create_future()
                         await window.acquire()
-                        task = asyncio.create_task(run(op))
+                        task = asyncio.create_task(run(op, later))
                         running.add(task)
                         task.add_done_callback(running.discard)
                 while running:
@@ -393,6 +421,11 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         if retention is not None and retention.expires_at > time.time():
             apply_handout(retention.params, RELEASE, resp.release_params)
         return resp
+
+
+async def _prompt_of(later: asyncio.Future[leases_pb2.LookupPrompt]) -> Prompt:
+    p = await later
+    return Prompt(p.prompt_tokens, p.prompt_digests)
 
 
 # Operations one Leases/Stream may have in flight at once (backpressure beyond it).

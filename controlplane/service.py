@@ -10,7 +10,7 @@ import asyncio
 import base64
 import binascii
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +85,10 @@ class LeaseView:
     retention: Retention | None
     revision: int = 0
     claim: Claim | None = None
+
+
+#: How long a Lookup sent with prompt_follows waits for its prompt.
+PROMPT_WAIT_S = 10.0
 
 
 class NodeCache:
@@ -393,23 +397,48 @@ class ControlPlane:
         )
         return LeaseView(tenant, reg.conversation_id, retention, revision), replaced
 
-    async def lookup(self, q: LookupQuery) -> LookupResult:
+    async def lookup(self, q: LookupQuery, later: Awaitable[Prompt] | None = None) -> LookupResult:
+        """Claim the conversation's retention (unless `q.peek`) and decide on the prompt.
+
+        With `later`, the prompt is still being computed by the caller: the claim's
+        etcd round trip runs while it is awaited (at most PROMPT_WAIT_S; a prompt that
+        never comes is an empty one, and the claimed retention is released).
+        """
         tenant = self._tenant(q.tenant)
         _check_id("conversation_id", q.conversation_id, self._limits.max_id_bytes)
-        if not 0 <= q.prompt_tokens <= self._limits.max_tokens:
-            raise InvalidArgument(f"prompt_tokens {q.prompt_tokens} must be in 0..{self._limits.max_tokens}")
-        problem = digest_problem("prompt_digests", q.prompt_digests)
-        if problem:
-            raise InvalidArgument(problem)
+        if later is not None and q.peek:
+            raise InvalidArgument("prompt_follows is for claiming lookups, not peek")
+        if later is None:
+            self._check_prompt(q.prompt_tokens, q.prompt_digests)
         now = self._clock()
+        prompt = Prompt(q.prompt_tokens, q.prompt_digests)
         try:
             if q.peek:
                 stored, claim = await self.store.read(tenant, q.conversation_id)
                 retention = stored.retention if stored else None
             else:
-                outcome = await self.store.claim(tenant, q.conversation_id, now)
+                claiming = asyncio.ensure_future(self.store.claim(tenant, q.conversation_id, now))
+                prompt_error: InvalidArgument | None = None
+                if later is not None:
+                    try:
+                        prompt = await self._late_prompt(later, q.conversation_id)
+                    except InvalidArgument as e:
+                        prompt_error, prompt = e, Prompt(0, b"")
+                    except BaseException:  # the caller went away: no one to answer
+                        claiming.cancel()
+                        raise
+                outcome = await claiming
                 retention, claim = outcome.taken, outcome.earlier
-            decision = await self._decide(retention, claim, Prompt(q.prompt_tokens, q.prompt_digests), now)
+                if prompt_error is not None:
+                    log.warning(
+                        "lookup.prompt_invalid_after_claim",
+                        conversation_id=q.conversation_id,
+                        claimed=retention is not None,
+                        error=str(prompt_error),
+                    )
+                    raise prompt_error
+                now = self._clock() if later is not None else now  # decide on the time it is now
+            decision = await self._decide(retention, claim, prompt, now)
         except StoreUnavailable as e:
             log.warning("lookup.store_unavailable", error=str(e))
             decision = Decision(False, Reason.STORE_UNAVAILABLE, str(e))
@@ -427,6 +456,23 @@ class ControlPlane:
             claimed=claimed,
         )
         return LookupResult(decision, claimed, retention.params if retention else b"")
+
+    def _check_prompt(self, tokens: int, digests: bytes) -> None:
+        if not 0 <= tokens <= self._limits.max_tokens:
+            raise InvalidArgument(f"prompt_tokens {tokens} must be in 0..{self._limits.max_tokens}")
+        problem = digest_problem("prompt_digests", digests)
+        if problem:
+            raise InvalidArgument(problem)
+
+    async def _late_prompt(self, later: Awaitable[Prompt], conversation_id: str) -> Prompt:
+        try:
+            async with asyncio.timeout(PROMPT_WAIT_S):
+                prompt = await later
+        except TimeoutError:
+            log.info("lookup.prompt_missing", conversation_id=conversation_id, waited_s=PROMPT_WAIT_S)
+            return Prompt(0, b"")
+        self._check_prompt(prompt.tokens, prompt.digests)
+        return prompt
 
     async def _decide(
         self, retention: Retention | None, claim: Claim | None, prompt: Prompt, now: float

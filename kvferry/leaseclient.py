@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -55,15 +56,55 @@ class LeaseStream:
         res = await self._op(leases_pb2.LeaseOp(lookup=req), deadline_s)
         return res.lookup
 
-    async def _op(self, op: leases_pb2.LeaseOp, deadline_s: float) -> leases_pb2.LeaseOpResult:
+    async def lookup_with_prompt(
+        self,
+        req: leases_pb2.LookupRequest,
+        prompt: Awaitable[leases_pb2.LookupPrompt | None],
+        deadline_s: float,
+    ) -> leases_pb2.LookupResponse:
+        """A Lookup sent before its prompt is known: the daemon claims the retention while
+        `prompt` is awaited, then decides on it. `deadline_s` counts from when the prompt
+        is ready (the work before it has deadlines of its own). When `prompt` gives None
+        (or raises, which is raised after the answer came) an empty prompt goes instead:
+        the daemon answers RECOMPUTE, with release_params for what it claimed."""
+        req.prompt_follows = True
+        op = leases_pb2.LeaseOp(lookup=req)
+        failure: BaseException | None = None
+
+        async def then_prompt(op_id: int) -> None:
+            nonlocal failure
+            try:
+                later = await prompt
+            except Exception as e:  # the daemon still needs an answer to end the op
+                failure, later = e, None
+            self._outbox.append(leases_pb2.LeaseOp(id=op_id, prompt=later or leases_pb2.LookupPrompt()))
+            self._wake.set()
+
+        res = await self._op(op, deadline_s, then_prompt)
+        if failure is not None:
+            raise failure
+        return res.lookup
+
+    async def _op(
+        self,
+        op: leases_pb2.LeaseOp,
+        deadline_s: float,
+        before_deadline: Callable[[int], Awaitable[None]] | None = None,
+    ) -> leases_pb2.LeaseOpResult:
         op.id = next(self._ids)
         fut: asyncio.Future[leases_pb2.LeaseOpResult] = asyncio.get_running_loop().create_future()
         self._pending[op.id] = fut
         try:
-            async with asyncio.timeout(deadline_s):
+            if before_deadline is not None:
                 await self._open()
                 self._outbox.append(op)
                 self._wake.set()
+                await before_deadline(op.id)
+            async with asyncio.timeout(deadline_s):
+                if before_deadline is None:
+                    await self._open()
+                    self._outbox.append(op)
+                    self._wake.set()
                 res = await fut
         except TimeoutError:
             raise LeaseOpError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {deadline_s}s") from None

@@ -198,6 +198,7 @@ class LookupRequest(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     PROMPT_DIGESTS_FIELD_NUMBER: _builtins.int
     PEEK_FIELD_NUMBER: _builtins.int
+    PROMPT_FOLLOWS_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     conversation_id: _builtins.str
     prompt_tokens: _builtins.int
@@ -208,6 +209,13 @@ class LookupRequest(_message.Message):
     """
     peek: _builtins.bool
     """Report the decision without claiming the lease."""
+    prompt_follows: _builtins.bool
+    """Leases/Stream only: claim now, decide when the prompt arrives. The caller
+    is still computing it (tokenizing, digesting); prompt_tokens and
+    prompt_digests come in a LookupPrompt op with this op's id, and the claim's
+    etcd round trip overlaps that work. The retention is claimed whatever the
+    prompt turns out to be (as for any Lookup that finds one).
+    """
     def __init__(
         self,
         *,
@@ -216,14 +224,39 @@ class LookupRequest(_message.Message):
         prompt_tokens: _builtins.int = ...,
         prompt_digests: _builtins.bytes = ...,
         peek: _builtins.bool = ...,
+        prompt_follows: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "peek", b"peek", "prompt_digests", b"prompt_digests", "prompt_tokens", b"prompt_tokens", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "peek", b"peek", "prompt_digests", b"prompt_digests", "prompt_follows", b"prompt_follows", "prompt_tokens", b"prompt_tokens", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LookupRequest: _TypeAlias = LookupRequest  # noqa: Y015
+
+@_typing.final
+class LookupPrompt(_message.Message):
+    """The prompt of a Lookup sent with prompt_follows (same op id)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    PROMPT_DIGESTS_FIELD_NUMBER: _builtins.int
+    prompt_tokens: _builtins.int
+    prompt_digests: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        prompt_tokens: _builtins.int = ...,
+        prompt_digests: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_digests", b"prompt_digests", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LookupPrompt: _TypeAlias = LookupPrompt  # noqa: Y015
 
 @_typing.final
 class LookupResponse(_message.Message):
@@ -424,23 +457,29 @@ class LeaseOp(_message.Message):
     ID_FIELD_NUMBER: _builtins.int
     REGISTER_FIELD_NUMBER: _builtins.int
     LOOKUP_FIELD_NUMBER: _builtins.int
+    PROMPT_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     @_builtins.property
     def register(self) -> Global___RegisterLeaseRequest: ...
     @_builtins.property
     def lookup(self) -> Global___LookupRequest: ...
+    @_builtins.property
+    def prompt(self) -> Global___LookupPrompt:
+        """Completes the Lookup with the same id; has no result of its own."""
+
     def __init__(
         self,
         *,
         id: _builtins.int = ...,
         register: Global___RegisterLeaseRequest | None = ...,
         lookup: Global___LookupRequest | None = ...,
+        prompt: Global___LookupPrompt | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lookup", b"lookup", "op", b"op", "register", b"register"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lookup", b"lookup", "op", b"op", "prompt", b"prompt", "register", b"register"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "lookup", b"lookup", "op", b"op", "register", b"register"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "lookup", b"lookup", "op", b"op", "prompt", b"prompt", "register", b"register"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["register", "lookup"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["register", "lookup", "prompt"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 

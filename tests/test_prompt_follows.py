@@ -1,0 +1,107 @@
+"""Lookups sent before their prompt is known (prompt_follows): the daemon claims while the
+caller tokenizes and digests, and decides when the prompt arrives."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from kvferry.leaseclient import LeaseOpError, LeaseStream
+from kvferry.v1 import leases_pb2
+from tests.conftest import Client
+from tests.factories import lease_request, lookup_request, node_request, tokens
+
+
+def prompt_of(req: leases_pb2.LookupRequest) -> leases_pb2.LookupPrompt:
+    return leases_pb2.LookupPrompt(prompt_tokens=req.prompt_tokens, prompt_digests=req.prompt_digests)
+
+
+async def test_the_claim_is_made_before_the_prompt_arrives(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("c", seq=tokens(1000)))
+    stream = LeaseStream(client.channel)
+    ready = asyncio.Event()
+    full = lookup_request("c", seq=tokens(1200))
+
+    async def prompt() -> leases_pb2.LookupPrompt:
+        await ready.wait()  # the caller is still tokenizing
+        return prompt_of(full)
+
+    answer = asyncio.create_task(
+        stream.lookup_with_prompt(leases_pb2.LookupRequest(conversation_id="c"), prompt(), 5)
+    )
+    try:
+        for _ in range(100):  # the retention is taken while the prompt is awaited
+            peek = await client.leases.Lookup(lookup_request("c", peek=True))
+            if peek.reason == "already_claimed":
+                break
+            await asyncio.sleep(0.02)
+        assert peek.reason == "already_claimed"
+        ready.set()
+        res = await answer
+        assert res.decision == leases_pb2.PULL and res.reusable_tokens == 992  # whole blocks
+        assert res.kv_transfer_params["remote_num_tokens"] == 992
+    finally:
+        await stream.close()
+
+
+async def test_a_prompt_that_could_not_be_made_releases_the_blocks(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("c"))
+    stream = LeaseStream(client.channel)
+
+    async def no_prompt() -> None:
+        return None  # e.g. tokenize failed
+
+    try:
+        res = await stream.lookup_with_prompt(leases_pb2.LookupRequest(conversation_id="c"), no_prompt(), 5)
+    finally:
+        await stream.close()
+    assert res.decision == leases_pb2.RECOMPUTE and res.claimed
+    assert res.release_params["remote_num_tokens"] == 0
+
+
+async def test_bad_uses_get_clear_errors(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    with pytest.raises(grpc.aio.AioRpcError) as unary:
+        await client.leases.Lookup(leases_pb2.LookupRequest(conversation_id="c", prompt_follows=True))
+    assert unary.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Leases/Stream" in (unary.value.details() or "")
+
+    call = client.leases.Stream()
+    orphan = leases_pb2.LeaseOp(id=7, prompt=leases_pb2.LookupPrompt(prompt_tokens=10))
+    await call.write(leases_pb2.LeaseOpBatch(ops=[orphan]))
+    await call.done_writing()
+    (res,) = [r async for batch in call for r in batch.results]
+    assert res.id == 7 and res.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "no lookup on this stream is waiting" in res.error.message
+
+    await client.leases.Register(lease_request("c"))
+    stream = LeaseStream(client.channel)
+
+    async def bad_digests() -> leases_pb2.LookupPrompt:
+        return leases_pb2.LookupPrompt(prompt_tokens=100, prompt_digests=b"\x01" * 17)
+
+    try:
+        with pytest.raises(LeaseOpError) as e:
+            await stream.lookup_with_prompt(leases_pb2.LookupRequest(conversation_id="c"), bad_digests(), 5)
+    finally:
+        await stream.close()
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "prompt_digests" in e.value.message
+
+
+async def test_prompt_in_the_same_message_as_its_lookup(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("c"))
+    req = lookup_request("c")
+    call = client.leases.Stream()
+    both = [
+        leases_pb2.LeaseOp(id=1, lookup=leases_pb2.LookupRequest(conversation_id="c", prompt_follows=True)),
+        leases_pb2.LeaseOp(id=1, prompt=prompt_of(req)),
+    ]
+    await call.write(leases_pb2.LeaseOpBatch(ops=both))
+    await call.done_writing()
+    (res,) = [r async for batch in call for r in batch.results]
+    assert res.id == 1 and res.lookup.decision == leases_pb2.PULL
