@@ -287,7 +287,8 @@ class Sample:
     reused: int
     answer: str
     router_ms: float = 0.0
-    """The router's own reuse work for this turn: tokenize + digests + lookup."""
+    """The router's own reuse work on this turn's critical path: tokenize, then the wait for
+    the lookup's answer once the prompt is known (digests + the rest of the round trip)."""
 
 
 def _stage_sums(router: Router) -> float:
@@ -396,7 +397,8 @@ async def speedup(lengths: Sequence[int], repeats: int) -> None:
         )
     print(
         "   model = the timing model's cost of the tokens the engines computed and the blocks they moved;\n"
-        "   router = tokenize + digests + lookup, the work kvferry adds to verify and claim a reuse;\n"
+        "   router = tokenize + digests + the lookup's remaining wait (its claim overlaps tokenizing),\n"
+        "   the work kvferry adds to verify and claim a reuse;\n"
         "   stand-in = the multi-turn proxy's reuse (D's last params, unverified) on the same engines."
     )
 

@@ -10,8 +10,9 @@ failures, so a dead daemon costs a turn nothing instead of a deadline.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 import structlog
@@ -94,18 +95,41 @@ class ControlPlane:
 
     async def lookup(self, tenant: str, conversation_id: str, prompt_tokens: int, digests: bytes) -> Reuse:
         """Claim the conversation's retention for a prompt; any failure = serve without reuse."""
-        now = time.monotonic()
-        if not self.breaker.allows(now):
-            return skipped(Skip.BACKOFF)
-        replica = self._replica
         req = leases_pb2.LookupRequest(
             tenant=tenant,
             conversation_id=conversation_id,
             prompt_tokens=prompt_tokens,
             prompt_digests=digests,
         )
+        return await self._claim(req, lambda leases: leases.lookup(req, self._s.lookup_deadline_s))
+
+    async def lookup_early(
+        self, tenant: str, conversation_id: str, prompt: asyncio.Future[tuple[int, bytes] | None]
+    ) -> Reuse:
+        """`lookup`, started before the prompt is known: the daemon claims while `prompt`
+        (token count and digests; None = none could be made) is still being computed, so
+        the claim's round trip overlaps tokenizing. The deadline counts from the prompt."""
+        req = leases_pb2.LookupRequest(tenant=tenant, conversation_id=conversation_id)
+
+        async def message() -> leases_pb2.LookupPrompt | None:
+            p = await prompt
+            return None if p is None else leases_pb2.LookupPrompt(prompt_tokens=p[0], prompt_digests=p[1])
+
+        return await self._claim(
+            req, lambda leases: leases.lookup_with_prompt(req, message(), self._s.lookup_deadline_s)
+        )
+
+    async def _claim(
+        self,
+        req: leases_pb2.LookupRequest,
+        call: Callable[[LeaseStream], Awaitable[leases_pb2.LookupResponse]],
+    ) -> Reuse:
+        now = time.monotonic()
+        if not self.breaker.allows(now):
+            return skipped(Skip.BACKOFF)
+        replica = self._replica
         try:
-            res = await replica.leases.lookup(req, self._s.lookup_deadline_s)
+            res = await call(replica.leases)
         except LeaseOpError as e:
             late = e.code is grpc.StatusCode.DEADLINE_EXCEEDED
             unreachable = e.code in _UNREACHABLE
@@ -118,7 +142,7 @@ class ControlPlane:
                 address=replica.address,
                 code=e.code.name,
                 error=e.message,
-                conversation_id=conversation_id,
+                conversation_id=req.conversation_id,
             )
             return skipped(Skip.LATE if late else Skip.UNAVAILABLE if unreachable else Skip.ERROR)
         except Exception as e:  # a client-library surprise must not cost the turn

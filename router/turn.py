@@ -23,7 +23,7 @@ import itertools
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -55,6 +55,10 @@ from router.settings import Settings
 from router.upstream import Engines, Reply, UpstreamError, encode, tokenize_request, tokens_of
 
 log = structlog.get_logger(__name__)
+
+Made = tuple[list[int], tuple[int, bytes]]
+"""A prompt's token ids, and its token count and digests for the lookup."""
+
 
 #: The header the D sidecar reads the tenant from (its --tenant-header default).
 SIDECAR_TENANT_HEADER = "X-Kvferry-Tenant"
@@ -140,35 +144,58 @@ class Turn:
         return await self._decode(decode, params)
 
     async def _prepare(self, prefill: Node, scoring: bool, tiebreak: int) -> Node:
-        """Tokenize, then look up (and score); -> the prefill node to use."""
+        """Tokenize and look up (and score); -> the prefill node to use.
+
+        The lookup leaves first: the daemon claims the conversation's retention while
+        P tokenizes and the router digests, and decides once the prompt follows.
+        """
         conversation = self.identity.conversation_id
         reuse_on = self.s.settings.reuse.enabled
         if conversation and not reuse_on:
             self.reuse = skipped(Skip.REUSE_OFF)
         elif conversation and self.s.control is None:
             self.reuse = skipped(Skip.NO_DAEMON)
-        if self.reuse is None or scoring:
-            self.tokens = await self._tokenize(prefill)
-        if self.tokens is None:
-            if conversation and self.reuse is None:
-                self.reuse = skipped(Skip.NO_TOKENS)
-        else:
-            lookup = self._lookup(prefill) if conversation and self.reuse is None else None
-            score = self._score(prefill) if scoring else None
-            t0 = time.perf_counter()
-            reuse, cached = await asyncio.gather(_maybe(lookup), _maybe(score))
-            if lookup is not None:
-                self.s.metrics.stage.labels("lookup").observe(time.perf_counter() - t0)
-            if reuse is not None:
-                self.reuse = reuse
-            if cached:
-                prefill = (
-                    choose_prefill(self.s.directory.nodes, self.s.load.view, cached, tiebreak=tiebreak)
-                    or prefill
+        lookup: asyncio.Task[Reuse] | None = None
+        if conversation and self.reuse is None:
+            assert self.s.control is not None
+            prompt = asyncio.ensure_future(self._prompt(prefill))
+            lookup = asyncio.ensure_future(
+                self.s.control.lookup_early(
+                    self.identity.tenant, conversation, asyncio.ensure_future(_second(prompt))
                 )
+            )
+            made = await prompt
+            self.tokens = made[0] if made is not None else None
+        elif scoring:
+            self.tokens = await self._tokenize(prefill)
+        t0 = time.perf_counter()
+        score = self._score(prefill) if scoring and self.tokens is not None else None
+        reuse, cached = await asyncio.gather(_maybe(lookup), _maybe(score))
+        if lookup is not None:
+            self.s.metrics.stage.labels("lookup").observe(time.perf_counter() - t0)
+            self.reuse = reuse if self.tokens is not None else replace(reuse, reason=Skip.NO_TOKENS.value)
+        if cached:
+            prefill = (
+                choose_prefill(self.s.directory.nodes, self.s.load.view, cached, tiebreak=tiebreak) or prefill
+            )
         if self.reuse is not None:
             self.s.metrics.lookup(self.reuse)
         return prefill
+
+    async def _prompt(self, prefill: Node) -> Made | None:
+        """The prompt's token ids (P's /tokenize) and, for the lookup, their count and
+        digests (None: P could not tokenize it)."""
+        tokens = await self._tokenize(prefill)
+        if tokens is None:
+            return None
+        requested = self.body.get("model")
+        chain = seed_for(prefill.model, requested if isinstance(requested, str) else "")
+        try:
+            digests = block_digests(tokens, prefill.block_size, chain)
+        except ValueError as e:  # ids no engine would send: serve without reuse
+            self.log.warning("router.digests.failed", node=prefill.engine_id, error=str(e))
+            return None
+        return tokens, (len(tokens), digests)
 
     async def _tokenize(self, node: Node) -> list[int] | None:
         req = tokenize_request(self.path, self.body)
@@ -192,14 +219,6 @@ class Turn:
             self.s.metrics.upstream_error("tokenize", Failure(FailureKind.STATUS, reply.status))
             self.log.info("router.tokenize.refused", node=node.engine_id, status=reply.status)
         return tokens
-
-    async def _lookup(self, prefill: Node) -> Reuse:
-        assert self.s.control is not None and self.tokens is not None
-        requested = self.body.get("model")
-        chain = seed_for(prefill.model, requested if isinstance(requested, str) else "")
-        digests = block_digests(self.tokens, prefill.block_size, chain)
-        ident = self.identity
-        return await self.s.control.lookup(ident.tenant, ident.conversation_id, len(self.tokens), digests)
 
     async def _score(self, prefill: Node) -> dict[str, int]:
         assert self.s.control is not None and self.tokens is not None
@@ -384,6 +403,13 @@ class Turn:
             reason=self.reuse.reason if self.reuse else None,
             seconds=round(elapsed, 4),
         )
+
+
+async def _second(
+    made: asyncio.Future[tuple[list[int], tuple[int, bytes]] | None],
+) -> tuple[int, bytes] | None:
+    p = await made
+    return None if p is None else p[1]
 
 
 async def _maybe(aw: Any) -> Any:
