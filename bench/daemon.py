@@ -17,6 +17,7 @@ import functools
 import itertools
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -411,6 +412,7 @@ async def bench(args: argparse.Namespace) -> None:
     finally:
         await d.stop()
         await etcd.stop()
+        shutil.rmtree(tmp, ignore_errors=True)  # ~1.7 GiB of etcd data
     width = max(len(r[0]) for r in rows)
     print(
         f"\nkvferry daemon benchmark — {os.cpu_count()} cores, "

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import shutil
 import signal
 import socket
 import sys
@@ -310,6 +311,7 @@ async def bench(args: argparse.Namespace) -> None:
                 proc.send_signal(signal.SIGTERM)
                 await proc.wait()
         await publisher.close()
+        shutil.rmtree(tmp, ignore_errors=True)
 
     width = max(len(r[0]) for r in rows)
     print(f"\n{'figure':<{width}}  {'value (TTFB: p50 / p90 / p99)':<34}  notes")
