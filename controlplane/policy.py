@@ -45,6 +45,8 @@ class Reason(enum.StrEnum):
     PREFIX_MISMATCH = "prefix_mismatch"
     ALREADY_CLAIMED = "already_claimed"
     STORE_UNAVAILABLE = "store_unavailable"
+    # A Lookup sent with prompt_follows whose prompt never came, or was invalid.
+    NO_PROMPT = "no_prompt"
 
 
 @dataclass(frozen=True)

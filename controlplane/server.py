@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import grpc
@@ -314,7 +314,13 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         running: set[asyncio.Task[None]] = set()
         # Lookups sent with prompt_follows, by op id, until their LookupPrompt op arrives.
         awaiting: dict[int, asyncio.Future[leases_pb2.LookupPrompt]] = {}
+        prompt_at: dict[int, float] = {}
         reading = True
+
+        def start_task(coro: Coroutine[Any, Any, None]) -> None:
+            task = asyncio.create_task(coro)
+            running.add(task)
+            task.add_done_callback(running.discard)
 
         async def run(op: leases_pb2.LeaseOp, later: asyncio.Future[leases_pb2.LookupPrompt] | None) -> None:
             res = leases_pb2.LeaseOpResult(id=op.id)
@@ -334,39 +340,52 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
                 res.error.code = grpc.StatusCode.INTERNAL.value[0]
                 res.error.message = f"internal error in {kind}"
             finally:
-                window.release()
-                awaiting.pop(op.id, None)
+                if later is None:
+                    window.release()
+                else:  # timed from its prompt: the wait before it is the caller's work
+                    awaiting.pop(op.id, None)
+                    start = prompt_at.pop(op.id, start)
                 _STREAM_LATENCY[kind == "lookup"].observe(time.perf_counter() - start)
             ready.append(res)
             wake.set()
 
-        def prompt_arrived(op: leases_pb2.LeaseOp) -> None:
-            waiting = awaiting.pop(op.id, None)
-            if waiting is not None and not waiting.done():
-                waiting.set_result(op.prompt)
-                return
-            err = leases_pb2.LeaseOpResult(id=op.id)
-            err.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
-            err.error.message = f"no lookup on this stream is waiting for a prompt with id {op.id}"
+        def refuse(op_id: int, code: grpc.StatusCode, message: str) -> None:
+            err = leases_pb2.LeaseOpResult(id=op_id)
+            err.error.code, err.error.message = code.value[0], message
             ready.append(err)
             wake.set()
+
+        def prompt_arrived(op: leases_pb2.LeaseOp) -> None:
+            waiting = awaiting.get(op.id)
+            if waiting is None or waiting.done():
+                refuse(op.id, _INVALID, f"no lookup on this stream is waiting for a prompt with id {op.id}")
+                return
+            prompt_at[op.id] = time.perf_counter()
+            waiting.set_result(op.prompt)
 
         async def read() -> None:
             nonlocal reading
             try:
                 async for batch in request_iterator:
                     for op in batch.ops:
-                        if op.WhichOneof("op") == "prompt":
+                        kind = op.WhichOneof("op")
+                        if kind == "prompt":
                             prompt_arrived(op)
-                            continue
-                        later = None
-                        if op.WhichOneof("op") == "lookup" and op.lookup.prompt_follows:
+                        elif kind == "lookup" and op.lookup.prompt_follows:
+                            # Not counted in the window: the reader must never wait for a slot
+                            # that only a later prompt on this same stream could free.
+                            if op.id in awaiting:
+                                refuse(op.id, _INVALID, f"lookup {op.id} is already waiting for its prompt")
+                                continue
+                            if len(awaiting) >= STREAM_WINDOW:
+                                refuse(op.id, _EXHAUSTED, f"{STREAM_WINDOW} lookups already wait for prompts")
+                                continue
                             # Registered before the next op is read: its prompt may be in the same batch.
                             later = awaiting[op.id] = asyncio.get_running_loop().create_future()
-                        await window.acquire()
-                        task = asyncio.create_task(run(op, later))
-                        running.add(task)
-                        task.add_done_callback(running.discard)
+                            start_task(run(op, later))
+                        else:
+                            await window.acquire()
+                            start_task(run(op, None))
                 while running:
                     await asyncio.wait(set(running))
             finally:
@@ -427,6 +446,8 @@ async def _prompt_of(later: asyncio.Future[leases_pb2.LookupPrompt]) -> Prompt:
     p = await later
     return Prompt(p.prompt_tokens, p.prompt_digests)
 
+
+_INVALID, _EXHAUSTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
 
 # Operations one Leases/Stream may have in flight at once (backpressure beyond it).
 STREAM_WINDOW = 1024

@@ -11,7 +11,7 @@ import base64
 import binascii
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
@@ -412,33 +412,27 @@ class ControlPlane:
             self._check_prompt(q.prompt_tokens, q.prompt_digests)
         now = self._clock()
         prompt = Prompt(q.prompt_tokens, q.prompt_digests)
+        missing = ""  # why a prompt_follows lookup has no usable prompt
         try:
             if q.peek:
                 stored, claim = await self.store.read(tenant, q.conversation_id)
                 retention = stored.retention if stored else None
             else:
                 claiming = asyncio.ensure_future(self.store.claim(tenant, q.conversation_id, now))
-                prompt_error: InvalidArgument | None = None
                 if later is not None:
                     try:
-                        prompt = await self._late_prompt(later, q.conversation_id)
-                    except InvalidArgument as e:
-                        prompt_error, prompt = e, Prompt(0, b"")
+                        prompt, missing = await self._late_prompt(later, q.conversation_id)
                     except BaseException:  # the caller went away: no one to answer
                         claiming.cancel()
                         raise
                 outcome = await claiming
                 retention, claim = outcome.taken, outcome.earlier
-                if prompt_error is not None:
-                    log.warning(
-                        "lookup.prompt_invalid_after_claim",
-                        conversation_id=q.conversation_id,
-                        claimed=retention is not None,
-                        error=str(prompt_error),
-                    )
-                    raise prompt_error
-                now = self._clock() if later is not None else now  # decide on the time it is now
+                if later is not None:
+                    now = self._clock()  # decide on the time it is now
             decision = await self._decide(retention, claim, prompt, now)
+            if missing and retention is not None:
+                # Nothing to verify a pull against: RECOMPUTE, releasing what was claimed.
+                decision = replace(decision, reason=Reason.NO_PROMPT, detail=missing)
         except StoreUnavailable as e:
             log.warning("lookup.store_unavailable", error=str(e))
             decision = Decision(False, Reason.STORE_UNAVAILABLE, str(e))
@@ -464,15 +458,24 @@ class ControlPlane:
         if problem:
             raise InvalidArgument(problem)
 
-    async def _late_prompt(self, later: Awaitable[Prompt], conversation_id: str) -> Prompt:
+    async def _late_prompt(self, later: Awaitable[Prompt], conversation_id: str) -> tuple[Prompt, str]:
+        """The prompt of a prompt_follows lookup -> (prompt, "") or (an empty prompt, why
+        there is no usable one). The retention is claimed either way; an empty prompt
+        never pulls, and the answer releases D's blocks."""
         try:
             async with asyncio.timeout(PROMPT_WAIT_S):
                 prompt = await later
         except TimeoutError:
             log.info("lookup.prompt_missing", conversation_id=conversation_id, waited_s=PROMPT_WAIT_S)
-            return Prompt(0, b"")
-        self._check_prompt(prompt.tokens, prompt.digests)
-        return prompt
+            return Prompt(0, b""), f"no prompt within {PROMPT_WAIT_S:g}s"
+        try:
+            self._check_prompt(prompt.tokens, prompt.digests)
+        except InvalidArgument as e:
+            log.warning("lookup.prompt_invalid", conversation_id=conversation_id, error=str(e))
+            return Prompt(0, b""), f"invalid prompt: {e}"
+        if not prompt.tokens:
+            return prompt, "the caller could not make the prompt"
+        return prompt, ""
 
     async def _decide(
         self, retention: Retention | None, claim: Claim | None, prompt: Prompt, now: float

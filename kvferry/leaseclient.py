@@ -64,25 +64,25 @@ class LeaseStream:
     ) -> leases_pb2.LookupResponse:
         """A Lookup sent before its prompt is known: the daemon claims the retention while
         `prompt` is awaited, then decides on it. `deadline_s` counts from when the prompt
-        is ready (the work before it has deadlines of its own). When `prompt` gives None
-        (or raises, which is raised after the answer came) an empty prompt goes instead:
-        the daemon answers RECOMPUTE, with release_params for what it claimed."""
+        is ready (the work before it has deadlines of its own).
+
+        When `prompt` gives None, fails or is cancelled, an empty prompt still goes (the
+        daemon answers RECOMPUTE / no_prompt with release_params for what it claimed, so
+        nothing waits on the daemon's side); `prompt`'s own failure is its owner's to see.
+        """
         req.prompt_follows = True
-        op = leases_pb2.LeaseOp(lookup=req)
-        failure: BaseException | None = None
 
         async def then_prompt(op_id: int) -> None:
-            nonlocal failure
+            later: leases_pb2.LookupPrompt | None = None
             try:
                 later = await prompt
-            except Exception as e:  # the daemon still needs an answer to end the op
-                failure, later = e, None
-            self._outbox.append(leases_pb2.LeaseOp(id=op_id, prompt=later or leases_pb2.LookupPrompt()))
-            self._wake.set()
+            except Exception:
+                pass  # the awaitable's owner sees it fail; the daemon gets an empty prompt
+            finally:  # also when cancelled: end the daemon's wait at once
+                self._outbox.append(leases_pb2.LeaseOp(id=op_id, prompt=later or leases_pb2.LookupPrompt()))
+                self._wake.set()
 
-        res = await self._op(op, deadline_s, then_prompt)
-        if failure is not None:
-            raise failure
+        res = await self._op(leases_pb2.LeaseOp(lookup=req), deadline_s, then_prompt)
         return res.lookup
 
     async def _op(

@@ -23,7 +23,7 @@ import itertools
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -173,7 +173,10 @@ class Turn:
         reuse, cached = await asyncio.gather(_maybe(lookup), _maybe(score))
         if lookup is not None:
             self.s.metrics.stage.labels("lookup").observe(time.perf_counter() - t0)
-            self.reuse = reuse if self.tokens is not None else replace(reuse, reason=Skip.NO_TOKENS.value)
+            self.reuse = reuse
+            if self.tokens is None and reuse.decision == "RECOMPUTE":
+                # The daemon claimed before tokenizing failed: its release params still go to P.
+                self.reuse = Reuse("SKIPPED", Skip.NO_TOKENS.value, reuse.remote)
         if cached:
             prefill = (
                 choose_prefill(self.s.directory.nodes, self.s.load.view, cached, tiebreak=tiebreak) or prefill

@@ -8,10 +8,14 @@ import asyncio
 import grpc
 import pytest
 
-from kvferry.leaseclient import LeaseOpError, LeaseStream
+from kvferry.leaseclient import LeaseStream
 from kvferry.v1 import leases_pb2
 from tests.conftest import Client
 from tests.factories import lease_request, lookup_request, node_request, tokens
+
+
+def early(conversation_id: str) -> leases_pb2.LookupRequest:
+    return leases_pb2.LookupRequest(conversation_id=conversation_id, prompt_follows=True)
 
 
 def prompt_of(req: leases_pb2.LookupRequest) -> leases_pb2.LookupPrompt:
@@ -59,7 +63,7 @@ async def test_a_prompt_that_could_not_be_made_releases_the_blocks(client: Clien
         res = await stream.lookup_with_prompt(leases_pb2.LookupRequest(conversation_id="c"), no_prompt(), 5)
     finally:
         await stream.close()
-    assert res.decision == leases_pb2.RECOMPUTE and res.claimed
+    assert res.decision == leases_pb2.RECOMPUTE and res.claimed and res.reason == "no_prompt"
     assert res.release_params["remote_num_tokens"] == 0
 
 
@@ -84,12 +88,72 @@ async def test_bad_uses_get_clear_errors(client: Client) -> None:
     async def bad_digests() -> leases_pb2.LookupPrompt:
         return leases_pb2.LookupPrompt(prompt_tokens=100, prompt_digests=b"\x01" * 17)
 
-    try:
-        with pytest.raises(LeaseOpError) as e:
-            await stream.lookup_with_prompt(leases_pb2.LookupRequest(conversation_id="c"), bad_digests(), 5)
+    try:  # claimed already: the answer releases D's blocks and says why
+        res = await stream.lookup_with_prompt(leases_pb2.LookupRequest(conversation_id="c"), bad_digests(), 5)
     finally:
         await stream.close()
-    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "prompt_digests" in e.value.message
+    assert res.decision == leases_pb2.RECOMPUTE and res.reason == "no_prompt" and res.claimed
+    assert "prompt_digests" in res.detail and res.release_params["remote_num_tokens"] == 0
+
+
+async def test_waiting_lookups_never_block_the_stream(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from controlplane import server
+
+    monkeypatch.setattr(server, "STREAM_WINDOW", 4)
+    await client.nodes.Register(node_request("d-1"))
+    call = client.leases.Stream()
+    early = [
+        leases_pb2.LeaseOp(
+            id=i, lookup=leases_pb2.LookupRequest(conversation_id=f"w{i}", prompt_follows=True)
+        )
+        for i in range(6)
+    ]
+    again = leases_pb2.LeaseOp(
+        id=0, lookup=leases_pb2.LookupRequest(conversation_id="w0", prompt_follows=True)
+    )
+    plain = [leases_pb2.LeaseOp(id=100 + i, lookup=lookup_request(f"p{i}")) for i in range(6)]
+    await call.write(leases_pb2.LeaseOpBatch(ops=[*early, again, *plain]))
+    prompts = [leases_pb2.LeaseOp(id=i, prompt=leases_pb2.LookupPrompt(prompt_tokens=500)) for i in range(4)]
+    await call.write(leases_pb2.LeaseOpBatch(ops=prompts))
+    await call.done_writing()
+    results = [r async for batch in call for r in batch.results]
+    by_id: dict[int, list[leases_pb2.LeaseOpResult]] = {}
+    for r in results:
+        by_id.setdefault(r.id, []).append(r)
+    full = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert [r.error.code for r in by_id[4] + by_id[5]] == [full, full]  # beyond the window: refused
+    assert any(r.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] for r in by_id[0])  # id in use
+    assert all(by_id[i][-1].lookup.reason == "no_lease" for i in range(1, 4))  # their prompts came
+    assert all(by_id[100 + i][0].lookup.reason == "no_lease" for i in range(6))  # never held up
+
+
+async def test_a_cancelled_caller_still_ends_the_daemons_wait(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("c"))
+    stream = LeaseStream(client.channel)
+    never = asyncio.Event()
+
+    async def forever() -> leases_pb2.LookupPrompt:
+        await never.wait()
+        raise AssertionError("unreachable")
+
+    try:
+        task = asyncio.create_task(
+            stream.lookup_with_prompt(leases_pb2.LookupRequest(conversation_id="c"), forever(), 5)
+        )
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # The daemon got an empty prompt at once (not after 10 s): its op ended, and the
+        # next lookup on the same stream is answered as usual.
+        t0 = asyncio.get_running_loop().time()
+        res = await stream.lookup(lookup_request("c"), 5)
+        assert res.reason == "already_claimed" and asyncio.get_running_loop().time() - t0 < 2
+    finally:
+        await stream.close()
 
 
 async def test_prompt_in_the_same_message_as_its_lookup(client: Client) -> None:

@@ -274,7 +274,7 @@ class LookupResponse(_message.Message):
     reason: _builtins.str
     """Machine-readable: pull, partial_pull, no_lease, expired, node_gone,
     node_restarted, below_threshold, prefix_mismatch, already_claimed,
-    store_unavailable.
+    store_unavailable, no_prompt (prompt_follows without a usable prompt).
     """
     detail: _builtins.str
     """Human-readable explanation."""
