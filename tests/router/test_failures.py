@@ -10,14 +10,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
 from aiohttp import web
 
 from controlplane.daemon import Daemon
-from kvferry.v1 import leases_pb2
+from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2_grpc
 from router import Router
 from router.control import struct_to_dict
 from tests.conftest import free_port
+from tests.factories import lease_request, node_request
 from tests.router.conftest import MakeStack, router_settings
 from tests.router.helpers import CHAT, ask, first_turn, next_turn
 
@@ -199,9 +201,12 @@ class FakeEngine:
         self.requests: list[tuple[str, dict[str, str], dict[str, Any]]] = []
         self.break_after = break_after
         self.url = ""
+        self.tokenize_fails = False
 
     async def tokenize(self, request: web.Request) -> web.Response:
         self.requests.append(("/tokenize", _lower(request.headers), await request.json()))
+        if self.tokenize_fails:
+            return web.json_response({"error": "cannot"}, status=500)
         return web.json_response({"count": 40, "max_model_len": 4096, "tokens": list(range(40))})
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -304,3 +309,32 @@ async def test_a_decode_that_breaks_off_cuts_the_clients_stream(
                 router.metrics.value("kvferry_router_upstream_errors_total", role="decode", kind="protocol")
                 == 1
             )
+
+
+async def test_a_turn_whose_prompt_cannot_be_tokenized_releases_what_the_early_lookup_claimed(
+    daemon: Daemon, http: aiohttp.ClientSession
+) -> None:
+    """The lookup leaves before tokenizing; when P then cannot tokenize, the daemon's
+    answer (RECOMPUTE with release params) still reaches P, so D frees its blocks."""
+    async with fake_engine() as p, fake_engine() as d:
+        p.tokenize_fails = True
+        async with grpc.aio.insecure_channel(daemon.address) as ch:
+            await nodes_pb2_grpc.NodesStub(ch).Register(node_request("d-1"))
+            await leases_pb2_grpc.LeasesStub(ch).Register(lease_request("conv-t"))
+        settings = router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
+        async with Router(settings) as router:
+            body = {
+                "model": "fake",
+                "messages": [{"role": "user", "content": "hi"}],
+                "conversation_id": "conv-t",
+                "stream": True,
+            }
+            res = await ask(http, router.url, body)
+            assert res.status == 200
+            counted = router.metrics.registry.get_sample_value(
+                "kvferry_router_lookups_total", {"decision": "SKIPPED", "reason": "no_tokens"}
+            )
+            assert counted == 1.0
+    (_, _, p_body) = p.requests[1]  # after the refused /tokenize
+    kv = p_body["kv_transfer_params"]
+    assert kv["remote_num_tokens"] == 0 and kv["do_remote_decode"] is True and "prompt_token_ids" not in kv
