@@ -1,0 +1,171 @@
+"""Where a Lookup+claim latency tail comes from: one offered rate, in detail.
+
+`bench.daemon` reports p50/p99 per rate; this probe runs one rate on its own and
+prints what is needed to explain a tail: the CPU each process spent per lookup
+(daemon, etcd, this load generator; from /proc), the load generator's own event
+loop lag (a stall there is not the daemon's), etcd's WAL fsync / backend commit /
+snapshot counts over the run, and a timeline of slow lookups per 250 ms.
+
+    python -m bench.lookup_tail [--leases 20000] [--rate 1000] [--seconds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+
+from bench.daemon import DaemonProcess, closed_loop, free_port, lease, lookup, pct
+from controlplane.embedded import EmbeddedEtcd
+from kvferry.leaseclient import LeaseStream
+from kvferry.tasks import run_main
+from kvferry.v1 import leases_pb2, nodes_pb2, nodes_pb2_grpc
+
+SLOW_MS = 5.0
+_ETCD_COUNTERS = (
+    "etcd_disk_wal_fsync_duration_seconds",
+    "etcd_disk_backend_commit_duration_seconds",
+    "etcd_debugging_snap_save_total_duration_seconds",
+)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def etcd_counters(endpoint: str) -> dict[str, float]:
+    """count and sum of etcd's disk histograms."""
+    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.endswith(("_count", "_sum")) and name.rsplit("_", 1)[0] in _ETCD_COUNTERS:
+            out[name] = float(value)
+    return out
+
+
+async def probe(args: argparse.Namespace) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="kvferry-tail-"))
+    etcd = EmbeddedEtcd(tmp / "etcd", free_port(), free_port())
+    await etcd.start()
+    d = DaemonProcess(tmp / "unused", etcd.endpoint)
+    try:
+        await d.start()
+        assert d.proc is not None and etcd._proc is not None
+        ch = grpc.aio.insecure_channel(f"127.0.0.1:{d.port}")
+        await nodes_pb2_grpc.NodesStub(ch).Register(
+            nodes_pb2.RegisterNodeRequest(
+                engine_id="d-0", role=nodes_pb2.DECODE, model="bench-model", block_size=16,
+                http_url="http://127.0.0.1:1", side_channel_host="10.0.0.7", side_channel_port=5600,
+                liveness_ttl_seconds=3600,
+            )
+        )  # fmt: skip
+        sidecar, router = LeaseStream(ch), LeaseStream(grpc.aio.insecure_channel(f"127.0.0.1:{d.port}"))
+        count = int(args.rate * args.seconds)
+        n = args.leases + count
+
+        async def register(i: int) -> None:
+            await sidecar.register(lease(f"c{i}"), 30)
+
+        secs = await closed_loop(n, 256, register)
+        print(
+            f"preloaded {n:,} leases in {secs:.1f}s; offering {args.rate}/s for {args.seconds}s", flush=True
+        )
+        await asyncio.sleep(2)
+
+        loop = asyncio.get_running_loop()
+        lags: list[float] = []
+        ticking = True
+
+        async def ticker() -> None:  # this process's own loop lag, 1 ms ticks
+            while ticking:
+                t = loop.time()
+                await asyncio.sleep(0.001)
+                lags.append(loop.time() - t - 0.001)
+
+        convs = itertools.count()
+        sent_lat: list[tuple[float, float]] = []
+
+        async def one() -> None:
+            sent = time.perf_counter()
+            r = await router.lookup(lookup(f"c{next(convs)}"), 10)
+            assert r.decision == leases_pb2.PULL, r
+            sent_lat.append((sent, time.perf_counter() - sent))
+
+        pids = {"daemon": d.proc.pid, "etcd": etcd._proc.pid, "load generator": os.getpid()}
+        cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+        disk0 = etcd_counters(etcd.endpoint)
+        tick = asyncio.create_task(ticker())
+        t0 = time.perf_counter()
+        start = loop.time() + 0.05
+        tasks = []
+        for i in range(count):
+            delay = start + i / args.rate - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one()))
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - t0
+        ticking = False
+        await tick
+        cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
+        disk = {k: v - disk0.get(k, 0.0) for k, v in etcd_counters(etcd.endpoint).items()}
+        await sidecar.close()
+        await router.close()
+        await ch.close(None)
+    finally:
+        await d.stop()
+        await etcd.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    lat = [x for _, x in sent_lat]
+    print(
+        f"\nLookup+claim @ {args.rate:g}/s for {args.seconds:g}s: p50 {pct(lat, 50):.2f}"
+        f"  p90 {pct(lat, 90):.2f}  p99 {pct(lat, 99):.2f}  p99.9 {pct(lat, 99.9):.2f}"
+        f"  max {max(lat) * 1e3:.1f} ms"
+    )
+    print(
+        "CPU per lookup: "
+        + ", ".join(f"{k} {v / count * 1e3:.3f} ms ({v / elapsed:.2f} core)" for k, v in cpu.items())
+    )
+    print(f"load generator loop lag: p99 {pct(lags, 99):.1f} ms, max {max(lags) * 1e3:.1f} ms")
+    for name in _ETCD_COUNTERS:
+        c, s = disk.get(f"{name}_count", 0.0), disk.get(f"{name}_sum", 0.0)
+        print(f"etcd {name.removeprefix('etcd_')}: {c:.0f} in the run, mean {s / c * 1e3 if c else 0:.2f} ms")
+    buckets: dict[int, list[float]] = {}
+    for sent, x in sent_lat:
+        buckets.setdefault(int((sent - t0) / 0.25), []).append(x * 1e3)
+    print(f"slow lookups (> {SLOW_MS:g} ms) per 250 ms, as start s: count/max ms ('.' = none):")
+    marks = []
+    for b in sorted(buckets):
+        slow = [x for x in buckets[b] if x > SLOW_MS]
+        marks.append(f"{b * 0.25:.2f}:{len(slow)}/{max(slow):.0f}" if slow else ".")
+    print(" ".join(marks))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.lookup_tail", description=__doc__.split("\n\n")[0])
+    p.add_argument("--leases", type=int, default=20_000, help="live leases besides the ones looked up")
+    p.add_argument("--rate", type=float, default=1000.0, help="lookups offered per second")
+    p.add_argument("--seconds", type=float, default=15.0)
+    args = p.parse_args(argv)
+
+    async def run() -> int:
+        await probe(args)
+        return 0
+
+    return run_main(run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
