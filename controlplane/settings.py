@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from controlplane.policy import Policy
+from kvferry.flags import flag_adder
+
+ENV_PREFIX = "KVFERRY_"
 
 
 @dataclass(frozen=True)
@@ -90,49 +92,34 @@ class Settings:
             raise ValueError("etcd prefix must start with /")
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"KVFERRY_{name}", default)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The daemon's flags; each defaults to its KVFERRY_* environment variable."""
     d = Settings()
-    p.add_argument("--listen", default=_env("LISTEN", d.server.listen), help="gRPC address (host:port)")
-    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", str(d.server.metrics_port))))
-    p.add_argument(
-        "--etcd",
-        default=_env("ETCD", ""),
-        help="external etcd endpoints host:port,...; empty = start an embedded etcd",
+    add = flag_adder(p, ENV_PREFIX)
+    add("listen", d.server.listen, "gRPC address (host:port)")
+    add("metrics-port", d.server.metrics_port, "Prometheus port (0 = pick one, -1 = off)", int)
+    add("etcd", "", "external etcd endpoints host:port,...; empty = start an embedded etcd")
+    add("etcd-prefix", d.etcd.prefix, "key prefix of all of kvferry's keys")
+    add("etcd-timeout", d.etcd.timeout_s, "seconds per etcd request", float)
+    add("data-dir", d.etcd.data_dir, "embedded etcd data (kept across restarts)")
+    add("embedded-port", d.etcd.embedded_client_port, "embedded etcd client port (peer: +10)", int)
+    add("safety-margin", d.policy.safety_margin_s, "seconds before D's deadline a pull stops", float)
+    add("recompute-threshold", d.policy.recompute_threshold, "fewest tokens worth pulling", int)
+    add(
+        "default-lifetime",
+        d.policy.default_lifetime_s,
+        "retention lifetime when D sends no deadline (vLLM decoder_kv_blocks_ttl)",
+        float,
     )
-    p.add_argument("--etcd-prefix", default=_env("ETCD_PREFIX", d.etcd.prefix))
-    p.add_argument("--etcd-timeout", type=float, default=float(_env("ETCD_TIMEOUT", str(d.etcd.timeout_s))))
-    p.add_argument("--data-dir", default=_env("DATA_DIR", str(d.etcd.data_dir)), help="embedded etcd data")
-    p.add_argument(
-        "--embedded-port", type=int, default=int(_env("EMBEDDED_PORT", str(d.etcd.embedded_client_port)))
+    add("liveness-ttl", d.nodes.liveness_ttl_s, "seconds a node stays alive without a heartbeat", int)
+    add(
+        "node-gc-after",
+        d.nodes.gc_after_s,
+        "seconds a dead node's record is kept before it is deleted (0 = forever)",
+        float,
     )
-    p.add_argument(
-        "--safety-margin", type=float, default=float(_env("SAFETY_MARGIN", str(d.policy.safety_margin_s)))
-    )
-    p.add_argument(
-        "--recompute-threshold",
-        type=int,
-        default=int(_env("RECOMPUTE_THRESHOLD", str(d.policy.recompute_threshold))),
-    )
-    p.add_argument(
-        "--default-lifetime",
-        type=float,
-        default=float(_env("DEFAULT_LIFETIME", str(d.policy.default_lifetime_s))),
-        help="retention lifetime when D sends no deadline (vLLM decoder_kv_blocks_ttl)",
-    )
-    p.add_argument("--liveness-ttl", type=int, default=int(_env("LIVENESS_TTL", str(d.nodes.liveness_ttl_s))))
-    p.add_argument(
-        "--node-gc-after",
-        type=float,
-        default=float(_env("NODE_GC_AFTER", str(d.nodes.gc_after_s))),
-        help="seconds a dead node's record is kept before it is deleted (0 = forever)",
-    )
-    p.add_argument("--gc-bucket", type=int, default=int(_env("GC_BUCKET", str(d.gc.bucket_s))))
-    p.add_argument("--gauge-scan", type=float, default=float(_env("GAUGE_SCAN", str(d.gc.gauge_scan_s))))
+    add("gc-bucket", d.gc.bucket_s, "seconds of retention deadlines per shared GC lease", int)
+    add("gauge-scan", d.gc.gauge_scan_s, "seconds between per-node gauge scans (0 = off)", float)
 
 
 def from_args(a: argparse.Namespace) -> Settings:

@@ -7,9 +7,10 @@ name upper-cased, dashes as underscores), then to the value below.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
+
+from kvferry.flags import flag_adder
 
 ENV_PREFIX = "KVFERRY_ROUTER_"
 
@@ -128,10 +129,6 @@ def host_port(listen: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def _env(name: str, default: object) -> str:
-    return os.environ.get(ENV_PREFIX + name, str(default))
-
-
 def _split(value: str) -> tuple[str, ...]:
     return tuple(x.strip().rstrip("/") for x in value.split(",") if x.strip())
 
@@ -148,14 +145,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The router's flags; each defaults to KVFERRY_ROUTER_<FLAG>."""
     d = Settings()
 
-    def add(flag: str, default: object, help: str, kind: object = str) -> None:
-        env = flag.upper().replace("-", "_")
-        p.add_argument(
-            f"--{flag}",
-            type=kind,  # type: ignore[arg-type]
-            default=_env(env, default),
-            help=f"{help} [${ENV_PREFIX}{env}, default {default!s}]",
-        )
+    add = flag_adder(p, ENV_PREFIX)
 
     add("listen", d.server.listen, "host:port of the OpenAI-compatible server")
     add("daemon", ",".join(d.daemon.addresses), "daemon address(es) host:port[,...]; empty = none")

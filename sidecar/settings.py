@@ -7,10 +7,11 @@ name upper-cased, dashes as underscores), then to the value below.
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
+
+from kvferry.flags import flag_adder
 
 ROLES = ("prefill", "decode", "both")
 ENV_PREFIX = "KVFERRY_SIDECAR_"
@@ -181,20 +182,12 @@ def listen_address(s: Settings) -> tuple[str, int]:
     return _host_port(s.tap.listen)
 
 
-def _env(name: str, default: object) -> str:
-    return os.environ.get(ENV_PREFIX + name, str(default))
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The sidecar's flags; each defaults to KVFERRY_SIDECAR_<FLAG>."""
     d = Settings()
     e, k, dm, t, ls = d.engine, d.kv_events, d.daemon, d.tap, d.leases
 
-    def add(flag: str, default: object, help: str, kind: type = str) -> None:
-        env = flag.upper().replace("-", "_")
-        p.add_argument(
-            f"--{flag}", type=kind, default=_env(env, default), help=f"{help} [${ENV_PREFIX}{env}]"
-        )
+    add = flag_adder(p, ENV_PREFIX)
 
     add("engine-url", e.url, "base URL of the engine's OpenAI server")
     add("listen", t.listen, "host:port the HTTP tap listens on")
