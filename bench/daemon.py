@@ -88,6 +88,17 @@ def lease(conv: str) -> leases_pb2.RegisterLeaseRequest:
     return req
 
 
+async def register_node(channel: grpc.aio.Channel) -> None:
+    """The decode node every benchmark lease is registered under."""
+    await nodes_pb2_grpc.NodesStub(channel).Register(
+        nodes_pb2.RegisterNodeRequest(
+            engine_id="d-0", role=nodes_pb2.DECODE, model="bench-model", block_size=BLOCK,
+            http_url="http://127.0.0.1:1", side_channel_host="10.0.0.7", side_channel_port=5600,
+            liveness_ttl_seconds=3600,
+        )
+    )  # fmt: skip
+
+
 def lookup(conv: str) -> leases_pb2.LookupRequest:
     return leases_pb2.LookupRequest(
         tenant="bench", conversation_id=conv, prompt_tokens=TOKENS + 300, prompt_digests=PROMPT_DIGESTS
@@ -207,13 +218,7 @@ async def bench(args: argparse.Namespace) -> None:
     unary = leases_pb2_grpc.LeasesStub(ch)
     # The sidecar's and the router's path: one Leases/Stream each.
     sidecar, router = LeaseStream(ch), LeaseStream(grpc.aio.insecure_channel(f"127.0.0.1:{d.port}"))
-    await nodes_pb2_grpc.NodesStub(ch).Register(
-        nodes_pb2.RegisterNodeRequest(
-            engine_id="d-0", role=nodes_pb2.DECODE, model="bench-model", block_size=BLOCK,
-            http_url="http://127.0.0.1:1", side_channel_host="10.0.0.7", side_channel_port=5600,
-            liveness_ttl_seconds=3600,
-        )
-    )  # fmt: skip
+    await register_node(ch)
     convs = itertools.count()  # every lookup below claims a different preloaded lease
 
     async def claim_unary() -> None:

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import grpc
 
-from bench.daemon import DaemonProcess, closed_loop, free_port, lease, lookup, pct
+from bench.daemon import DaemonProcess, closed_loop, free_port, lease, lookup, pct, register_node
 from controlplane.embedded import EmbeddedEtcd
 from kvferry.leaseclient import LeaseStream
 from kvferry.tasks import run_main
-from kvferry.v1 import leases_pb2, nodes_pb2, nodes_pb2_grpc
+from kvferry.v1 import leases_pb2
 
 SLOW_MS = 5.0
 _ETCD_COUNTERS = (
@@ -63,13 +63,7 @@ async def probe(args: argparse.Namespace) -> None:
         await d.start()
         assert d.proc is not None and etcd._proc is not None
         ch = grpc.aio.insecure_channel(f"127.0.0.1:{d.port}")
-        await nodes_pb2_grpc.NodesStub(ch).Register(
-            nodes_pb2.RegisterNodeRequest(
-                engine_id="d-0", role=nodes_pb2.DECODE, model="bench-model", block_size=16,
-                http_url="http://127.0.0.1:1", side_channel_host="10.0.0.7", side_channel_port=5600,
-                liveness_ttl_seconds=3600,
-            )
-        )  # fmt: skip
+        await register_node(ch)
         sidecar, router = LeaseStream(ch), LeaseStream(grpc.aio.insecure_channel(f"127.0.0.1:{d.port}"))
         count = int(args.rate * args.seconds)
         n = args.leases + count

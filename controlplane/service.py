@@ -22,7 +22,7 @@ from controlplane.errors import Conflict, FailedPrecondition, InvalidArgument, N
 from controlplane.policy import Decision, Prompt, Reason, decide, digest_problem, param_problems
 from controlplane.records import Claim, NodeRecord, NodeState, Retention, Role
 from controlplane.settings import Settings
-from controlplane.store import EtcdStore
+from controlplane.store import ClaimOutcome, EtcdStore
 from kvferry.logs import Outage
 
 log = structlog.get_logger(__name__)
@@ -418,17 +418,14 @@ class ControlPlane:
                 stored, claim = await self.store.read(tenant, q.conversation_id)
                 retention = stored.retention if stored else None
             else:
-                claiming = asyncio.ensure_future(self.store.claim(tenant, q.conversation_id, now))
-                if later is not None:
-                    try:
-                        prompt, missing = await self._late_prompt(later, q.conversation_id)
-                    except BaseException:  # the caller went away: no one to answer
-                        claiming.cancel()
-                        raise
-                outcome = await claiming
-                retention, claim = outcome.taken, outcome.earlier
-                if later is not None:
+                if later is None:
+                    outcome = await self.store.claim(tenant, q.conversation_id, now)
+                else:
+                    outcome, prompt, missing = await self._claim_awaiting(
+                        tenant, q.conversation_id, later, now
+                    )
                     now = self._clock()  # decide on the time it is now
+                retention, claim = outcome.taken, outcome.earlier
             decision = await self._decide(retention, claim, prompt, now)
             if missing and retention is not None:
                 # Nothing to verify a pull against: RECOMPUTE, releasing what was claimed.
@@ -457,6 +454,19 @@ class ControlPlane:
         problem = digest_problem("prompt_digests", digests)
         if problem:
             raise InvalidArgument(problem)
+
+    async def _claim_awaiting(
+        self, tenant: str, conversation_id: str, later: Awaitable[Prompt], now: float
+    ) -> tuple[ClaimOutcome, Prompt, str]:
+        """The claim, run while the caller's prompt is awaited. -> (claim, prompt, why
+        there is no usable prompt or "")."""
+        claiming = asyncio.ensure_future(self.store.claim(tenant, conversation_id, now))
+        try:
+            prompt, missing = await self._late_prompt(later, conversation_id)
+        except BaseException:  # the caller went away: no one to answer
+            claiming.cancel()
+            raise
+        return await claiming, prompt, missing
 
     async def _late_prompt(self, later: Awaitable[Prompt], conversation_id: str) -> tuple[Prompt, str]:
         """The prompt of a prompt_follows lookup -> (prompt, "") or (an empty prompt, why

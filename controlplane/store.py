@@ -17,9 +17,9 @@ import asyncio
 import itertools
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import structlog
@@ -145,6 +145,20 @@ def _delete(key: bytes) -> rpc.RequestOp:
 
 def _exists(key: bytes) -> rpc.Compare:
     return rpc.Compare(key=key, target=rpc.Compare.VERSION, result=rpc.Compare.GREATER, version=0)
+
+
+def _node_state(node_kvs: Sequence[Any], alive_kvs: Sequence[Any]) -> tuple[NodeState | None, int]:
+    """A node record and its liveness key as read -> (state or None, record mod revision)."""
+    if not node_kvs:
+        return None, 0
+    rec = decode_node(node_kvs[0].value)
+    alive = not rec.removed_at and bool(alive_kvs) and int(alive_kvs[0].value or b"0") == rec.generation
+    return NodeState(rec, alive), int(node_kvs[0].mod_revision)
+
+
+def _floor(kvs: Sequence[Any]) -> tuple[int, int]:
+    """The generation floor as read -> (value, mod revision); (0, 0) when never written."""
+    return (int(kvs[0].value or b"0"), int(kvs[0].mod_revision)) if kvs else (0, 0)
 
 
 def _absent(key: bytes) -> rpc.Compare:
@@ -374,12 +388,15 @@ class EtcdStore:
 
     async def get_node(self, engine_id: str) -> tuple[NodeState | None, int]:
         """A node's record and liveness, and its record's mod revision (0 = no record)."""
-        state, revision, _, _ = await self.get_node_and_floor(engine_id)
-        return state, revision
+        k = self.keys
+        resp = await self._txn(
+            "get_node", [], [_range(k.node(engine_id)), _range(k.alive_key(engine_id))], []
+        )
+        return _node_state(resp.responses[0].response_range.kvs, resp.responses[1].response_range.kvs)
 
     async def get_node_and_floor(self, engine_id: str) -> tuple[NodeState | None, int, int, int]:
-        """A node as get_node reads it, and the generation floor with its mod revision
-        (what a registration of an engine id without a record must stay above)."""
+        """get_node, and the generation floor with its mod revision (what a registration
+        of an engine id without a record must stay above), in one read."""
         k = self.keys
         resp = await self._txn(
             "get_node",
@@ -387,16 +404,10 @@ class EtcdStore:
             [_range(k.node(engine_id)), _range(k.alive_key(engine_id)), _range(k.generation_floor)],
             [],
         )
-        floor_kvs = resp.responses[2].response_range.kvs
-        floor = int(floor_kvs[0].value or b"0") if floor_kvs else 0
-        floor_revision = int(floor_kvs[0].mod_revision) if floor_kvs else 0
-        node_kvs = resp.responses[0].response_range.kvs
-        if not node_kvs:
-            return None, 0, floor, floor_revision
-        rec = decode_node(node_kvs[0].value)
-        alive_kvs = resp.responses[1].response_range.kvs
-        alive = not rec.removed_at and bool(alive_kvs) and int(alive_kvs[0].value or b"0") == rec.generation
-        return NodeState(rec, alive), int(node_kvs[0].mod_revision), floor, floor_revision
+        state, revision = _node_state(
+            resp.responses[0].response_range.kvs, resp.responses[1].response_range.kvs
+        )
+        return state, revision, *_floor(resp.responses[2].response_range.kvs)
 
     async def put_node(
         self, rec: NodeRecord, expect_revision: int, floor_revision: int | None = None
@@ -486,9 +497,7 @@ class EtcdStore:
         """
         k = self.keys
         resp = await self._txn("collect_node", [], [_range(k.generation_floor)], [])
-        kvs = resp.responses[0].response_range.kvs
-        floor = int(kvs[0].value or b"0") if kvs else 0
-        floor_revision = int(kvs[0].mod_revision) if kvs else 0
+        floor, floor_revision = _floor(resp.responses[0].response_range.kvs)
         resp = await self._txn(
             "collect_node",
             [

@@ -79,8 +79,7 @@ class LeaseStream:
             except Exception:
                 pass  # the awaitable's owner sees it fail; the daemon gets an empty prompt
             finally:  # also when cancelled: end the daemon's wait at once
-                self._outbox.append(leases_pb2.LeaseOp(id=op_id, prompt=later or leases_pb2.LookupPrompt()))
-                self._wake.set()
+                self._enqueue(leases_pb2.LeaseOp(id=op_id, prompt=later or leases_pb2.LookupPrompt()))
 
         res = await self._op(leases_pb2.LeaseOp(lookup=req), deadline_s, then_prompt)
         return res.lookup
@@ -91,20 +90,16 @@ class LeaseStream:
         deadline_s: float,
         before_deadline: Callable[[int], Awaitable[None]] | None = None,
     ) -> leases_pb2.LeaseOpResult:
+        """Send `op`, run `before_deadline(op.id)` if given, then wait up to `deadline_s`."""
         op.id = next(self._ids)
         fut: asyncio.Future[leases_pb2.LeaseOpResult] = asyncio.get_running_loop().create_future()
         self._pending[op.id] = fut
         try:
+            await self._open()  # creates the call when there is none; never waits on the network
+            self._enqueue(op)
             if before_deadline is not None:
-                await self._open()
-                self._outbox.append(op)
-                self._wake.set()
                 await before_deadline(op.id)
             async with asyncio.timeout(deadline_s):
-                if before_deadline is None:
-                    await self._open()
-                    self._outbox.append(op)
-                    self._wake.set()
                 res = await fut
         except TimeoutError:
             raise LeaseOpError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {deadline_s}s") from None
@@ -116,6 +111,11 @@ class LeaseStream:
         if res.WhichOneof("result") == "error":
             raise LeaseOpError(_CODES.get(res.error.code, grpc.StatusCode.UNKNOWN), res.error.message)
         return res
+
+    def _enqueue(self, op: leases_pb2.LeaseOp) -> None:
+        """Hand `op` to the writer (it leaves in the next message)."""
+        self._outbox.append(op)
+        self._wake.set()
 
     async def _write(self, call: Any) -> None:
         """The stream's only writer: sends whatever is in the outbox, one message at a time.

@@ -104,16 +104,20 @@ class ControlPlane:
         return await self._claim(req, lambda leases: leases.lookup(req, self._s.lookup_deadline_s))
 
     async def lookup_early(
-        self, tenant: str, conversation_id: str, prompt: asyncio.Future[tuple[int, bytes] | None]
+        self, tenant: str, conversation_id: str, prompt: asyncio.Future[tuple[list[int], bytes] | None]
     ) -> Reuse:
         """`lookup`, started before the prompt is known: the daemon claims while `prompt`
-        (token count and digests; None = none could be made) is still being computed, so
-        the claim's round trip overlaps tokenizing. The deadline counts from the prompt."""
+        (the token ids and their digests; None = none could be made) is still being
+        computed, so the claim's round trip overlaps tokenizing. The deadline counts from
+        the prompt."""
         req = leases_pb2.LookupRequest(tenant=tenant, conversation_id=conversation_id)
 
         async def message() -> leases_pb2.LookupPrompt | None:
-            p = await prompt
-            return None if p is None else leases_pb2.LookupPrompt(prompt_tokens=p[0], prompt_digests=p[1])
+            made = await prompt
+            if made is None:
+                return None
+            tokens, digests = made
+            return leases_pb2.LookupPrompt(prompt_tokens=len(tokens), prompt_digests=digests)
 
         return await self._claim(
             req, lambda leases: leases.lookup_with_prompt(req, message(), self._s.lookup_deadline_s)

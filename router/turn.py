@@ -56,8 +56,8 @@ from router.upstream import Engines, Reply, UpstreamError, encode, tokenize_requ
 
 log = structlog.get_logger(__name__)
 
-Made = tuple[list[int], tuple[int, bytes]]
-"""A prompt's token ids, and its token count and digests for the lookup."""
+Made = tuple[list[int], bytes]
+"""A prompt's token ids and their block digests."""
 
 
 #: The header the D sidecar reads the tenant from (its --tenant-header default).
@@ -160,9 +160,7 @@ class Turn:
             assert self.s.control is not None
             prompt = asyncio.ensure_future(self._prompt(prefill))
             lookup = asyncio.ensure_future(
-                self.s.control.lookup_early(
-                    self.identity.tenant, conversation, asyncio.ensure_future(_second(prompt))
-                )
+                self.s.control.lookup_early(self.identity.tenant, conversation, prompt)
             )
             made = await prompt
             self.tokens = made[0] if made is not None else None
@@ -186,8 +184,8 @@ class Turn:
         return prefill
 
     async def _prompt(self, prefill: Node) -> Made | None:
-        """The prompt's token ids (P's /tokenize) and, for the lookup, their count and
-        digests (None: P could not tokenize it)."""
+        """The prompt's token ids (P's /tokenize) and their digests (None: P could not
+        tokenize it)."""
         tokens = await self._tokenize(prefill)
         if tokens is None:
             return None
@@ -198,7 +196,7 @@ class Turn:
         except ValueError as e:  # ids no engine would send: serve without reuse
             self.log.warning("router.digests.failed", node=prefill.engine_id, error=str(e))
             return None
-        return tokens, (len(tokens), digests)
+        return tokens, digests
 
     async def _tokenize(self, node: Node) -> list[int] | None:
         req = tokenize_request(self.path, self.body)
@@ -406,13 +404,6 @@ class Turn:
             reason=self.reuse.reason if self.reuse else None,
             seconds=round(elapsed, 4),
         )
-
-
-async def _second(
-    made: asyncio.Future[tuple[list[int], tuple[int, bytes]] | None],
-) -> tuple[int, bytes] | None:
-    p = await made
-    return None if p is None else p[1]
 
 
 async def _maybe(aw: Any) -> Any:

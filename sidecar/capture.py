@@ -94,11 +94,10 @@ def plan_request(
         head = _head_decode(raw)
     except msgspec.DecodeError:  # not JSON, or not an object: the engine answers it itself
         return None
-    fields = {
-        "conversation_id": head.conversation_id,
-        "session_id": head.session_id,
-    }
-    conversation = conversation_of(headers, {k: v for k, v in fields.items() if v is not msgspec.UNSET})
+    # (an absent field is UNSET, which conversation_of skips like any non-id value)
+    conversation = conversation_of(
+        headers, {"conversation_id": head.conversation_id, "session_id": head.session_id}
+    )
     in_body = head.conversation_id is not msgspec.UNSET
     if not conversation or (not capture and not in_body):
         return None
