@@ -24,7 +24,7 @@
    what the engines actually did (computed tokens and transferred blocks, read
    off their metrics around each request); efficiency = measured / ideal.
 
-    python -m bench.router [--requests 300] [--repeats 5]
+    python -m bench.router [--requests 300] [--repeats 5] [--only overhead|speedup]
 """
 
 from __future__ import annotations
@@ -405,8 +405,10 @@ async def speedup(lengths: Sequence[int], repeats: int) -> None:
 
 async def main_async(args: argparse.Namespace) -> int:
     print(f"kvferry router benchmark ({'uvloop' if args.uvloop else 'asyncio'}; everything on this machine)")
-    await overhead(args.requests, args.prompt_chars)
-    await speedup(args.lengths, args.repeats)
+    if args.only in ("", "overhead"):
+        await overhead(args.requests, args.prompt_chars)
+    if args.only in ("", "speedup"):
+        await speedup(args.lengths, args.repeats)
     return 0
 
 
@@ -416,6 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prompt-chars", type=int, default=2000, help="prompt size in the overhead test")
     p.add_argument("--repeats", type=int, default=5, help="conversations per context length")
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[8192, 32768, 65536])
+    p.add_argument("--only", choices=("overhead", "speedup"), default="", help="run one section")
     p.add_argument("--no-uvloop", dest="uvloop", action="store_false")
     args = p.parse_args(argv)
     logs.configure("warning")

@@ -126,7 +126,7 @@ class TxnBatcher:
         timeout_s: float,
         max_items: int = 64,
         max_bytes: int = 1 << 20,
-        max_inflight: int = 4,
+        max_inflight: int = 1,
     ) -> None:
         self._client = client
         self._timeout = timeout_s

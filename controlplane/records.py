@@ -45,6 +45,8 @@ class NodeRecord(msgspec.Struct, frozen=True):
     # Set when the node was deregistered: the record stays as a tombstone that
     # remembers the generation (a new registration gets a newer one).
     removed_at: float = 0.0
+    # The engine's own server behind the sidecar at http_url ("" = none; older records).
+    engine_url: str = ""
 
 
 class Retention(msgspec.Struct, frozen=True):

@@ -112,6 +112,7 @@ def node_message(state: NodeState, held: tuple[int, int] = (0, 0)) -> nodes_pb2.
         registered_at=_ts(r.registered_at),
         live_leases=held[0],
         held_tokens=held[1],
+        engine_url=r.engine_url,
     )
 
 
@@ -154,6 +155,7 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
                 side_channel_port=request.side_channel_port,
                 generation=request.generation,
                 liveness_ttl_s=request.liveness_ttl_seconds,
+                engine_url=request.engine_url,
             )
         )
         return nodes_pb2.RegisterNodeResponse(node=node_message(NodeState(rec, True)), restarted=restarted)

@@ -29,6 +29,7 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_TENANT = "default"
 MAX_PAGE = 1000
+MAX_URL_BYTES = 2048
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class NodeRegistration:
     side_channel_port: int
     generation: int
     liveness_ttl_s: int
+    engine_url: str = ""
 
 
 @dataclass(frozen=True)
@@ -197,8 +199,11 @@ class ControlPlane:
         if not 0 < reg.side_channel_port < 65536:
             raise InvalidArgument(f"side_channel_port {reg.side_channel_port} is not a port number")
         _check_id("side_channel_host", reg.side_channel_host, self._limits.max_id_bytes)
-        if reg.http_url and not reg.http_url.startswith(("http://", "https://")):
-            raise InvalidArgument(f"http_url {reg.http_url!r} must start with http:// or https://")
+        for name, url in (("http_url", reg.http_url), ("engine_url", reg.engine_url)):
+            if url and not url.startswith(("http://", "https://")):
+                raise InvalidArgument(f"{name} {url!r} must start with http:// or https://")
+            if len(url) > MAX_URL_BYTES:
+                raise InvalidArgument(f"{name} is longer than {MAX_URL_BYTES} bytes")
         ttl = reg.liveness_ttl_s or self.settings.nodes.liveness_ttl_s
         if not 2 <= ttl <= 3600:
             raise InvalidArgument(f"liveness_ttl_seconds {ttl} must be in 2..3600")
@@ -226,6 +231,7 @@ class ControlPlane:
                 generation=generation,
                 registered_at=self._clock(),
                 liveness_ttl=ttl,
+                engine_url=reg.engine_url,
             )
             try:
                 stored = await self.store.put_node(rec, revision, None if current else floor_revision)

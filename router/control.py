@@ -57,6 +57,7 @@ def node_of(n: nodes_pb2.Node) -> Node | None:
         engine_id=n.engine_id,
         role=role,
         url=n.http_url.rstrip("/"),
+        engine_url=n.engine_url.rstrip("/"),
         model=n.model,
         block_size=n.block_size or 16,
         indexed_blocks=n.indexed_blocks,

@@ -6,7 +6,8 @@
    deadline (`router.control`); with several caching P, score them meanwhile.
 3. P: the daemon's params (a pull, a release, or fresh ones) plus the prompt's
    token ids, ``max_tokens: 1``, not streamed. A failure is retried once as
-   `router.decisions.retry_after` says.
+   `router.decisions.retry_after` says. Tokenize and prefill requests go to the
+   engine itself when its sidecar advertised it (nothing on that path needs the tap).
 4. D, through its sidecar: P's params, the token ids, the conversation and
    tenant headers (the sidecar registers D's blocks for the next turn). D's
    answer goes to the client as it comes (`router.relay`).
@@ -205,7 +206,7 @@ class Turn:
         t0 = time.perf_counter()
         try:
             reply = await self.s.engines.post(
-                node.url + "/tokenize",
+                node.direct_url + "/tokenize",
                 encode(req),
                 self.s.engines.headers(self.request.headers, self.request_id),
                 self.s.settings.upstream.tokenize_timeout_s,
@@ -240,7 +241,7 @@ class Turn:
             with self.s.load.track(node):
                 try:
                     reply = await self.s.engines.post(
-                        node.url + self.path,
+                        node.direct_url + self.path,
                         payload,
                         self.s.engines.headers(self.request.headers, self.request_id),
                     )

@@ -30,7 +30,7 @@ from sidecar.daemon import Backoff, DaemonLink
 from sidecar.engine import EngineFacts, EngineInstance, learn_facts
 from sidecar.kvindex import KvBatch, KvMirror
 from sidecar.metrics import SidecarMetrics
-from sidecar.settings import Settings, listen_address
+from sidecar.settings import Settings, advertised_engine_url, listen_address
 
 log = structlog.get_logger(__name__)
 
@@ -142,6 +142,7 @@ class NodeSession:
             model=facts.model,
             block_size=facts.block_size,
             http_url=url,
+            engine_url=advertised_engine_url(s, url),
             side_channel_host=host,
             side_channel_port=s.engine.side_channel_port,
             generation=generation,

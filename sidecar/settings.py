@@ -7,6 +7,7 @@ name upper-cased, dashes as underscores), then to the value below.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import socket
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -85,6 +86,10 @@ class TapSettings:
     """host:port the proxy listens on (port 0 picks a free one)."""
     advertise_url: str = ""
     """URL registered as the node's http_url; "" = http://<side-channel host>:<listen port>."""
+    advertise_engine_url: str = ""
+    """URL registered as the node's engine_url (the router tokenizes and prefills there,
+    skipping the tap, which only reads decode answers); "" = the engine URL unless it is a
+    loopback address while http_url is not; "none" = never (everything goes through the tap)."""
     tenant_header: str = "X-Kvferry-Tenant"
     """Request header naming the tenant ("" or absent = the daemon's default tenant)."""
     max_body_bytes: int = 64 * 1024 * 1024
@@ -120,6 +125,10 @@ class Settings:
         e = self.engine
         if urlsplit(e.url).scheme not in ("http", "https"):
             raise ValueError(f"engine url {e.url!r} must start with http:// or https://")
+        engine_url = "" if self.tap.advertise_engine_url == "none" else self.tap.advertise_engine_url
+        for name, url in (("advertise-url", self.tap.advertise_url), ("advertise-engine-url", engine_url)):
+            if url and urlsplit(url).scheme not in ("http", "https"):
+                raise ValueError(f"{name} {url!r} must start with http:// or https://")
         if e.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {e.role!r}")
         if e.block_size < 0 or e.block_size > 4096:
@@ -159,6 +168,31 @@ class Settings:
     def side_channel_host(self) -> str:
         """The side-channel host prefill nodes are told."""
         return self.engine.side_channel_host or default_host()
+
+
+def advertised_engine_url(s: Settings, http_url: str) -> str:
+    """The node's engine_url given its http_url ("" = none: requests go through the tap).
+
+    By default the engine's own URL, unless that is a loopback address while the
+    tap's is not: a router on another host could not reach it.
+    """
+    chosen = s.tap.advertise_engine_url
+    if chosen == "none":
+        return ""
+    if chosen:
+        return chosen.rstrip("/")
+    if _is_loopback(urlsplit(s.engine.url).hostname) and not _is_loopback(urlsplit(http_url).hostname):
+        return ""
+    return s.engine.url
+
+
+def _is_loopback(host: str | None) -> bool:
+    if not host or host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def default_host() -> str:
@@ -203,6 +237,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("kv-events-topic", k.topic, "KV-event topic")
     add("tenant-header", t.tenant_header, "request header naming the tenant")
     add("advertise-url", t.advertise_url, "URL registered as the node's http_url")
+    add(
+        "advertise-engine-url",
+        t.advertise_engine_url,
+        "URL registered as the node's engine_url, for tokenize and prefill requests "
+        '("" = the engine URL when the router can reach it; "none" = never)',
+    )
     add("liveness-ttl", dm.liveness_ttl_s, "seconds the node stays alive without a heartbeat", int)
     add("health-interval", e.health_interval_s, "seconds between engine /health probes", float)
     add("health-failures", e.health_failures, "failed probes after which the engine is down", int)
@@ -232,7 +272,12 @@ def from_args(a: argparse.Namespace) -> Settings:
             addresses=tuple(x.strip() for x in a.daemon.split(",") if x.strip()),
             liveness_ttl_s=a.liveness_ttl,
         ),
-        tap=TapSettings(listen=a.listen, advertise_url=a.advertise_url, tenant_header=a.tenant_header),
+        tap=TapSettings(
+            listen=a.listen,
+            advertise_url=a.advertise_url,
+            advertise_engine_url=a.advertise_engine_url,
+            tenant_header=a.tenant_header,
+        ),
         leases=LeaseSettings(queue_size=a.lease_queue_size),
     )
     s.validate()

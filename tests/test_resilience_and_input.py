@@ -115,6 +115,8 @@ async def test_bad_lookups_and_nodes(client: Client) -> None:
         (node_request(block_size=0), "block_size 0"),
         (node_request(side_channel_port=0), "side_channel_port 0"),
         (node_request(http_url="ftp://x"), "http_url"),
+        (node_request(engine_url="tcp://x"), "engine_url"),
+        (node_request(engine_url="http://" + "x" * 2100), "engine_url is longer than 2048 bytes"),
         (node_request(engine_id=""), "engine_id is required"),
     ]:
         with pytest.raises(grpc.aio.AioRpcError) as e:

@@ -59,6 +59,7 @@ class Node(_message.Message):
     LIVE_LEASES_FIELD_NUMBER: _builtins.int
     HELD_TOKENS_FIELD_NUMBER: _builtins.int
     INDEXED_BLOCKS_FIELD_NUMBER: _builtins.int
+    ENGINE_URL_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     role: Global___Role.ValueType
     model: _builtins.str
@@ -78,6 +79,10 @@ class Node(_message.Message):
     held_tokens: _builtins.int
     indexed_blocks: _builtins.int
     """Blocks in the node's prefix cache per its KV events (this replica's index)."""
+    engine_url: _builtins.str
+    """The engine's own OpenAI server, for requests no tap needs to see (tokenize and
+    prefill); "" = only through http_url.
+    """
     @_builtins.property
     def registered_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -96,10 +101,11 @@ class Node(_message.Message):
         live_leases: _builtins.int = ...,
         held_tokens: _builtins.int = ...,
         indexed_blocks: _builtins.int = ...,
+        engine_url: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["registered_at", b"registered_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "block_size", b"block_size", "engine_id", b"engine_id", "generation", b"generation", "held_tokens", b"held_tokens", "http_url", b"http_url", "indexed_blocks", b"indexed_blocks", "live_leases", b"live_leases", "model", b"model", "registered_at", b"registered_at", "role", b"role", "side_channel_host", b"side_channel_host", "side_channel_port", b"side_channel_port"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "block_size", b"block_size", "engine_id", b"engine_id", "engine_url", b"engine_url", "generation", b"generation", "held_tokens", b"held_tokens", "http_url", b"http_url", "indexed_blocks", b"indexed_blocks", "live_leases", b"live_leases", "model", b"model", "registered_at", b"registered_at", "role", b"role", "side_channel_host", b"side_channel_host", "side_channel_port", b"side_channel_port"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -118,6 +124,7 @@ class RegisterNodeRequest(_message.Message):
     SIDE_CHANNEL_PORT_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     LIVENESS_TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    ENGINE_URL_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     role: Global___Role.ValueType
     model: _builtins.str
@@ -129,6 +136,8 @@ class RegisterNodeRequest(_message.Message):
     """0 lets the daemon assign the next generation; otherwise it must not go backwards."""
     liveness_ttl_seconds: _builtins.int
     """Seconds the node stays alive without a heartbeat; 0 = daemon default."""
+    engine_url: _builtins.str
+    """The engine's own OpenAI server when http_url is a sidecar in front of it; "" = none."""
     def __init__(
         self,
         *,
@@ -141,10 +150,11 @@ class RegisterNodeRequest(_message.Message):
         side_channel_port: _builtins.int = ...,
         generation: _builtins.int = ...,
         liveness_ttl_seconds: _builtins.int = ...,
+        engine_url: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "engine_id", b"engine_id", "generation", b"generation", "http_url", b"http_url", "liveness_ttl_seconds", b"liveness_ttl_seconds", "model", b"model", "role", b"role", "side_channel_host", b"side_channel_host", "side_channel_port", b"side_channel_port"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "engine_id", b"engine_id", "engine_url", b"engine_url", "generation", b"generation", "http_url", b"http_url", "liveness_ttl_seconds", b"liveness_ttl_seconds", "model", b"model", "role", b"role", "side_channel_host", b"side_channel_host", "side_channel_port", b"side_channel_port"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

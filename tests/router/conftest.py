@@ -43,7 +43,9 @@ def emulator_config(**changes: Any) -> EmulatorConfig:
     return base.replace(**changes)
 
 
-def sidecar_for(emu: EmulatorServer, daemon: Daemon, role: str) -> SidecarSettings:
+def sidecar_for(
+    emu: EmulatorServer, daemon: Daemon, role: str, advertise_engine_url: str = ""
+) -> SidecarSettings:
     return SidecarSettings(
         engine=EngineSettings(
             url=emu.http_url,
@@ -60,7 +62,7 @@ def sidecar_for(emu: EmulatorServer, daemon: Daemon, role: str) -> SidecarSettin
             replay_endpoint=emu.kv_events_replay_endpoint or "",
         ),
         daemon=SidecarDaemonSettings(addresses=(daemon.address,), liveness_ttl_s=10, backoff_max_s=0.3),
-        tap=TapSettings(listen="127.0.0.1:0"),
+        tap=TapSettings(listen="127.0.0.1:0", advertise_engine_url=advertise_engine_url),
     )
 
 
@@ -97,13 +99,13 @@ class Stack:
     def sidecar(self, emu: EmulatorServer) -> Sidecar:
         return self.sidecars[id(emu)]
 
-    async def add_engine(self, role: str, **config: Any) -> EmulatorServer:
+    async def add_engine(self, role: str, advertise_engine_url: str = "", **config: Any) -> EmulatorServer:
         if role == "prefill":
             config.setdefault("enable_prefix_caching", False)
         emu = EmulatorServer(emulator_config(role=role, **config), shutdown_timeout=0.5)
         await emu.start()
         (self.prefills if role == "prefill" else self.decodes).append(emu)
-        sc = Sidecar(sidecar_for(emu, self.daemon, role))
+        sc = Sidecar(sidecar_for(emu, self.daemon, role, advertise_engine_url))
         await sc.start()
         self.sidecars[id(emu)] = sc
         return emu
@@ -153,7 +155,8 @@ MakeStack = Callable[..., Awaitable[Stack]]
 async def make_stack(
     make_daemon: DaemonFactory, connect: Callable[[Daemon], Client]
 ) -> AsyncIterator[MakeStack]:
-    """Start a deployment: `prefill` and `decode` engines (emulator config as `p_config`/`d_config`)."""
+    """Start a deployment: `prefill` and `decode` engines (emulator config as `p_config`/`d_config`;
+    `p_engine_url` is the P sidecars' advertise_engine_url)."""
     stacks: list[Stack] = []
 
     async def make(
@@ -162,12 +165,13 @@ async def make_stack(
         p_config: dict[str, Any] | None = None,
         d_config: dict[str, Any] | None = None,
         daemon: Daemon | None = None,
+        p_engine_url: str = "",
     ) -> Stack:
         d = daemon or await make_daemon()
         stack = Stack(d, connect(d))
         stacks.append(stack)
         for _ in range(prefill):
-            await stack.add_engine("prefill", **(p_config or {}))
+            await stack.add_engine("prefill", p_engine_url, **(p_config or {}))
         for _ in range(decode):
             await stack.add_engine("decode", **(d_config or {}))
         return stack

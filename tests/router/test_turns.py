@@ -10,7 +10,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import pytest
 
+from kvferry.v1 import nodes_pb2
 from tests.router.conftest import MakeStack
 from tests.router.helpers import CHAT, COMPLETIONS, ask, first_turn, next_turn, pulled_tokens, tokenize
 
@@ -54,6 +56,30 @@ async def test_a_turn_after_a_finished_turn_pulls_and_answers_the_same(
     assert three.body["object"] == "chat.completion"
     assert three.body["kv_transfer_params"] is None
     assert three.text == await reference(CHAT, third)
+
+
+@pytest.mark.parametrize("advertised", ["", "none"])
+async def test_tokenize_and_prefill_skip_the_p_sidecar_when_it_advertises_the_engine(
+    make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference, advertised: str
+) -> None:
+    stack = await make_stack(p_engine_url=advertised)
+    router = await stack.router()
+    [p] = stack.prefills
+    listed = await stack.client.nodes.List(nodes_pb2.ListNodesRequest())
+    engine_urls = {n.engine_id: n.engine_url for n in listed.nodes}
+    assert engine_urls[stack.sidecar(p).settings.node_id] == ("" if advertised else p.http_url)
+    messages = first_turn("tolls")
+    body: dict[str, Any] = {"model": "kvferry/emulated-model", "messages": messages, "max_tokens": 24}
+    one = await ask(http, router.url, {**body, "conversation_id": "conv-t"})
+    await stack.registrations_idle()
+    second = {**body, "messages": next_turn(messages, one.text)}
+    two = await ask(http, router.url, {**second, "conversation_id": "conv-t"})
+    assert two.decision == "PULL" and two.text == await reference(CHAT, second)
+    proxied = stack.sidecar(p).metrics.registry.get_sample_value(
+        "kvferry_sidecar_proxied_requests_total", {"tapped": "no"}
+    )
+    # Two turns, each a /tokenize and a prefill: through P's tap only when it advertised none.
+    assert (proxied or 0.0) == (4.0 if advertised == "none" else 0.0)
 
 
 async def test_edited_history_pulls_only_what_matches_and_never_answers_wrong(

@@ -19,7 +19,14 @@ from sidecar.engine import (
 )
 from sidecar.leases import RegistrationQueue, dead_reason, retry_decision
 from sidecar.metrics import SidecarMetrics
-from sidecar.settings import Settings, add_arguments, from_args
+from sidecar.settings import (
+    EngineSettings,
+    Settings,
+    TapSettings,
+    add_arguments,
+    advertised_engine_url,
+    from_args,
+)
 
 
 def test_health_transitions() -> None:
@@ -134,6 +141,8 @@ def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         {"tap": {"listen": "nowhere"}},
         {"kv_events": {"replay_endpoint": "tcp://x:1"}},
         {"kv_events": {"endpoint": "127.0.0.1:5557"}},
+        {"tap": {"advertise_url": "10.0.0.1:8100"}},
+        {"tap": {"advertise_engine_url": "off"}},
     ],
 )
 def test_invalid_settings_are_refused(change: dict[str, dict[str, object]]) -> None:
@@ -141,3 +150,21 @@ def test_invalid_settings_are_refused(change: dict[str, dict[str, object]]) -> N
     ((group, fields),) = change.items()
     with pytest.raises(ValueError):
         replace(s, **{group: replace(getattr(s, group), **fields)}).validate()
+
+
+@pytest.mark.parametrize(
+    ("engine", "advertised", "http_url", "expected"),
+    [
+        # The router reaches the engine wherever it reaches the tap...
+        ("http://10.0.0.1:8000", "", "http://10.0.0.1:8100", "http://10.0.0.1:8000"),
+        ("http://127.0.0.1:8000", "", "http://127.0.0.1:8100", "http://127.0.0.1:8000"),
+        # ...but not an engine on loopback behind a tap other hosts reach.
+        ("http://127.0.0.1:8000", "", "http://10.0.0.1:8100", ""),
+        ("http://localhost:8000", "", "http://node-7:8100", ""),
+        ("http://127.0.0.1:8000", "http://10.0.0.1:8000/", "http://10.0.0.1:8100", "http://10.0.0.1:8000"),
+        ("http://10.0.0.1:8000", "none", "http://10.0.0.1:8100", ""),
+    ],
+)
+def test_advertised_engine_url(engine: str, advertised: str, http_url: str, expected: str) -> None:
+    s = Settings(engine=EngineSettings(url=engine), tap=TapSettings(advertise_engine_url=advertised))
+    assert advertised_engine_url(s, http_url) == expected
