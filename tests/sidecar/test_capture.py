@@ -11,7 +11,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvferry.digests import block_digests, seed
-from sidecar.capture import FinishedTurn, SseRewriter, TurnObserver, plan_request, rewrite_json
+from sidecar.capture import (
+    FinishedTurn,
+    SseRewriter,
+    TurnObserver,
+    cut_prompt_ids,
+    plan_request,
+    rewrite_json,
+)
 from sidecar.drafts import (
     LeaseDraft,
     digests_of,
@@ -273,3 +280,43 @@ def test_no_draft(params: dict[str, Any], why: str) -> None:
         now_wall=2000.0,
     )
     assert got == why
+
+
+@given(
+    st.lists(st.integers(0, 1 << 31), max_size=50),
+    st.permutations(["prompt_token_ids", "id", "choices", "kv_transfer_params"]),
+)
+def test_prompt_ids_cut_from_compact_events_as_if_decoded(ids: list[int], order: list[str]) -> None:
+    """vLLM's compact first event loses its prompt ids by a byte cut: the client gets the
+    same event, the finished turn the same ids, as through the decode-everything path."""
+    fields: dict[str, Any] = {
+        "prompt_token_ids": ids,
+        "id": "chatcmpl-1",
+        "choices": [{"index": 0, "delta": {"content": '"prompt_token_ids":[1]'}, "finish_reason": "stop"}],
+        "kv_transfer_params": D_PARAMS,
+    }
+    event = {k: fields[k] for k in order}
+    compact, spaced = msgspec.json.encode(event), json.dumps(event).encode()
+    assert compact.count(b'"prompt_token_ids":[') == 1 and b'"prompt_token_ids":[' not in spaced
+    outputs, turns = [], []
+    for payload in (compact, spaced):
+        obs = TurnObserver(strip_token_ids=True)
+        outputs.append(msgspec.json.decode(SseRewriter(obs).feed(b"data: " + payload + b"\n\n")[6:]))
+        turns.append(obs.finished())
+    assert outputs[0] == outputs[1] == {k: v for k, v in event.items() if k != "prompt_token_ids"}
+    assert isinstance(turns[0], FinishedTurn) and turns[0] == turns[1] and turns[0].prompt_token_ids == ids
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b'{"prompt_token_ids":[1,-2],"a":1}',  # not plain non-negative integers
+        b'{"prompt_token_ids":[1.5],"a":1}',
+        b'{"prompt_token_ids":[1],"choices":[{"prompt_token_ids":[1]}]}',  # more than one
+        b'{"prompt_token_ids":null}',
+        b'{"prompt_token_ids": [1]}',  # not compact: decoded the usual way
+    ],
+)
+def test_prompt_ids_are_only_cut_when_plainly_safe(payload: bytes) -> None:
+    assert cut_prompt_ids(payload) is None
+    assert cut_prompt_ids(b'{"prompt_token_ids":[1,2]}') == (b"{}", b"[1,2]")
