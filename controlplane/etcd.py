@@ -118,6 +118,12 @@ class TxnBatcher:
     goes out at once and batches only grow under load. Two transactions touching
     the same key never share a batch (etcd refuses duplicate keys in one Txn);
     the later one goes in a later batch.
+
+    One batch in flight by default: what arrives meanwhile waits for it and leaves
+    together. Measured at 1,000 lookups/s (`bench.lookup_tail`, 4 A/B pairs): p99
+    7.1-9.1 ms with one in flight, 9.2-13.7 with four, because the fewer etcd
+    requests (0.05 instead of 0.16 per turn) leave the 2 cores more room; a lone
+    request still goes out at once.
     """
 
     def __init__(
