@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from urllib.parse import urlsplit
 
 import aiohttp
 import grpc
@@ -27,10 +28,11 @@ import structlog
 from kvferry.tasks import cancel_and_wait
 from kvferry.v1 import nodes_pb2
 from sidecar.daemon import Backoff, DaemonLink
+from sidecar.drafts import is_loopback
 from sidecar.engine import EngineFacts, EngineInstance, learn_facts
 from sidecar.kvindex import KvBatch, KvMirror
 from sidecar.metrics import SidecarMetrics
-from sidecar.settings import Settings, advertised_engine_url, listen_address
+from sidecar.settings import Settings, listen_address
 
 log = structlog.get_logger(__name__)
 
@@ -49,6 +51,24 @@ def batch_message(b: KvBatch) -> nodes_pb2.AttachRequest:
             seq=b.seq, stored=b.stored, removed=b.removed, cleared=b.cleared, reset=b.reset
         )
     )
+
+
+def advertised_engine_url(s: Settings, http_url: str) -> str:
+    """The node's engine_url given its http_url ("" = none: requests go through the tap).
+
+    By default the engine's own URL, unless that is a loopback address while the
+    tap's is not: a router on another host could not reach it.
+    """
+    chosen = s.tap.advertise_engine_url
+    if chosen == "none":
+        return ""
+    if chosen:
+        return chosen.rstrip("/")
+    if is_loopback(urlsplit(s.engine.url).hostname or "") and not is_loopback(
+        urlsplit(http_url).hostname or ""
+    ):
+        return ""
+    return s.engine.url
 
 
 class NodeSession:

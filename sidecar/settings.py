@@ -7,7 +7,6 @@ name upper-cased, dashes as underscores), then to the value below.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import socket
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -168,31 +167,6 @@ class Settings:
     def side_channel_host(self) -> str:
         """The side-channel host prefill nodes are told."""
         return self.engine.side_channel_host or default_host()
-
-
-def advertised_engine_url(s: Settings, http_url: str) -> str:
-    """The node's engine_url given its http_url ("" = none: requests go through the tap).
-
-    By default the engine's own URL, unless that is a loopback address while the
-    tap's is not: a router on another host could not reach it.
-    """
-    chosen = s.tap.advertise_engine_url
-    if chosen == "none":
-        return ""
-    if chosen:
-        return chosen.rstrip("/")
-    if _is_loopback(urlsplit(s.engine.url).hostname) and not _is_loopback(urlsplit(http_url).hostname):
-        return ""
-    return s.engine.url
-
-
-def _is_loopback(host: str | None) -> bool:
-    if not host or host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def default_host() -> str:

@@ -19,14 +19,8 @@ from sidecar.engine import (
 )
 from sidecar.leases import RegistrationQueue, dead_reason, retry_decision
 from sidecar.metrics import SidecarMetrics
-from sidecar.settings import (
-    EngineSettings,
-    Settings,
-    TapSettings,
-    add_arguments,
-    advertised_engine_url,
-    from_args,
-)
+from sidecar.node import advertised_engine_url
+from sidecar.settings import EngineSettings, Settings, TapSettings, add_arguments, from_args
 
 
 def test_health_transitions() -> None:
