@@ -6,7 +6,10 @@ prints what is needed to explain a tail: the CPU each process spent per lookup
 loop lag (a stall there is not the daemon's), etcd's WAL fsync / backend commit /
 snapshot counts over the run, and a timeline of slow lookups per 250 ms.
 
-    python -m bench.lookup_tail [--leases 20000] [--rate 1000] [--seconds 15]
+    python -m bench.lookup_tail [--leases 20000] [--rate 1000] [--seconds 15] [--list]
+
+``--list`` runs ``kvferry leases ls`` over every lease meanwhile, in a process of its
+own: an operator listing a large store under load.
 """
 
 from __future__ import annotations
@@ -100,6 +103,13 @@ async def probe(args: argparse.Namespace) -> None:
         cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
         disk0 = etcd_counters(etcd.endpoint)
         tick = asyncio.create_task(ticker())
+        listing = None
+        if args.list:  # `kvferry leases ls` of everything, from its own process
+            listing = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "kvferry.cli", "leases", "ls", "--daemon", f"127.0.0.1:{d.port}",
+                "--tenant", "bench", "--json", stdout=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            list_started = time.perf_counter()
         t0 = time.perf_counter()
         start = loop.time() + 0.05
         tasks = []
@@ -112,6 +122,10 @@ async def probe(args: argparse.Namespace) -> None:
         elapsed = time.perf_counter() - t0
         ticking = False
         await tick
+        listed = 0
+        if listing is not None:
+            out, _ = await listing.communicate()
+            listed, list_s = out.count(b"\n"), time.perf_counter() - list_started
         cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
         disk = {k: v - disk0.get(k, 0.0) for k, v in etcd_counters(etcd.endpoint).items()}
         await sidecar.close()
@@ -133,6 +147,8 @@ async def probe(args: argparse.Namespace) -> None:
         + ", ".join(f"{k} {v / count * 1e3:.3f} ms ({v / elapsed:.2f} core)" for k, v in cpu.items())
     )
     print(f"load generator loop lag: p99 {pct(lags, 99):.1f} ms, max {max(lags) * 1e3:.1f} ms")
+    if listed:
+        print(f"kvferry leases ls meanwhile: {listed:,} leases in {list_s:.1f}s")
     for name in _ETCD_COUNTERS:
         c, s = disk.get(f"{name}_count", 0.0), disk.get(f"{name}_sum", 0.0)
         print(f"etcd {name.removeprefix('etcd_')}: {c:.0f} in the run, mean {s / c * 1e3 if c else 0:.2f} ms")
@@ -152,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--leases", type=int, default=20_000, help="live leases besides the ones looked up")
     p.add_argument("--rate", type=float, default=1000.0, help="lookups offered per second")
     p.add_argument("--seconds", type=float, default=15.0)
+    p.add_argument("--list", action="store_true", help="run `kvferry leases ls` of everything meanwhile")
     args = p.parse_args(argv)
 
     async def run() -> int:

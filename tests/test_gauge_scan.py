@@ -109,3 +109,49 @@ async def test_bad_bounds_in_etcd_are_ignored_with_a_log_line(store: EtcdStore) 
         with structlog.testing.capture_logs() as logs:
             assert await held(store) == {"d-a": (20, 20)}
         assert [e["event"] for e in logs] == ["scan_bounds.invalid"]
+
+
+async def listed(s: EtcdStore, prefix: bytes, limit: int) -> list[str]:
+    out, start = [], b""
+    while True:
+        page, start = await s.list_retentions(prefix, start, limit)
+        assert len(page) <= limit
+        out.extend(f"{r.tenant}/{r.conversation_id}" for r in page)
+        if not start:
+            return out
+
+
+@pytest.mark.parametrize("limit", [1, 3, 7, 100])
+async def test_listing_pages_through_the_windows_and_sees_every_retention_once(
+    store: EtcdStore, etcd_endpoint: str, monkeypatch: pytest.MonkeyPatch, limit: int
+) -> None:
+    monkeypatch.setattr(store_mod, "SCAN_PAGE", 4)
+    now = time.time()
+    for i in range(30):
+        await store.put_retention("a" if i % 2 else "b", f"c{i:03d}", retention("d-a", 1), now)
+    assert await held(store) == {"d-a": (30, 30)}  # a scan: window bounds every 4th key
+    bounds = await stored_bounds(store)
+    assert len(bounds) == 7
+    every = sorted(f"{'a' if i % 2 else 'b'}/c{i:03d}" for i in range(30))
+    # A replica that never scanned reads the bounds from etcd.
+    other = EtcdStore((etcd_endpoint,), store.keys, 2.0, 60, 10_000, 600)
+    await other.connect()
+    ends: list[bytes] = []
+    real = other._client.kvstub.Range
+
+    def recording(req, **kw):  # type: ignore[no-untyped-def]
+        if req.limit:
+            ends.append(req.range_end)
+        return real(req, **kw)
+
+    other._client.kvstub.Range = recording
+    try:
+        assert await listed(other, store.keys.retentions, limit) == every
+        assert await listed(other, store.keys.tenant_retentions("a"), limit) == [
+            x for x in every if x[0] == "a"
+        ]
+    finally:
+        await other.close()
+    # Every request stops at a bound (or a listed prefix's end), never at the end of all keys.
+    allowed = {*bounds, prefix_end(store.keys.retentions), prefix_end(store.keys.tenant_retentions("a"))}
+    assert set(ends) <= allowed and len(set(ends) & set(bounds)) > 1
