@@ -195,8 +195,9 @@ class EtcdStore:
         # Every SCAN_PAGE-th key this replica registered since the last gauge scan.
         self._registered = 0
         self._sampled: list[bytes] = []
-        # Window bounds for listings: the last gauge scan's, plus the keys sampled since
-        # (the first `_merged` of `_sampled`), sorted. None: not read from etcd yet.
+        # Window bounds for listings: the last gauge scan's (None: not read from etcd
+        # yet), and those merged with the first `_merged` keys of `_sampled`.
+        self._scan_bounds: list[bytes] | None = None
         self._bounds: list[bytes] | None = None
         self._merged = 0
 
@@ -332,10 +333,11 @@ class EtcdStore:
         """
         end = prefix_end(prefix)
         key = start or prefix
-        bounds = await self._window_bounds()
-        i = bisect.bisect_right(bounds, key)
+        bounds = await self._window_bounds()  # this listing's own snapshot: never changed
         out: list[Stored] = []
+        span = 1  # bounds a window spans: doubles over empty windows (stale bounds)
         while True:
+            i = bisect.bisect_right(bounds, key) + span - 1
             hi = bounds[i] if i < len(bounds) and bounds[i] < end else end
             req = rpc.RangeRequest(key=key, range_end=hi, limit=limit - len(out))
             resp = await timed("list", self._client.kvstub.Range(req, timeout=self._timeout))
@@ -348,15 +350,19 @@ class EtcdStore:
                 return out, b""
             if len(out) >= limit:
                 return out, hi
-            key, i = hi, i + 1
+            key, span = hi, 1 if resp.kvs else span * 2
 
     async def _window_bounds(self) -> list[bytes]:
+        """The last scan's bounds and the keys sampled since, sorted: a new list whenever
+        samples were added (a listing in progress keeps the one it started with)."""
+        if self._scan_bounds is None:
+            self._scan_bounds = await self._load_scan_bounds()
+        # (A long sorted run and a short one: Timsort merges them in about linear time.
+        # A key sampled twice only makes one empty window.)
         if self._bounds is None:
-            self._bounds = await self._load_scan_bounds()
-        for key in self._sampled[self._merged :]:
-            i = bisect.bisect_left(self._bounds, key)
-            if i == len(self._bounds) or self._bounds[i] != key:
-                self._bounds.insert(i, key)
+            self._bounds = sorted(self._scan_bounds + self._sampled)
+        elif self._merged < len(self._sampled):
+            self._bounds = sorted(self._bounds + self._sampled[self._merged :])
         self._merged = len(self._sampled)
         return self._bounds
 
@@ -398,8 +404,10 @@ class EtcdStore:
                 start = bytes(resp.kvs[-1].key) + b"\0"
         # Very large stores: fewer, larger windows, so the bounds stay one modest value.
         step = max(1, -(-len(bounds) // MAX_SCAN_BOUNDS))
-        self._bounds = bounds[::step]
-        await self._txn("scan_bounds", [], [_put(self.keys.scan_bounds, encode_bounds(self._bounds))], [])
+        self._scan_bounds, self._bounds = bounds[::step], None
+        await self._txn(
+            "scan_bounds", [], [_put(self.keys.scan_bounds, encode_bounds(self._scan_bounds))], []
+        )
 
     async def _load_scan_bounds(self) -> list[bytes]:
         """The previous scan's window bounds: strictly increasing keys inside the prefix,

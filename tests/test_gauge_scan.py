@@ -8,6 +8,7 @@ retention is counted exactly once, whatever the remembered bounds are."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -155,3 +156,58 @@ async def test_listing_pages_through_the_windows_and_sees_every_retention_once(
     # Every request stops at a bound (or a listed prefix's end), never at the end of all keys.
     allowed = {*bounds, prefix_end(store.keys.retentions), prefix_end(store.keys.tenant_retentions("a"))}
     assert set(ends) <= allowed and len(set(ends) & set(bounds)) > 1
+
+
+async def test_a_listing_is_not_disturbed_by_keys_sampled_while_it_runs(
+    store: EtcdStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A listing keeps the window bounds it started with: another listing merging keys
+    registered meanwhile must not shift them under it (that repeated keys)."""
+    monkeypatch.setattr(store_mod, "SCAN_PAGE", 4)
+    now = time.time()
+    for i in range(40):
+        await store.put_retention("t", f"c{i:03d}", retention("d-a", 1), now)
+    assert await held(store) == {"d-a": (40, 40)}
+    gate, waiting, calls = asyncio.Event(), asyncio.Event(), 0
+    real = store._client.kvstub.Range
+
+    async def gated(req, **kw):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the first listing, between two windows
+            waiting.set()
+            await gate.wait()
+        return await real(req, **kw)
+
+    store._client.kvstub.Range = gated
+    first = asyncio.create_task(listed(store, store.keys.retentions, 1000))
+    await waiting.wait()
+    for i in range(12):  # keys sampled below where the first listing stands
+        await store.put_retention("t", f"a{i:03d}", retention("d-a", 1), now)
+    assert len(await listed(store, store.keys.retentions, 1000)) == 52
+    gate.set()
+    keys = await first
+    assert len(keys) == len(set(keys)) and {f"t/c{i:03d}" for i in range(40)} <= set(keys)
+
+
+async def test_stale_bounds_over_an_emptied_store_cost_few_requests(
+    store: EtcdStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_mod, "SCAN_PAGE", 2)
+    now = time.time()
+    for i in range(200):
+        await store.put_retention("t", f"c{i:03d}", retention("d-a", 1), now)
+    assert await held(store) == {"d-a": (200, 200)}
+    for i in range(199):
+        await store.revoke("t", f"c{i:03d}")
+    ranges = 0
+    real = store._client.kvstub.Range
+
+    def counting(req, **kw):  # type: ignore[no-untyped-def]
+        nonlocal ranges
+        ranges += 1
+        return real(req, **kw)
+
+    store._client.kvstub.Range = counting
+    assert await listed(store, store.keys.retentions, 100) == ["t/c199"]
+    assert ranges <= 12  # 99 windows, skipped in doubling spans
