@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 import structlog
 
@@ -174,6 +175,14 @@ def _check_id(name: str, value: str, max_bytes: int, required: bool = True) -> N
         raise InvalidArgument(f"{name} contains control characters")
 
 
+def _is_http_url(url: str) -> bool:
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return False
+    return parts.scheme.lower() in ("http", "https") and bool(parts.hostname)
+
+
 class ControlPlane:
     """Every operation the gRPC API offers, on plain data."""
 
@@ -200,10 +209,10 @@ class ControlPlane:
             raise InvalidArgument(f"side_channel_port {reg.side_channel_port} is not a port number")
         _check_id("side_channel_host", reg.side_channel_host, self._limits.max_id_bytes)
         for name, url in (("http_url", reg.http_url), ("engine_url", reg.engine_url)):
-            if url and not url.startswith(("http://", "https://")):
-                raise InvalidArgument(f"{name} {url!r} must start with http:// or https://")
-            if len(url) > MAX_URL_BYTES:
+            if len(url.encode()) > MAX_URL_BYTES:
                 raise InvalidArgument(f"{name} is longer than {MAX_URL_BYTES} bytes")
+            if url and not _is_http_url(url):
+                raise InvalidArgument(f"{name} {url!r} must be an http:// or https:// URL with a host")
         ttl = reg.liveness_ttl_s or self.settings.nodes.liveness_ttl_s
         if not 2 <= ttl <= 3600:
             raise InvalidArgument(f"liveness_ttl_seconds {ttl} must be in 2..3600")

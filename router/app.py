@@ -21,7 +21,7 @@ from kvferry.tasks import cancel_and_wait
 from router.control import ControlPlane
 from router.http_api import build_app
 from router.metrics import RouterMetrics
-from router.nodes import Load, NodeDirectory
+from router.nodes import DirectRoutes, Load, NodeDirectory
 from router.settings import Settings, host_port
 from router.turn import Shared
 from router.upstream import Engines
@@ -84,6 +84,7 @@ class Router:
                 control=self.control,
                 metrics=self.metrics,
                 tickets=itertools.count(),
+                direct=DirectRoutes(),
             )
             self._runner = web.AppRunner(
                 build_app(shared),

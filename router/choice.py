@@ -29,19 +29,14 @@ class Node:
     url: str
     """Base URL requests go to (the node's sidecar when it has one)."""
     engine_url: str = ""
-    """The engine's own server, for what no sidecar needs to see ("" = use `url`)."""
+    """The engine's own server, for what no sidecar needs to see: tokenize and prefill
+    requests (skipping the tap saves two hops); "" = use `url` (see `nodes.DirectRoutes`)."""
     model: str = ""
     """Base model ("" = unknown)."""
     block_size: int = 16
     """Tokens per KV block."""
     indexed_blocks: int = 0
     """Blocks the daemon's KV-event index holds for it (0: scoring it is pointless)."""
-
-    @property
-    def direct_url(self) -> str:
-        """Where tokenize and prefill requests go: the engine itself when it is known (a
-        prefill request needs nothing from the tap; skipping it saves two hops)."""
-        return self.engine_url or self.url
 
     @property
     def prefills(self) -> bool:

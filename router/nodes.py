@@ -26,6 +26,36 @@ from router.settings import Settings
 log = structlog.get_logger(__name__)
 
 
+class DirectRoutes:
+    """Where tokenize and prefill requests go: a node's advertised engine URL, unless
+    connecting to it failed in the last `retry_after_s` (a sidecar may advertise an
+    engine this router cannot reach); then the node's http_url, its sidecar, which
+    relays everything."""
+
+    def __init__(self, retry_after_s: float = 60.0, clock: Any = time.monotonic) -> None:
+        self._retry_after_s = retry_after_s
+        self._clock = clock
+        self._failed: dict[str, float] = {}
+
+    def url(self, node: Node) -> str:
+        if not node.engine_url:
+            return node.url
+        failed = self._failed.get(node.engine_id)
+        if failed is not None and self._clock() - failed < self._retry_after_s:
+            return node.url
+        return node.engine_url
+
+    def unreachable(self, node: Node, url: str) -> bool:
+        """Record that connecting to `url` failed. -> whether it was the engine URL, so the
+        same request may go to the node's sidecar instead."""
+        if not node.engine_url or url != node.engine_url or url == node.url:
+            return False
+        if node.engine_id not in self._failed:
+            log.warning("router.engine_url.unreachable", node=node.engine_id, url=url, fallback=node.url)
+        self._failed[node.engine_id] = self._clock()
+        return True
+
+
 class Load:
     """Outstanding requests per node, as this router sent them."""
 

@@ -50,7 +50,7 @@ from router.decisions import (
 )
 from router.identity import CONVERSATION_HEADER, Identity, identify
 from router.metrics import RouterMetrics
-from router.nodes import Load, NodeDirectory
+from router.nodes import DirectRoutes, Load, NodeDirectory
 from router.relay import SseScrubber, scrub_json
 from router.settings import Settings
 from router.upstream import Engines, Reply, UpstreamError, encode, tokenize_request, tokens_of
@@ -108,6 +108,7 @@ class Shared:
     control: ControlPlane | None
     metrics: RouterMetrics
     tickets: itertools.count[int]
+    direct: DirectRoutes
 
 
 class Turn:
@@ -204,17 +205,22 @@ class Turn:
         if req is None or isinstance(req, list):
             return req
         t0 = time.perf_counter()
-        try:
-            reply = await self.s.engines.post(
-                node.direct_url + "/tokenize",
-                encode(req),
-                self.s.engines.headers(self.request.headers, self.request_id),
-                self.s.settings.upstream.tokenize_timeout_s,
-            )
-        except UpstreamError as e:
-            self.s.metrics.upstream_error("tokenize", e.failure)
-            self.log.info("router.tokenize.failed", node=node.engine_id, error=str(e))
-            return None
+        while True:
+            url = self.s.direct.url(node)
+            try:
+                reply = await self.s.engines.post(
+                    url + "/tokenize",
+                    encode(req),
+                    self.s.engines.headers(self.request.headers, self.request_id),
+                    self.s.settings.upstream.tokenize_timeout_s,
+                )
+                break
+            except UpstreamError as e:
+                if e.failure.kind is FailureKind.CONNECT and self.s.direct.unreachable(node, url):
+                    continue  # through the node's sidecar
+                self.s.metrics.upstream_error("tokenize", e.failure)
+                self.log.info("router.tokenize.failed", node=node.engine_id, error=str(e))
+                return None
         self.s.metrics.stage.labels("tokenize").observe(time.perf_counter() - t0)
         tokens = tokens_of(reply.body) if reply.status == 200 else None
         if tokens is None:
@@ -238,14 +244,17 @@ class Turn:
             payload = encode(prefill_body(self.body, kv))
             reply: Reply | None = None
             t0 = time.perf_counter()
+            url = self.s.direct.url(node)
             with self.s.load.track(node):
                 try:
                     reply = await self.s.engines.post(
-                        node.direct_url + self.path,
+                        url + self.path,
                         payload,
                         self.s.engines.headers(self.request.headers, self.request_id),
                     )
                 except UpstreamError as e:
+                    if e.failure.kind is FailureKind.CONNECT and self.s.direct.unreachable(node, url):
+                        continue  # the same node through its sidecar (the engine never saw it)
                     failure = e.failure
                     self.log.info("router.prefill.unreachable", node=node.engine_id, error=str(e))
             if reply is not None:

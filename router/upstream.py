@@ -63,10 +63,12 @@ class Reply:
 
 
 def _failure_of(e: BaseException) -> Failure:
+    # (A connect timeout is a TimeoutError too, but like a refused connection the engine
+    # never saw the request.)
+    if isinstance(e, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError | ConnectionRefusedError):
+        return Failure(FailureKind.CONNECT)
     if isinstance(e, TimeoutError):
         return Failure(FailureKind.TIMEOUT)
-    if isinstance(e, aiohttp.ClientConnectorError | ConnectionRefusedError):
-        return Failure(FailureKind.CONNECT)
     return Failure(FailureKind.PROTOCOL)
 
 

@@ -56,11 +56,13 @@ def batch_message(b: KvBatch) -> nodes_pb2.AttachRequest:
 def advertised_engine_url(s: Settings, http_url: str) -> str:
     """The node's engine_url given its http_url ("" = none: requests go through the tap).
 
-    By default the engine's own URL, unless that is a loopback address while the
-    tap's is not: a router on another host could not reach it.
+    Only nodes that prefill have one (the router sends them tokenize and prefill
+    requests; a decode node's requests all need the tap). By default the engine's own
+    URL, unless that is a loopback address while the tap's is not: a router on another
+    host could not reach it. (A router that cannot connect to it falls back to http_url.)
     """
     chosen = s.tap.advertise_engine_url
-    if chosen == "none":
+    if chosen == "none" or s.engine.role == "decode":
         return ""
     if chosen:
         return chosen.rstrip("/")
@@ -68,7 +70,7 @@ def advertised_engine_url(s: Settings, http_url: str) -> str:
         urlsplit(http_url).hostname or ""
     ):
         return ""
-    return s.engine.url
+    return s.engine.url.rstrip("/")
 
 
 class NodeSession:

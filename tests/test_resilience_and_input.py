@@ -116,6 +116,10 @@ async def test_bad_lookups_and_nodes(client: Client) -> None:
         (node_request(side_channel_port=0), "side_channel_port 0"),
         (node_request(http_url="ftp://x"), "http_url"),
         (node_request(engine_url="tcp://x"), "engine_url"),
+        (
+            node_request(engine_url="http://"),
+            "engine_url 'http://' must be an http:// or https:// URL with a host",
+        ),
         (node_request(engine_url="http://" + "x" * 2100), "engine_url is longer than 2048 bytes"),
         (node_request(engine_id=""), "engine_id is required"),
     ]:

@@ -24,7 +24,7 @@ from router.decisions import (
     reuse_of,
 )
 from router.identity import MAX_ID_BYTES, conversation_of, identify, safe_id, tenant_of
-from router.nodes import base_model_of, static_nodes
+from router.nodes import DirectRoutes, base_model_of, static_nodes
 from router.relay import SseScrubber, scrub_json
 from router.settings import Settings, add_arguments, from_args
 from router.upstream import tokenize_request, tokens_of
@@ -330,3 +330,17 @@ def test_flags_make_settings() -> None:
         _parse()
     with pytest.raises(ValueError, match="http"):
         _parse("--prefill", "p:1", "--decode", "http://d")
+
+
+def test_an_unreachable_engine_url_is_avoided_for_a_while() -> None:
+    now = [100.0]
+    routes = DirectRoutes(retry_after_s=60.0, clock=lambda: now[0])
+    p = Node(engine_id="p-1", role="prefill", url="http://10.0.0.1:8100", engine_url="http://10.0.0.1:8000")
+    plain = Node(engine_id="p-2", role="prefill", url="http://10.0.0.2:8100")
+    assert routes.url(p) == p.engine_url and routes.url(plain) == plain.url
+    assert not routes.unreachable(plain, plain.url)  # nothing to fall back from
+    assert routes.unreachable(p, p.engine_url)
+    assert routes.url(p) == p.url
+    assert not routes.unreachable(p, p.url)  # the sidecar itself failed: a real failure
+    now[0] += 61
+    assert routes.url(p) == p.engine_url  # tried again later

@@ -58,16 +58,22 @@ async def test_a_turn_after_a_finished_turn_pulls_and_answers_the_same(
     assert three.text == await reference(CHAT, third)
 
 
-@pytest.mark.parametrize("advertised", ["", "none"])
+UNREACHABLE = "http://127.0.0.1:9"  # (discard port: nothing listens there)
+
+
+@pytest.mark.parametrize("advertised", ["", "none", UNREACHABLE])
 async def test_tokenize_and_prefill_skip_the_p_sidecar_when_it_advertises_the_engine(
     make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference, advertised: str
 ) -> None:
+    """Through P's tap only when it advertised no engine URL, or one this router cannot
+    reach (then the router falls back to the tap, and stays there)."""
     stack = await make_stack(p_engine_url=advertised)
     router = await stack.router()
     [p] = stack.prefills
     listed = await stack.client.nodes.List(nodes_pb2.ListNodesRequest())
     engine_urls = {n.engine_id: n.engine_url for n in listed.nodes}
-    assert engine_urls[stack.sidecar(p).settings.node_id] == ("" if advertised else p.http_url)
+    expected_url = {"": p.http_url, "none": "", UNREACHABLE: UNREACHABLE}[advertised]
+    assert engine_urls[stack.sidecar(p).settings.node_id] == expected_url
     messages = first_turn("tolls")
     body: dict[str, Any] = {"model": "kvferry/emulated-model", "messages": messages, "max_tokens": 24}
     one = await ask(http, router.url, {**body, "conversation_id": "conv-t"})
@@ -78,8 +84,10 @@ async def test_tokenize_and_prefill_skip_the_p_sidecar_when_it_advertises_the_en
     proxied = stack.sidecar(p).metrics.registry.get_sample_value(
         "kvferry_sidecar_proxied_requests_total", {"tapped": "no"}
     )
-    # Two turns, each a /tokenize and a prefill: through P's tap only when it advertised none.
-    assert (proxied or 0.0) == (4.0 if advertised == "none" else 0.0)
+    # Two turns, each a /tokenize and a prefill.
+    assert (proxied or 0.0) == (0.0 if advertised == "" else 4.0)
+    for role in ("tokenize", "prefill"):  # the fallback is no error
+        assert router.metrics.value("kvferry_router_upstream_errors_total", role=role, kind="connect") == 0
 
 
 async def test_edited_history_pulls_only_what_matches_and_never_answers_wrong(

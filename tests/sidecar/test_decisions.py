@@ -150,7 +150,7 @@ def test_invalid_settings_are_refused(change: dict[str, dict[str, object]]) -> N
     ("engine", "advertised", "http_url", "expected"),
     [
         # The router reaches the engine wherever it reaches the tap...
-        ("http://10.0.0.1:8000", "", "http://10.0.0.1:8100", "http://10.0.0.1:8000"),
+        ("http://10.0.0.1:8000/", "", "http://10.0.0.1:8100", "http://10.0.0.1:8000"),
         ("http://127.0.0.1:8000", "", "http://127.0.0.1:8100", "http://127.0.0.1:8000"),
         # ...but not an engine on loopback behind a tap other hosts reach.
         ("http://127.0.0.1:8000", "", "http://10.0.0.1:8100", ""),
@@ -160,5 +160,10 @@ def test_invalid_settings_are_refused(change: dict[str, dict[str, object]]) -> N
     ],
 )
 def test_advertised_engine_url(engine: str, advertised: str, http_url: str, expected: str) -> None:
-    s = Settings(engine=EngineSettings(url=engine), tap=TapSettings(advertise_engine_url=advertised))
+    prefill = EngineSettings(url=engine, role="prefill")
+    s = Settings(engine=prefill, tap=TapSettings(advertise_engine_url=advertised))
     assert advertised_engine_url(s, http_url) == expected
+    both = replace(s, engine=replace(prefill, role="both"))
+    assert advertised_engine_url(both, http_url) == expected
+    # A decode node's requests all go through its tap.
+    assert advertised_engine_url(replace(s, engine=replace(prefill, role="decode")), http_url) == ""
