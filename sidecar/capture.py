@@ -236,11 +236,12 @@ def cut_prompt_ids(payload: bytes) -> tuple[bytes, bytes] | None:
 
     vLLM puts the whole prompt's ids in the first event of an answer: 64k of them are
     300 KB, and decoding and re-encoding that event held the first token back ~1 ms.
-    Cutting bytes costs microseconds. The key can only match outside a string (inside
-    one its quotes would be escaped), and the list ends at its first ``]``.
+    Cutting bytes costs microseconds. A match preceded by ``{`` or ``,`` is a member's
+    key (inside a string its quotes would be escaped), and the list ends at its first
+    ``]``.
     """
     i = payload.find(_PROMPT_IDS)
-    if i < 0:
+    if i <= 0 or payload[i - 1] not in b"{,":
         return None
     start = i + len(_PROMPT_IDS) - 1
     end = payload.find(b"]", start)
@@ -307,14 +308,16 @@ class SseRewriter:
             self.done = True
             return event
         observer = self._observer
-        cut = cut_prompt_ids(payload) if observer.strip_token_ids else None
+        # Only the first event carries the prompt's ids: later ones are decoded whole.
+        first = observer.prompt_token_ids is None and observer.prompt_ids_json is None
+        cut = cut_prompt_ids(payload) if observer.strip_token_ids and first else None
         if cut is not None:
             payload, ids = cut
         try:
             obj = _json_decode(payload)
         except msgspec.DecodeError:
             return event
-        if cut is not None and observer.prompt_token_ids is None and observer.prompt_ids_json is None:
+        if cut is not None:
             observer.prompt_ids_json = ids
         if observer.observe(obj):
             return b"data: " + _json_encode(obj)

@@ -315,8 +315,29 @@ def test_prompt_ids_cut_from_compact_events_as_if_decoded(ids: list[int], order:
         b'{"prompt_token_ids":[1],"choices":[{"prompt_token_ids":[1]}]}',  # more than one
         b'{"prompt_token_ids":null}',
         b'{"prompt_token_ids": [1]}',  # not compact: decoded the usual way
+        b'{"\\"prompt_token_ids":[1]}',  # a key ending in an escaped quote
     ],
 )
 def test_prompt_ids_are_only_cut_when_plainly_safe(payload: bytes) -> None:
     assert cut_prompt_ids(payload) is None
     assert cut_prompt_ids(b'{"prompt_token_ids":[1,2]}') == (b"{}", b"[1,2]")
+
+
+def test_completions_stream_ids_in_the_choice_are_cut_too() -> None:
+    """vLLM's /v1/completions stream carries the prompt's ids in choice 0."""
+    event = {
+        "id": "cmpl-1",
+        "choices": [{"index": 0, "text": "a", "prompt_token_ids": [5, 6], "token_ids": [7]}],
+    }
+    obs = TurnObserver(strip_token_ids=True)
+    out = SseRewriter(obs).feed(b"data: " + msgspec.json.encode(event) + b"\n\n")
+    assert msgspec.json.decode(out[6:]) == {"id": "cmpl-1", "choices": [{"index": 0, "text": "a"}]}
+    final = {
+        "choices": [{"index": 0, "text": "", "token_ids": [8], "finish_reason": "stop"}],
+        "kv_transfer_params": D_PARAMS,
+    }
+    SseRewriter(obs).feed(b"data: " + msgspec.json.encode(final) + b"\n\n")
+    turn = obs.finished()
+    assert (
+        isinstance(turn, FinishedTurn) and turn.prompt_token_ids == [5, 6] and turn.output_token_ids == [7, 8]
+    )
