@@ -1,0 +1,105 @@
+"""Group commit (controlplane.etcd.TxnBatcher) against a fake etcd whose answers the
+test releases: what leaves when, and in which batch."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aetcd import rpc
+
+from controlplane.etcd import TxnBatcher
+
+
+class FakeEtcd:
+    """`kvstub.Txn` that records each request and answers when the test says so."""
+
+    def __init__(self) -> None:
+        self.kvstub = self
+        self.sent: list[rpc.TxnRequest] = []
+        self.answers: list[asyncio.Future[rpc.TxnResponse]] = []
+
+    def Txn(self, req: rpc.TxnRequest, timeout: float) -> asyncio.Future[rpc.TxnResponse]:
+        self.sent.append(req)
+        fut: asyncio.Future[rpc.TxnResponse] = asyncio.get_running_loop().create_future()
+        self.answers.append(fut)
+        return fut
+
+    def answer(self, i: int) -> None:
+        req = self.sent[i]
+        if req.compare or not req.success or not req.success[0].HasField("request_txn"):
+            self.answers[i].set_result(rpc.TxnResponse(succeeded=True))  # one txn on its own
+            return
+        resp = rpc.TxnResponse(succeeded=True)
+        for _ in req.success:
+            resp.responses.add().response_txn.succeeded = True
+        self.answers[i].set_result(resp)
+
+
+def txn(key: bytes) -> rpc.TxnRequest:
+    put = rpc.PutRequest(key=key, value=b"v")
+    return rpc.TxnRequest(success=[rpc.RequestOp(request_put=put)])
+
+
+def batch_size(req: rpc.TxnRequest) -> int:
+    nested = [op for op in req.success if op.HasField("request_txn")]
+    return len(nested) or 1
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_lone_request_leaves_at_once_and_later_ones_wait_as_one_batch() -> None:
+    etcd = FakeEtcd()
+    b = TxnBatcher(etcd, 1.0, max_items=8)  # type: ignore[arg-type]
+    first = asyncio.create_task(b.submit("t", txn(b"/a"), (b"/a",)))
+    await settle()
+    assert len(etcd.sent) == 1  # no waiting for company
+    rest = [asyncio.create_task(b.submit("t", txn(k), (k,))) for k in (b"/b", b"/c", b"/d")]
+    await settle()
+    assert len(etcd.sent) == 1  # one batch in flight: the others wait for it
+    etcd.answer(0)
+    await first
+    await settle()
+    assert len(etcd.sent) == 2 and batch_size(etcd.sent[1]) == 3
+    etcd.answer(1)
+    assert all(r.succeeded for r in await asyncio.gather(*rest))
+    await b.close()
+
+
+async def test_a_full_batch_waiting_goes_out_in_parallel() -> None:
+    etcd = FakeEtcd()
+    b = TxnBatcher(etcd, 1.0, max_items=4, max_burst=3)  # type: ignore[arg-type]
+    tasks = [
+        asyncio.create_task(b.submit("t", txn(f"/k{i}".encode()), (f"/k{i}".encode(),))) for i in range(13)
+    ]
+    await settle()
+    # The first alone, then full batches of 4 while fewer than 3 are in flight.
+    assert [batch_size(r) for r in etcd.sent] == [1, 4, 4]
+    for i in range(len(etcd.sent)):
+        etcd.answer(i)
+    await settle()
+    assert [batch_size(r) for r in etcd.sent] == [1, 4, 4, 4]
+    etcd.answer(3)
+    assert len(await asyncio.gather(*tasks)) == 13
+    await b.close()
+
+
+async def test_transactions_on_one_key_never_share_a_batch() -> None:
+    etcd = FakeEtcd()
+    b = TxnBatcher(etcd, 1.0, max_items=8)  # type: ignore[arg-type]
+    first = asyncio.create_task(b.submit("t", txn(b"/x"), (b"/x",)))
+    await settle()
+    same = [asyncio.create_task(b.submit("t", txn(b"/same"), (b"/same",))) for _ in range(2)]
+    other = asyncio.create_task(b.submit("t", txn(b"/y"), (b"/y",)))
+    await settle()
+    etcd.answer(0)
+    await settle()
+    assert batch_size(etcd.sent[1]) == 2  # /same and /y; the second /same waits
+    etcd.answer(1)
+    await settle()
+    assert batch_size(etcd.sent[2]) == 1
+    etcd.answer(2)
+    await asyncio.gather(first, *same, other)
+    await b.close()
