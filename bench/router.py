@@ -1,8 +1,8 @@
 """Router benchmark: what the router adds to a turn, and what reuse saves.
 
 1. Overhead. TTFT of the same P-then-D sequence issued directly by the client
-   (P's sidecar, then D's sidecar), through the kvferry router (plain P/D: no
-   conversation id), and through an aiohttp stand-in for vLLM's example
+   (P itself, then D's sidecar: the router's path), through the kvferry router
+   (plain P/D: no conversation id), and through an aiohttp stand-in for vLLM's example
    multi-turn proxy (``examples/disaggregated/disaggregated_serving/
    disagg_proxy_multiturn.py``), all against the same engines in the same run,
    interleaved, one request at a time. Engines with no simulated delays, so
@@ -170,7 +170,7 @@ async def overhead(requests: int, prompt_tokens: int) -> None:
     # D pins every answer's blocks for the next turn (vLLM's bidirectional mode): a short pin
     # and a large pool, so that thousands of one-off requests never run D out of blocks.
     async with deployment(None, {"num_blocks": 65536, "decoder_kv_blocks_ttl": 10.0}) as dep:
-        p_url = dep.sidecars[0].url
+        p_url = dep.prefill.http_url  # as the router sends it (P's sidecar advertises it)
         d_url = dep.sidecars[1].url
         proxy = MultiturnProxyStandIn(p_url, d_url)
         await proxy.start()
@@ -342,7 +342,7 @@ async def speedup(lengths: Sequence[int], repeats: int) -> None:
         ) as dep,
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http,
     ):
-        proxy = MultiturnProxyStandIn(dep.sidecars[0].url, dep.sidecars[1].url)
+        proxy = MultiturnProxyStandIn(dep.prefill.http_url, dep.sidecars[1].url)
         await proxy.start()
         rng = random.Random(5)
         try:
