@@ -52,6 +52,17 @@ async def stored_bounds(s: EtcdStore) -> list[bytes]:
     return decode_bounds(resp.kvs[0].value) if resp.kvs else []
 
 
+async def scanned(store: EtcdStore, monkeypatch: pytest.MonkeyPatch, page: int, n: int) -> float:
+    """`n` one-token retentions on d-a (tenant "t", c000...), a scan with window bounds
+    every `page`-th key done. -> the time they were registered at."""
+    monkeypatch.setattr(store_mod, "SCAN_PAGE", page)
+    now = time.time()
+    for i in range(n):
+        await store.put_retention("t", f"c{i:03d}", retention("d-a", 1), now)
+    assert await held(store) == {"d-a": (n, n)}
+    return now
+
+
 async def test_every_retention_once_with_sampled_then_remembered_bounds(
     store: EtcdStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -75,11 +86,7 @@ async def test_every_retention_once_with_sampled_then_remembered_bounds(
 async def test_a_new_replica_reads_windows_from_the_bounds_kept_in_etcd(
     store: EtcdStore, etcd_endpoint: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(store_mod, "SCAN_PAGE", 5)
-    now = time.time()
-    for i in range(40):
-        await store.put_retention("t", f"c{i:03d}", retention("d-a", 1), now)
-    assert await held(store) == {"d-a": (40, 40)}
+    await scanned(store, monkeypatch, 5, 40)
     bounds = await stored_bounds(store)
     other = EtcdStore((etcd_endpoint,), store.keys, 2.0, 60, 10_000, 600)
     await other.connect()
@@ -113,7 +120,8 @@ async def test_bad_bounds_in_etcd_are_ignored_with_a_log_line(store: EtcdStore) 
 
 
 async def listed(s: EtcdStore, prefix: bytes, limit: int) -> list[str]:
-    out, start = [], b""
+    out: list[str] = []
+    start = b""
     while True:
         page, start = await s.list_retentions(prefix, start, limit)
         assert len(page) <= limit
@@ -163,11 +171,7 @@ async def test_a_listing_is_not_disturbed_by_keys_sampled_while_it_runs(
 ) -> None:
     """A listing keeps the window bounds it started with: another listing merging keys
     registered meanwhile must not shift them under it (that repeated keys)."""
-    monkeypatch.setattr(store_mod, "SCAN_PAGE", 4)
-    now = time.time()
-    for i in range(40):
-        await store.put_retention("t", f"c{i:03d}", retention("d-a", 1), now)
-    assert await held(store) == {"d-a": (40, 40)}
+    now = await scanned(store, monkeypatch, 4, 40)
     gate, waiting, calls = asyncio.Event(), asyncio.Event(), 0
     real = store._client.kvstub.Range
 
@@ -193,11 +197,7 @@ async def test_a_listing_is_not_disturbed_by_keys_sampled_while_it_runs(
 async def test_stale_bounds_over_an_emptied_store_cost_few_requests(
     store: EtcdStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(store_mod, "SCAN_PAGE", 2)
-    now = time.time()
-    for i in range(200):
-        await store.put_retention("t", f"c{i:03d}", retention("d-a", 1), now)
-    assert await held(store) == {"d-a": (200, 200)}
+    await scanned(store, monkeypatch, 2, 200)
     for i in range(199):
         await store.revoke("t", f"c{i:03d}")
     ranges = 0
