@@ -334,26 +334,27 @@ async def measured_turn(
     return Sample(ttft, prompt, model_ms, reused, answer, router_ms)
 
 
-async def idle_cost(address: str) -> tuple[float, float]:
+PEEK = leases_pb2.LookupRequest(conversation_id="bench-probe", prompt_tokens=1, peek=True)
+"""A Lookup that touches the daemon and etcd and claims nothing."""
+
+
+async def idle_cost(daemon: leases_pb2_grpc.LeasesAsyncStub) -> tuple[float, float]:
     """Median ms of a peek Lookup to the daemon back to back, and after 200 ms idle.
 
     Each measured turn finds the daemon and etcd idle (the other paths ran meanwhile):
     on this VM a process's first gRPC call after ~200 ms idle costs several ms more
     CPU than the next (no page faults; caches and TLBs refilled), and the turn pays
     it in the router, the daemon and etcd."""
-    req = leases_pb2.LookupRequest(conversation_id="bench-idle-probe", prompt_tokens=1, peek=True)
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = leases_pb2_grpc.LeasesStub(channel)
-        await stub.Lookup(req)
-        out = []
-        for gap in (0.0, 0.2):
-            xs = []
-            for _ in range(15):
-                await asyncio.sleep(gap)
-                t0 = time.perf_counter()
-                await stub.Lookup(req)
-                xs.append((time.perf_counter() - t0) * 1e3)
-            out.append(statistics.median(xs))
+    await daemon.Lookup(PEEK)
+    out = []
+    for gap in (0.0, 0.2):
+        xs = []
+        for _ in range(15):
+            await asyncio.sleep(gap)
+            t0 = time.perf_counter()
+            await daemon.Lookup(PEEK)
+            xs.append((time.perf_counter() - t0) * 1e3)
+        out.append(statistics.median(xs))
     return out[0], out[1]
 
 
@@ -371,13 +372,13 @@ async def speedup(lengths: Sequence[int], repeats: int) -> None:
         await proxy.start()
         rng = random.Random(5)
         probe = grpc.aio.insecure_channel(dep.daemon.address)
-        peek = leases_pb2.LookupRequest(conversation_id="bench-warm-up", prompt_tokens=1, peek=True)
+        daemon = leases_pb2_grpc.LeasesStub(probe)
 
         async def warm_up() -> None:
             """A diagnostic, not the figure: the gRPC path made warm just before the turn
             (three peek Lookups back to back: this process, the daemon and etcd)."""
             for _ in range(3):
-                await leases_pb2_grpc.LeasesStub(probe).Lookup(peek)
+                await daemon.Lookup(PEEK)
 
         try:
             for length in lengths:
@@ -413,10 +414,10 @@ async def speedup(lengths: Sequence[int], repeats: int) -> None:
                         runs[name].append(await measured_turn(http, dep, urls[name], body))
                     assert len({runs[n][-1].answer for n in urls}) == 1, "answers differ"
                 rows.append(runs)
+            warm_ms, cold_ms = await idle_cost(daemon)
         finally:
             await proxy.stop()
             await probe.close(None)
-        warm_ms, cold_ms = await idle_cost(dep.daemon.address)
     print(f"\n2. Emulated TTFT speedup, turn 2 vs reuse off ({timing_text()}), {repeats} conversations each")
     print(
         f"   {'context':>8} {'reused':>6} | {'TTFT off':>8} {'kvferry':>8} {'speedup':>7} | "
