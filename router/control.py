@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 import grpc
 import structlog
@@ -94,23 +94,14 @@ class ControlPlane:
             self._current = (self._current + 1) % len(self._replicas)
             log.info("router.daemon.failover", address=self._replica.address)
 
-    async def lookup(self, tenant: str, conversation_id: str, prompt_tokens: int, digests: bytes) -> Reuse:
-        """Claim the conversation's retention for a prompt; any failure = serve without reuse."""
-        req = leases_pb2.LookupRequest(
-            tenant=tenant,
-            conversation_id=conversation_id,
-            prompt_tokens=prompt_tokens,
-            prompt_digests=digests,
-        )
-        return await self._claim(req, lambda leases: leases.lookup(req, self._s.lookup_deadline_s))
-
     async def lookup_early(
         self, tenant: str, conversation_id: str, prompt: asyncio.Future[tuple[list[int], bytes] | None]
     ) -> Reuse:
-        """`lookup`, started before the prompt is known: the daemon claims while `prompt`
-        (the token ids and their digests; None = none could be made) is still being
-        computed, so the claim's round trip overlaps tokenizing. The deadline counts from
-        the prompt."""
+        """Claim the conversation's retention for a prompt; any failure = serve without reuse.
+
+        Sent before the prompt is known: the daemon claims while `prompt` (the token ids
+        and their digests; None = none could be made) is still being computed, so the
+        claim's round trip overlaps tokenizing. The deadline counts from the prompt."""
         req = leases_pb2.LookupRequest(tenant=tenant, conversation_id=conversation_id)
 
         async def message() -> leases_pb2.LookupPrompt | None:
@@ -120,21 +111,12 @@ class ControlPlane:
             tokens, digests = made
             return leases_pb2.LookupPrompt(prompt_tokens=len(tokens), prompt_digests=digests)
 
-        return await self._claim(
-            req, lambda leases: leases.lookup_with_prompt(req, message(), self._s.lookup_deadline_s)
-        )
-
-    async def _claim(
-        self,
-        req: leases_pb2.LookupRequest,
-        call: Callable[[LeaseStream], Awaitable[leases_pb2.LookupResponse]],
-    ) -> Reuse:
         now = time.monotonic()
         if not self.breaker.allows(now):
             return skipped(Skip.BACKOFF)
         replica = self._replica
         try:
-            res = await call(replica.leases)
+            res = await replica.leases.lookup_with_prompt(req, message(), self._s.lookup_deadline_s)
         except LeaseOpError as e:
             late = e.code is grpc.StatusCode.DEADLINE_EXCEEDED
             unreachable = e.code in _UNREACHABLE
