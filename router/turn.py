@@ -205,28 +205,34 @@ class Turn:
         if req is None or isinstance(req, list):
             return req
         t0 = time.perf_counter()
-        while True:
-            url = self.s.direct.url(node)
-            try:
-                reply = await self.s.engines.post(
-                    url + "/tokenize",
-                    encode(req),
-                    self.s.engines.headers(self.request.headers, self.request_id),
-                    self.s.settings.upstream.tokenize_timeout_s,
-                )
-                break
-            except UpstreamError as e:
-                if e.failure.kind is FailureKind.CONNECT and self.s.direct.unreachable(node, url):
-                    continue  # through the node's sidecar
-                self.s.metrics.upstream_error("tokenize", e.failure)
-                self.log.info("router.tokenize.failed", node=node.engine_id, error=str(e))
-                return None
+        try:
+            reply = await self._post_prefill_node(
+                node, "/tokenize", encode(req), self.s.settings.upstream.tokenize_timeout_s
+            )
+        except UpstreamError as e:
+            self.s.metrics.upstream_error("tokenize", e.failure)
+            self.log.info("router.tokenize.failed", node=node.engine_id, error=str(e))
+            return None
         self.s.metrics.stage.labels("tokenize").observe(time.perf_counter() - t0)
         tokens = tokens_of(reply.body) if reply.status == 200 else None
         if tokens is None:
             self.s.metrics.upstream_error("tokenize", Failure(FailureKind.STATUS, reply.status))
             self.log.info("router.tokenize.refused", node=node.engine_id, status=reply.status)
         return tokens
+
+    async def _post_prefill_node(
+        self, node: Node, path: str, body: bytes, timeout_s: float | None = None
+    ) -> Reply:
+        """POST to the engine itself when its sidecar advertised it, else (or when that
+        cannot be connected to: the engine never saw the request) through the sidecar."""
+        headers = self.s.engines.headers(self.request.headers, self.request_id)
+        url = self.s.direct.url(node)
+        try:
+            return await self.s.engines.post(url + path, body, headers, timeout_s)
+        except UpstreamError as e:
+            if e.failure.kind is not FailureKind.CONNECT or not self.s.direct.unreachable(node, url):
+                raise
+        return await self.s.engines.post(node.url + path, body, headers, timeout_s)
 
     async def _score(self, prefill: Node) -> dict[str, int]:
         assert self.s.control is not None and self.tokens is not None
@@ -244,17 +250,10 @@ class Turn:
             payload = encode(prefill_body(self.body, kv))
             reply: Reply | None = None
             t0 = time.perf_counter()
-            url = self.s.direct.url(node)
             with self.s.load.track(node):
                 try:
-                    reply = await self.s.engines.post(
-                        url + self.path,
-                        payload,
-                        self.s.engines.headers(self.request.headers, self.request_id),
-                    )
+                    reply = await self._post_prefill_node(node, self.path, payload)
                 except UpstreamError as e:
-                    if e.failure.kind is FailureKind.CONNECT and self.s.direct.unreachable(node, url):
-                        continue  # the same node through its sidecar (the engine never saw it)
                     failure = e.failure
                     self.log.info("router.prefill.unreachable", node=node.engine_id, error=str(e))
             if reply is not None:
