@@ -13,7 +13,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
-from urllib.parse import urlsplit
 
 import structlog
 
@@ -25,6 +24,7 @@ from controlplane.records import Claim, NodeRecord, NodeState, Retention, Role
 from controlplane.settings import Settings
 from controlplane.store import ClaimOutcome, EtcdStore
 from kvferry.logs import Outage
+from kvferry.urls import is_http_url
 
 log = structlog.get_logger(__name__)
 
@@ -175,14 +175,6 @@ def _check_id(name: str, value: str, max_bytes: int, required: bool = True) -> N
         raise InvalidArgument(f"{name} contains control characters")
 
 
-def _is_http_url(url: str) -> bool:
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return False
-    return parts.scheme.lower() in ("http", "https") and bool(parts.hostname)
-
-
 class ControlPlane:
     """Every operation the gRPC API offers, on plain data."""
 
@@ -211,7 +203,7 @@ class ControlPlane:
         for name, url in (("http_url", reg.http_url), ("engine_url", reg.engine_url)):
             if len(url.encode()) > MAX_URL_BYTES:
                 raise InvalidArgument(f"{name} is longer than {MAX_URL_BYTES} bytes")
-            if url and not _is_http_url(url):
+            if url and not is_http_url(url):
                 raise InvalidArgument(f"{name} {url!r} must be an http:// or https:// URL with a host")
         ttl = reg.liveness_ttl_s or self.settings.nodes.liveness_ttl_s
         if not 2 <= ttl <= 3600:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 from kvferry.flags import flag_adder
+from kvferry.urls import is_http_url
 
 ENV_PREFIX = "KVFERRY_ROUTER_"
 
@@ -110,8 +110,8 @@ class Settings:
             raise ValueError("breaker base must be positive and at most the breaker maximum")
         n = self.nodes
         for url in (*n.prefill_urls, *n.decode_urls):
-            if urlsplit(url).scheme not in ("http", "https"):
-                raise ValueError(f"node url {url!r} must start with http:// or https://")
+            if not is_http_url(url):
+                raise ValueError(f"node url {url!r} must be an http:// or https:// URL with a host")
         if not 0 < n.block_size <= 4096:
             raise ValueError("block size must be in 1..4096")
         if not d.addresses and not (n.prefill_urls and n.decode_urls):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from kvferry.flags import flag_adder
+from kvferry.urls import is_http_url
 
 ROLES = ("prefill", "decode", "both")
 ENV_PREFIX = "KVFERRY_SIDECAR_"
@@ -122,12 +123,12 @@ class Settings:
     def validate(self) -> None:
         """Raise ValueError on a setting out of range."""
         e = self.engine
-        if urlsplit(e.url).scheme not in ("http", "https"):
-            raise ValueError(f"engine url {e.url!r} must start with http:// or https://")
+        if not is_http_url(e.url):
+            raise ValueError(f"engine url {e.url!r} must be an http:// or https:// URL with a host")
         engine_url = "" if self.tap.advertise_engine_url == "none" else self.tap.advertise_engine_url
         for name, url in (("advertise-url", self.tap.advertise_url), ("advertise-engine-url", engine_url)):
-            if url and urlsplit(url).scheme not in ("http", "https"):
-                raise ValueError(f"{name} {url!r} must start with http:// or https://")
+            if url and not is_http_url(url):
+                raise ValueError(f"{name} {url!r} must be an http:// or https:// URL with a host")
         if e.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {e.role!r}")
         if e.block_size < 0 or e.block_size > 4096:
