@@ -155,12 +155,9 @@ class NodeCache:
             try:
                 await self.refresh()
             except StoreUnavailable as e:
-                now = time.monotonic()
-                if outage.failed(now):
-                    log.warning("nodes.refresh.failed", error=str(e), failing_s=round(now - outage.since, 1))
+                outage.report(log, False, "nodes.refresh.failed", "nodes.refresh.recovered", error=str(e))
             else:
-                if (lasted := outage.ok(time.monotonic())) is not None:
-                    log.info("nodes.refresh.recovered", failed_s=round(lasted, 1))
+                outage.report(log, True, "nodes.refresh.failed", "nodes.refresh.recovered")
             await asyncio.sleep(self._refresh_s)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
+from typing import Any
 
 import structlog
 
@@ -55,3 +57,15 @@ class Outage:
             return None
         lasted, self.since = now - self.since, 0.0
         return lasted
+
+    def report(
+        self, logger: Any, succeeded: bool, failed_event: str, recovered_event: str, **fields: Any
+    ) -> None:
+        """One attempt's outcome, logged when it is news: `failed_event` (a warning, with
+        `fields` and how long it has been failing) or `recovered_event` (how long it failed)."""
+        now = time.monotonic()
+        if succeeded:
+            if (lasted := self.ok(now)) is not None:
+                logger.info(recovered_event, failed_s=round(lasted, 1))
+        elif self.failed(now):
+            logger.warning(failed_event, failing_s=round(now - self.since, 1), **fields)

@@ -124,12 +124,9 @@ class NodeDirectory:
                 self.nodes = [await self._learn_model(n) if not n.model else n for n in self.nodes]
         elif self._control is not None:
             listed = await self._control.list_nodes()
-            now = time.monotonic()
-            if listed is None:
-                if self._outage.failed(now):
-                    log.warning("router.nodes.list_failed", failing_s=round(now - self._outage.since, 1))
-            elif (lasted := self._outage.ok(now)) is not None:
-                log.info("router.nodes.list_recovered", failed_s=round(lasted, 1))
+            self._outage.report(
+                log, listed is not None, "router.nodes.list_failed", "router.nodes.list_recovered"
+            )
             if listed is not None:
                 if {n.engine_id for n in listed} != {n.engine_id for n in self.nodes}:
                     log.info(

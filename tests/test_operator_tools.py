@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import structlog
+
 from controlplane.daemon import Daemon
 from tests.conftest import Client
 from tests.factories import lease_request, node_request
@@ -105,3 +107,19 @@ def test_an_outage_is_logged_at_its_start_once_a_minute_and_at_its_end() -> None
     assert [o.failed(t) for t in (10.0, 10.5, 69.0, 70.0, 70.5)] == [True, False, False, True, False]
     assert o.ok(75.0) == 65.0
     assert o.failed(80.0)  # a new outage is news again
+
+
+def test_an_outage_report_logs_the_news_only() -> None:
+    from structlog.testing import capture_logs
+
+    from kvferry.logs import Outage
+
+    o = Outage(every_s=60)
+    log = structlog.get_logger("t")
+    with capture_logs() as logs:
+        o.report(log, True, "x.failed", "x.recovered")  # nothing was failing: no line
+        o.report(log, False, "x.failed", "x.recovered", error="boom")
+        o.report(log, False, "x.failed", "x.recovered", error="boom")  # same outage: no line
+        o.report(log, True, "x.failed", "x.recovered")
+    assert [(e["event"], e["log_level"]) for e in logs] == [("x.failed", "warning"), ("x.recovered", "info")]
+    assert logs[0]["error"] == "boom" and "failing_s" in logs[0] and "failed_s" in logs[1]
