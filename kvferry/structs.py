@@ -48,6 +48,11 @@ def _numbers(lv: struct_pb2.ListValue) -> list[Any] | None:
     Block id lists are thousands of numbers long (4,096 at 64k tokens); reading them
     from the serialized bytes in one pass costs a third of reading each Value (1.5 ms).
     """
+    values = lv.values
+    if not values:
+        return []
+    if values[0].WhichOneof("kind") != "number_value":
+        return None  # (a list of lists: don't serialize the outer one only to refuse it)
     raw = lv.SerializeToString()
     if len(raw) % _NUMBER_ELEMENT.size:
         return None
