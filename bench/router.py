@@ -46,7 +46,7 @@ from aiohttp import web
 from bench.demo import TIMING, Deployment, deployment, free_port, pct, timing_text
 from emulator import EmulatorServer
 from kvferry import logs
-from kvferry.tasks import quiet_gc
+from kvferry.tasks import run_main
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
 from router import Router
 
@@ -475,12 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-uvloop", dest="uvloop", action="store_false")
     args = p.parse_args(argv)
     logs.configure("warning")
-    quiet_gc()
-    if args.uvloop:
-        import uvloop
-
-        return uvloop.run(main_async(args))
-    return asyncio.run(main_async(args))
+    return run_main(main_async(args), use_uvloop=args.uvloop)
 
 
 if __name__ == "__main__":
