@@ -9,6 +9,7 @@ retention is counted exactly once, whatever the remembered bounds are."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -63,6 +64,27 @@ async def scanned(store: EtcdStore, monkeypatch: pytest.MonkeyPatch, page: int, 
     return now
 
 
+@contextlib.asynccontextmanager
+async def replica(store: EtcdStore, etcd_endpoint: str) -> AsyncIterator[tuple[EtcdStore, list[bytes]]]:
+    """A second store on the same keys (another daemon replica), and the end key of each
+    page request it sends (a limited range; reading the bounds themselves is a plain get)."""
+    other = EtcdStore((etcd_endpoint,), store.keys, 2.0, 60, 10_000, 600)
+    await other.connect()
+    ends: list[bytes] = []
+    real = other._client.kvstub.Range
+
+    def recording(req, **kw):  # type: ignore[no-untyped-def]
+        if req.limit:
+            ends.append(req.range_end)
+        return real(req, **kw)
+
+    other._client.kvstub.Range = recording
+    try:
+        yield other, ends
+    finally:
+        await other.close()
+
+
 async def test_every_retention_once_with_sampled_then_remembered_bounds(
     store: EtcdStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -88,21 +110,8 @@ async def test_a_new_replica_reads_windows_from_the_bounds_kept_in_etcd(
 ) -> None:
     await scanned(store, monkeypatch, 5, 40)
     bounds = await stored_bounds(store)
-    other = EtcdStore((etcd_endpoint,), store.keys, 2.0, 60, 10_000, 600)
-    await other.connect()
-    ends: list[bytes] = []
-    real = other._client.kvstub.Range
-
-    def recording(req, **kw):  # type: ignore[no-untyped-def]
-        if req.limit:  # a scan page (reading the bounds themselves is a plain get)
-            ends.append(req.range_end)
-        return real(req, **kw)
-
-    other._client.kvstub.Range = recording
-    try:
+    async with replica(store, etcd_endpoint) as (other, ends):
         assert await held(other) == {"d-a": (40, 40)}
-    finally:
-        await other.close()
     # Each request ends at a remembered bound (or the prefix's end): O(window), not O(all).
     assert set(ends) == {*bounds, prefix_end(store.keys.retentions)}
 
@@ -143,24 +152,11 @@ async def test_listing_pages_through_the_windows_and_sees_every_retention_once(
     assert len(bounds) == 7
     every = sorted(f"{'a' if i % 2 else 'b'}/c{i:03d}" for i in range(30))
     # A replica that never scanned reads the bounds from etcd.
-    other = EtcdStore((etcd_endpoint,), store.keys, 2.0, 60, 10_000, 600)
-    await other.connect()
-    ends: list[bytes] = []
-    real = other._client.kvstub.Range
-
-    def recording(req, **kw):  # type: ignore[no-untyped-def]
-        if req.limit:
-            ends.append(req.range_end)
-        return real(req, **kw)
-
-    other._client.kvstub.Range = recording
-    try:
+    async with replica(store, etcd_endpoint) as (other, ends):
         assert await listed(other, store.keys.retentions, limit) == every
         assert await listed(other, store.keys.tenant_retentions("a"), limit) == [
             x for x in every if x[0] == "a"
         ]
-    finally:
-        await other.close()
     # Every request stops at a bound (or a listed prefix's end), never at the end of all keys.
     allowed = {*bounds, prefix_end(store.keys.retentions), prefix_end(store.keys.tenant_retentions("a"))}
     assert set(ends) <= allowed and len(set(ends) & set(bounds)) > 1

@@ -157,10 +157,6 @@ def test_memo_answers_the_next_turn_without_hashing(monkeypatch: pytest.MonkeyPa
     assert calls == len(second) - len(first)  # only the new blocks were hashed
 
 
-CHANGES = ["extend", "edit", "cut", "other"]
-Change = tuple[str, int, int]
-
-
 @given(
     st.lists(st.integers(0, 300), min_size=0, max_size=200),
     st.lists(

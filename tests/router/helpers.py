@@ -79,13 +79,18 @@ def next_turn(
     return [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": text * 3}]
 
 
-def pulled_tokens(emu: EmulatorServer) -> float:
-    """Tokens an engine pulled from remote engines so far."""
+def counter(emu: EmulatorServer, family: str) -> float:
+    """An engine's counter family, summed over its labels."""
     total = 0.0
     for metric in emu.engine.metrics.registry.collect():
-        if metric.name == "kvferry_emulator:kv_pulled_tokens":
+        if metric.name == family:
             total += sum(s.value for s in metric.samples if s.name.endswith("_total"))
     return total
+
+
+def pulled_tokens(emu: EmulatorServer) -> float:
+    """Tokens an engine pulled from remote engines so far."""
+    return counter(emu, "kvferry_emulator:kv_pulled_tokens")
 
 
 async def tokenize(

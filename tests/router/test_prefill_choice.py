@@ -15,14 +15,7 @@ import aiohttp
 from emulator import EmulatorServer
 from kvferry.v1 import nodes_pb2
 from tests.router.conftest import MakeStack, Stack
-from tests.router.helpers import ask, first_turn, next_turn
-
-
-def counter(emu: EmulatorServer, family: str) -> float:
-    for metric in emu.engine.metrics.registry.collect():
-        if metric.name == family:
-            return sum(s.value for s in metric.samples if s.name.endswith("_total"))
-    return 0.0
+from tests.router.helpers import ask, counter, first_turn, next_turn
 
 
 async def indexed(stack: Stack, emu: EmulatorServer, more_than: int) -> int:
