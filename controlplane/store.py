@@ -152,12 +152,18 @@ def _exists(key: bytes) -> rpc.Compare:
     return rpc.Compare(key=key, target=rpc.Compare.VERSION, result=rpc.Compare.GREATER, version=0)
 
 
+def _is_alive(rec: NodeRecord, alive_generation: int | None) -> bool:
+    """The liveness rule: not deregistered, and the liveness key (None = absent) holds the
+    record's generation (a key left by an older generation does not count)."""
+    return not rec.removed_at and alive_generation == rec.generation
+
+
 def _node_state(node_kvs: Sequence[Any], alive_kvs: Sequence[Any]) -> tuple[NodeState | None, int]:
     """A node record and its liveness key as read -> (state or None, record mod revision)."""
     if not node_kvs:
         return None, 0
     rec = decode_node(node_kvs[0].value)
-    alive = not rec.removed_at and bool(alive_kvs) and int(alive_kvs[0].value or b"0") == rec.generation
+    alive = _is_alive(rec, int(alive_kvs[0].value or b"0") if alive_kvs else None)
     return NodeState(rec, alive), int(node_kvs[0].mod_revision)
 
 
@@ -234,11 +240,13 @@ class EtcdStore:
         stopping mid-refresh took the session's etcd down.
         """
         head: rpc.RangeResponse = await timed(op, self._client.kvstub.Range(first, timeout=self._timeout))
-        out = [head]
         for req in more:
             req.revision = head.header.revision
-            out.append(await timed(op, self._client.kvstub.Range(req, timeout=self._timeout)))
-        return out
+        # Pinned to one revision, the others need not wait for each other: one more round trip, not n.
+        rest = await asyncio.gather(
+            *(timed(op, self._client.kvstub.Range(req, timeout=self._timeout)) for req in more)
+        )
+        return [head, *rest]
 
     async def _txn(
         self, op: str, compare: list[rpc.Compare], success: list[rpc.RequestOp], failure: list[rpc.RequestOp]
@@ -440,8 +448,7 @@ class EtcdStore:
         revisions: dict[str, int] = {}
         for kv in records.kvs:
             rec = decode_node(kv.value)
-            alive_now = not rec.removed_at and alive.get(rec.engine_id) == rec.generation
-            states[rec.engine_id] = NodeState(rec, alive_now)
+            states[rec.engine_id] = NodeState(rec, _is_alive(rec, alive.get(rec.engine_id)))
             revisions[rec.engine_id] = int(kv.mod_revision)
         return states, revisions
 
