@@ -80,9 +80,10 @@ class EmbeddedEtcd:
             f"--initial-advertise-peer-urls={peer}",
             f"--initial-cluster={self.name}={peer}",
             "--log-level=warn",
-            # Keep the history short: retentions churn, and old revisions only cost disk.
+            # Keep the history short: retentions churn, nothing watches the history, and
+            # a restart reads every uncompacted revision back (restart to serving).
             "--auto-compaction-mode=periodic",
-            "--auto-compaction-retention=5m",
+            "--auto-compaction-retention=1m",
             "--quota-backend-bytes=4294967296",
             # Snapshot often: a restart replays at most this many WAL entries (restart to serving).
             "--snapshot-count=10000",
