@@ -35,6 +35,7 @@ from controlplane.embedded import EmbeddedEtcd
 from controlplane.etcd import Client as _Client
 from kvferry.digests import block_digests, seed
 from kvferry.leaseclient import LeaseStream
+from kvferry.structs import dict_to_struct
 from kvferry.tasks import run_main
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
@@ -73,7 +74,7 @@ def lease(conv: str) -> leases_pb2.RegisterLeaseRequest:
         block_size=BLOCK,
         block_digests=DIGESTS,
     )
-    req.kv_transfer_params.update(
+    dict_to_struct(
         {
             "do_remote_prefill": False,
             "do_remote_decode": True,
@@ -84,8 +85,9 @@ def lease(conv: str) -> leases_pb2.RegisterLeaseRequest:
             "remote_port": 5600,
             "tp_size": 1,
             "remote_num_tokens": TOKENS,
-        }
-    )
+        },
+        req.kv_transfer_params,
+    )  # as the sidecar builds it
     return req
 
 

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from google.protobuf import struct_pb2
 
 from controlplane.policy import Handout
 from kvferry.structs import struct_to_dict
 
-__all__ = ["apply_handout", "dict_to_struct", "struct_to_dict"]
-
-
-def dict_to_struct(d: dict[str, Any], out: struct_pb2.Struct) -> None:
-    """Fill `out` (e.g. a message's Struct field) from a JSON-like dict."""
-    out.update(d)
+__all__ = ["apply_handout", "struct_to_dict"]
 
 
 def apply_handout(blob: bytes, h: Handout, out: struct_pb2.Struct) -> None:

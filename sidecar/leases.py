@@ -21,6 +21,7 @@ import grpc
 import structlog
 
 from kvferry.leaseclient import LeaseOpError, LeaseStream
+from kvferry.structs import dict_to_struct
 from kvferry.v1 import leases_pb2
 from sidecar.daemon import TRANSIENT, Backoff, DaemonLink
 from sidecar.drafts import LeaseDraft, digests_of
@@ -167,7 +168,7 @@ class LeaseSender:
             block_digests=digests_of(draft, facts.model, facts.block_size),
             generation=self._instance.generation,
         )
-        req.kv_transfer_params.update(draft.params)
+        dict_to_struct(draft.params, req.kv_transfer_params)
         if draft.expires_at is not None:
             req.expires_at.FromNanoseconds(int(draft.expires_at * 1e9))
         return req

@@ -1,5 +1,6 @@
 """kv_transfer_params arrive as google.protobuf.Struct; struct_to_dict must read them
-back as a JSON client would (integral numbers as int), fast path or not."""
+back as a JSON client would (integral numbers as int), fast path or not, and
+dict_to_struct must write exactly the message Struct.update writes."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from google.protobuf import json_format, struct_pb2
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvferry.structs import struct_to_dict
+from kvferry.structs import dict_to_struct, struct_to_dict
 
 JSON_VALUES = st.one_of(
     st.integers(min_value=-(2**60), max_value=2**60),
@@ -34,3 +35,30 @@ def test_lists_read_back_as_json_would(mixed: list[object], block_ids: list[int]
     assert got == expected
     assert all(type(a) is type(b) for a, b in zip(got["mixed"], expected["mixed"], strict=True))
     assert all(type(i) is int for i in got["remote_block_ids"][0])
+
+
+NUMBERS = st.one_of(st.integers(min_value=-(2**60), max_value=2**60), st.floats(allow_nan=False))
+PARAM_VALUES = st.recursive(
+    JSON_VALUES | st.lists(NUMBERS, max_size=300),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=30,
+)
+
+
+@given(st.dictionaries(st.text(max_size=5), PARAM_VALUES, max_size=6))
+def test_dict_to_struct_writes_what_update_writes(d: dict[str, object]) -> None:
+    expected, got = struct_pb2.Struct(), struct_pb2.Struct()
+    expected.update(d)
+    dict_to_struct(d, got)
+    assert got == expected
+    assert got.SerializeToString(deterministic=True) == expected.SerializeToString(deterministic=True)
+
+
+def test_dict_to_struct_block_id_shapes() -> None:
+    """Per-group lists (vLLM >= 0.11), a flat list, an empty group, numbers mixed with a bool."""
+    for ids in ([[7, 8, 9], [1]], [7, 8, 9], [[7], []], [True, 2], [[1.5, -2.0]], [[1], "x"]):
+        expected, got = struct_pb2.Struct(), struct_pb2.Struct()
+        expected.update({"remote_block_ids": ids, "remote_port": 5600})
+        dict_to_struct({"remote_block_ids": ids, "remote_port": 5600}, got)
+        assert got == expected, ids
+        assert struct_to_dict(got)["remote_block_ids"] == ids
