@@ -105,8 +105,8 @@ def _number_lists(value: list[Any]) -> bytes | list[bytes] | None:
 def _numbers(lv: struct_pb2.ListValue) -> list[Any] | None:
     """The list's numbers (ints where integral) when it holds numbers only, else None.
 
-    Block id lists are thousands of numbers long (4,096 at 64k tokens); reading them
-    from the serialized bytes in one pass costs a third of reading each Value (1.5 ms).
+    Block id lists are thousands of numbers long (4,096 at 64k tokens): read from the
+    serialized bytes, de-interleaved by slicing, and converted in C-level passes.
     """
     values = lv.values
     if not values:
@@ -114,12 +114,16 @@ def _numbers(lv: struct_pb2.ListValue) -> list[Any] | None:
     if values[0].WhichOneof("kind") != "number_value":
         return None  # (a list of lists: don't serialize the outer one only to refuse it)
     raw = lv.SerializeToString()
-    if len(raw) % _NUMBER_ELEMENT.size:
+    size = _NUMBER_ELEMENT.size
+    n, rest = divmod(len(raw), size)
+    if rest or any(raw[i::size].count(byte) != n for i, byte in enumerate(_NUMBER_HEAD)):
         return None
-    out: list[Any] = []
-    append = out.append
-    for head, n in _NUMBER_ELEMENT.iter_unpack(raw):
-        if head != _NUMBER_HEAD:
-            return None
-        append(int(n) if n.is_integer() and abs(n) < _MAX_EXACT else n)
-    return out
+    packed = bytearray(8 * n)
+    for j in range(8):
+        packed[j::8] = raw[len(_NUMBER_HEAD) + j :: size]
+    doubles = array.array("d", packed)
+    if sys.byteorder != "little":
+        doubles.byteswap()
+    if all(map(float.is_integer, doubles)) and min(doubles) > -_MAX_EXACT and max(doubles) < _MAX_EXACT:
+        return list(map(int, doubles))
+    return [int(x) if x.is_integer() and abs(x) < _MAX_EXACT else x for x in doubles]
