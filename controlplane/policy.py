@@ -197,7 +197,10 @@ def param_problems(params: dict[str, Any], num_tokens: int, block_size: int) -> 
         groups = ids if isinstance(ids[0], list) else [ids]
         need = math.ceil(num_tokens / block_size) if block_size > 0 else 0
         for g, blocks in enumerate(groups):
-            if not isinstance(blocks, list) or not all(isinstance(b, int) and b >= 0 for b in blocks):
+            # (C-level passes: thousands of ids at long contexts; a bool is not a block id)
+            if not isinstance(blocks, list) or not (
+                set(map(type, blocks)) <= {int} and min(blocks, default=0) >= 0
+            ):
                 problems.append(f"kv_transfer_params.remote_block_ids[{g}] must be a list of block ids")
             elif len(blocks) < need:
                 problems.append(

@@ -137,6 +137,9 @@ def test_param_problems_name_the_field() -> None:
     short["remote_block_ids"] = [[1, 2]]
     assert "remote_block_ids[0] has 2 blocks" in " ".join(param_problems(short, 100, 16))
     assert "remote_num_tokens" in " ".join(param_problems(d_params("d", 100), 90, 16))
+    for bad in ([[0, 1, -2, 3, 4, 5, 6]], [[0, 1, True, 3, 4, 5, 6]], [[0, 1, 2.5, 3, 4, 5, 6]], [["0"] * 7]):
+        wrong = {**d_params("d", 100), "remote_block_ids": bad}
+        assert "remote_block_ids[0] must be a list of block ids" in " ".join(param_problems(wrong, 100, 16))
 
 
 @given(
