@@ -28,18 +28,22 @@ def struct_to_dict(s: struct_pb2.Struct) -> dict[str, Any]:
 
 def dict_to_struct(d: Mapping[str, Any], out: struct_pb2.Struct) -> None:
     """``out.update(d)``, the same message, with lists of numbers and lists of such
-    lists written from bytes: 0.27 ms instead of 3.1 for 4,096 block ids."""
+    lists written from bytes: 0.27 ms instead of 3.1 for 4,096 block ids.
+
+    As with update, a value replaces what `out` held under its key, and a value
+    protobuf cannot take raises with `out` partly filled."""
     rest: dict[str, Any] = {}
     for key, value in d.items():
         groups = _number_lists(value) if isinstance(value, list) and value else None
         if groups is None:
             rest[key] = value
         elif isinstance(groups, bytes):
-            out.fields[key].list_value.MergeFromString(groups)
+            out.fields[key].list_value.ParseFromString(groups)  # (parse = clear, then merge)
         else:
             outer = out.fields[key].list_value
+            outer.Clear()
             for encoded in groups:
-                outer.values.add().list_value.MergeFromString(encoded)
+                outer.values.add().list_value.ParseFromString(encoded)
     if rest:
         out.update(rest)
 

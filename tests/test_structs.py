@@ -54,6 +54,25 @@ def test_dict_to_struct_writes_what_update_writes(d: dict[str, object]) -> None:
     assert got.SerializeToString(deterministic=True) == expected.SerializeToString(deterministic=True)
 
 
+ANY_NUMBERS = st.lists(st.one_of(NUMBERS, st.floats()), min_size=1, max_size=200)  # NaN and inf too
+
+
+@given(
+    st.one_of(ANY_NUMBERS, st.lists(ANY_NUMBERS, min_size=1, max_size=4)),
+    st.sampled_from([None, [9], [[9], [8]], "x"]),
+)
+def test_dict_to_struct_number_lists_replace_like_update(ids: list[object], before: object) -> None:
+    """The fast paths (a number list, a list of them), over whatever `out` held under the key."""
+    expected, got = struct_pb2.Struct(), struct_pb2.Struct()
+    if before is not None:
+        expected.update({"ids": before})
+        got.update({"ids": before})
+    expected.update({"ids": ids})
+    dict_to_struct({"ids": ids}, got)
+    # (bytes, not ==: NaN != NaN)
+    assert got.SerializeToString(deterministic=True) == expected.SerializeToString(deterministic=True)
+
+
 def test_dict_to_struct_block_id_shapes() -> None:
     """Per-group lists (vLLM >= 0.11), a flat list, an empty group, numbers mixed with a bool."""
     for ids in ([[7, 8, 9], [1]], [7, 8, 9], [[7], []], [True, 2], [[1.5, -2.0]], [[1], "x"]):
