@@ -242,11 +242,11 @@ class EtcdStore:
         head: rpc.RangeResponse = await timed(op, self._client.kvstub.Range(first, timeout=self._timeout))
         for req in more:
             req.revision = head.header.revision
+        calls = [timed(op, self._client.kvstub.Range(req, timeout=self._timeout)) for req in more]
+        if len(calls) == 1:
+            return [head, await calls[0]]
         # Pinned to one revision, the others need not wait for each other: one more round trip, not n.
-        rest = await asyncio.gather(
-            *(timed(op, self._client.kvstub.Range(req, timeout=self._timeout)) for req in more)
-        )
-        return [head, *rest]
+        return [head, *await asyncio.gather(*calls)]
 
     async def _txn(
         self, op: str, compare: list[rpc.Compare], success: list[rpc.RequestOp], failure: list[rpc.RequestOp]
