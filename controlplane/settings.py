@@ -67,7 +67,7 @@ class Limits:
     max_id_bytes: int = 256
     # Largest prompt/lease in tokens (digests are bounded by this / block size).
     max_tokens: int = 4_194_304
-    # Largest kv_transfer_params, bytes of JSON.
+    # Largest kv_transfer_params, bytes of the serialized google.protobuf.Struct (11 per block id).
     max_params_bytes: int = 256 * 1024
 
 
