@@ -24,7 +24,10 @@ from kvferry.sse import SseEvents
 #: Paths whose requests the tap rewrites and whose answers it reads.
 TAPPED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 CONVERSATION_HEADERS = ("X-Conversation-Id", "X-Session-ID")
-NORMAL_FINISH = frozenset({"stop", "length"})
+# The engine stopped or hit max_tokens (vLLM's FINISHED_STOPPED / _LENGTH_CAPPED, when D
+# keeps the blocks): "tool_calls" is a stop the chat layer renamed because the model called
+# a tool, the turn agent conversations take most.
+NORMAL_FINISH = frozenset({"stop", "length", "tool_calls"})
 
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode

@@ -35,8 +35,8 @@ class LeaseDraft:
     params: dict[str, Any]
     """D's kv_transfer_params, remote_host rewritten; every other key as returned."""
     num_tokens: int
-    expires_at: float | None
-    """Wall-clock deadline; None = the daemon's default lifetime."""
+    expires_at: float
+    """Wall-clock deadline of D's blocks (D's own, else the capture time + the blocks TTL)."""
     tokens: list[int] | None
     """D's sequence (at most num_tokens ids), None when the engine did not return ids."""
     model: str
@@ -100,14 +100,21 @@ def draft_lease(
     side_channel_host: str,
     now_mono: float,
     now_wall: float,
+    blocks_ttl_s: float,
 ) -> LeaseDraft | str:
-    """The retention a finished D turn leaves behind, or why there is none (a metrics label)."""
+    """The retention a finished D turn leaves behind, or why there is none (a metrics label).
+
+    Without D's own deadline (remote_blocks_expiry_time, absent before vLLM sent it) the
+    blocks are held `blocks_ttl_s` from now: stamped here, so a registration that waits
+    (daemon down, retries) cannot outlive them."""
     params = turn.params
     num_tokens = _int(params.get("remote_num_tokens"))
     if num_tokens is None or num_tokens <= 0:
         return "no_tokens"
     expires_at = wall_deadline(params.get("remote_blocks_expiry_time"), now_mono, now_wall)
-    if expires_at is not None and expires_at <= now_wall:
+    if expires_at is None:
+        expires_at = now_wall + blocks_ttl_s
+    elif expires_at <= now_wall:
         return "expired"
     tokens: list[int] | None = None
     if turn.prompt_token_ids is not None:

@@ -68,7 +68,7 @@ def dead_reason(draft: LeaseDraft, now_wall: float, epoch: int) -> str | None:
     """Why a draft is no longer worth registering (None: it is)."""
     if draft.epoch != epoch:
         return "restarted"
-    if draft.expires_at is not None and draft.expires_at <= now_wall:
+    if draft.expires_at <= now_wall:
         return "expired"
     return None
 
@@ -169,8 +169,7 @@ class LeaseSender:
             generation=self._instance.generation,
         )
         dict_to_struct(draft.params, req.kv_transfer_params)
-        if draft.expires_at is not None:
-            req.expires_at.FromNanoseconds(int(draft.expires_at * 1e9))
+        req.expires_at.FromNanoseconds(int(draft.expires_at * 1e9))
         return req
 
     def _failed(self, draft: LeaseDraft, code: grpc.StatusCode, detail: str) -> None:

@@ -42,6 +42,9 @@ class EngineSettings:
     """A /health probe slower than this failed."""
     health_failures: int = 3
     """Consecutive failed probes after which the engine counts as down (and, once back, restarted)."""
+    blocks_ttl_s: float = 480.0
+    """The engine's decoder_kv_blocks_ttl: a retention's deadline, counted from its capture,
+    when vLLM does not send remote_blocks_expiry_time (releases before it did)."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,8 @@ class Settings:
             raise ValueError("a KV-event replay endpoint needs the KV-event endpoint")
         if k.flush_interval_s <= 0 or k.flush_hashes < 1 or k.replay_timeout_s <= 0:
             raise ValueError("KV-event flush interval, flush size and replay timeout must be positive")
+        if not 1 <= self.engine.blocks_ttl_s <= 86400:
+            raise ValueError("blocks TTL must be in 1..86400 s")
         d = self.daemon
         if not d.addresses or any(":" not in a for a in d.addresses):
             raise ValueError("daemon addresses must be host:port")
@@ -221,6 +226,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("liveness-ttl", dm.liveness_ttl_s, "seconds the node stays alive without a heartbeat", int)
     add("health-interval", e.health_interval_s, "seconds between engine /health probes", float)
     add("health-failures", e.health_failures, "failed probes after which the engine is down", int)
+    add(
+        "blocks-ttl",
+        e.blocks_ttl_s,
+        "the engine's decoder_kv_blocks_ttl, for releases that send no remote_blocks_expiry_time",
+        float,
+    )
     add("lease-queue-size", ls.queue_size, "registrations kept while the daemon is unreachable", int)
 
 
@@ -237,6 +248,7 @@ def from_args(a: argparse.Namespace) -> Settings:
             side_channel_port=a.side_channel_port,
             health_interval_s=a.health_interval,
             health_failures=a.health_failures,
+            blocks_ttl_s=a.blocks_ttl,
         ),
         kv_events=KvEventSettings(
             endpoint=a.kv_events_endpoint,

@@ -218,6 +218,7 @@ class Tap:
                 side_channel_host=self._side_channel_host,
                 now_mono=time.perf_counter(),
                 now_wall=time.time(),
+                blocks_ttl_s=self._s.engine.blocks_ttl_s,
             )
             if isinstance(draft, str):
                 self._metrics.turns.labels(draft).inc()

@@ -130,6 +130,7 @@ def test_observer_collects_a_streamed_turn_and_strips_ids() -> None:
     ("change", "why"),
     [
         ({"finish_reason": "abort"}, "abnormal_finish"),
+        ({"finish_reason": "error"}, "abnormal_finish"),
         ({"finish_reason": None}, "unfinished"),
         ({"params": {"do_remote_decode": False, "do_remote_prefill": True}}, "no_params"),
         ({"params": None}, "no_params"),
@@ -146,6 +147,18 @@ def test_only_normal_finishes_with_d_params_count(change: dict[str, Any], why: s
     err = TurnObserver(strip_token_ids=False)
     err.observe({"error": {"message": "boom", "code": 500}})
     assert err.finished() == "engine_error"
+
+
+def test_a_tool_call_finish_leaves_a_retention() -> None:
+    """vLLM's chat layer renames the engine's stop to "tool_calls" when the model called a tool;
+    D still holds the blocks and returns its params (an agent's most common turn)."""
+    obs = TurnObserver(strip_token_ids=False)
+    obs.observe(
+        {"choices": [{"index": 0, "message": {"tool_calls": []}, "finish_reason": "tool_calls"}],
+         "kv_transfer_params": D_PARAMS}
+    )  # fmt: skip
+    turn = obs.finished()
+    assert isinstance(turn, FinishedTurn) and turn.finish_reason == "tool_calls"
 
 
 def test_json_answers_keep_their_bytes_unless_stripped() -> None:
@@ -248,6 +261,7 @@ def test_draft_from_a_finished_turn() -> None:
         side_channel_host="10.0.0.5",
         now_mono=1000.0,
         now_wall=2000.0,
+        blocks_ttl_s=480.0,
     )
     assert isinstance(draft, LeaseDraft)
     assert draft.num_tokens == 32 and draft.expires_at == 2480.0 and draft.epoch == 3
@@ -258,6 +272,23 @@ def test_draft_from_a_finished_turn() -> None:
     same = LeaseDraft(**{**draft.__dict__, "model": "base"})
     assert digests_of(same, "base", 16) == digests_of(draft, "base", 16)
     assert digests_of(LeaseDraft(**{**draft.__dict__, "tokens": None}), "base", 16) == b""
+
+
+def test_a_draft_without_ds_deadline_gets_one_at_capture() -> None:
+    """Releases before remote_blocks_expiry_time: D holds the blocks its TTL from now, so the
+    draft's deadline is stamped here, not left to the daemon at (maybe much later) registration."""
+    draft = draft_lease(
+        _turn(remote_num_tokens=32),
+        tenant="t",
+        conversation_id="c",
+        model="",
+        epoch=0,
+        side_channel_host="h",
+        now_mono=1000.0,
+        now_wall=2000.0,
+        blocks_ttl_s=300.0,
+    )
+    assert isinstance(draft, LeaseDraft) and draft.expires_at == 2300.0
 
 
 @pytest.mark.parametrize(
@@ -278,6 +309,7 @@ def test_no_draft(params: dict[str, Any], why: str) -> None:
         side_channel_host="h",
         now_mono=1000.0,
         now_wall=2000.0,
+        blocks_ttl_s=480.0,
     )
     assert got == why
 

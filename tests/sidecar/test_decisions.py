@@ -62,7 +62,7 @@ def test_block_size_from_vllm_metrics() -> None:
     assert block_size_of(text) == 32 and block_size_of("vllm:num_requests_running 0\n") is None
 
 
-def _draft(name: str, epoch: int = 0, expires_at: float | None = None) -> LeaseDraft:
+def _draft(name: str, epoch: int = 0, expires_at: float = 1e12) -> LeaseDraft:
     return LeaseDraft("t", name, {}, 32, expires_at, None, "", epoch)
 
 
