@@ -36,11 +36,18 @@ class Identity:
     conversation_id: str
 
 
+def _unprintable(c: str) -> bool:
+    # Control characters, and the surrogates aiohttp decodes a header's non-UTF-8 bytes to
+    # (surrogateescape): protobuf refuses to send those.
+    return ord(c) < 0x20 or ord(c) == 0x7F or 0xD800 <= ord(c) <= 0xDFFF
+
+
 def safe_id(value: str, kind: str) -> str:
     """`value` as the daemon accepts it: itself, or a digest when too long or unprintable."""
-    if len(value.encode()) <= MAX_ID_BYTES and not any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+    raw = value.encode(errors="surrogatepass")
+    if len(raw) <= MAX_ID_BYTES and not any(map(_unprintable, value)):
         return value
-    return f"{kind}-{hashlib.sha256(value.encode(errors='surrogatepass')).hexdigest()[:32]}"
+    return f"{kind}-{hashlib.sha256(raw).hexdigest()[:32]}"
 
 
 def _id_value(value: object) -> str:
@@ -76,7 +83,8 @@ def tenant_of(headers: Mapping[str, str], tenant_header: str) -> str:
     """The tenant a request belongs to ("" = the daemon's default tenant)."""
     key = api_key_of(headers)
     if key:
-        return "key-" + hashlib.blake2b(key.encode(), digest_size=12, person=b"kvferry-tenant").hexdigest()
+        raw = key.encode(errors="surrogatepass")
+        return "key-" + hashlib.blake2b(raw, digest_size=12, person=b"kvferry-tenant").hexdigest()
     if tenant_header:
         return safe_id(headers.get(tenant_header, "").strip(), "tenant")
     return ""

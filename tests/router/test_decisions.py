@@ -61,6 +61,18 @@ def test_ids_the_daemon_would_refuse_become_stable_digests() -> None:
     assert safe_id("ok-id", "conv") == "ok-id"
 
 
+def test_non_utf8_header_bytes_make_ids_not_errors() -> None:
+    """aiohttp decodes a header's non-UTF-8 bytes to surrogates (surrogateescape): they are
+    digested like control characters, and an API key made of them still hashes."""
+    raw = b"caf\xe9".decode("utf-8", "surrogateescape")
+    who = identify({"X-Conversation-Id": raw, "X-Kvferry-Tenant": raw}, {}, "X-Kvferry-Tenant")
+    assert who.conversation_id.startswith("conv-") and who.tenant.startswith("tenant-")
+    assert who.conversation_id == identify({"X-Conversation-Id": raw}, {}, "").conversation_id
+    assert who.conversation_id.encode() and who.tenant.encode()  # what protobuf will need
+    keyed = identify({"X-Conversation-Id": "c", "Authorization": "Bearer k" + raw}, {}, "X-Kvferry-Tenant")
+    assert keyed.tenant.startswith("key-")
+
+
 def test_tenant_is_a_hash_of_the_api_key_never_the_key() -> None:
     alice = tenant_of({"Authorization": "Bearer sk-alice"}, "X-Kvferry-Tenant")
     assert alice.startswith("key-") and "sk-alice" not in alice
