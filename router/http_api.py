@@ -57,12 +57,20 @@ async def count_middleware(request: web.Request, handler: Handler) -> web.Stream
     shared = request.app[SHARED_KEY]
     try:
         response = await handler(request)
-    except web.HTTPException:
-        raise
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        # aiohttp's own 404 / 405 / 413, as JSON errors like every other answer here.
+        response = error_response(e.status, e.reason, e.reason.title().replace(" ", "") + "Error")
+        if "Allow" in e.headers:
+            response.headers["Allow"] = e.headers["Allow"]
     except Exception:
         log.exception("router.handler.crashed", path=request.path)
         response = error_response(500, "internal router error", "InternalServerError")
-    shared.metrics.requests.labels(request.path, str(response.status)).inc()
+    # Labelled by route, not by path: a client's made-up paths must not make label values.
+    resource = request.match_info.route.resource
+    endpoint = resource.canonical if resource is not None else "unmatched"
+    shared.metrics.requests.labels(endpoint, str(response.status)).inc()
     return response
 
 

@@ -45,6 +45,13 @@ async def test_bad_client_input_gets_vllms_400(make_stack: MakeStack, http: aioh
             err = (await r.json())["error"]
             assert err["type"] == "BadRequestError" and err["code"] == 400 and err["message"], raw
     assert router.metrics.value("kvferry_router_requests_total", endpoint=CHAT, status="400") == 7
+    # aiohttp's own answers are JSON errors too, and a made-up path makes no metric label of its own.
+    async with http.get(router.url + CHAT) as r:
+        assert r.status == 405 and "POST" in r.headers["Allow"]
+        assert (await r.json())["error"]["code"] == 405
+    async with http.post(router.url + "/v1/made-up", json={}) as r:
+        assert r.status == 404 and (await r.json())["error"]["type"] == "NotFoundError"
+    assert router.metrics.value("kvferry_router_requests_total", endpoint="unmatched", status="404") == 1
 
 
 async def test_engine_client_errors_pass_through(make_stack: MakeStack, http: aiohttp.ClientSession) -> None:
