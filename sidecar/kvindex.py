@@ -95,6 +95,8 @@ class KvMirror:
             # The common case: new blocks, one copy each; the daemon has none of them
             # unless they were removed earlier in this window (then baseline says so).
             present |= fresh
+            if self._reset:  # the next drain sends the whole mirror: no delta to keep
+                return
             if baseline:
                 common = baseline.keys() & fresh  # a dict view iterates the smaller side
                 if common:
@@ -106,7 +108,8 @@ class KvMirror:
                 self._extra[h] = self._extra.get(h, 0) + 1
             else:
                 present.add(h)
-                baseline.setdefault(h, False)
+                if not self._reset:
+                    baseline.setdefault(h, False)
 
     def _remove(self, hashes: list[int]) -> None:
         present, extra, baseline = self._present, self._extra, self._baseline
@@ -119,7 +122,8 @@ class KvMirror:
                     extra[h] = copies - 1
             elif h in present:
                 present.discard(h)
-                baseline.setdefault(h, not self._cleared)
+                if not self._reset:
+                    baseline.setdefault(h, not self._cleared)
             # else: removal of a block never seen stored (joined late): nothing to undo
 
     def _clear(self) -> None:
@@ -136,8 +140,12 @@ class KvMirror:
         self.seq = -1
 
     def request_reset(self) -> None:
-        """The daemon's view is unknown: the next drain sends the whole mirror."""
+        """The daemon's view is unknown: the next drain sends the whole mirror.
+
+        Until then no delta is kept (a long daemon outage would grow it without bound)."""
         self._reset = True
+        self._baseline = {}
+        self._cleared = False
 
     def drain(self, max_hashes: int = 65536) -> list[KvBatch]:
         """Batches that bring the daemon's view up to date (empty when it is)."""

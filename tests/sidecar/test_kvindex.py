@@ -124,10 +124,16 @@ def engine_runs(draw: st.DrawFn) -> list[list[KvEvent]]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(engine_runs(), st.lists(st.booleans(), min_size=12, max_size=12), st.integers(1, 8))
+@given(
+    engine_runs(),
+    st.lists(st.booleans(), min_size=12, max_size=12),
+    st.integers(1, 8),
+    st.lists(st.booleans(), min_size=12, max_size=12),
+)
 def test_the_daemon_index_always_equals_the_engine_cache(
-    payloads: list[list[KvEvent]], drain_after: list[bool], chunk: int
+    payloads: list[list[KvEvent]], drain_after: list[bool], chunk: int, reset_before: list[bool]
 ) -> None:
+    """Whatever the payloads, drains and resets (the Attach stream ended) in between."""
     engine: Counter[int] = Counter()
     m = KvMirror()
     index: set[int] = {999}  # stale state from before: the first batch is a reset
@@ -140,6 +146,8 @@ def test_the_daemon_index_always_equals_the_engine_cache(
             else:
                 engine.clear()
         engine += Counter()
+        if reset_before[i]:
+            m.request_reset()
         m.apply(events, seq=i)
         assert m.hashes() == set(engine)
         if drain_after[i]:
@@ -147,6 +155,21 @@ def test_the_daemon_index_always_equals_the_engine_cache(
             assert index == set(engine)
     index = daemon_apply(index, m.drain(max_hashes=chunk))
     assert index == set(engine)
+
+
+def test_no_delta_piles_up_while_a_reset_is_pending() -> None:
+    """Not attached (daemon down for long): the next drain sends a snapshot anyway, so
+    events meanwhile leave no per-hash bookkeeping behind, only the mirror itself."""
+    m = KvMirror()
+    m.apply([Stored([1, 2])])
+    m.drain()
+    m.apply([Removed([1])])
+    m.request_reset()
+    for i in range(1000):
+        m.apply([Stored([100 + i]), Removed([100 + i])])
+    assert m.pending == 1 and len(m._baseline) == 0  # (the window state itself)
+    (b,) = m.drain()
+    assert b.reset and b.stored == [2]
 
 
 def test_seq_tracker_in_order_gap_restart() -> None:
