@@ -231,6 +231,9 @@ class NodeSession:
             raise _LinkLost() from e
         finally:
             self._metrics.attached.set(0)
+            # The daemon forgets this node's blocks with the stream: the next attach sends
+            # the whole mirror, and no delta needs keeping until then.
+            self._mirror.request_reset()
             await cancel_and_wait([reader])
             call.cancel()
 
