@@ -22,12 +22,17 @@ from kvferry.v1 import leases_pb2, leases_pb2_grpc
 
 
 class LeaseOpError(Exception):
-    """An operation failed; `code` is the gRPC status the unary call would have returned."""
+    """An operation failed; `code` is the gRPC status the unary call would have returned.
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    `stream_lost`: the stream itself broke or ended (the replica or the way to it is in
+    doubt), rather than the daemon answering this one op with an error or the op timing out.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, stream_lost: bool = False) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.stream_lost = stream_lost
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -105,7 +110,7 @@ class LeaseStream:
             raise LeaseOpError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {deadline_s}s") from None
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
             await self._reset()
-            raise LeaseOpError(grpc.StatusCode.UNAVAILABLE, f"lease stream broke: {e}") from e
+            raise LeaseOpError(grpc.StatusCode.UNAVAILABLE, f"lease stream broke: {e}", True) from e
         finally:
             self._pending.pop(op.id, None)
         if res.WhichOneof("result") == "error":
@@ -143,7 +148,7 @@ class LeaseStream:
             return self._call
 
     async def _read(self, call: Any, writer: asyncio.Task[None]) -> None:
-        error: BaseException = LeaseOpError(grpc.StatusCode.UNAVAILABLE, "lease stream ended")
+        error: BaseException = LeaseOpError(grpc.StatusCode.UNAVAILABLE, "lease stream ended", True)
         try:
             while True:
                 batch = await call.read()
@@ -155,7 +160,7 @@ class LeaseStream:
                         fut.set_result(res)
         except grpc.aio.AioRpcError as e:
             error = LeaseOpError(
-                grpc.StatusCode.UNAVAILABLE, f"lease stream broke: {e.code().name}: {e.details()}"
+                grpc.StatusCode.UNAVAILABLE, f"lease stream broke: {e.code().name}: {e.details()}", True
             )
         except asyncio.CancelledError:
             error = LeaseOpError(grpc.StatusCode.CANCELLED, "lease stream closed")

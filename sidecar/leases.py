@@ -250,6 +250,10 @@ class LeaseSender:
         except LeaseOpError as e:
             if e.code in TRANSIENT:
                 log.warning("lease.daemon.unavailable", code=e.code.name, address=self._link.address)
+            if e.stream_lost:
+                # Only a lost stream moves to another replica: the channel is shared with the
+                # node's Attach stream, and an op's own error or timeout (etcd slow, say) would
+                # not be better there.
                 await self._link.failover(channel)
             self._failed(draft, e.code, e.message)
         else:

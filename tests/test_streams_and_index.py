@@ -9,7 +9,7 @@ import grpc
 
 from controlplane.blockindex import BlockIndex, IndexUpdate
 from kvferry.v1 import leases_pb2, nodes_pb2
-from tests.conftest import Client
+from tests.conftest import Client, free_port
 from tests.factories import lease_request, lookup_request, node_request
 
 
@@ -107,12 +107,30 @@ async def test_lease_stream_client_batches_under_load_and_survives_timeouts(clie
             raise AssertionError("expected an error")
         except LeaseOpError as e:
             assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "conversation_id" in e.message
+            assert not e.stream_lost  # the daemon's answer to that op: no reason to change replica
         # A deadline too short to be met fails that call only; the stream goes on.
         try:
             await stream.lookup(lookup_request("b-0"), 0.000001)
         except LeaseOpError as e:
-            assert e.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert e.code == grpc.StatusCode.DEADLINE_EXCEEDED and not e.stream_lost
         again = await stream.lookup(lookup_request("b-1", peek=True), 10)
         assert again.reason == "already_claimed"
     finally:
         await stream.close()
+
+
+async def test_a_lost_lease_stream_says_so() -> None:
+    """No daemon at the address: the op fails as UNAVAILABLE with stream_lost, the one case
+    in which the sidecar moves to another replica."""
+    from kvferry.leaseclient import LeaseOpError, LeaseStream
+
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{free_port()}")
+    stream = LeaseStream(channel)
+    try:
+        await stream.register(lease_request("x"), 10)
+        raise AssertionError("expected an error")
+    except LeaseOpError as e:
+        assert e.code == grpc.StatusCode.UNAVAILABLE and e.stream_lost
+    finally:
+        await stream.close()
+        await channel.close(None)
