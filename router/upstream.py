@@ -15,6 +15,7 @@ import aiohttp
 import msgspec
 from aiohttp import hdrs
 
+from kvferry.hops import NOT_DELIVERED_HEADER, never_delivered
 from router.decisions import Failure, FailureKind
 from router.settings import UpstreamSettings
 
@@ -63,13 +64,19 @@ class Reply:
 
 
 def _failure_of(e: BaseException) -> Failure:
-    # (A connect timeout is a TimeoutError too, but like a refused connection the engine
-    # never saw the request.)
-    if isinstance(e, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError | ConnectionRefusedError):
+    if never_delivered(e):
         return Failure(FailureKind.CONNECT)
     if isinstance(e, TimeoutError):
         return Failure(FailureKind.TIMEOUT)
     return Failure(FailureKind.PROTOCOL)
+
+
+def _check_delivered(url: str, r: aiohttp.ClientResponse) -> None:
+    """A sidecar's 502 for an engine it never reached fails like an unreachable node."""
+    if r.status == 502 and NOT_DELIVERED_HEADER in r.headers:
+        raise UpstreamError(
+            Failure(FailureKind.CONNECT), f"{url}: the engine behind the sidecar is unreachable"
+        )
 
 
 def tokenize_request(path: str, body: Mapping[str, Any]) -> dict[str, Any] | list[int] | None:
@@ -151,6 +158,7 @@ class Engines:
         try:
             async with self._http.post(url, data=body, headers=headers, timeout=timeout) as r:
                 raw = await r.read()
+                _check_delivered(url, r)
                 return Reply(r.status, raw, r.headers.get(hdrs.CONTENT_TYPE, ""))
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             raise UpstreamError(_failure_of(e), f"{url}: {str(e) or type(e).__name__}") from e
@@ -165,6 +173,12 @@ class Engines:
     async def open(self, url: str, body: bytes, headers: Mapping[str, str]) -> aiohttp.ClientResponse:
         """POST and return as soon as the status line is in; the caller reads and releases it."""
         try:
-            return await self._http.post(url, data=body, headers=headers, timeout=self._streaming)
+            r = await self._http.post(url, data=body, headers=headers, timeout=self._streaming)
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             raise UpstreamError(_failure_of(e), f"{url}: {str(e) or type(e).__name__}") from e
+        try:
+            _check_delivered(url, r)
+        except UpstreamError:
+            r.release()
+            raise
+        return r

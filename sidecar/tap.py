@@ -20,6 +20,7 @@ import structlog
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
+from kvferry.hops import NOT_DELIVERED_HEADER, never_delivered
 from sidecar.capture import RequestPlan, SseRewriter, TurnObserver, plan_request, rewrite_json
 from sidecar.drafts import draft_lease
 from sidecar.engine import EngineInstance
@@ -71,9 +72,9 @@ def response_headers(headers: Mapping[str, str], rewritten: bool) -> CIMultiDict
     return out
 
 
-def _bad_gateway(message: str) -> web.Response:
+def _bad_gateway(message: str, delivered: bool) -> web.Response:
     body = {"error": {"message": message, "type": "BadGateway", "param": None, "code": 502}}
-    return web.json_response(body, status=502)
+    return web.json_response(body, status=502, headers=None if delivered else {NOT_DELIVERED_HEADER: "1"})
 
 
 class Tap:
@@ -125,7 +126,7 @@ class Tap:
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             self._metrics.upstream_errors.labels("connect").inc()
             log.warning("tap.engine.unreachable", path=request.path, error=str(e) or type(e).__name__)
-            return _bad_gateway(f"engine unreachable: {e}")
+            return _bad_gateway(f"engine unreachable: {e}", delivered=not never_delivered(e))
         try:
             content_type = upstream.headers.get(hdrs.CONTENT_TYPE, "")
             if plan is None or not plan.capture or upstream.status != 200:
@@ -170,7 +171,7 @@ class Tap:
             raw = await upstream.read()
         except (aiohttp.ClientError, TimeoutError) as e:
             self._metrics.upstream_errors.labels("mid_answer").inc()
-            return _bad_gateway(f"engine failed: {e}")
+            return _bad_gateway(f"engine failed: {e}", delivered=True)
         body = rewrite_json(raw, observer)
         self._conclude(observer, plan)
         return web.Response(

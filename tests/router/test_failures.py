@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -18,9 +19,10 @@ from controlplane.daemon import Daemon
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2_grpc
 from router import Router
 from router.control import struct_to_dict
+from sidecar import Sidecar
 from tests.conftest import free_port
 from tests.factories import lease_request, node_request
-from tests.router.conftest import MakeStack, router_settings
+from tests.router.conftest import MakeStack, router_settings, sidecar_for
 from tests.router.helpers import CHAT, ask, first_turn, next_turn
 
 Reference = Callable[[str, dict[str, Any]], Awaitable[str]]
@@ -129,6 +131,25 @@ async def test_unreachable_engines(
         for _ in range(3):
             res = await ask(http, spare_d.url, {**body, "stream": True})
             assert res.status == 200 and res.text == await reference(CHAT, body)
+
+    # A live sidecar in front of a dead engine: its 502 says the engine never saw the request,
+    # so the router fails over as for a dead node (P and D alike).
+    base = sidecar_for(p, stack.daemon, "prefill")
+    orphan = Sidecar(replace(base, engine=replace(base.engine, url=dead, engine_id="orphan")))
+    await orphan.start()
+    try:
+        for prefills, decodes in (((orphan.url, p_url), (d_url,)), ((p_url,), (orphan.url, d_url))):
+            r = Router(
+                router_settings(
+                    None, nodes__prefill_urls=prefills, nodes__decode_urls=decodes, nodes__model="m"
+                )
+            )
+            async with r:
+                for _ in range(3):
+                    res = await ask(http, r.url, {**body, "stream": True})
+                    assert res.status == 200 and res.text == await reference(CHAT, body)
+    finally:
+        await orphan.stop()
 
     # A dead D alone: a 502 JSON error, not a hang or a traceback.
     no_d = Router(

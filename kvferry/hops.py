@@ -1,0 +1,17 @@
+"""HTTP conventions between kvferry's own processes (the router and the sidecars)."""
+
+from __future__ import annotations
+
+import aiohttp
+
+NOT_DELIVERED_HEADER = "X-Kvferry-Not-Delivered"
+"""Set on a sidecar's 502 when its engine was never reached: the request was not seen, so
+the router may send it to another node as if the sidecar itself had been unreachable."""
+
+
+def never_delivered(e: BaseException) -> bool:
+    """An aiohttp request failed before the server could see it: no connection was made
+    (refused, or a connect timeout: a TimeoutError too, but not one after sending)."""
+    return isinstance(
+        e, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError | ConnectionRefusedError
+    )
