@@ -69,6 +69,10 @@ class UpstreamSettings:
     """Timeout to connect to an engine."""
     prefill_timeout_s: float = 600.0
     """Longest a prefill request may take."""
+    decode_idle_timeout_s: float = 1800.0
+    """Longest D may stay silent: before its answer starts, between two chunks of a stream,
+    or while it generates a whole non-streaming answer (long reasoning answers take minutes).
+    A silent D is given up; what the client got so far ends there."""
     tokenize_timeout_s: float = 5.0
     """Longest a tokenize request may take; a slower one means serving that turn without reuse."""
     api_key: str = ""
@@ -117,7 +121,8 @@ class Settings:
         if not d.addresses and not (n.prefill_urls and n.decode_urls):
             raise ValueError("give the daemon's address, or prefill and decode node URLs")
         u = self.upstream
-        if u.connect_timeout_s <= 0 or u.prefill_timeout_s <= 0 or u.tokenize_timeout_s <= 0:
+        timeouts = (u.connect_timeout_s, u.prefill_timeout_s, u.tokenize_timeout_s, u.decode_idle_timeout_s)
+        if min(timeouts) <= 0:
             raise ValueError("upstream timeouts must be positive")
 
 
@@ -159,6 +164,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("tenant-header", d.reuse.tenant_header, "header naming the tenant when there is no API key")
     add("engine-api-key", d.upstream.api_key, "bearer key for the engines (default: the client's)")
     add("connect-timeout", d.upstream.connect_timeout_s, "seconds to connect to an engine", float)
+    add("prefill-timeout", d.upstream.prefill_timeout_s, "longest a prefill request may take, s", float)
+    add(
+        "decode-idle-timeout",
+        d.upstream.decode_idle_timeout_s,
+        "longest D may send nothing (before or within its answer), s",
+        float,
+    )
     add("max-body-bytes", d.server.max_body_bytes, "largest request body accepted", int)
 
 
@@ -177,7 +189,12 @@ def from_args(a: argparse.Namespace) -> Settings:
             model=a.model,
             block_size=int(a.block_size),
         ),
-        upstream=UpstreamSettings(connect_timeout_s=float(a.connect_timeout), api_key=a.engine_api_key),
+        upstream=UpstreamSettings(
+            connect_timeout_s=float(a.connect_timeout),
+            prefill_timeout_s=float(a.prefill_timeout),
+            decode_idle_timeout_s=float(a.decode_idle_timeout),
+            api_key=a.engine_api_key,
+        ),
         reuse=ReuseSettings(
             enabled=a.reuse if isinstance(a.reuse, bool) else _bool(a.reuse),
             tenant_header=a.tenant_header,

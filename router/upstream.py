@@ -130,7 +130,9 @@ class Engines:
         self._bounded = aiohttp.ClientTimeout(
             total=settings.prefill_timeout_s, sock_connect=settings.connect_timeout_s
         )
-        self._streaming = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
+        self._streaming = aiohttp.ClientTimeout(
+            total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.decode_idle_timeout_s
+        )
 
     def headers(
         self, client: Mapping[str, str], request_id: str, extra: Sequence[tuple[str, str]] = ()

@@ -223,11 +223,13 @@ def _lower(headers: Any) -> dict[str, str]:
 
 
 class FakeEngine:
-    """Answers like vLLM P and D, records requests; `break_after` events cuts D's stream."""
+    """Answers like vLLM P and D, records requests; `break_after` events cuts D's stream,
+    `stall_after` events leaves it open and silent."""
 
-    def __init__(self, break_after: int | None = None) -> None:
+    def __init__(self, break_after: int | None = None, stall_after: int | None = None) -> None:
         self.requests: list[tuple[str, dict[str, str], dict[str, Any]]] = []
         self.break_after = break_after
+        self.stall_after = stall_after
         self.url = ""
         self.tokenize_fails = False
 
@@ -252,6 +254,10 @@ class FakeEngine:
                 assert request.transport is not None
                 request.transport.close()
                 return resp
+            if i == self.stall_after:  # silent until the router gives up and hangs up
+                while request.transport is not None and not request.transport.is_closing():
+                    await asyncio.sleep(0.05)
+                return resp
             chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}]}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
@@ -263,8 +269,10 @@ class FakeEngine:
 
 
 @contextlib.asynccontextmanager
-async def fake_engine(break_after: int | None = None) -> AsyncIterator[FakeEngine]:
-    fake = FakeEngine(break_after)
+async def fake_engine(
+    break_after: int | None = None, stall_after: int | None = None
+) -> AsyncIterator[FakeEngine]:
+    fake = FakeEngine(break_after, stall_after)
     app = web.Application()
     app.router.add_post("/tokenize", fake.tokenize)
     app.router.add_post("/v1/chat/completions", fake.generate)
@@ -337,6 +345,30 @@ async def test_a_decode_that_breaks_off_cuts_the_clients_stream(
                 router.metrics.value("kvferry_router_upstream_errors_total", role="decode", kind="protocol")
                 == 1
             )
+
+
+async def test_a_decode_gone_silent_is_given_up(daemon: Daemon, http: aiohttp.ClientSession) -> None:
+    """A wedged D (connection open, nothing sent) does not hold the client forever."""
+    async with fake_engine() as p, fake_engine(stall_after=2) as d:
+        settings = router_settings(
+            daemon,
+            nodes__prefill_urls=(p.url,),
+            nodes__decode_urls=(d.url,),
+            upstream__decode_idle_timeout_s=0.5,
+        )
+        async with Router(settings) as router:
+            body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+            received = b""
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async with asyncio.timeout(10), http.post(router.url + CHAT, json=body) as r:
+                    async for chunk in r.content.iter_any():
+                        received += chunk
+            assert b"t1" in received and b"[DONE]" not in received
+            await asyncio.sleep(0.05)
+            errors = router.metrics.value(
+                "kvferry_router_upstream_errors_total", role="decode", kind="protocol"
+            )
+            assert errors == 1
 
 
 async def test_a_turn_whose_prompt_cannot_be_tokenized_releases_what_the_early_lookup_claimed(
