@@ -255,8 +255,8 @@ class FakeEngine:
                 request.transport.close()
                 return resp
             if i == self.stall_after:  # silent until the router gives up and hangs up
-                while request.transport is not None and not request.transport.is_closing():
-                    await asyncio.sleep(0.05)
+                while request.transport is not None and not request.transport.is_closing():  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)  # (aiohttp sets no event when the peer hangs up)
                 return resp
             chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}]}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
