@@ -164,17 +164,19 @@ def retry_after(
 ) -> Retry | None:
     """What to do after a failed prefill request (None: give up and answer the client).
 
-    One retry per turn. A failure with the daemon's params (a failed pull, an
-    expired or reused block list, a P that rejects them) is retried without them.
-    An unreachable P is retried on another P. A P's own 4xx without params is
-    the client's answer; so is a timeout (retrying would double the wait).
+    One retry per turn. An unreachable P is retried on another P, with the daemon's
+    params if it had them: it never saw them, D still holds the blocks, and any P can
+    pull them (dropping them would leave D's blocks pinned until they expire). A
+    failure with the params (a failed pull, an expired or reused block list, a P that
+    rejects them) is retried without them. A P's own 4xx without params is the
+    client's answer; so is a timeout (retrying would double the wait).
     """
     if attempt >= 1 or failure.kind is FailureKind.TIMEOUT:
         return None
-    if sent_remote:
-        return Retry.FRESH
     if failure.kind is FailureKind.CONNECT and other_node_available:
         return Retry.OTHER_NODE
+    if sent_remote:
+        return Retry.FRESH
     return None
 
 

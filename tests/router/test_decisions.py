@@ -222,6 +222,13 @@ def test_without_params_only_an_unreachable_p_is_retried_elsewhere() -> None:
     assert retry_after(Failure(FailureKind.TIMEOUT), True, 0, True) is None
 
 
+def test_an_unreachable_p_hands_the_params_to_another_p() -> None:
+    """P never saw the daemon's params: another P pulls the same blocks (not recompute)."""
+    connect = Failure(FailureKind.CONNECT)
+    assert retry_after(connect, sent_remote=True, attempt=0, other_node_available=True) is Retry.OTHER_NODE
+    assert retry_after(connect, sent_remote=True, attempt=0, other_node_available=False) is Retry.FRESH
+
+
 def test_decode_goes_elsewhere_only_when_d_never_saw_the_request() -> None:
     assert retry_decode_elsewhere(Failure(FailureKind.CONNECT), True)
     assert not retry_decode_elsewhere(Failure(FailureKind.CONNECT), False)
