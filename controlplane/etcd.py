@@ -210,6 +210,8 @@ class TxnBatcher:
                 outer = rpc.TxnRequest(success=[rpc.RequestOp(request_txn=item[1]) for item in batch])
                 resp = await timed("txn_batch", self._client.kvstub.Txn(outer, timeout=self._timeout))
                 results = [r.response_txn for r in resp.responses]
+                for result in results:  # etcd sets the header (the revision) on the outer one only
+                    result.header.CopyFrom(resp.header)
             for (_, _, _, fut), result in zip(batch, results, strict=True):
                 if not fut.done():
                     fut.set_result(result)

@@ -193,7 +193,9 @@ def param_problems(params: dict[str, Any], num_tokens: int, block_size: int) -> 
         if value is None or value == "" or value == []:
             problems.append(f"kv_transfer_params.{key} is required")
     ids = params.get("remote_block_ids")
-    if ids:
+    if ids is not None and not isinstance(ids, list):
+        problems.append("kv_transfer_params.remote_block_ids must be a list (of block id lists)")
+    elif ids:
         groups = ids if isinstance(ids[0], list) else [ids]
         need = math.ceil(num_tokens / block_size) if block_size > 0 else 0
         for g, blocks in enumerate(groups):

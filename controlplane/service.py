@@ -31,6 +31,8 @@ log = structlog.get_logger(__name__)
 DEFAULT_TENANT = "default"
 MAX_PAGE = 1000
 MAX_URL_BYTES = 2048
+#: Generations stay below this: increments of a registered one must fit a uint64 (and an int64).
+MAX_GENERATION = 2**62
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,9 @@ class ControlPlane:
         ttl = reg.liveness_ttl_s or self.settings.nodes.liveness_ttl_s
         if not 2 <= ttl <= 3600:
             raise InvalidArgument(f"liveness_ttl_seconds {ttl} must be in 2..3600")
+        if reg.generation >= MAX_GENERATION:
+            # (the next one, previous + 1, must still fit the API's uint64)
+            raise InvalidArgument(f"generation {reg.generation} must be below {MAX_GENERATION}")
         for attempt in range(3):
             current, revision, floor, floor_revision = await self.store.get_node_and_floor(reg.engine_id)
             previous = current.record.generation if current else 0

@@ -86,6 +86,13 @@ async def test_params_missing_what_p_needs(client: Client) -> None:
     details = e.value.details() or ""
     assert "kv_transfer_params.remote_request_id is required" in details
     assert "kv_transfer_params.remote_block_ids is required" in details
+    for not_a_list in (5, True, {"a": 1}, "1,2"):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.leases.Register(
+                lease_request("c", params={**d_params("d-1", 1000), "remote_block_ids": not_a_list})
+            )
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, not_a_list
+        assert "remote_block_ids must be a list" in (e.value.details() or ""), not_a_list
 
 
 async def test_expiry_in_the_past_and_unknown_engine(client: Client) -> None:
@@ -122,6 +129,7 @@ async def test_bad_lookups_and_nodes(client: Client) -> None:
         ),
         (node_request(engine_url="http://" + "x" * 2100), "engine_url is longer than 2048 bytes"),
         (node_request(engine_id=""), "engine_id is required"),
+        (node_request(generation=2**64 - 1), "generation 18446744073709551615 must be below"),
     ]:
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await client.nodes.Register(bad)

@@ -30,6 +30,7 @@ class FakeEtcd:
             self.answers[i].set_result(rpc.TxnResponse(succeeded=True))  # one txn on its own
             return
         resp = rpc.TxnResponse(succeeded=True)
+        resp.header.revision = 100 + i  # as etcd: on the outer response only
         for _ in req.success:
             resp.responses.add().response_txn.succeeded = True
         self.answers[i].set_result(resp)
@@ -64,7 +65,9 @@ async def test_a_lone_request_leaves_at_once_and_later_ones_wait_as_one_batch() 
     await settle()
     assert len(etcd.sent) == 2 and batch_size(etcd.sent[1]) == 3
     etcd.answer(1)
-    assert all(r.succeeded for r in await asyncio.gather(*rest))
+    batched = await asyncio.gather(*rest)
+    assert all(r.succeeded for r in batched)
+    assert [r.header.revision for r in batched] == [101] * 3  # each sees the batch's revision
     await b.close()
 
 
