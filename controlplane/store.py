@@ -101,7 +101,11 @@ class GcLeases:
             return held[0]
         pending = self._granting.get(bucket)
         if pending is not None:
-            await asyncio.shield(pending)
+            # Wait for the grant in flight (never cancelling it), then take the lease from the
+            # table, or ask again: its caller being cancelled is no reason to fail this one.
+            await asyncio.wait([pending])
+            if not pending.cancelled() and (failed := pending.exception()) is not None:
+                raise failed  # etcd refused or is down: the same answer for everyone waiting
             return await self.lease_for(deadline, now)
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._granting[bucket] = fut
@@ -116,9 +120,12 @@ class GcLeases:
             fut.set_result(resp.ID)
             self._forget_before(math.floor(now / self._bucket_s))
             return int(resp.ID)
-        except BaseException as e:
+        except asyncio.CancelledError:
+            fut.cancel()  # this caller gave up: the waiters ask again
+            raise
+        except Exception as e:
             fut.set_exception(e)
-            fut.exception()  # retrieved: waiters re-raise their own attempt
+            fut.exception()  # (retrieved: a grant nobody waited for is not an unhandled error)
             raise
         finally:
             del self._granting[bucket]
