@@ -166,13 +166,16 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[nodes_pb2.AttachResponse]:
         rec: NodeRecord | None = None
+        stream = object()  # this stream, for the node's index to follow
         metrics.ATTACHED.inc()
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("body")
                 if kind == "hello":
-                    rec = await self._cp.attach(msg.hello.engine_id, msg.hello.generation)
-                    ttl = await self._cp.heartbeat(rec)
+                    if rec is not None and msg.hello.engine_id != rec.engine_id:
+                        raise InvalidArgument("an Attach stream speaks for one engine: open another")
+                    rec = await self._cp.attach(msg.hello.engine_id, msg.hello.generation, stream)
+                    ttl, rec = await self._cp.heartbeat(rec)
                     log.info("node.attached", engine_id=rec.engine_id, generation=rec.generation)
                     yield nodes_pb2.AttachResponse(
                         attached=node_message(NodeState(rec, True)), ttl_seconds=ttl
@@ -181,7 +184,7 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
                     if rec is None:
                         raise InvalidArgument("the first message on Attach must be hello")
                     try:
-                        ttl = await self._cp.heartbeat(rec)
+                        ttl, rec = await self._cp.heartbeat(rec)
                     except StoreUnavailable as e:
                         # Keep the stream: the sidecar goes on heartbeating and liveness
                         # resumes when etcd is back.
@@ -202,7 +205,7 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
         finally:
             metrics.ATTACHED.dec()
             if rec is not None:
-                self._cp.detach(rec)
+                self._cp.detach(rec, stream)
                 log.info("node.detached", engine_id=rec.engine_id)
 
     @_rpc("Nodes/List")

@@ -186,6 +186,7 @@ class ControlPlane:
         # Per engine: (live retentions, held tokens), from the last gauge scan.
         self.held: dict[str, tuple[int, int]] = {}
         self.index = BlockIndex()
+        self._streams: dict[str, object] = {}  # engine id -> the Attach stream its index follows
 
     # -- nodes ----------------------------------------------------------------
 
@@ -251,8 +252,9 @@ class ControlPlane:
             return stored, restarted
         raise AssertionError("unreachable")
 
-    async def attach(self, engine_id: str, generation: int) -> NodeRecord:
-        """Check that a sidecar attaching speaks for the registered generation."""
+    async def attach(self, engine_id: str, generation: int, stream: object) -> NodeRecord:
+        """Check that a sidecar attaching speaks for the registered generation; `stream`
+        (any object, one per Attach stream) is now the one the node's index follows."""
         _check_id("hello.engine_id", engine_id, self._limits.max_id_bytes)
         state, _ = await self.store.get_node(engine_id)
         if state is None or state.record.removed_at:
@@ -261,23 +263,27 @@ class ControlPlane:
             raise FailedPrecondition(
                 f"node {engine_id} is registered at generation {state.record.generation}, not {generation}"
             )
+        self._streams[engine_id] = stream
         return state.record
 
-    async def heartbeat(self, rec: NodeRecord) -> int:
-        """Keep a node alive. -> seconds of liveness left."""
-        ttl = await self.store.keepalive(rec)
+    async def heartbeat(self, rec: NodeRecord) -> tuple[int, NodeRecord]:
+        """Keep a node alive. -> (seconds of liveness left, the record to heartbeat next)."""
+        ttl, rec = await self.store.keepalive(rec)
         if ttl <= 0:
             raise FailedPrecondition(f"node {rec.engine_id} was re-registered or removed; register again")
-        return ttl
+        return ttl, rec
 
     def index_events(self, rec: NodeRecord, update: IndexUpdate) -> None:
         """Fold one KV-event batch of an attached node into the block index."""
         self.index.apply(rec.engine_id, update)
         metrics.INDEXED_HASHES.inc(len(update.stored) + len(update.removed))
 
-    def detach(self, rec: NodeRecord) -> None:
-        """The node's Attach stream ended: its index would go stale, so drop it."""
-        self.index.drop(rec.engine_id)
+    def detach(self, rec: NodeRecord, stream: object) -> None:
+        """An Attach stream ended: if the node's index followed it, the index would go stale,
+        so drop it (a sidecar that re-attached meanwhile keeps the newer stream's)."""
+        if self._streams.get(rec.engine_id) is stream:
+            del self._streams[rec.engine_id]
+            self.index.drop(rec.engine_id)
 
     async def score(self, hashes: list[int], role: int) -> list[tuple[str, int]]:
         """Alive nodes (of `role`, 0 = any) by how many leading prompt blocks they cache."""

@@ -510,25 +510,36 @@ class EtcdStore:
             raise Conflict(f"node {rec.engine_id} changed concurrently")
         return stored
 
-    async def keepalive(self, rec: NodeRecord) -> int:
-        """Refresh a node's liveness lease. -> seconds left; 0 if the lease was gone.
+    async def keepalive(self, rec: NodeRecord) -> tuple[int, NodeRecord]:
+        """Refresh a node's liveness lease. -> (seconds left, the record as it stands now:
+        its lease may be a new one); 0 if the node was re-registered or removed.
 
         A lapsed lease (etcd outage, long pause) is re-created as long as the
         node record still holds this generation: the engine never restarted, so
-        the blocks it holds are still good.
+        the blocks it holds are still good. The caller keeps the returned record,
+        so the next heartbeat refreshes the new lease instead of making another.
         """
-        try:
-            reply = await timed("keepalive", self._client.refresh_lease(rec.lease_id))
-            if reply is not None and reply.TTL > 0:
-                return int(reply.TTL)
-        except LeaseGone:
-            pass
+        ttl = await self._refresh(rec.lease_id)
+        if ttl:
+            return ttl, rec
         current, revision = await self.get_node(rec.engine_id)
         if current is None or current.record.removed_at or current.record.generation != rec.generation:
-            return 0
+            return 0, rec
+        if current.record.lease_id != rec.lease_id:  # renewed meanwhile (another stream or replica)
+            ttl = await self._refresh(current.record.lease_id)
+            if ttl:
+                return ttl, current.record
         renewed = await self.put_node(current.record, revision)
         log.info("node.liveness.renewed", engine_id=rec.engine_id, lease=renewed.lease_id)
-        return rec.liveness_ttl
+        return rec.liveness_ttl, renewed
+
+    async def _refresh(self, lease_id: int) -> int:
+        """Seconds left on a lease after refreshing it (0: it is gone)."""
+        try:
+            reply = await timed("keepalive", self._client.refresh_lease(lease_id))
+        except LeaseGone:
+            return 0
+        return int(reply.TTL) if reply is not None and reply.TTL > 0 else 0
 
     async def delete_node(self, engine_id: str, now: float) -> bool:
         """End a node's liveness and leave a tombstone of its record.

@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from controlplane.daemon import Daemon
 from controlplane.settings import EtcdSettings
 from kvferry.v1 import leases_pb2, nodes_pb2
 from tests.conftest import Client, DaemonFactory, free_port
@@ -163,3 +164,95 @@ async def test_lease_survives_a_daemon_restart_on_the_embedded_etcd(
     second = await make_daemon(etcd=embedded)
     resp = await connect(second).leases.Lookup(lookup_request("conv-keep"))
     assert resp.decision == leases_pb2.PULL
+
+
+class AttachStream:
+    """One Attach stream driven by hand: hello, heartbeats, KV events."""
+
+    def __init__(self, client: Client) -> None:
+        self._queue: asyncio.Queue[nodes_pb2.AttachRequest | None] = asyncio.Queue()
+
+        async def requests() -> AsyncIterator[nodes_pb2.AttachRequest]:
+            while (item := await self._queue.get()) is not None:
+                yield item
+
+        self.call = client.nodes.Attach(requests())
+
+    async def send(
+        self, msg: nodes_pb2.AttachRequest, answered: bool = True
+    ) -> nodes_pb2.AttachResponse | None:
+        await self._queue.put(msg)
+        return await self.call.read() if answered else None
+
+    async def close(self) -> None:
+        await self._queue.put(None)
+        self.call.cancel()
+
+
+def hello(engine_id: str, generation: int = 1) -> nodes_pb2.AttachRequest:
+    return nodes_pb2.AttachRequest(hello=nodes_pb2.AttachHello(engine_id=engine_id, generation=generation))
+
+
+def heartbeat(seq: int) -> nodes_pb2.AttachRequest:
+    return nodes_pb2.AttachRequest(heartbeat=nodes_pb2.Heartbeat(seq=seq))
+
+
+async def test_a_lapsed_liveness_lease_is_renewed_once_not_per_heartbeat(
+    daemon: Daemon, client: Client
+) -> None:
+    """After an etcd outage or a long pause the node's lease is gone: the next heartbeat
+    grants a new one, and the ones after refresh it (no grant, no record rewrite each)."""
+    assert daemon.control_plane is not None
+    store = daemon.control_plane.store
+    await client.nodes.Register(node_request("d-1"))
+    stream = AttachStream(client)
+    try:
+        await stream.send(hello("d-1"))
+        state, _ = await store.get_node("d-1")
+        assert state is not None
+        await store.revoke_lease_quietly(state.record.lease_id)  # the lapse
+        await stream.send(heartbeat(1))
+        renewed, revision = await store.get_node("d-1")
+        assert renewed is not None and renewed.alive and renewed.record.lease_id != state.record.lease_id
+        for seq in (2, 3, 4):
+            ack = await stream.send(heartbeat(seq))
+            assert ack is not None and ack.ttl_seconds > 0
+        after, revision_after = await store.get_node("d-1")
+        assert after is not None and after.record.lease_id == renewed.record.lease_id
+        assert revision_after == revision  # the record was not written again
+    finally:
+        await stream.close()
+
+
+async def test_an_older_attach_stream_ending_keeps_the_newer_ones_index(
+    daemon: Daemon, client: Client
+) -> None:
+    assert daemon.control_plane is not None
+    index = daemon.control_plane.index
+    await client.nodes.Register(node_request("d-1"))
+    old, new = AttachStream(client), AttachStream(client)
+    try:
+        await old.send(hello("d-1"))
+        await new.send(hello("d-1"))  # the sidecar reconnected before the old stream ended
+        events = nodes_pb2.KvEventBatch(stored=[1, 2, 3], reset=True)
+        await new.send(nodes_pb2.AttachRequest(kv_events=events), answered=False)
+        for _ in range(100):
+            if index.count("d-1") == 3:
+                break
+            await asyncio.sleep(0.01)
+        await old.close()
+        await asyncio.sleep(0.2)
+        assert index.count("d-1") == 3
+        # One stream speaks for one engine.
+        await client.nodes.Register(node_request("d-2"))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await new.send(hello("d-2"))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        await old.close()
+        await new.close()
+    for _ in range(100):
+        if index.count("d-1") == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert index.count("d-1") == 0  # and when the newer one ends, the index goes with it
