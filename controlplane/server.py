@@ -315,6 +315,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         order, every result that is ready going out in one message."""
         ready: list[leases_pb2.LeaseOpResult] = []
         wake = asyncio.Event()
+        taken = asyncio.Event()  # results were taken out to be sent
         window = asyncio.Semaphore(STREAM_WINDOW)
         running: set[asyncio.Task[None]] = set()
         # Lookups sent with prompt_follows, by op id, until their LookupPrompt op arrives.
@@ -372,6 +373,11 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
             nonlocal reading
             try:
                 async for batch in request_iterator:
+                    while len(ready) >= STREAM_WINDOW:
+                        # The client is not reading its results: stop reading its ops too
+                        # (gRPC flow control then holds the client back), or `ready` grows.
+                        taken.clear()
+                        await taken.wait()
                     for op in batch.ops:
                         kind = op.WhichOneof("op")
                         if kind == "prompt":
@@ -404,6 +410,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
                 # stream can arrive together, with no wake-up left to come.
                 if ready:
                     out, ready[:] = list(ready), []
+                    taken.set()
                     yield leases_pb2.LeaseOpResultBatch(results=out)
                     continue
                 if not reading:

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
+import pytest
 
 from controlplane.blockindex import BlockIndex, IndexUpdate
 from kvferry.v1 import leases_pb2, nodes_pb2
@@ -134,3 +135,31 @@ async def test_a_lost_lease_stream_says_so() -> None:
     finally:
         await stream.close()
         await channel.close(None)
+
+
+async def test_a_stream_whose_results_are_not_read_stops_reading_its_ops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Results wait for a client that does not read them: at most a window of them, then the
+    daemon stops taking ops from that stream (and gRPC flow control holds the client)."""
+    from controlplane import server
+
+    monkeypatch.setattr(server, "STREAM_WINDOW", 4)
+    pulled = 0
+
+    async def ops() -> AsyncIterator[leases_pb2.LeaseOpBatch]:
+        nonlocal pulled
+        for i in range(50):
+            pulled += 1  # a prompt for no waiting lookup: refused at once, no store needed
+            yield leases_pb2.LeaseOpBatch(ops=[leases_pb2.LeaseOp(id=i, prompt=leases_pb2.LookupPrompt())])
+
+    servicer = server.LeasesServicer(None)  # type: ignore[arg-type]
+    results = servicer.Stream(ops(), None)  # type: ignore[arg-type]
+    first = await results.__anext__()  # the client reads once, then stops
+    await asyncio.sleep(0.2)
+    # (a window sent, a window waiting to be, and the batch the reader holds)
+    assert 1 <= len(first.results) <= 4 and pulled <= 2 * 4 + 2, (len(first.results), pulled)
+    got = len(first.results)
+    async for batch in results:  # reading again lets the rest through
+        got += len(batch.results)
+    assert got == 50 and pulled == 50
