@@ -19,7 +19,7 @@ import structlog
 from controlplane import metrics
 from controlplane.blockindex import BlockIndex, IndexUpdate
 from controlplane.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound, StoreUnavailable
-from controlplane.policy import Decision, Prompt, Reason, decide, digest_problem, param_problems
+from controlplane.policy import RELEASE, Decision, Prompt, Reason, decide, digest_problem, param_problems
 from controlplane.records import Claim, NodeRecord, NodeState, Retention, Role
 from controlplane.settings import Settings
 from controlplane.store import ClaimOutcome, EtcdStore
@@ -428,6 +428,7 @@ class ControlPlane:
         now = self._clock()
         prompt = Prompt(q.prompt_tokens, q.prompt_digests)
         missing = ""  # why a prompt_follows lookup has no usable prompt
+        retention: Retention | None = None
         try:
             if q.peek:
                 stored, claim = await self.store.read(tenant, q.conversation_id)
@@ -447,8 +448,13 @@ class ControlPlane:
                 decision = replace(decision, reason=Reason.NO_PROMPT, detail=missing)
         except StoreUnavailable as e:
             log.warning("lookup.store_unavailable", error=str(e))
-            decision = Decision(False, Reason.STORE_UNAVAILABLE, str(e))
-            retention = None
+            if q.peek:
+                retention = None
+            # Claimed before etcd failed (reading the node, say): it is spent either way, so
+            # hand out its release; a D that restarted meanwhile ignores the notification.
+            release = RELEASE if retention is not None else None
+            engine = retention.engine_id if retention is not None else ""
+            decision = Decision(False, Reason.STORE_UNAVAILABLE, str(e), release=release, engine_id=engine)
         claimed = retention is not None and not q.peek
         metrics.lookup(decision.pull, decision.reason.value)
         if claimed:

@@ -150,3 +150,26 @@ async def test_oversized_messages_are_refused(make_daemon: DaemonFactory, connec
         await c.leases.Lookup(leases_pb2.LookupRequest(conversation_id="c", prompt_digests=b"\0" * 16 * 8192))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert (await c.leases.Lookup(lookup_request("c"))).reason == "no_lease", "the daemon is still serving"
+
+
+async def test_a_claim_that_etcd_fails_after_still_releases(
+    daemon: Daemon, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """etcd fails between the claim and the rest of the decision (reading the node): the
+    retention is spent, so the answer carries its release and D's blocks are freed."""
+    from controlplane.errors import StoreUnavailable
+
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("c"))
+    assert daemon.control_plane is not None
+
+    async def failing(engine_id: str, fresh: bool = False) -> None:
+        raise StoreUnavailable("etcd went away")
+
+    monkeypatch.setattr(daemon.control_plane.nodes, "get", failing)
+    resp = await client.leases.Lookup(lookup_request("c"))
+    assert resp.decision == leases_pb2.RECOMPUTE and resp.reason == "store_unavailable" and resp.claimed
+    assert resp.release_params.fields["remote_num_tokens"].number_value == 0
+    assert resp.release_params.fields["remote_request_id"].string_value
+    peek = await client.leases.Lookup(lookup_request("c", peek=True))
+    assert peek.reason == "already_claimed"
