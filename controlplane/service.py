@@ -374,6 +374,9 @@ class ControlPlane:
         if expires_at > now + policy.max_lifetime_s:
             raise InvalidArgument(f"expires_at is more than {policy.max_lifetime_s:g}s ahead")
         node = await self.nodes.get(reg.engine_id)
+        if node is None or node.record.removed_at or reg.generation not in (0, node.record.generation):
+            # The cache may be a moment behind another replica's registration: look again.
+            node = await self.nodes.get(reg.engine_id, fresh=True)
         if node is None or node.record.removed_at:
             raise FailedPrecondition(f"engine {reg.engine_id} is not a registered node")
         if node.record.role == Role.PREFILL:

@@ -256,3 +256,21 @@ async def test_an_older_attach_stream_ending_keeps_the_newer_ones_index(
             break
         await asyncio.sleep(0.01)
     assert index.count("d-1") == 0  # and when the newer one ends, the index goes with it
+
+
+async def test_a_replica_with_a_stale_node_cache_accepts_the_new_generations_leases(
+    make_daemon: DaemonFactory, connect
+) -> None:  # type: ignore[no-untyped-def]
+    """The engine restarted and re-registered through replica A; its sidecar's next lease
+    reaches replica B, whose node cache still holds the old generation: B looks again."""
+    a = await make_daemon()
+    b = await make_daemon(etcd=a.settings.etcd)
+    ca, cb = connect(a), connect(b)
+    await ca.nodes.Register(node_request("d-1"))
+    await cb.leases.Register(lease_request("warm"))  # B has cached generation 1
+    again = await ca.nodes.Register(node_request("d-1"))
+    assert again.node.generation == 2
+    req = lease_request("c")
+    req.generation = 2
+    stored = await cb.leases.Register(req)
+    assert stored.lease.generation == 2
