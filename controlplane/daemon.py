@@ -82,7 +82,10 @@ class Daemon:
         )
         if s.server.metrics_port >= 0:
             host = s.server.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
-            self._metrics_httpd, _ = start_http_server(s.server.metrics_port, addr=host)
+            try:
+                self._metrics_httpd, _ = start_http_server(s.server.metrics_port, addr=host)
+            except OSError as e:
+                raise OSError(f"cannot serve metrics on {host}:{s.server.metrics_port}: {e}") from e
             self.metrics_port = self._metrics_httpd.server_address[1]
         self._tasks.append(asyncio.create_task(cp.nodes.run(), name="node-cache"))
         if s.nodes.gc_after_s > 0:
@@ -135,7 +138,11 @@ async def run(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await daemon.start()
+    try:
+        await daemon.start()
+    except BaseException:
+        await daemon.stop()  # what did start (the gRPC server, the embedded etcd) stops again
+        raise
     waiters: list[asyncio.Task[Any]] = [asyncio.create_task(stop.wait())]
     if daemon.embedded is not None:
         waiters.append(asyncio.create_task(daemon.embedded.wait_exited()))
@@ -144,7 +151,8 @@ async def run(settings: Settings) -> int:
         p.cancel()
     code = 0
     if not stop.is_set():
-        log.error("etcd.embedded.exited", code=waiters[1].result())
+        assert daemon.embedded is not None
+        log.error("etcd.embedded.exited", code=waiters[1].result(), etcd_log=str(daemon.embedded.log_path))
         code = 1
     log.info("daemon.stopping")
     await daemon.stop()

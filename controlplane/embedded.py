@@ -10,6 +10,7 @@ import asyncio
 import os
 import shutil
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -90,6 +91,19 @@ class EmbeddedEtcd:
         ]
 
     async def start(self) -> None:
+        for port in (self.client_port, self.peer_port):
+            # An etcd already there (another daemon's) would take our requests: the daemon
+            # would serve on someone else's data while this etcd fails to start.
+            with socket.socket() as probe:
+                # (SO_REUSEADDR: only a listener counts, not connections of a stopped one)
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    probe.bind(("127.0.0.1", port))
+                except OSError as e:
+                    raise OSError(
+                        f"embedded etcd port {port} is in use (another kvferry daemon?): "
+                        f"choose another --embedded-port ({e})"
+                    ) from e
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:  # noqa: ASYNC230 - once, at start-up
             self._proc = await asyncio.create_subprocess_exec(

@@ -492,7 +492,10 @@ async def start_server(
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(SERVICE_NAMES, server)
-    port = server.add_insecure_port(listen)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as e:  # grpc's way of saying the address is taken or bad
+        raise OSError(f"cannot listen on {listen}: {e}") from e
     if port == 0:
         raise OSError(f"cannot listen on {listen}")
     await server.start()

@@ -39,7 +39,11 @@ def _daemon(a: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvferry daemon: {e}", file=sys.stderr)
         return 2
-    return run_main(daemon.run(s))
+    try:
+        return run_main(daemon.run(s))
+    except OSError as e:  # a port taken, a data dir it cannot write
+        print(f"kvferry daemon: {e}", file=sys.stderr)
+        return 1
 
 
 def _emulate(argv: list[str]) -> int:

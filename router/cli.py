@@ -56,7 +56,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"kvferry router: {e}", file=sys.stderr)
         return 2
-    return run_main(run(settings))
+    try:
+        return run_main(run(settings))
+    except OSError as e:  # e.g. the listen port is taken
+        print(f"kvferry router: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
