@@ -25,8 +25,9 @@ def add_arguments(sub: Any) -> None:
     leases = sub.add_parser("leases", help="inspect and revoke retention leases")
     lsub = leases.add_subparsers(dest="action", required=True)
     ls = lsub.add_parser("ls", parents=[common], help="list leases")
-    ls.add_argument("--tenant", default="")
-    ls.add_argument("--all-tenants", action="store_true")
+    which = ls.add_mutually_exclusive_group()
+    which.add_argument("--tenant", default="", help="the tenant's leases (default: the default tenant's)")
+    which.add_argument("--all-tenants", action="store_true", help="every tenant's leases")
     ls.add_argument("--engine", default="", help="only leases held on this engine id")
     ls.add_argument("--inactive", action="store_true", help="include expired leases not yet collected")
     ls.add_argument("--limit", type=int, default=0, help="stop after this many (0 = all)")
@@ -50,7 +51,22 @@ def _print_table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> None:
 
 
 def _as_dict(msg: Any) -> dict[str, Any]:
-    return json_format.MessageToDict(msg, preserving_proto_field_name=True)
+    """The message as grpcurl shows it, with every field (a dead node's ``alive: false``,
+    a revoke's ``found: false``), and integral Struct numbers as integers (block ids, ports)."""
+    d = json_format.MessageToDict(
+        msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    return _integral(d)  # type: ignore[no-any-return]
+
+
+def _integral(v: Any) -> Any:
+    if isinstance(v, float) and v.is_integer() and abs(v) < 2**53:
+        return int(v)
+    if isinstance(v, dict):
+        return {k: _integral(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_integral(x) for x in v]
+    return v
 
 
 def _fail(e: grpc.RpcError) -> int:

@@ -77,11 +77,20 @@ async def test_cli_tables_and_json(daemon: Daemon, client: Client) -> None:
     assert code == 0, err
     assert json.loads(out.splitlines()[0])["conversation_id"] == "conv-cli"
     code, out, _ = await run(kvferry, "leases", "get", "conv-cli", "--json", "--daemon", daemon.address)
-    assert json.loads(out)["num_tokens"] == "1000"
+    got = json.loads(out)
+    assert got["num_tokens"] == "1000"
+    ids = got["kv_transfer_params"]["remote_block_ids"][0]
+    assert ids and all(type(i) is int for i in ids)  # as grpcurl shows them, not 1.0, 2.0, ...
     code, out, _ = await run(kvferry, "leases", "revoke", "conv-cli", "--daemon", daemon.address)
     assert code == 0 and "revoked" in out
+    code, out, _ = await run(kvferry, "leases", "revoke", "conv-cli", "--json", "--daemon", daemon.address)
+    assert code == 2 and json.loads(out)["found"] is False  # every field, false ones too
     code, _, err = await run(kvferry, "leases", "get", "conv-cli", "--daemon", daemon.address)
     assert code == 1 and "NOT_FOUND" in err
+    code, _, err = await run(
+        kvferry, "leases", "ls", "--tenant", "t", "--all-tenants", "--daemon", daemon.address
+    )
+    assert code == 2 and "not allowed with" in err
 
 
 def test_global_log_level_reaches_delegated_commands(monkeypatch) -> None:  # type: ignore[no-untyped-def]
