@@ -391,7 +391,6 @@ async def _stream(request: web.Request, shape: _Shape) -> web.StreamResponse:
         data = payload if isinstance(payload, bytes) else _json_encode(payload)
         await response.write(b"data: " + data + b"\n\n")
 
-    running = shape.running
     first: dict[str, Any]
     if shape.chat:
         first = shape.envelope(
@@ -409,6 +408,24 @@ async def _stream(request: web.Request, shape: _Shape) -> web.StreamResponse:
             first["prompt_token_ids"] = shape.prompt_token_ids()
         await send(first)
     include_usage = bool(shape.body.stream_options and shape.body.stream_options.include_usage)
+    try:
+        await _stream_tokens(shape, send)
+    except EngineError as exc:
+        # As vLLM: a failure once the stream started is an error event, then the stream's end.
+        log.warning("http.stream.failed", path=request.path, status=int(exc.status), error=str(exc))
+        await send(error_body(exc.status, str(exc)))
+        include_usage = False
+    if include_usage:
+        tail = shape.envelope([], chunk=True)
+        tail["usage"] = shape.usage()
+        await send(tail)
+    await send(b"[DONE]")
+    await response.write_eof()
+    return response
+
+
+async def _stream_tokens(shape: _Shape, send: Callable[[dict[str, Any] | bytes], Awaitable[None]]) -> None:
+    running = shape.running
     sent_first = shape.chat
     async for token, last in running.tokens():
         reason = running.finish_reason if last else None
@@ -421,13 +438,6 @@ async def _stream(request: web.Request, shape: _Shape) -> web.StreamResponse:
                 chunk["kv_transfer_params"] = running.kv_transfer_params
             shape.extras(chunk)
         await send(chunk)
-    if include_usage:
-        tail = shape.envelope([], chunk=True)
-        tail["usage"] = shape.usage()
-        await send(tail)
-    await send(b"[DONE]")
-    await response.write_eof()
-    return response
 
 
 def build_app(engine: Engine) -> web.Application:

@@ -175,7 +175,7 @@ async def _call(host: str, port: int, message: Message) -> Reply:
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
-    except (OSError, asyncio.IncompleteReadError) as exc:
+    except (OSError, OverflowError, asyncio.IncompleteReadError) as exc:
         raise TransferError(f"side channel {host}:{port} unreachable: {exc}") from exc
     except (msgspec.DecodeError, ValueError) as exc:
         raise TransferError(f"side channel {host}:{port} garbled: {exc}") from exc

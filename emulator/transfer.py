@@ -111,9 +111,11 @@ def parse_remote(params: Mapping[str, Any] | None, direction: PullDirection) -> 
     groups = tuple(tuple(map(int, group)) for group in raw_ids)
     if not any(groups):
         return None
+    if not all(0 <= b < 2**63 for group in groups for b in group):
+        raise ValueError("remote_block_ids must be block ids (non-negative 64-bit integers)")
     port = _int_or_none(params["remote_port"])
-    if port is None:
-        raise ValueError("remote_port must be an integer")
+    if port is None or not 0 < port < 65536:
+        raise ValueError("remote_port must be a port number")
     expiry = params.get("remote_blocks_expiry_time")
     if expiry is not None and not isinstance(expiry, int | float):
         raise ValueError("remote_blocks_expiry_time must be a number")

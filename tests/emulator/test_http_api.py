@@ -177,3 +177,17 @@ async def test_json_answers_keep_their_content_type(start_emulator: StartEmulato
             assert isinstance(await response.json(), dict)
     tokens = (await http.post(emu, "/tokenize", {"prompt": "héllo ✓"})).body["tokens"]
     assert (await http.post(emu, "/detokenize", {"tokens": tokens})).body == {"prompt": "héllo ✓"}
+
+
+@async_test(timeout=10)
+async def test_a_stream_that_fails_once_started_ends_with_an_error_event(
+    start_emulator: StartEmulator, http: Client
+) -> None:
+    """Out of KV blocks while decoding, after the 200 and the first tokens went out: vLLM
+    sends an error event and [DONE]; the client must not be left waiting."""
+    emu = await start_emulator(num_blocks=4, block_wait_timeout=0.2)
+    prompt = "Once upon a time, a ferry crossed the bay. " * 1  # 2 full blocks of 16 bytes
+    body = {"prompt": prompt, "max_tokens": 100, "ignore_eos": True, "stream": True}
+    events = await http.stream(emu, "/v1/completions", body)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == 503 and any("choices" in e for e in events[:-2])

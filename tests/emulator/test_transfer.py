@@ -58,6 +58,15 @@ def test_parse_needs_flag_ids_and_address() -> None:
         assert parse_remote(_decoder_params(**{key: None}), PullDirection.FROM_DECODER) is None
     with pytest.raises(ValueError):
         parse_remote(_decoder_params(remote_block_ids=[1, 2]), PullDirection.FROM_DECODER)
+    # Values no transfer could use: refused as bad params (a 400), not a crash in the pull.
+    for bad in (
+        {"remote_port": 70000},
+        {"remote_port": 0},
+        {"remote_block_ids": [[2**64]]},
+        {"remote_block_ids": [[-1]]},
+    ):
+        with pytest.raises(ValueError):
+            parse_remote(_decoder_params(**bad), PullDirection.FROM_DECODER)
 
 
 def test_pull_takes_the_tail_of_a_list_that_covers_the_range() -> None:
