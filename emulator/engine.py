@@ -202,7 +202,9 @@ class Engine:
         self._gpu = asyncio.Lock()
         self._notifies: set[asyncio.Task[None]] = set()
         self._freed = asyncio.Event()
-        self._holds = HeldBlockTable(self.engine_id, self._free)
+        self._holds = HeldBlockTable(
+            self.engine_id, self._free, self.pool.blocks, self.metrics.kv_reads_unheld.inc
+        )
         self._side_channel = SideChannelServer(
             self._holds, config.side_channel_host, config.side_channel_port
         )
@@ -537,4 +539,5 @@ class Engine:
             "cached_blocks": self.pool.num_cached,
             "side_channel_port": self.side_channel_port,
             "held_requests": self._holds.snapshot(),
+            "unheld_reads": self._holds.unheld_reads,
         }

@@ -4,15 +4,22 @@ A prefiller holds a request's blocks for its decoder (``kv_abort_timeout``), a
 decoder with bidirectional transfer holds a finished request's blocks for the
 next turn's prefiller (``decoder_kv_blocks_ttl``). The reader pulls them over
 the side channel and then notifies; the notify (or the deadline, whichever
-comes first) frees them. After that the request is unknown: a second read of
-the same params fails, as a stale read on a real engine would.
+comes first) frees them.
+
+A read is a NIXL read of registered KV memory: nothing checks that the blocks are
+still held for the request. A second read of the same params, or one after the
+deadline, returns whatever the blocks hold by then: the same KV until they are
+reused, another request's after. So a stale handout gives the reader wrong KV
+silently, as on vLLM (whose notify for an unknown request only logs "Potentially
+invalid KV blocks for unrecognized request"). Such reads are logged and counted:
+`unheld_reads`, the emulator's way to tell a test that a control plane erred.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
@@ -44,10 +51,20 @@ class _Hold:
 class HeldBlockTable:
     """Held blocks by request id; answers the side channel's reads and notifies."""
 
-    def __init__(self, engine_id: str, free: Callable[[list[Block]], None]) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        free: Callable[[list[Block]], None],
+        memory: Sequence[Block],
+        on_unheld_read: Callable[[], None] = lambda: None,
+    ) -> None:
         self._engine_id = engine_id
         self._free = free
+        self._memory = memory  # every block of the engine, by block id: what a reader can reach
+        self._on_unheld_read = on_unheld_read
         self._holds: dict[str, _Hold] = {}
+        self.unheld_reads = 0
+        """Reads of blocks not held for the request named (a stale or wrong handout)."""
 
     def __len__(self) -> int:
         return len(self._holds)
@@ -66,30 +83,43 @@ class HeldBlockTable:
             log.info("engine.blocks.expired", request_id=request_id)
             self._free(hold.blocks)
 
-    def _checked(self, engine_id: str, request_id: str) -> _Hold:
-        if engine_id != self._engine_id:
+    def _check_engine(self, engine_id: str) -> None:
+        if engine_id != self._engine_id:  # another agent's memory: the transfer cannot start
             raise SideChannelError(f"unknown engine {engine_id!r}")
-        hold = self._holds.get(request_id)
-        if hold is None:
-            raise SideChannelError(f"unknown request {request_id!r}")
-        return hold
 
     def read_blocks(self, request: ReadBlocks) -> bytes:
-        """KV of blocks held for a request, concatenated in the order asked for (a copy)."""
-        hold = self._checked(request.engine_id, request.request_id)
+        """KV of the blocks asked for, concatenated in that order (a copy), held or not."""
+        self._check_engine(request.engine_id)
         generation = request.registration_generation
         if generation is not None and generation != REGISTRATION_GENERATION:
             raise SideChannelError(f"stale registration generation {generation}")
-        try:
-            return b"".join(map(_kv_of, map(hold.by_id.__getitem__, request.block_ids)))
-        except KeyError:
-            missing = [b for b in request.block_ids if b not in hold.by_id]
-            raise SideChannelError(f"blocks {missing} are not held for this request") from None
+        ids = request.block_ids
+        outside = [b for b in ids if not 0 <= b < len(self._memory)]
+        if outside:
+            raise SideChannelError(f"blocks {outside} are outside the registered KV memory")
+        hold = self._holds.get(request.request_id)
+        if hold is None or not all(map(hold.by_id.__contains__, ids)):
+            self.unheld_reads += 1
+            self._on_unheld_read()
+            log.warning(
+                "engine.blocks.read_unheld",
+                request_id=request.request_id,
+                request_known=hold is not None,
+                blocks=len(ids),
+            )
+        return b"".join(map(_kv_of, map(self._memory.__getitem__, ids)))
 
     def release_blocks(self, request: Notify) -> None:
-        """The reader is done: free the request's blocks."""
-        self._checked(request.engine_id, request.request_id)
-        hold = self._holds.pop(request.request_id)
+        """The reader is done: free the request's blocks (an unknown request: logged only)."""
+        self._check_engine(request.engine_id)
+        hold = self._holds.pop(request.request_id, None)
+        if hold is None:
+            log.error(
+                "engine.blocks.release_unknown",
+                request_id=request.request_id,
+                detail="Potentially invalid KV blocks for unrecognized request (they may have expired)",
+            )
+            return
         hold.timer.cancel()
         log.info("engine.blocks.released", request_id=request.request_id)
         self._free(hold.blocks)

@@ -67,6 +67,11 @@ class EngineMetrics:
         self.kv_pulled_tokens = counter(
             "kvferry_emulator:kv_pulled_tokens", "Tokens whose KV was pulled."
         ).labels(**labels)
+        self.kv_reads_unheld = counter(
+            "kvferry_emulator:kv_reads_unheld",
+            "Side-channel reads of blocks not held for the request named: a stale or wrong "
+            "handout, read silently (as NIXL does), with whatever KV the blocks hold now.",
+        ).labels(**labels)
         self.held_requests = gauge(
             "kvferry_emulator:held_requests",
             "Requests whose blocks are held for a remote reader.",

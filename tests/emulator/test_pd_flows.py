@@ -169,7 +169,12 @@ async def test_notify_does_not_hold_up_the_answer_but_always_arrives(
 
 
 @async_test(timeout=15)
-async def test_second_read_of_the_same_params_fails(start_emulator: StartEmulator, http: Client) -> None:
+async def test_second_read_of_the_same_params_reads_freed_blocks_silently(
+    start_emulator: StartEmulator, http: Client
+) -> None:
+    """As on vLLM: D freed the blocks after the first read, and nothing stops a second one.
+    It succeeds with whatever the blocks hold by then; D counts it as an unheld read (and
+    logs the notify of an unknown request), which is how a test catches a double handout."""
     p = await start_emulator(enable_prefix_caching=False)
     d = await start_emulator()
     first = conversation()
@@ -177,17 +182,10 @@ async def test_second_read_of_the_same_params_fails(start_emulator: StartEmulato
     second = _next_turn(first, decode.content)
 
     assert (await http.prefill(p, second, decode.params)).pull == "pulled"
+    assert (await http.state(d))["unheld_reads"] == 0
     stale = await http.prefill(p, second, decode.params)
-    assert stale.status == 500
-    assert stale.body["error"]["code"] == 500
-    assert stale.body["error"]["type"] == "InternalServerError"
-    assert "KV load failed" in stale.body["error"]["message"]
-
-    lenient = await start_emulator(enable_prefix_caching=False, kv_load_failure_policy="recompute")
-    recomputed = await http.prefill(lenient, second, decode.params)
-    assert recomputed.status == 200
-    assert recomputed.pull == "recomputed:transfer_error"
-    assert recomputed.count("computed") == recomputed.body["usage"]["prompt_tokens"]
+    assert stale.status == 200 and stale.pull == "pulled"
+    assert (await http.state(d))["unheld_reads"] == 1
 
 
 @async_test(timeout=15)
@@ -257,7 +255,8 @@ async def test_decoder_frees_unclaimed_blocks_at_the_deadline(
         _next_turn(first, decode.content),
         {**decode.params, "remote_blocks_expiry_time": time.perf_counter() + 60},
     )
-    assert late.pull == "recomputed:transfer_error"
+    # A deadline P cannot see (not forwarded): the read of the freed blocks goes through.
+    assert late.pull == "pulled" and (await http.state(d))["unheld_reads"] == 1
 
 
 @async_test(timeout=15)

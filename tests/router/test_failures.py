@@ -16,9 +16,9 @@ import pytest
 from aiohttp import web
 
 from controlplane.daemon import Daemon
-from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2_grpc
+from emulator.sidechannel import ReadBlocks, SideChannelError
+from kvferry.v1 import leases_pb2_grpc, nodes_pb2_grpc
 from router import Router
-from router.control import struct_to_dict
 from sidecar import Sidecar
 from tests.conftest import free_port
 from tests.factories import lease_request, node_request
@@ -76,17 +76,16 @@ async def test_a_failed_pull_is_retried_without_params_and_answers_right(
 ) -> None:
     stack = await make_stack()
     router = await stack.router()
-    [p] = stack.prefills
+    [d] = stack.decodes
     messages = first_turn("retries")
     one = await ask(http, router.url, {"messages": messages, "max_tokens": 30, "conversation_id": "r"})
     await stack.registrations_idle()
-    # Behind the daemon's back, D frees the blocks (a P was handed them with remote_num_tokens 0).
-    lease = await stack.client.leases.Get(leases_pb2.GetLeaseRequest(conversation_id="r"))
-    release = {**struct_to_dict(lease.kv_transfer_params), "remote_num_tokens": 0}
-    prefill = {"messages": messages, "max_tokens": 1, "kv_transfer_params": release}
-    async with http.post(p.http_url + CHAT, json=prefill) as r:
-        assert r.status == 200
-    await asyncio.sleep(0.1)
+
+    # The transfer fails (a NIXL error): D's side channel refuses the read.
+    def refuse(request: ReadBlocks) -> bytes:
+        raise SideChannelError("transfer failed")
+
+    d.engine._holds.read_blocks = refuse  # type: ignore[method-assign]
 
     body = {"messages": next_turn(messages, one.text), "max_tokens": 30}
     two = await ask(http, router.url, {**body, "conversation_id": "r", "stream": True})

@@ -12,7 +12,7 @@ import aiohttp
 from router import Router
 from tests.conftest import DaemonFactory
 from tests.router.conftest import MakeStack
-from tests.router.helpers import CHAT, Result, ask, first_turn, next_turn
+from tests.router.helpers import CHAT, Result, ask, first_turn, next_turn, unheld_reads
 
 Reference = Callable[[str, dict[str, Any]], Awaitable[str]]
 
@@ -75,6 +75,7 @@ async def test_two_replicas_taking_alternate_turns_reuse_as_often_as_one(
         == 6 * 2
     )  # b served turns 2 and 4 of every "two" conversation, and pulled every time
     await _check_answers(pair, reference)
+    assert unheld_reads(stack.decodes) == 0  # no retention was handed out twice
 
 
 async def test_200_concurrent_conversations_survive_a_daemon_restart(
@@ -128,3 +129,4 @@ async def test_200_concurrent_conversations_survive_a_daemon_restart(
 
     assert await _check_answers(convs, reference) == 200 * 2 + 20 + 180
     assert router.metrics.value("kvferry_router_upstream_errors_total", role="decode", kind="status_5xx") == 0
+    assert unheld_reads(stack.decodes) == 0  # no retention was handed out twice, even across the restart

@@ -14,7 +14,16 @@ import pytest
 
 from kvferry.v1 import nodes_pb2
 from tests.router.conftest import MakeStack
-from tests.router.helpers import CHAT, COMPLETIONS, ask, first_turn, next_turn, pulled_tokens, tokenize
+from tests.router.helpers import (
+    CHAT,
+    COMPLETIONS,
+    ask,
+    first_turn,
+    next_turn,
+    pulled_tokens,
+    tokenize,
+    unheld_reads,
+)
 
 Reference = Callable[[str, dict[str, Any]], Awaitable[str]]
 
@@ -128,6 +137,7 @@ async def test_edited_history_pulls_only_what_matches_and_never_answers_wrong(
         {**headers, "Authorization": "Bearer sk-mallory"},
     )
     assert other.status == 200 and other.decision == "RECOMPUTE" and other.reason == "no_lease"
+    assert unheld_reads(stack.decodes) == 0
 
 
 async def test_completions_with_a_session_id_pull_too(
