@@ -43,8 +43,7 @@ import aiohttp
 import grpc
 from aiohttp import web
 
-from bench.demo import TIMING, Deployment, deployment, free_port, pct, timing_text
-from emulator import EmulatorServer
+from bench.demo import TIMING, Deployment, counter, deployment, free_port, pct, timing_text
 from kvferry import logs
 from kvferry.tasks import run_main
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
@@ -52,15 +51,6 @@ from router import Router
 
 CHAT = "/v1/chat/completions"
 FRESH = {"do_remote_decode": True, "do_remote_prefill": False}
-
-
-def counter(emu: EmulatorServer, family: str) -> float:
-    """Sum of a counter family of an engine's metrics."""
-    total = 0.0
-    for metric in emu.engine.metrics.registry.collect():
-        if metric.name == family:
-            total += sum(s.value for s in metric.samples if s.name.endswith("_total"))
-    return total
 
 
 async def first_token(response: aiohttp.ClientResponse, t0: float) -> tuple[float, int, str]:
