@@ -280,7 +280,8 @@ class Turn:
                     return _passthrough(reply)
                 return bad_gateway(_engine_message(reply, failure, "prefill"))
             self.s.metrics.prefill_retries.labels(retry.value).inc()
-            attempt += 1
+            if not (retry is Retry.OTHER_NODE and remote):
+                attempt += 1  # (moving untried params to another P spends no retry: a pull may still fail)
             if retry is Retry.FRESH:
                 remote = None
                 self.reuse = Reuse("RECOMPUTE", "prefill_failed")

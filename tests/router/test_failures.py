@@ -17,6 +17,7 @@ from aiohttp import web
 
 from controlplane.daemon import Daemon
 from emulator.sidechannel import ReadBlocks, SideChannelError
+from kvferry.hops import NOT_DELIVERED_HEADER
 from kvferry.v1 import leases_pb2_grpc, nodes_pb2_grpc
 from router import Router
 from sidecar import Sidecar
@@ -96,6 +97,45 @@ async def test_a_failed_pull_is_retried_without_params_and_answers_right(
     assert (
         router.metrics.value("kvferry_router_upstream_errors_total", role="prefill", kind="status_5xx") == 1
     )
+
+    # The same, behind a P whose engine cannot be reached (its sidecar says the request was
+    # never delivered; it still tokenizes): the params move to the live P, spending no retry,
+    # that P's pull fails, and the turn is still retried without them.
+    three_body = {"messages": next_turn(body["messages"], two.text), "max_tokens": 30}
+    [p] = stack.prefills
+    await stack.registrations_idle()
+
+    async def tokenize_only(request: web.Request) -> web.Response:
+        if request.path == "/tokenize":
+            async with http.post(p.http_url + "/tokenize", data=await request.read()) as r:
+                return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+        return web.json_response(
+            {"error": "engine unreachable"}, status=502, headers={NOT_DELIVERED_HEADER: "1"}
+        )
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", tokenize_only)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    gone = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    static = router_settings(
+        stack.daemon,
+        nodes__prefill_urls=(gone, stack.sidecar(p).url),
+        nodes__decode_urls=(stack.sidecar(d).url,),
+        nodes__model=p.config.model,
+    )
+    async with Router(static) as behind:
+        three = await ask(http, behind.url, {**three_body, "conversation_id": "r", "stream": True})
+        assert three.status == 200, three.body
+        assert (three.decision, three.reason) == ("RECOMPUTE", "prefill_failed")
+        assert three.text == await reference(CHAT, three_body)
+        retries = {
+            h: behind.metrics.value("kvferry_router_prefill_retries_total", how=h)
+            for h in ("other_node", "fresh")
+        }
+        assert retries == {"other_node": 1, "fresh": 1}, retries
+    await runner.cleanup()
 
 
 async def test_unreachable_engines(
