@@ -196,7 +196,7 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
                         raise InvalidArgument("the first message on Attach must be hello")
                     b = msg.kv_events
                     self._cp.index_events(
-                        rec, IndexUpdate(list(b.stored), list(b.removed), b.cleared, b.reset, b.seq)
+                        rec, IndexUpdate(list(b.stored), list(b.removed), b.cleared, b.reset, b.seq), stream
                     )
                 else:
                     raise InvalidArgument("Attach message has no body")

@@ -273,8 +273,11 @@ class ControlPlane:
             raise FailedPrecondition(f"node {rec.engine_id} was re-registered or removed; register again")
         return ttl, rec
 
-    def index_events(self, rec: NodeRecord, update: IndexUpdate) -> None:
-        """Fold one KV-event batch of an attached node into the block index."""
+    def index_events(self, rec: NodeRecord, update: IndexUpdate, stream: object) -> None:
+        """Fold one KV-event batch of an attached node into the block index (a stream the
+        node re-attached past sends none: its deltas would spoil the newer one's snapshot)."""
+        if self._streams.get(rec.engine_id) is not stream:
+            return
         self.index.apply(rec.engine_id, update)
         metrics.INDEXED_HASHES.inc(len(update.stored) + len(update.removed))
 
@@ -455,7 +458,7 @@ class ControlPlane:
                 retention = None
             # Claimed before etcd failed (reading the node, say): it is spent either way, so
             # hand out its release; a D that restarted meanwhile ignores the notification.
-            release = RELEASE if retention is not None else None
+            release = RELEASE if retention is not None and now < retention.expires_at else None
             engine = retention.engine_id if retention is not None else ""
             decision = Decision(False, Reason.STORE_UNAVAILABLE, str(e), release=release, engine_id=engine)
         claimed = retention is not None and not q.peek

@@ -148,8 +148,8 @@ class Settings:
             raise ValueError("a KV-event replay endpoint needs the KV-event endpoint")
         if k.flush_interval_s <= 0 or k.flush_hashes < 1 or k.replay_timeout_s <= 0:
             raise ValueError("KV-event flush interval, flush size and replay timeout must be positive")
-        if not 1 <= self.engine.blocks_ttl_s <= 86400:
-            raise ValueError("blocks TTL must be in 1..86400 s")
+        if not 1 <= self.engine.blocks_ttl_s <= 3600:  # (the daemon refuses deadlines further out)
+            raise ValueError("blocks TTL must be in 1..3600 s")
         d = self.daemon
         if not d.addresses or any(":" not in a for a in d.addresses):
             raise ValueError("daemon addresses must be host:port")

@@ -240,6 +240,10 @@ async def test_an_older_attach_stream_ending_keeps_the_newer_ones_index(
             if index.count("d-1") == 3:
                 break
             await asyncio.sleep(0.01)
+        late = nodes_pb2.KvEventBatch(stored=[9])  # a late delta on the superseded stream: ignored
+        await old.send(nodes_pb2.AttachRequest(kv_events=late), answered=False)
+        await asyncio.sleep(0.1)
+        assert index.count("d-1") == 3 and not index.contains("d-1", 9)
         await old.close()
         await asyncio.sleep(0.2)
         assert index.count("d-1") == 3
