@@ -378,7 +378,7 @@ async def main_async(args: argparse.Namespace) -> int:
         without = await run_workload(dep.plain.url, conversations, args.turns, args.clients)
         # Reads of D's blocks no longer held for the request: a retention handed out twice
         # (or after its deadline); the engine serves them silently, as vLLM does.
-        stale = int(counter(dep.decode, "kvferry_emulator:kv_reads_unheld"))
+        stale = int(dep.decode.engine.metrics.total("kvferry_emulator:kv_reads_unheld"))
     failed = [r for r in [*with_reuse, *without] if r.status != 200]
     print()
     print(report(with_reuse, without, BANDS))
@@ -397,15 +397,6 @@ async def main_async(args: argparse.Namespace) -> int:
         f"{time.perf_counter() - started:.0f}s in all"
     )
     return 1 if failed or differ or stale else 0
-
-
-def counter(emu: EmulatorServer, family: str) -> float:
-    """Sum of a counter family of an engine's metrics."""
-    total = 0.0
-    for metric in emu.engine.metrics.registry.collect():
-        if metric.name == family:
-            total += sum(s.value for s in metric.samples if s.name.endswith("_total"))
-    return total
 
 
 def with_reuse_sorted(records: list[TurnRecord]) -> list[TurnRecord]:

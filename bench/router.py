@@ -43,7 +43,7 @@ import aiohttp
 import grpc
 from aiohttp import web
 
-from bench.demo import TIMING, Deployment, counter, deployment, free_port, pct, timing_text
+from bench.demo import TIMING, Deployment, deployment, free_port, pct, timing_text
 from kvferry import logs
 from kvferry.tasks import run_main
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
@@ -299,11 +299,11 @@ async def measured_turn(
 
     def engine_counts() -> list[float]:
         return [
-            counter(p, "kvferry_emulator:kv_pulled_tokens"),
-            counter(p, "kvferry_emulator:kv_pulled_blocks"),
-            counter(d, "kvferry_emulator:kv_pulled_tokens"),
-            counter(d, "kvferry_emulator:kv_pulled_blocks"),
-            counter(d, "vllm:prefix_cache_hits"),
+            p.engine.metrics.total("kvferry_emulator:kv_pulled_tokens"),
+            p.engine.metrics.total("kvferry_emulator:kv_pulled_blocks"),
+            d.engine.metrics.total("kvferry_emulator:kv_pulled_tokens"),
+            d.engine.metrics.total("kvferry_emulator:kv_pulled_blocks"),
+            d.engine.metrics.total("vllm:prefix_cache_hits"),
         ]
 
     before, stages = engine_counts(), _stage_sums(dep.kvferry)

@@ -93,6 +93,16 @@ class EngineMetrics:
             )
             info.labels(**cache_config).set(1)
 
+    def total(self, family: str) -> float:
+        """A counter family summed over its labels (for benchmarks and tests in-process)."""
+        return sum(
+            sample.value
+            for metric in self.registry.collect()
+            if metric.name == family
+            for sample in metric.samples
+            if sample.name.endswith("_total")
+        )
+
     def request_finished(self, reason: str) -> None:
         """Count one request that finished normally (stop or length)."""
         self._request_success.labels(**self._labels, finished_reason=reason).inc()

@@ -81,11 +81,7 @@ def next_turn(
 
 def counter(emu: EmulatorServer, family: str) -> float:
     """An engine's counter family, summed over its labels."""
-    total = 0.0
-    for metric in emu.engine.metrics.registry.collect():
-        if metric.name == family:
-            total += sum(s.value for s in metric.samples if s.name.endswith("_total"))
-    return total
+    return emu.engine.metrics.total(family)
 
 
 def unheld_reads(engines: list[EmulatorServer]) -> float:

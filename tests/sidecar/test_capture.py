@@ -251,17 +251,24 @@ def _turn(**params: Any) -> FinishedTurn:
     )
 
 
+def _draft(turn: FinishedTurn, **changes: Any) -> LeaseDraft | str:
+    """draft_lease at mono 1000 / wall 2000, with a 480 s blocks TTL unless changed."""
+    kw: dict[str, Any] = {
+        "tenant": "t",
+        "conversation_id": "c",
+        "model": "",
+        "epoch": 0,
+        "side_channel_host": "h",
+        "now_mono": 1000.0,
+        "now_wall": 2000.0,
+        "blocks_ttl_s": 480.0,
+    }
+    return draft_lease(turn, **{**kw, **changes})
+
+
 def test_draft_from_a_finished_turn() -> None:
-    draft = draft_lease(
-        _turn(remote_num_tokens=32, remote_blocks_expiry_time=1480.0),
-        tenant="t",
-        conversation_id="c",
-        model="",
-        epoch=3,
-        side_channel_host="10.0.0.5",
-        now_mono=1000.0,
-        now_wall=2000.0,
-        blocks_ttl_s=480.0,
+    draft = _draft(
+        _turn(remote_num_tokens=32, remote_blocks_expiry_time=1480.0), epoch=3, side_channel_host="10.0.0.5"
     )
     assert isinstance(draft, LeaseDraft)
     assert draft.num_tokens == 32 and draft.expires_at == 2480.0 and draft.epoch == 3
@@ -277,17 +284,7 @@ def test_draft_from_a_finished_turn() -> None:
 def test_a_draft_without_ds_deadline_gets_one_at_capture() -> None:
     """Releases before remote_blocks_expiry_time: D holds the blocks its TTL from now, so the
     draft's deadline is stamped here, not left to the daemon at (maybe much later) registration."""
-    draft = draft_lease(
-        _turn(remote_num_tokens=32),
-        tenant="t",
-        conversation_id="c",
-        model="",
-        epoch=0,
-        side_channel_host="h",
-        now_mono=1000.0,
-        now_wall=2000.0,
-        blocks_ttl_s=300.0,
-    )
+    draft = _draft(_turn(remote_num_tokens=32), blocks_ttl_s=300.0)
     assert isinstance(draft, LeaseDraft) and draft.expires_at == 2300.0
 
 
@@ -300,17 +297,7 @@ def test_a_draft_without_ds_deadline_gets_one_at_capture() -> None:
     ],
 )
 def test_no_draft(params: dict[str, Any], why: str) -> None:
-    got = draft_lease(
-        _turn(**params),
-        tenant="",
-        conversation_id="c",
-        model="",
-        epoch=0,
-        side_channel_host="h",
-        now_mono=1000.0,
-        now_wall=2000.0,
-        blocks_ttl_s=480.0,
-    )
+    got = _draft(_turn(**params), tenant="")
     assert got == why
 
 
