@@ -205,10 +205,19 @@ class Turn:
         if req is None or isinstance(req, list):
             return req
         t0 = time.perf_counter()
+        timeout_s = self.s.settings.upstream.tokenize_timeout_s
         try:
-            reply = await self._post_prefill_node(
-                node, "/tokenize", encode(req), self.s.settings.upstream.tokenize_timeout_s
-            )
+            try:
+                reply = await self._post_prefill_node(node, "/tokenize", encode(req), timeout_s)
+            except UpstreamError as e:
+                # P never saw it: another P of the same model and block size tokenizes (and
+                # digests) the same, so the turn keeps its reuse; its prefill moves on as well.
+                twin = self._twin_prefill(node) if e.failure.kind is FailureKind.CONNECT else None
+                if twin is None:
+                    raise
+                self.s.metrics.upstream_error("tokenize", e.failure)
+                self.log.info("router.tokenize.elsewhere", node=node.engine_id, other=twin.engine_id)
+                reply = await self._post_prefill_node(twin, "/tokenize", encode(req), timeout_s)
         except UpstreamError as e:
             self.s.metrics.upstream_error("tokenize", e.failure)
             self.log.info("router.tokenize.failed", node=node.engine_id, error=str(e))
@@ -219,6 +228,15 @@ class Turn:
             self.s.metrics.upstream_error("tokenize", Failure(FailureKind.STATUS, reply.status))
             self.log.info("router.tokenize.refused", node=node.engine_id, status=reply.status)
         return tokens
+
+    def _twin_prefill(self, node: Node) -> Node | None:
+        """Another prefill node that tokenizes exactly like `node` (None: there is none)."""
+        same = [
+            n
+            for n in prefill_candidates(self.s.directory.nodes, exclude={node.engine_id})
+            if n.model == node.model and n.block_size == node.block_size
+        ]
+        return choose_prefill(same, self.s.load.view) if same else None
 
     async def _post_prefill_node(
         self, node: Node, path: str, body: bytes, timeout_s: float | None = None

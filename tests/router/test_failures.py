@@ -138,6 +138,33 @@ async def test_a_failed_pull_is_retried_without_params_and_answers_right(
     await runner.cleanup()
 
 
+async def test_an_unreachable_p_does_not_cost_the_turn_its_reuse(
+    make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
+) -> None:
+    """The chosen P cannot be connected to: another P of the same model tokenizes, the
+    daemon's params go with the prefill to it, and the turn still pulls."""
+    stack = await make_stack()
+    router = await stack.router()
+    [p], [d] = stack.prefills, stack.decodes
+    messages = first_turn("detours")
+    one = await ask(http, router.url, {"messages": messages, "max_tokens": 30, "conversation_id": "u"})
+    await stack.registrations_idle()
+    dead = f"http://127.0.0.1:{free_port()}"
+    static = router_settings(
+        stack.daemon,
+        nodes__prefill_urls=(dead, stack.sidecar(p).url),
+        nodes__decode_urls=(stack.sidecar(d).url,),
+        nodes__model=p.config.model,
+    )
+    body = {"messages": next_turn(messages, one.text), "max_tokens": 30}
+    async with Router(static) as detour:
+        two = await ask(http, detour.url, {**body, "conversation_id": "u", "stream": True})
+        assert two.status == 200, two.body
+        assert two.decision == "PULL", (two.decision, two.reason)
+        assert two.text == await reference(CHAT, body)
+        assert detour.metrics.value("kvferry_router_prefill_retries_total", how="other_node") == 1
+
+
 async def test_unreachable_engines(
     make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
 ) -> None:
