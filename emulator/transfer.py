@@ -125,7 +125,13 @@ def parse_remote(params: Mapping[str, Any] | None, direction: PullDirection) -> 
         host=str(params["remote_host"]),
         port=port,
         block_ids=groups,
-        num_tokens=_int_or_none(params.get("remote_num_tokens")),
+        # A prefiller pulling from a decoder takes ``remote_num_tokens or 0`` (none: it only
+        # notifies D); a decoder pulling a prefill covers the prompt when P gives no count.
+        num_tokens=(
+            _int_or_none(params.get("remote_num_tokens")) or 0
+            if direction is PullDirection.FROM_DECODER
+            else _int_or_none(params.get("remote_num_tokens"))
+        ),
         expiry_time=None if expiry is None else float(expiry),
         registration_generation=_int_or_none(params.get("remote_registration_generation")),
     )

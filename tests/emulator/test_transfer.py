@@ -58,6 +58,10 @@ def test_parse_needs_flag_ids_and_address() -> None:
         assert parse_remote(_decoder_params(**{key: None}), PullDirection.FROM_DECODER) is None
     with pytest.raises(ValueError):
         parse_remote(_decoder_params(remote_block_ids=[1, 2]), PullDirection.FROM_DECODER)
+    # From a decoder, no remote_num_tokens means nothing to pull (vLLM: `... or 0`): a notify only.
+    no_count = {k: v for k, v in _decoder_params().items() if k != "remote_num_tokens"}
+    source = parse_remote(no_count, PullDirection.FROM_DECODER)
+    assert source is not None and source.num_tokens == 0
     # Values no transfer could use: refused as bad params (a 400), not a crash in the pull.
     for bad in (
         {"remote_port": 70000},
