@@ -20,10 +20,11 @@ from emulator.sidechannel import ReadBlocks, SideChannelError
 from kvferry.hops import NOT_DELIVERED_HEADER
 from kvferry.v1 import leases_pb2_grpc, nodes_pb2_grpc
 from router import Router
+from router import Settings as RouterSettings
 from sidecar import Sidecar
 from tests.conftest import free_port
 from tests.factories import lease_request, node_request
-from tests.router.conftest import MakeStack, router_settings, sidecar_for
+from tests.router.conftest import MakeStack, Stack, router_settings, sidecar_for
 from tests.router.helpers import CHAT, ask, first_turn, next_turn
 
 Reference = Callable[[str, dict[str, Any]], Awaitable[str]]
@@ -70,6 +71,18 @@ async def test_engine_client_errors_pass_through(make_stack: MakeStack, http: ai
     bad_ids = {"prompt": [1, -5, 2**40], "max_tokens": 3, "session_id": "s"}
     res = await ask(http, router.url, bad_ids, path="/v1/completions")
     assert res.status == 400 and res.body["error"]["type"] == "BadRequestError"
+
+
+def behind_first(stack: Stack, first_p: str) -> RouterSettings:
+    """A router on the stack's daemon, its P and D as static nodes, with `first_p` listed
+    (and so chosen) before the live P."""
+    [p], [d] = stack.prefills, stack.decodes
+    return router_settings(
+        stack.daemon,
+        nodes__prefill_urls=(first_p, stack.sidecar(p).url),
+        nodes__decode_urls=(stack.sidecar(d).url,),
+        nodes__model=p.config.model,
+    )
 
 
 async def test_a_failed_pull_is_retried_without_params_and_answers_right(
@@ -119,13 +132,7 @@ async def test_a_failed_pull_is_retried_without_params_and_answers_right(
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     gone = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    static = router_settings(
-        stack.daemon,
-        nodes__prefill_urls=(gone, stack.sidecar(p).url),
-        nodes__decode_urls=(stack.sidecar(d).url,),
-        nodes__model=p.config.model,
-    )
-    async with Router(static) as behind:
+    async with Router(behind_first(stack, gone)) as behind:
         three = await ask(http, behind.url, {**three_body, "conversation_id": "r", "stream": True})
         assert three.status == 200, three.body
         assert (three.decision, three.reason) == ("RECOMPUTE", "prefill_failed")
@@ -145,19 +152,11 @@ async def test_an_unreachable_p_does_not_cost_the_turn_its_reuse(
     daemon's params go with the prefill to it, and the turn still pulls."""
     stack = await make_stack()
     router = await stack.router()
-    [p], [d] = stack.prefills, stack.decodes
     messages = first_turn("detours")
     one = await ask(http, router.url, {"messages": messages, "max_tokens": 30, "conversation_id": "u"})
     await stack.registrations_idle()
-    dead = f"http://127.0.0.1:{free_port()}"
-    static = router_settings(
-        stack.daemon,
-        nodes__prefill_urls=(dead, stack.sidecar(p).url),
-        nodes__decode_urls=(stack.sidecar(d).url,),
-        nodes__model=p.config.model,
-    )
     body = {"messages": next_turn(messages, one.text), "max_tokens": 30}
-    async with Router(static) as detour:
+    async with Router(behind_first(stack, f"http://127.0.0.1:{free_port()}")) as detour:
         two = await ask(http, detour.url, {**body, "conversation_id": "u", "stream": True})
         assert two.status == 200, two.body
         assert two.decision == "PULL", (two.decision, two.reason)
