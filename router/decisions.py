@@ -154,7 +154,7 @@ class Failure:
 
 class Retry(enum.Enum):
     FRESH = "fresh"
-    """Again without the daemon's params (P computes everything), on another P if the first is unreachable."""
+    """Again without the daemon's params (P computes everything)."""
     OTHER_NODE = "other_node"
     """The same request on another prefill node."""
 
@@ -178,6 +178,12 @@ def retry_after(
     if sent_remote:
         return Retry.FRESH
     return None
+
+
+def spends_retry(retry: Retry, sent_remote: bool) -> bool:
+    """Whether `retry` uses up the turn's one retry: moving the daemon's params, untried,
+    to another P does not (that P's pull may still fail and need a FRESH retry)."""
+    return not (retry is Retry.OTHER_NODE and sent_remote)
 
 
 def retry_decode_elsewhere(failure: Failure, other_node_available: bool) -> bool:

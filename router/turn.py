@@ -47,6 +47,7 @@ from router.decisions import (
     retry_after,
     retry_decode_elsewhere,
     skipped,
+    spends_retry,
 )
 from router.identity import CONVERSATION_HEADER, Identity, identify
 from router.metrics import RouterMetrics
@@ -123,6 +124,8 @@ class Turn:
         self.request_id = f"kvf-{uuid.uuid4().hex}"
         self.identity: Identity = identify(request.headers, body, shared.settings.reuse.tenant_header)
         self.tokens: list[int] | None = None
+        self.tokenized_by: Node | None = None
+        """The P that tokenized instead of the chosen one (unreachable): the prefill goes there."""
         self.reuse: Reuse | None = None
         self.log = log.bind(request_id=self.request_id, conversation_id=self.identity.conversation_id or None)
 
@@ -168,6 +171,7 @@ class Turn:
             self.tokens = made[0] if made is not None else None
         elif scoring:
             self.tokens = await self._tokenize(prefill)
+        prefill = self.tokenized_by or prefill
         t0 = time.perf_counter()
         score = self._score(prefill) if scoring and self.tokens is not None else None
         reuse, cached = await asyncio.gather(_maybe(lookup), _maybe(score))
@@ -206,18 +210,20 @@ class Turn:
             return req
         t0 = time.perf_counter()
         timeout_s = self.s.settings.upstream.tokenize_timeout_s
+        raw = encode(req)
         try:
             try:
-                reply = await self._post_prefill_node(node, "/tokenize", encode(req), timeout_s)
+                reply = await self._post_prefill_node(node, "/tokenize", raw, timeout_s)
             except UpstreamError as e:
                 # P never saw it: another P of the same model and block size tokenizes (and
-                # digests) the same, so the turn keeps its reuse; its prefill moves on as well.
+                # digests) the same, so the turn keeps its reuse, and prefills there too.
                 twin = self._twin_prefill(node) if e.failure.kind is FailureKind.CONNECT else None
                 if twin is None:
                     raise
                 self.s.metrics.upstream_error("tokenize", e.failure)
                 self.log.info("router.tokenize.elsewhere", node=node.engine_id, other=twin.engine_id)
-                reply = await self._post_prefill_node(twin, "/tokenize", encode(req), timeout_s)
+                reply = await self._post_prefill_node(twin, "/tokenize", raw, timeout_s)
+                self.tokenized_by = twin
         except UpstreamError as e:
             self.s.metrics.upstream_error("tokenize", e.failure)
             self.log.info("router.tokenize.failed", node=node.engine_id, error=str(e))
@@ -298,12 +304,12 @@ class Turn:
                     return _passthrough(reply)
                 return bad_gateway(_engine_message(reply, failure, "prefill"))
             self.s.metrics.prefill_retries.labels(retry.value).inc()
-            if not (retry is Retry.OTHER_NODE and remote):
-                attempt += 1  # (moving untried params to another P spends no retry: a pull may still fail)
+            if spends_retry(retry, bool(remote)):
+                attempt += 1
             if retry is Retry.FRESH:
                 remote = None
                 self.reuse = Reuse("RECOMPUTE", "prefill_failed")
-            if spare and (retry is Retry.OTHER_NODE or failure.kind is FailureKind.CONNECT):
+            if retry is Retry.OTHER_NODE:
                 node = choose_prefill(spare, self.s.load.view) or node
 
     def _decode_headers(self) -> dict[str, str]:

@@ -22,6 +22,7 @@ from router.decisions import (
     retry_after,
     retry_decode_elsewhere,
     reuse_of,
+    spends_retry,
 )
 from router.identity import MAX_ID_BYTES, conversation_of, identify, safe_id, tenant_of
 from router.nodes import DirectRoutes, base_model_of, static_nodes
@@ -227,6 +228,8 @@ def test_an_unreachable_p_hands_the_params_to_another_p() -> None:
     connect = Failure(FailureKind.CONNECT)
     assert retry_after(connect, sent_remote=True, attempt=0, other_node_available=True) is Retry.OTHER_NODE
     assert retry_after(connect, sent_remote=True, attempt=0, other_node_available=False) is Retry.FRESH
+    assert not spends_retry(Retry.OTHER_NODE, sent_remote=True)  # a failing pull there still gets FRESH
+    assert spends_retry(Retry.OTHER_NODE, sent_remote=False) and spends_retry(Retry.FRESH, sent_remote=True)
 
 
 def test_decode_goes_elsewhere_only_when_d_never_saw_the_request() -> None:

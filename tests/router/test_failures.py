@@ -161,7 +161,11 @@ async def test_an_unreachable_p_does_not_cost_the_turn_its_reuse(
         assert two.status == 200, two.body
         assert two.decision == "PULL", (two.decision, two.reason)
         assert two.text == await reference(CHAT, body)
-        assert detour.metrics.value("kvferry_router_prefill_retries_total", how="other_node") == 1
+        # The P that tokenized prefills too: no second attempt on the dead one.
+        assert (
+            detour.metrics.value("kvferry_router_upstream_errors_total", role="tokenize", kind="connect") == 1
+        )
+        assert detour.metrics.value("kvferry_router_prefill_retries_total", how="other_node") == 0
 
 
 async def test_unreachable_engines(
