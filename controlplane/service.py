@@ -376,8 +376,8 @@ class ControlPlane:
             raise InvalidArgument(f"expires_at is {now - expires_at:.1f}s in the past")
         if expires_at > now + policy.max_lifetime_s:
             raise InvalidArgument(f"expires_at is more than {policy.max_lifetime_s:g}s ahead")
-        node = await self.nodes.get(reg.engine_id)
-        if node is None or node.record.removed_at or reg.generation not in (0, node.record.generation):
+        node = await self.nodes.get(reg.engine_id)  # (a node it lacks, it has just read)
+        if node is not None and (node.record.removed_at or reg.generation not in (0, node.record.generation)):
             # The cache may be a moment behind another replica's registration: look again.
             node = await self.nodes.get(reg.engine_id, fresh=True)
         if node is None or node.record.removed_at:
