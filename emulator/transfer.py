@@ -119,19 +119,16 @@ def parse_remote(params: Mapping[str, Any] | None, direction: PullDirection) -> 
     expiry = params.get("remote_blocks_expiry_time")
     if expiry is not None and not isinstance(expiry, int | float):
         raise ValueError("remote_blocks_expiry_time must be a number")
+    # A prefiller pulling from a decoder takes ``remote_num_tokens or 0`` (none: it only
+    # notifies D); a decoder pulling a prefill covers the prompt when P gives no count.
+    remote_tokens = _int_or_none(params.get("remote_num_tokens"))
     return RemoteBlocks(
         engine_id=str(params["remote_engine_id"]),
         request_id=str(params["remote_request_id"]),
         host=str(params["remote_host"]),
         port=port,
         block_ids=groups,
-        # A prefiller pulling from a decoder takes ``remote_num_tokens or 0`` (none: it only
-        # notifies D); a decoder pulling a prefill covers the prompt when P gives no count.
-        num_tokens=(
-            _int_or_none(params.get("remote_num_tokens")) or 0
-            if direction is PullDirection.FROM_DECODER
-            else _int_or_none(params.get("remote_num_tokens"))
-        ),
+        num_tokens=(remote_tokens or 0) if direction is PullDirection.FROM_DECODER else remote_tokens,
         expiry_time=None if expiry is None else float(expiry),
         registration_generation=_int_or_none(params.get("remote_registration_generation")),
     )
