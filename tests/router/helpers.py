@@ -79,21 +79,16 @@ def next_turn(
     return [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": text * 3}]
 
 
-def counter(emu: EmulatorServer, family: str) -> float:
-    """An engine's counter family, summed over its labels."""
-    return emu.engine.metrics.total(family)
-
-
 def unheld_reads(engines: list[EmulatorServer]) -> float:
     """Reads of blocks no longer (or never) held for the request named, on these engines: a
     stale or wrong handout, which the engines serve silently with whatever KV is there (as
     vLLM does). A correct control plane makes none."""
-    return sum(counter(e, "kvferry_emulator:kv_reads_unheld") for e in engines)
+    return sum(e.engine.metrics.total("kvferry_emulator:kv_reads_unheld") for e in engines)
 
 
 def pulled_tokens(emu: EmulatorServer) -> float:
     """Tokens an engine pulled from remote engines so far."""
-    return counter(emu, "kvferry_emulator:kv_pulled_tokens")
+    return emu.engine.metrics.total("kvferry_emulator:kv_pulled_tokens")
 
 
 async def tokenize(

@@ -15,7 +15,7 @@ import aiohttp
 from emulator import EmulatorServer
 from kvferry.v1 import nodes_pb2
 from tests.router.conftest import MakeStack, Stack
-from tests.router.helpers import ask, counter, first_turn, next_turn
+from tests.router.helpers import ask, first_turn, next_turn
 
 
 async def indexed(stack: Stack, emu: EmulatorServer, more_than: int) -> int:
@@ -39,22 +39,28 @@ async def test_a_prompt_goes_to_the_prefill_node_holding_its_prefix(
     known = {id(p): 0 for p in prefills}
     for i in range(4):
         messages = first_turn(f"harbour {i}", size=30)
-        served = [counter(p, "vllm:prompt_tokens") for p in prefills]
+        served = [p.engine.metrics.total("vllm:prompt_tokens") for p in prefills]
         one = await ask(http, router.url, {"messages": messages, "max_tokens": 8})
         assert one.status == 200
         [first] = [
-            p for p, before in zip(prefills, served, strict=True) if counter(p, "vllm:prompt_tokens") > before
+            p
+            for p, before in zip(prefills, served, strict=True)
+            if p.engine.metrics.total("vllm:prompt_tokens") > before
         ]
         known[id(first)] = await indexed(stack, first, known[id(first)])
         await asyncio.sleep(0.5)  # the router's node list (refreshed every 0.2 s) sees it too
 
-        served = [counter(p, "vllm:prompt_tokens") for p in prefills]
-        hits = counter(first, "vllm:prefix_cache_hits")
+        served = [p.engine.metrics.total("vllm:prompt_tokens") for p in prefills]
+        hits = first.engine.metrics.total("vllm:prefix_cache_hits")
         two = await ask(http, router.url, {"messages": next_turn(messages, one.text), "max_tokens": 8})
         assert two.status == 200
         chosen = [
-            p for p, before in zip(prefills, served, strict=True) if counter(p, "vllm:prompt_tokens") > before
+            p
+            for p, before in zip(prefills, served, strict=True)
+            if p.engine.metrics.total("vllm:prompt_tokens") > before
         ]
         assert chosen == [first], f"prompt {i} went to the other prefill node"
-        assert counter(first, "vllm:prefix_cache_hits") - hits >= 16 * 10  # it reused what it held
+        assert (
+            first.engine.metrics.total("vllm:prefix_cache_hits") - hits >= 16 * 10
+        )  # it reused what it held
         known[id(first)] = await indexed(stack, first, known[id(first)])
