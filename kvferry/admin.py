@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from kvferry.structs import json_number
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
 
@@ -60,8 +61,8 @@ def _as_dict(msg: Any) -> dict[str, Any]:
 
 
 def _integral(v: Any) -> Any:
-    if isinstance(v, float) and v.is_integer() and abs(v) < 2**53:
-        return int(v)
+    if isinstance(v, float):  # (only Struct values are doubles in these messages)
+        return json_number(v)
     if isinstance(v, dict):
         return {k: _integral(x) for k, x in v.items()}
     if isinstance(v, list):

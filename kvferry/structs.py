@@ -22,6 +22,11 @@ from google.protobuf import struct_pb2
 _MAX_EXACT = 2**53
 
 
+def json_number(n: float) -> int | float:
+    """A Struct's number as a JSON client reads it: an int when integral (and exact)."""
+    return int(n) if n.is_integer() and abs(n) < _MAX_EXACT else n
+
+
 def struct_to_dict(s: struct_pb2.Struct) -> dict[str, Any]:
     return {k: _value(v) for k, v in s.fields.items()}
 
@@ -52,7 +57,7 @@ def _value(v: struct_pb2.Value) -> Any:
     kind = v.WhichOneof("kind")
     if kind == "number_value":
         n = v.number_value
-        return int(n) if n.is_integer() and abs(n) < _MAX_EXACT else n
+        return json_number(n)
     if kind == "string_value":
         return v.string_value
     if kind == "bool_value":
@@ -130,4 +135,4 @@ def _numbers(lv: struct_pb2.ListValue) -> list[Any] | None:
         doubles.byteswap()
     if all(map(float.is_integer, doubles)) and min(doubles) > -_MAX_EXACT and max(doubles) < _MAX_EXACT:
         return list(map(int, doubles))
-    return [int(x) if x.is_integer() and abs(x) < _MAX_EXACT else x for x in doubles]
+    return list(map(json_number, doubles))
