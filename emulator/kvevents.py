@@ -5,7 +5,7 @@ big-endian counter from 0 per engine start, ``payload`` a msgpack
 ``[ts, events, data_parallel_rank]`` in which every event is a map tagged by
 ``"type"``. Fields equal to their default are omitted; unknown fields are
 ignored when decoding. These structs decode what a real engine sends and encode
-byte-identically to vLLM 0.33 (see ``/work/shared/vectors``).
+byte-identically to vLLM 0.33 (see ``tests/vectors``).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from google.protobuf import timestamp_pb2
@@ -11,6 +12,8 @@ from kvferry.digests import block_digests, seed
 from kvferry.v1 import leases_pb2, nodes_pb2
 
 BLOCK = 16
+#: KV-event payloads encoded by vLLM 0.33.0's own classes (see its README; do not edit).
+VECTORS = Path(__file__).parent / "vectors"
 SEED = seed("test-model")
 
 

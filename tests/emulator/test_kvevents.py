@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import msgspec
-import pytest
 
 from emulator.kvevents import (
     AllBlocksCleared,
@@ -18,13 +16,7 @@ from emulator.kvevents import (
     encode_batch,
     encode_seq,
 )
-
-# shared/ lies beside the repository (CI lays a copy there too).
-VECTORS = Path(__file__).resolve().parents[3] / "shared" / "vectors"
-if not VECTORS.is_dir():
-    VECTORS = Path("/work/shared/vectors")
-
-pytestmark = pytest.mark.skipif(not VECTORS.is_dir(), reason="shared test vectors not present")
+from tests.factories import VECTORS
 
 
 def _vector(name: str) -> bytes:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import msgspec
 import pytest
 
@@ -18,8 +16,8 @@ from sidecar.kvevents import (
     encode_seq,
     hash64,
 )
+from tests.factories import VECTORS
 
-VECTORS = Path("/work/shared/vectors")
 _pack = msgspec.msgpack.encode
 
 
