@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import sys
 
-import structlog
-
 from emulator.config import KV_LOAD_FAILURE_POLICIES, ROLES, ConfigError, EmulatorConfig
 from emulator.server import serve_forever
+from kvferry import logs
 
 _DEFAULTS = EmulatorConfig()
 
@@ -86,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="disable local prefix caching (and KV events)",
     )
-    add("--log-level", default="info", help="log level (debug, info, warning)")
+    add("--log-level", default=None, help="debug, info, warning (default: $KVFERRY_LOG_LEVEL or info)")
     return parser
 
 
@@ -121,25 +119,6 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
     return config
 
 
-def configure_logging(level: str) -> None:
-    """structlog once per entrypoint: console on a terminal, JSON otherwise."""
-    renderer: structlog.types.Processor = (
-        structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
-    )
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
-        ),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
-
-
 async def _run(config: EmulatorConfig) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -158,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"kvferry emulate: error: {exc}", file=sys.stderr)
         return 2
-    configure_logging(args.log_level)
+    logs.configure(args.log_level)
     try:
         asyncio.run(_run(config))
     except OSError as exc:
