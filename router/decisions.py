@@ -1,5 +1,6 @@
 """What the router decides per turn, as pure functions over plain data.
 
+- `single_sequence`: whether a request can go through P/D at all.
 - `reuse_of`: the daemon's lookup answer -> what to hand the prefill node.
 - `prefill_kv_params`, `prefill_body`, `decode_body`: the two engine requests.
 - `retry_after`, `retry_decode_elsewhere`: what to do when an engine request failed.
@@ -35,6 +36,7 @@ class Skip(enum.StrEnum):
     UNAVAILABLE = "daemon_unavailable"
     LATE = "daemon_timeout"
     ERROR = "daemon_error"
+    MULTIPLE = "multiple_sequences"
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,23 @@ class Reuse:
     @property
     def pull(self) -> bool:
         return self.decision == "PULL"
+
+
+def single_sequence(body: Mapping[str, Any]) -> bool:
+    """Whether the request asks for one answer to one prompt, the only kind P/D serves.
+
+    KV params describe one sequence's blocks. For a batch of prompts vLLM's P returns
+    the params of its first prompt only, which D would apply to every prompt; with
+    `n` (or `best_of`) > 1, D forks the request into several that would all pull, and
+    free, the same blocks of P. Such requests are served by D alone, without params.
+    """
+    for name in ("n", "best_of"):
+        value = body.get(name)
+        if value is not None and value != 1:
+            return False
+    prompt = body.get("prompt")
+    # A list of token ids is one prompt; a list of strings or of id lists is a batch.
+    return not (isinstance(prompt, list) and len(prompt) > 1 and any(type(t) is not int for t in prompt))
 
 
 def skipped(reason: Skip) -> Reuse:

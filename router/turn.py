@@ -46,6 +46,7 @@ from router.decisions import (
     prefill_kv_params,
     retry_after,
     retry_decode_elsewhere,
+    single_sequence,
     skipped,
     spends_retry,
 )
@@ -135,11 +136,16 @@ class Turn:
         nodes = self.s.directory.nodes
         load = self.s.load.view
         tiebreak = next(self.s.tickets)
-        prefill = choose_prefill(nodes, load, tiebreak=tiebreak)
+        conversation = self.identity.conversation_id
         decode = choose_decode(nodes, load, tiebreak)
+        if decode is not None and not single_sequence(self.body):
+            if conversation:
+                self.reuse = skipped(Skip.MULTIPLE)
+                self.s.metrics.lookup(self.reuse)
+            return await self._decode(decode, None)
+        prefill = choose_prefill(nodes, load, tiebreak=tiebreak)
         if prefill is None or decode is None:
             return error_response(503, "no prefill or no decode node available", "ServiceUnavailableError")
-        conversation = self.identity.conversation_id
         scoring = self.s.control is not None and worth_scoring(nodes)
         if conversation or scoring:
             prefill = await self._prepare(prefill, scoring, tiebreak)

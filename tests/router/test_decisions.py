@@ -22,6 +22,7 @@ from router.decisions import (
     retry_after,
     retry_decode_elsewhere,
     reuse_of,
+    single_sequence,
     spends_retry,
 )
 from router.identity import MAX_ID_BYTES, conversation_of, identify, safe_id, tenant_of
@@ -42,6 +43,18 @@ D_PARAMS = {
 }
 
 # -- identity -------------------------------------------------------------------------------
+
+
+def test_only_one_answer_to_one_prompt_goes_through_p_and_d() -> None:
+    assert single_sequence({"messages": [{"role": "user", "content": "hi"}]})
+    assert single_sequence({"prompt": "one", "n": 1, "best_of": None})
+    assert single_sequence({"prompt": [1, 2, 3]})  # token ids: one prompt
+    assert single_sequence({"prompt": ["one"]}) and single_sequence({"prompt": [[1, 2]]})
+    assert not single_sequence({"messages": [], "n": 2})
+    assert not single_sequence({"prompt": "one", "best_of": 3})
+    assert not single_sequence({"prompt": ["one", "two"]})
+    assert not single_sequence({"prompt": [[1, 2], [3]]})
+    assert not single_sequence({"prompt": [1, "two"]})  # not ids: the engine judges it
 
 
 def test_conversation_identity_sources_in_order() -> None:

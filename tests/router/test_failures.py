@@ -18,7 +18,7 @@ from aiohttp import web
 from controlplane.daemon import Daemon
 from emulator.sidechannel import ReadBlocks, SideChannelError
 from kvferry.hops import NOT_DELIVERED_HEADER
-from kvferry.v1 import leases_pb2_grpc, nodes_pb2_grpc
+from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2_grpc
 from router import Router
 from router import Settings as RouterSettings
 from sidecar import Sidecar
@@ -345,6 +345,7 @@ async def fake_engine(
     app = web.Application()
     app.router.add_post("/tokenize", fake.tokenize)
     app.router.add_post("/v1/chat/completions", fake.generate)
+    app.router.add_post("/v1/completions", fake.generate)
     app.router.add_get("/v1/models", fake.models)
     runner = web.AppRunner(app, shutdown_timeout=0.5)
     await runner.setup()
@@ -393,6 +394,35 @@ async def test_what_the_engines_receive(daemon: Daemon, http: aiohttp.ClientSess
     assert p_headers["x-request-id"] == d_headers["x-request-id"]
     assert d_headers["authorization"] == "Bearer sk-1" and d_headers["traceparent"] == "00-ab-cd-01"
     assert d_headers["accept-encoding"] == "identity"  # the router reads D's answer
+
+
+async def test_several_answers_or_prompts_go_to_d_alone_without_params(
+    daemon: Daemon, http: aiohttp.ClientSession
+) -> None:
+    """P's params cover one sequence: a batch or n > 1 through P/D would hand D one prompt's
+    blocks for all of them. Those requests are D's alone, and claim no retention."""
+    async with fake_engine() as p, fake_engine() as d, grpc.aio.insecure_channel(daemon.address) as ch:
+        leases = leases_pb2_grpc.LeasesStub(ch)
+        await nodes_pb2_grpc.NodesStub(ch).Register(node_request("d-1"))
+        await leases.Register(lease_request("c"))
+        settings = router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
+        async with Router(settings) as router:
+            chat = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "conversation_id": "c"}
+            batch = {"prompt": ["a", "b"], "kv_transfer_params": {"do_remote_prefill": True}}
+            for path, body in ((CHAT, chat), ("/v1/completions", batch)):
+                async with http.post(router.url + path, json={**body, "stream": True}) as r:
+                    assert r.status == 200 and b"t4" in await r.read()
+                    reuse = r.headers.get("X-Kvferry-Reuse"), r.headers.get("X-Kvferry-Reuse-Reason")
+                    assert reuse == (("SKIPPED", "multiple_sequences") if path == CHAT else (None, None))
+            value = router.metrics.value
+            assert value("kvferry_router_lookups_total", decision="SKIPPED", reason="multiple_sequences") == 1
+        peek = await leases.Lookup(leases_pb2.LookupRequest(conversation_id="c", prompt_tokens=10, peek=True))
+        assert peek.reason not in ("already_claimed", "no_lease")  # still there, unclaimed
+    assert p.requests == []
+    [(_, d_headers, d_chat), (_, _, d_batch)] = d.requests
+    assert d_chat["n"] == 2 and "kv_transfer_params" not in d_chat and "conversation_id" not in d_chat
+    assert d_headers["x-conversation-id"] == "c"
+    assert d_batch["prompt"] == ["a", "b"] and "kv_transfer_params" not in d_batch
 
 
 async def test_a_decode_that_breaks_off_cuts_the_clients_stream(
