@@ -3,11 +3,13 @@
 Routes: ``/v1/chat/completions`` and ``/v1/completions`` (streaming or not, one
 `router.turn.Turn` each), ``/v1/models`` (a prefill node's answer),
 ``/health`` (200 while there is a prefill and a decode node to route to),
-``/metrics`` (Prometheus). Bad client input gets vLLM's 400 error shape.
+``/metrics`` (Prometheus). Bad client input gets vLLM's 400 error shape. With API
+keys set, /v1/ routes answer 401 to a client without one of them, as vLLM does.
 """
 
 from __future__ import annotations
 
+import hmac
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import msgspec
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from router.choice import choose_prefill
 from router.turn import Shared, Turn, bad_gateway, error_response
@@ -74,6 +77,22 @@ async def count_middleware(request: web.Request, handler: Handler) -> web.Stream
     return response
 
 
+def auth_middleware(keys: tuple[str, ...]) -> Middleware:
+    """vLLM's --api-key check: `Authorization: Bearer <key>` on /v1/ routes, else 401."""
+    accepted = [f"Bearer {key}".encode() for key in keys]
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            # (every key compared, in constant time: the answer's timing says nothing)
+            if not sum(hmac.compare_digest(given, key) for key in accepted):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check
+
+
 async def _generate(request: web.Request, path: str) -> web.StreamResponse:
     try:
         raw = await request.read()
@@ -124,9 +143,11 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(shared: Shared) -> web.Application:
-    app = web.Application(
-        middlewares=[count_middleware], client_max_size=shared.settings.server.max_body_bytes
-    )
+    server = shared.settings.server
+    middlewares: list[Middleware] = [count_middleware]
+    if server.api_keys:
+        middlewares.append(auth_middleware(server.api_keys))
+    app = web.Application(middlewares=middlewares, client_max_size=server.max_body_bytes)
     app[SHARED_KEY] = shared
     app.router.add_post(CHAT_PATH, chat_completions)
     app.router.add_post(COMPLETIONS_PATH, completions)

@@ -25,6 +25,8 @@ class ServerSettings:
     """Largest request body accepted."""
     shutdown_grace_s: float = 5.0
     """Seconds in-flight answers get to finish on shutdown."""
+    api_keys: tuple[str, ...] = ()
+    """Bearer keys a client must present on /v1/ routes, as vLLM's --api-key; empty = no check."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,10 @@ def _split(value: str) -> tuple[str, ...]:
     return tuple(x.strip().rstrip("/") for x in value.split(",") if x.strip())
 
 
+def _keys(value: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in value.split(",") if x.strip())
+
+
 def _bool(value: str) -> bool:
     if value.lower() in ("1", "true", "yes", "on"):
         return True
@@ -162,6 +168,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("nodes-refresh", d.daemon.nodes_refresh_s, "seconds between node list refreshes", float)
     add("reuse", "true", "KV reuse across turns (false: plain P/D serving)", _bool)
     add("tenant-header", d.reuse.tenant_header, "header naming the tenant when there is no API key")
+    add("api-key", "", "bearer key(s) clients must present on /v1/, comma-separated; empty = no check")
     add("engine-api-key", d.upstream.api_key, "bearer key for the engines (default: the client's)")
     add("connect-timeout", d.upstream.connect_timeout_s, "seconds to connect to an engine", float)
     add("prefill-timeout", d.upstream.prefill_timeout_s, "longest a prefill request may take, s", float)
@@ -177,7 +184,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def from_args(a: argparse.Namespace) -> Settings:
     """Settings from parsed flags; raises ValueError when invalid."""
     s = Settings(
-        server=ServerSettings(listen=a.listen, max_body_bytes=int(a.max_body_bytes)),
+        server=ServerSettings(
+            listen=a.listen, max_body_bytes=int(a.max_body_bytes), api_keys=_keys(a.api_key)
+        ),
         daemon=DaemonSettings(
             addresses=_split(a.daemon),
             lookup_deadline_s=float(a.lookup_deadline),

@@ -425,6 +425,38 @@ async def test_several_answers_or_prompts_go_to_d_alone_without_params(
     assert d_batch["prompt"] == ["a", "b"] and "kv_transfer_params" not in d_batch
 
 
+async def test_with_api_keys_only_their_holders_get_in(http: aiohttp.ClientSession) -> None:
+    """--api-key, as vLLM's: a bearer key on /v1/ routes, 401 without one; the router's own
+    endpoints stay open. Needed most with --engine-api-key, where the engines see only the
+    router's key."""
+    async with fake_engine() as p, fake_engine() as d:
+        settings = router_settings(
+            None,
+            nodes__prefill_urls=(p.url,),
+            nodes__decode_urls=(d.url,),
+            server__api_keys=("k-one", "k-two"),
+            upstream__api_key="engine-key",
+        )
+        async with Router(settings) as router:
+            body = {"messages": [{"role": "user", "content": "hi"}]}
+            for auth in (None, "Bearer k-three", "k-one", "Bearer k-on"):
+                headers = {"Authorization": auth} if auth else {}
+                async with http.post(router.url + CHAT, json=body, headers=headers) as r:
+                    assert (r.status, await r.json()) == (401, {"error": "Unauthorized"}), auth
+                async with http.get(router.url + "/v1/models", headers=headers) as r:
+                    assert r.status == 401
+            assert p.requests == [] and d.requests == []
+            key_two = {"Authorization": "Bearer k-two"}
+            async with http.post(router.url + CHAT, json=body, headers=key_two) as r:
+                assert r.status == 200
+            for path in ("/health", "/metrics"):
+                async with http.get(router.url + path) as r:
+                    assert r.status == 200
+            text = router.metrics.render()[0].decode()
+            assert 'endpoint="/v1/chat/completions",status="401"} 4.0' in text
+    assert [h["authorization"] for _, h, _ in d.requests] == ["Bearer engine-key"]
+
+
 async def test_a_decode_that_breaks_off_cuts_the_clients_stream(
     daemon: Daemon, http: aiohttp.ClientSession
 ) -> None:
