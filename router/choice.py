@@ -5,6 +5,7 @@
   least loaded P by more than `load_slack` requests: a cached prefix saves
   compute, a queue costs all of it.
 - Decode (D): least outstanding requests.
+- Both among the nodes serving the requested model (`serving`).
 
 Ties rotate with a counter the caller bumps, so equal nodes share the work.
 """
@@ -45,6 +46,16 @@ class Node:
     @property
     def decodes(self) -> bool:
         return self.role in DECODE_ROLES
+
+
+def serving(nodes: Sequence[Node], model: object) -> Sequence[Node]:
+    """The nodes for a request's ``model``: those whose base model it names, when any
+    does; else all of them (a LoRA adapter's name, or no model: the engine judges it)."""
+    if isinstance(model, str) and model:
+        named = [n for n in nodes if n.model == model]
+        if named:
+            return named
+    return nodes
 
 
 def _rotate(best: list[Node], tiebreak: int) -> Node:

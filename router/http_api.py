@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP surface (aiohttp). Thin handlers: validate, hand off, answer.
 
 Routes: ``/v1/chat/completions`` and ``/v1/completions`` (streaming or not, one
-`router.turn.Turn` each), ``/v1/models`` (a prefill node's answer),
+`router.turn.Turn` each), ``/v1/models`` (merged from a prefill node per model),
 ``/health`` (200 while there is a prefill and a decode node to route to),
 ``/metrics`` (Prometheus). Bad client input gets vLLM's 400 error shape. With API
 keys set, /v1/ routes answer 401 to a client without one of them, as vLLM does.
@@ -9,6 +9,7 @@ keys set, /v1/ routes answer 401 to a client without one of them, as vLLM does.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import uuid
 from collections.abc import Awaitable, Callable
@@ -19,9 +20,9 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from router.choice import choose_prefill
+from router.choice import Node, choose_prefill
 from router.turn import Shared, Turn, bad_gateway, error_response
-from router.upstream import UpstreamError
+from router.upstream import Reply
 
 log = structlog.get_logger(__name__)
 
@@ -118,17 +119,36 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
+    """The model cards of every model served: one prefill node's answer per base model,
+    merged (one model: that node's answer as it is)."""
     shared = request.app[SHARED_KEY]
-    node = choose_prefill(shared.directory.nodes, shared.load.view)
-    if node is None:
+    load = shared.load.view
+    by_model: dict[str, list[Node]] = {}
+    for node in shared.directory.nodes:
+        if node.prefills:
+            by_model.setdefault(node.model or node.engine_id, []).append(node)
+    if not by_model:
         return error_response(503, "no prefill node available", "ServiceUnavailableError")
-    try:
-        reply = await shared.engines.get(
-            node.url + "/v1/models", shared.engines.headers(request.headers, f"kvf-{uuid.uuid4().hex}")
-        )
-    except UpstreamError as e:
-        return bad_gateway(f"models: {e}")
-    return web.Response(body=reply.body, status=reply.status, content_type="application/json")
+    asked = [choose_prefill(nodes, load) for nodes in by_model.values()]
+    headers = shared.engines.headers(request.headers, f"kvf-{uuid.uuid4().hex}")
+    replies = await asyncio.gather(
+        *(shared.engines.get(node.url + "/v1/models", headers) for node in asked if node is not None),
+        return_exceptions=True,
+    )
+    good = [r for r in replies if isinstance(r, Reply) and r.status == 200]
+    if len(replies) == 1 or not good:
+        first = replies[0]
+        if isinstance(first, BaseException):
+            return bad_gateway(f"models: {first}")
+        return web.Response(body=first.body, status=first.status, content_type="application/json")
+    cards: dict[str, Any] = {}
+    for reply in good:
+        answer = reply.json()
+        data = answer.get("data") if isinstance(answer, dict) else None
+        for card in data if isinstance(data, list) else []:
+            if isinstance(card, dict) and isinstance(card.get("id"), str):
+                cards.setdefault(card["id"], card)
+    return web.json_response({"object": "list", "data": list(cards.values())})
 
 
 async def health(request: web.Request) -> web.Response:

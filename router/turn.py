@@ -33,7 +33,14 @@ from aiohttp import hdrs, web
 
 from kvferry.blockhash import block_hashes, external_block_hash
 from kvferry.digests import block_digests, seed_for
-from router.choice import Node, choose_decode, choose_prefill, prefill_candidates, worth_scoring
+from router.choice import (
+    Node,
+    choose_decode,
+    choose_prefill,
+    prefill_candidates,
+    serving,
+    worth_scoring,
+)
 from router.control import ControlPlane
 from router.decisions import (
     Failure,
@@ -122,6 +129,8 @@ class Turn:
         self.path = path
         self.body = body
         self.started = time.perf_counter()
+        self.nodes = serving(shared.directory.nodes, body.get("model"))
+        """The nodes this turn may use: those serving the requested model."""
         self.request_id = f"kvf-{uuid.uuid4().hex}"
         self.identity: Identity = identify(request.headers, body, shared.settings.reuse.tenant_header)
         self.tokens: list[int] | None = None
@@ -133,7 +142,7 @@ class Turn:
     # -- the turn ---------------------------------------------------------------------
 
     async def serve(self) -> web.StreamResponse:
-        nodes = self.s.directory.nodes
+        nodes = self.nodes
         load = self.s.load.view
         tiebreak = next(self.s.tickets)
         conversation = self.identity.conversation_id
@@ -188,9 +197,7 @@ class Turn:
                 # The daemon claimed before tokenizing failed: its release params still go to P.
                 self.reuse = Reuse("SKIPPED", Skip.NO_TOKENS.value, reuse.remote)
         if cached:
-            prefill = (
-                choose_prefill(self.s.directory.nodes, self.s.load.view, cached, tiebreak=tiebreak) or prefill
-            )
+            prefill = choose_prefill(self.nodes, self.s.load.view, cached, tiebreak=tiebreak) or prefill
         if self.reuse is not None:
             self.s.metrics.lookup(self.reuse)
         return prefill
@@ -245,7 +252,7 @@ class Turn:
         """Another prefill node that tokenizes exactly like `node` (None: there is none)."""
         same = [
             n
-            for n in prefill_candidates(self.s.directory.nodes, exclude={node.engine_id})
+            for n in prefill_candidates(self.nodes, exclude={node.engine_id})
             if n.model == node.model and n.block_size == node.block_size
         ]
         return choose_prefill(same, self.s.load.view) if same else None
@@ -295,7 +302,7 @@ class Turn:
                 kind = FailureKind.STATUS if reply.status != 200 else FailureKind.PROTOCOL
                 failure = Failure(kind, reply.status)
             self.s.metrics.upstream_error("prefill", failure)
-            spare = prefill_candidates(self.s.directory.nodes, exclude=tried)
+            spare = prefill_candidates(self.nodes, exclude=tried)
             retry = retry_after(failure, bool(remote), attempt, bool(spare))
             self.log.info(
                 "router.prefill.failed",
@@ -352,7 +359,7 @@ class Turn:
                 except UpstreamError as e:
                     self.s.metrics.upstream_error("decode", e.failure)
                     self.log.warning("router.decode.unreachable", node=node.engine_id, error=str(e))
-                    other = choose_decode(self.s.directory.nodes, self.s.load.view, exclude=tried)
+                    other = choose_decode(self.nodes, self.s.load.view, exclude=tried)
                     if other is not None and retry_decode_elsewhere(e.failure, True):
                         node = other
                         continue

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.choice import Node, choose_decode, choose_prefill, worth_scoring
+from router.choice import Node, choose_decode, choose_prefill, serving, worth_scoring
 from router.decisions import (
     Breaker,
     Failure,
@@ -43,6 +43,13 @@ D_PARAMS = {
 }
 
 # -- identity -------------------------------------------------------------------------------
+
+
+def test_a_turn_uses_the_nodes_of_the_model_it_names() -> None:
+    a, b = Node("a", "both", "http://a", model="m-a"), Node("b", "both", "http://b", model="m-b")
+    assert serving([a, b], "m-b") == [b]
+    # An adapter's name, no model, or one no node reports: every node (the engine judges).
+    assert serving([a, b], "my-lora") == serving([a, b], None) == serving([a, b], "") == [a, b]
 
 
 def test_only_one_answer_to_one_prompt_goes_through_p_and_d() -> None:

@@ -301,6 +301,7 @@ class FakeEngine:
         self.stall_after = stall_after
         self.url = ""
         self.tokenize_fails = False
+        self.model = "fake"
 
     async def tokenize(self, request: web.Request) -> web.Response:
         self.requests.append(("/tokenize", _lower(request.headers), await request.json()))
@@ -334,7 +335,7 @@ class FakeEngine:
         return resp
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "fake", "parent": None}]})
+        return web.json_response({"object": "list", "data": [{"id": self.model, "parent": None}]})
 
 
 @contextlib.asynccontextmanager
@@ -455,6 +456,29 @@ async def test_with_api_keys_only_their_holders_get_in(http: aiohttp.ClientSessi
             text = router.metrics.render()[0].decode()
             assert 'endpoint="/v1/chat/completions",status="401"} 4.0' in text
     assert [h["authorization"] for _, h, _ in d.requests] == ["Bearer engine-key"]
+
+
+async def test_a_request_goes_to_nodes_serving_its_model(http: aiohttp.ClientSession) -> None:
+    """Two models behind one router: each turn uses a P and a D of the model it names, and
+    /v1/models lists both (an adapter or unknown name may use any node: the engine judges)."""
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(fake_engine()) for _ in range(4)]
+        pa, da, pb, db = engines
+        pb.model = db.model = "other"
+        settings = router_settings(
+            None, nodes__prefill_urls=(pa.url, pb.url), nodes__decode_urls=(da.url, db.url)
+        )
+        async with Router(settings) as router:
+            for model in ("fake", "fake", "other", "fake", "other", "other"):  # out of step with rotation
+                body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+                async with http.post(router.url + CHAT, json=body) as r:
+                    assert r.status == 200
+            async with http.get(router.url + "/v1/models") as r:
+                assert r.status == 200
+                assert sorted(card["id"] for card in (await r.json())["data"]) == ["fake", "other"]
+    for engine in engines:
+        turns = [body for path, _, body in engine.requests if path == CHAT]
+        assert len(turns) == 3 and {body["model"] for body in turns} == {engine.model}
 
 
 async def test_a_decode_that_breaks_off_cuts_the_clients_stream(
