@@ -65,13 +65,14 @@ class StreamOptions(msgspec.Struct):
 class _Common(msgspec.Struct, kw_only=True):
     model: str | None = None
     max_tokens: int | None = None
-    stream: bool = False
+    # null means the default for these, as in vLLM's request models
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    return_token_ids: bool = False
+    return_token_ids: bool | None = False
     session_id: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    n: int | None = 1
     skip_special_tokens: bool = True
 
 
@@ -260,7 +261,7 @@ async def _generate(
     *,
     chat: bool,
 ) -> web.StreamResponse:
-    if body.n != 1:
+    if body.n not in (None, 1):
         raise InvalidRequest("The emulator supports n=1 only.")
     if max_tokens is None:
         max_tokens = max(engine.config.max_model_len - len(prompt), 1)

@@ -75,6 +75,9 @@ async def test_chat_answer_shape(start_emulator: StartEmulator, http: Client) ->
     assert choice["message"]["content"].isprintable()
     again = await http.chat(emu, conversation(), max_tokens=40)
     assert again.content == answer.content  # deterministic
+    # null is the default for vLLM's optional fields, not a 400
+    nulls = await http.chat(emu, conversation(), max_tokens=40, stream=None, n=None, return_token_ids=None)
+    assert nulls.status == 200 and nulls.content == answer.content
     assert again.count("cached") > 0  # and served from the prefix cache
 
 
