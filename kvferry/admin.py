@@ -42,6 +42,10 @@ def add_arguments(sub: Any) -> None:
     nsub = nodes.add_subparsers(dest="action", required=True)
     nls = nsub.add_parser("ls", parents=[common], help="list nodes")
     nls.add_argument("--all", action="store_true", help="include nodes whose liveness lapsed")
+    nrm = nsub.add_parser(
+        "rm", parents=[common], help="deregister a node: its liveness ends and its leases die with it"
+    )
+    nrm.add_argument("engine_id")
     nodes.set_defaults(func=_nodes)
 
 
@@ -147,6 +151,14 @@ def _nodes(a: argparse.Namespace) -> int:
     with grpc.insecure_channel(a.daemon) as ch:
         stub = nodes_pb2_grpc.NodesStub(ch)
         try:
+            if a.action == "rm":
+                gone = stub.Deregister(
+                    nodes_pb2.DeregisterNodeRequest(engine_id=a.engine_id), timeout=a.timeout
+                )
+                print(
+                    json.dumps(_as_dict(gone)) if a.json else "deregistered" if gone.found else "no such node"
+                )
+                return 0 if gone.found else 2
             resp = stub.List(nodes_pb2.ListNodesRequest(include_dead=a.all), timeout=a.timeout)
         except grpc.RpcError as e:
             return _fail(e)

@@ -91,6 +91,12 @@ async def test_cli_tables_and_json(daemon: Daemon, client: Client) -> None:
         kvferry, "leases", "ls", "--tenant", "t", "--all-tenants", "--daemon", daemon.address
     )
     assert code == 2 and "not allowed with" in err
+    code, out, _ = await run(kvferry, "nodes", "rm", "d-1", "--daemon", daemon.address)
+    assert code == 0 and "deregistered" in out
+    code, out, _ = await run(kvferry, "nodes", "ls", "--daemon", daemon.address)
+    assert "d-1" not in out
+    code, out, _ = await run(kvferry, "nodes", "rm", "d-1", "--json", "--daemon", daemon.address)
+    assert code == 2 and json.loads(out)["found"] is False
 
 
 def test_global_log_level_reaches_delegated_commands(monkeypatch) -> None:  # type: ignore[no-untyped-def]
