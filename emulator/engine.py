@@ -20,7 +20,7 @@ import contextlib
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -131,7 +131,7 @@ class RunningRequest:
         self.kv_transfer_params: dict[str, Any] | None = None
         """Set on a normal finish when the engine holds the blocks for a remote reader."""
 
-    async def tokens(self) -> AsyncIterator[tuple[int, bool]]:
+    async def tokens(self) -> AsyncGenerator[tuple[int, bool], None]:
         """Yield ``(token, is_last)``; the request is finished before the last one."""
         engine, seq, spec = self._engine, self._seq, self.spec
         state = seq.first_state

@@ -9,13 +9,18 @@ errors become vLLM's ``{"error": {...}}`` bodies in one middleware. A stream's
 final chunk (the one with ``finish_reason``) carries ``kv_transfer_params`` as
 vLLM >= 0.33 does; a JSON answer carries them at the top level. Each answer has
 ``X-Kvferry-Emulator-*`` headers telling where the prompt's KV came from.
+
+``n`` > 1 and batched completion prompts run one engine request per sequence, as
+vLLM does, and answer with one choice per sequence (``prompt_index * n + i``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from http import HTTPStatus
 from typing import Any, TypeVar
 
@@ -73,6 +78,8 @@ class _Common(msgspec.Struct, kw_only=True):
     kv_transfer_params: dict[str, Any] | None = None
     ignore_eos: bool = False
     n: int | None = 1
+    # only read to refuse n > 1 with greedy sampling, as vLLM does; the sampler ignores it
+    temperature: float | None = None
     skip_special_tokens: bool = True
 
 
@@ -85,9 +92,10 @@ class ChatCompletionRequest(_Common, kw_only=True):
 
 
 class CompletionRequest(_Common, kw_only=True):
-    """Body of ``/v1/completions``."""
+    """Body of ``/v1/completions`` (``best_of``, gone from vLLM, is ignored like vLLM does)."""
 
-    prompt: str | list[int | str]
+    # a text, token ids, or a batch of texts or of token id lists
+    prompt: str | list[int | str | list[int]]
     max_tokens: int | None = 16
 
 
@@ -221,7 +229,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if prompt is None:
         prompt = apply_chat_template(body.messages, add_generation_prompt=body.add_generation_prompt)
     max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
-    return await _generate(request, engine, body, prompt, max_tokens, chat=True)
+    return await _generate(request, engine, body, [prompt], max_tokens, chat=True)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -230,16 +238,24 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = _decode_body(CompletionRequest, await request.read())
     _check_model(engine.config, body.model)
     prompt = _prompt_override(body.kv_transfer_params)
-    if prompt is None:
-        if isinstance(body.prompt, str):
-            prompt = encode(body.prompt)
-        elif all(isinstance(p, int) for p in body.prompt):
-            prompt = [int(p) for p in body.prompt]
-        elif len(body.prompt) == 1 and isinstance(body.prompt[0], str):
-            prompt = encode(body.prompt[0])
-        else:
-            raise InvalidRequest("Batched prompts are not supported by the emulator.")
-    return await _generate(request, engine, body, prompt, body.max_tokens, chat=False)
+    prompts = _completion_prompts(body.prompt) if prompt is None else [prompt]
+    return await _generate(request, engine, body, prompts, body.max_tokens, chat=False)
+
+
+def _completion_prompts(prompt: str | list[int | str | list[int]]) -> list[list[int]]:
+    """The token ids of each prompt of a completion request."""
+    if isinstance(prompt, str):
+        return [encode(prompt)]
+    ids = [p for p in prompt if isinstance(p, int)]
+    if len(ids) == len(prompt):
+        return [ids]
+    texts = [p for p in prompt if isinstance(p, str)]
+    if len(texts) == len(prompt):
+        return [encode(text) for text in texts]
+    batch = [p for p in prompt if isinstance(p, list)]
+    if len(batch) == len(prompt):
+        return batch
+    raise InvalidRequest("The prompt must be a string, token ids, or a list of strings or of token ids.")
 
 
 def _prompt_override(params: dict[str, Any] | None) -> list[int] | None:
@@ -252,52 +268,115 @@ def _prompt_override(params: dict[str, Any] | None) -> list[int] | None:
         raise InvalidRequest("kv_transfer_params.prompt_token_ids must be token ids.") from None
 
 
+#: vLLM's defaults: ``VLLM_MAX_N_SEQUENCES``, and the temperature below which it samples greedily.
+_MAX_N = 16384
+_SAMPLING_EPS = 1e-5
+
+
+def _num_sequences(body: _Common) -> int:
+    """``n``, checked as vLLM's ``SamplingParams`` checks it."""
+    n = 1 if body.n is None else body.n
+    if n < 1:
+        raise InvalidRequest(f"n must be at least 1, got {n}.")
+    if n > _MAX_N:
+        raise InvalidRequest(f"n must be at most {_MAX_N}, got {n}.")
+    if n > 1 and body.temperature is not None and body.temperature < _SAMPLING_EPS:
+        raise InvalidRequest(f"n must be 1 when using greedy sampling, got {n}.")
+    return n
+
+
+def _sequence_ids(request_id: str, num_prompts: int, n: int, chat: bool) -> list[str]:
+    """Engine request ids, prompt by prompt, n each: vLLM's ``{id}-{prompt}`` for the prompts of
+    a completion and ``{i}_{parent}`` for the n children of one; a plain request keeps its id."""
+    if num_prompts == 1 and n == 1:
+        return [request_id]
+    parents = [request_id] if chat else [f"{request_id}-{p}" for p in range(num_prompts)]
+    return [parent if n == 1 else f"{i}_{parent}" for parent in parents for i in range(n)]
+
+
 async def _generate(
     request: web.Request,
     engine: Engine,
     body: _Common,
-    prompt: list[int],
+    prompts: list[list[int]],
     max_tokens: int | None,
     *,
     chat: bool,
 ) -> web.StreamResponse:
-    if body.n not in (None, 1):
-        raise InvalidRequest("The emulator supports n=1 only.")
-    if max_tokens is None:
-        max_tokens = max(engine.config.max_model_len - len(prompt), 1)
+    n = _num_sequences(body)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     session_id = body.session_id or request.headers.get("X-Session-ID")
-    spec = GenerationSpec(
-        request_id=request_id,
-        prompt_token_ids=prompt,
-        max_tokens=max_tokens,
-        ignore_eos=body.ignore_eos,
-        kv_transfer_params=body.kv_transfer_params,
-        session_id=session_id,
-    )
-    running = await engine.submit(spec)
+    specs = [
+        GenerationSpec(
+            request_id=sequence_id,
+            prompt_token_ids=prompts[k // n],
+            max_tokens=max(engine.config.max_model_len - len(prompts[k // n]), 1)
+            if max_tokens is None
+            else max_tokens,
+            ignore_eos=body.ignore_eos,
+            kv_transfer_params=body.kv_transfer_params,
+            session_id=session_id,
+        )
+        for k, sequence_id in enumerate(_sequence_ids(request_id, len(prompts), n, chat))
+    ]
+    if len(specs) > 1:
+        return await _generate_many(request, engine, body, specs, n, request_id, chat)
+    running = await engine.submit(specs[0])
     engine.metrics.num_requests_running.inc()
     shape = _Shape(engine.config.model, request_id, chat, body, running)
     try:
         if body.stream:
-            return await _stream(request, shape)
+            return await _stream(request, [shape], 1)
         return await _complete(shape)
     finally:
         running.abort()
         engine.metrics.num_requests_running.dec()
 
 
+async def _generate_many(
+    request: web.Request,
+    engine: Engine,
+    body: _Common,
+    specs: list[GenerationSpec],
+    n: int,
+    request_id: str,
+    chat: bool,
+) -> web.StreamResponse:
+    """Several sequences (n > 1, or a batch of prompts): one engine request each, as vLLM's
+    engine runs them; choice ``k`` is sequence ``k`` (prompt ``k // n``)."""
+    shapes: list[_Shape] = []
+    try:
+        for spec in specs:  # one after the other: their prefills queue for the one GPU anyway
+            running = await engine.submit(spec)
+            engine.metrics.num_requests_running.inc()
+            shapes.append(_Shape(engine.config.model, request_id, chat, body, running, len(shapes)))
+        if body.stream:
+            return await _stream(request, shapes, n)
+        return await _complete_many(shapes, n)
+    finally:
+        for shape in shapes:
+            shape.running.abort()
+            engine.metrics.num_requests_running.dec()
+
+
 class _Shape:
-    """Builds OpenAI objects for one request."""
+    """Builds OpenAI objects for one request (or one sequence, choice ``index``, of several)."""
 
     def __init__(
-        self, model: str, request_id: str, chat: bool, body: _Common, running: RunningRequest
+        self,
+        model: str,
+        request_id: str,
+        chat: bool,
+        body: _Common,
+        running: RunningRequest,
+        index: int = 0,
     ) -> None:
         self.model = model
         self.request_id = request_id
         self.chat = chat
         self.body = body
         self.running = running
+        self.index = index
         self.created = int(time.time())
 
     def headers(self) -> dict[str, str]:
@@ -313,16 +392,6 @@ class _Shape:
     def text(self, tokens: list[int]) -> str:
         return decode(tokens, skip_special_tokens=self.body.skip_special_tokens)
 
-    def usage(self) -> dict[str, Any]:
-        stats = self.running.stats
-        completion = len(self.running.output_token_ids)
-        return {
-            "prompt_tokens": stats.prompt_tokens,
-            "total_tokens": stats.prompt_tokens + completion,
-            "completion_tokens": completion,
-            "prompt_tokens_details": {"cached_tokens": stats.local_cached_tokens + stats.pulled_tokens},
-        }
-
     def envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
         return {
@@ -334,7 +403,7 @@ class _Shape:
         }
 
     def choice(self, tokens: list[int], finish_reason: str | None, delta: bool) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat and delta:
             choice["delta"] = {"content": self.text(tokens)} if tokens else {}
         elif self.chat:
@@ -362,28 +431,92 @@ class _Shape:
             body["session_id"] = self.running.spec.session_id
 
 
+def _usage(shapes: list[_Shape], n: int) -> dict[str, Any]:
+    """Usage of sequences, prompt by prompt, n each: as in vLLM, a prompt counts once however
+    many sequences share it. Cached tokens are the first sequence's, like the headers."""
+    prompt = sum(shape.running.stats.prompt_tokens for shape in shapes[::n])
+    completion = sum(len(shape.running.output_token_ids) for shape in shapes)
+    stats = shapes[0].running.stats
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": {"cached_tokens": stats.local_cached_tokens + stats.pulled_tokens},
+    }
+
+
+async def _interleaved(shapes: list[_Shape]) -> AsyncGenerator[tuple[_Shape, int, bool], None]:
+    """``(shape, token, is_last)`` of several sequences as they come: they decode side by side,
+    as a real engine batches them. Closing this stops every sequence still decoding."""
+    streams = [shape.running.tokens() for shape in shapes]
+    steps = {asyncio.ensure_future(anext(stream)): k for k, stream in enumerate(streams)}
+    try:
+        while steps:
+            done, _ = await asyncio.wait(steps, return_when=asyncio.FIRST_COMPLETED)
+            for step in sorted(done, key=steps.__getitem__):
+                k = steps.pop(step)
+                token, last = step.result()
+                if not last:
+                    steps[asyncio.ensure_future(anext(streams[k]))] = k
+                yield shapes[k], token, last
+    finally:
+        for step in steps:
+            step.cancel()
+        await asyncio.gather(*steps, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
 async def _complete(shape: _Shape) -> web.Response:
     running = shape.running
     async for _token, _last in running.tokens():
         pass
-    choice = shape.choice(running.output_token_ids, running.finish_reason, delta=False)
-    if not shape.chat and shape.body.return_token_ids:
-        choice["prompt_token_ids"] = shape.prompt_token_ids()
-    body = shape.envelope([choice], chunk=False)
-    body["usage"] = shape.usage()
+    return _answer([shape], 1, running.kv_transfer_params)
+
+
+async def _complete_many(shapes: list[_Shape], n: int) -> web.Response:
+    # vLLM answers with the params of its first prompt's output, which it builds (for n > 1)
+    # when the last of that prompt's n sequences finishes, with that sequence's params.
+    params_of = shapes[0]
+    async with contextlib.aclosing(_interleaved(shapes)) as tokens:
+        async for shape, _token, last in tokens:
+            if last and shape.index < n:
+                params_of = shape
+    return _answer(shapes, n, params_of.running.kv_transfer_params)
+
+
+def _answer(shapes: list[_Shape], n: int, kv_transfer_params: dict[str, Any] | None) -> web.Response:
+    """The JSON answer of finished sequences. For several, the top-level fields (and the
+    ``X-Kvferry-Emulator-*`` headers) describe the first sequence."""
+    first = shapes[0]
+    choices = []
+    for shape in shapes:
+        running = shape.running
+        choice = shape.choice(running.output_token_ids, running.finish_reason, delta=False)
+        if not shape.chat and shape.body.return_token_ids:
+            choice["prompt_token_ids"] = shape.prompt_token_ids()
+        choices.append(choice)
+    body = first.envelope(choices, chunk=False)
+    body["usage"] = _usage(shapes, n)
     body["prompt_logprobs"] = None
-    body["prompt_token_ids"] = shape.prompt_token_ids()
-    body["kv_transfer_params"] = running.kv_transfer_params
-    shape.extras(body)
-    return json_response(body, headers=shape.headers())
+    body["prompt_token_ids"] = first.prompt_token_ids()
+    body["kv_transfer_params"] = kv_transfer_params
+    first.extras(body)
+    return json_response(body, headers=first.headers())
 
 
-async def _stream(request: web.Request, shape: _Shape) -> web.StreamResponse:
+Send = Callable[[dict[str, Any] | bytes], Awaitable[None]]
+
+
+async def _stream(request: web.Request, shapes: list[_Shape], n: int) -> web.StreamResponse:
+    """SSE answer of one or more sequences; the ``X-Kvferry-Emulator-*`` headers, sent before
+    any token, describe one prefill: for several sequences, the first one's."""
+    first = shapes[0]
     response = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
-            **shape.headers(),
+            **first.headers(),
         }
     )
     await response.prepare(request)
@@ -392,40 +525,43 @@ async def _stream(request: web.Request, shape: _Shape) -> web.StreamResponse:
         data = payload if isinstance(payload, bytes) else _json_encode(payload)
         await response.write(b"data: " + data + b"\n\n")
 
-    first: dict[str, Any]
-    if shape.chat:
-        first = shape.envelope(
-            [
-                {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            ],
-            chunk=True,
-        )
-        if shape.body.return_token_ids:
-            first["prompt_token_ids"] = shape.prompt_token_ids()
-        await send(first)
-    include_usage = bool(shape.body.stream_options and shape.body.stream_options.include_usage)
+    if first.chat:  # vLLM opens with the role, once for each of the n choices
+        for shape in shapes:
+            opening = first.envelope(
+                [
+                    {
+                        "index": shape.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+                chunk=True,
+            )
+            if first.body.return_token_ids:
+                opening["prompt_token_ids"] = shape.prompt_token_ids()
+            await send(opening)
+    include_usage = bool(first.body.stream_options and first.body.stream_options.include_usage)
     try:
-        await _stream_tokens(shape, send)
+        if len(shapes) == 1:
+            await _stream_tokens(first, send)
+        else:
+            await _stream_many(shapes, send)
     except EngineError as exc:
         # As vLLM: a failure once the stream started is an error event, then the stream's end.
         log.warning("http.stream.failed", path=request.path, status=int(exc.status), error=str(exc))
         await send(error_body(exc.status, str(exc)))
         include_usage = False
     if include_usage:
-        tail = shape.envelope([], chunk=True)
-        tail["usage"] = shape.usage()
+        tail = first.envelope([], chunk=True)
+        tail["usage"] = _usage(shapes, n)
         await send(tail)
     await send(b"[DONE]")
     await response.write_eof()
     return response
 
 
-async def _stream_tokens(shape: _Shape, send: Callable[[dict[str, Any] | bytes], Awaitable[None]]) -> None:
+async def _stream_tokens(shape: _Shape, send: Send) -> None:
     running = shape.running
     sent_first = shape.chat
     async for token, last in running.tokens():
@@ -439,6 +575,25 @@ async def _stream_tokens(shape: _Shape, send: Callable[[dict[str, Any] | bytes],
                 chunk["kv_transfer_params"] = running.kv_transfer_params
             shape.extras(chunk)
         await send(chunk)
+
+
+async def _stream_many(shapes: list[_Shape], send: Send) -> None:
+    """Chunks of several sequences as they come, one choice each. A completion's prompt ids
+    ride in its choice's first chunk, as in vLLM (a plain request has them top-level); each
+    sequence's last chunk carries its own ``kv_transfer_params``."""
+    first = shapes[0]
+    async with contextlib.aclosing(_interleaved(shapes)) as tokens:
+        async for shape, token, last in tokens:
+            running = shape.running
+            choice = shape.choice([token], running.finish_reason if last else None, delta=True)
+            if not shape.chat and shape.body.return_token_ids and len(running.output_token_ids) == 1:
+                choice["prompt_token_ids"] = shape.prompt_token_ids()
+            chunk = first.envelope([choice], chunk=True)
+            if last:
+                if running.kv_transfer_params is not None:
+                    chunk["kv_transfer_params"] = running.kv_transfer_params
+                shape.extras(chunk)
+            await send(chunk)
 
 
 def build_app(engine: Engine) -> web.Application:
