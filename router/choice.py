@@ -49,12 +49,11 @@ class Node:
 
 
 def serving(nodes: Sequence[Node], model: object) -> Sequence[Node]:
-    """The nodes for a request's ``model``: those whose base model it names, when any
-    does; else all of them (a LoRA adapter's name, or no model: the engine judges it)."""
-    if isinstance(model, str) and model:
-        named = [n for n in nodes if n.model == model]
-        if named:
-            return named
+    """The nodes for a request's ``model``: those whose base model it names (and those
+    whose model is not known yet), when any names it; else all of them (a LoRA
+    adapter's name, or no model: the engine judges it)."""
+    if isinstance(model, str) and model and any(n.model == model for n in nodes):
+        return [n for n in nodes if n.model in (model, "")]
     return nodes
 
 

@@ -71,13 +71,13 @@ def single_sequence(body: Mapping[str, Any]) -> bool:
 
     KV params describe one sequence's blocks. For a batch of prompts vLLM's P returns
     the params of its first prompt only, which D would apply to every prompt; with
-    `n` (or `best_of`) > 1, D forks the request into several that would all pull, and
-    free, the same blocks of P. Such requests are served by D alone, without params.
+    `n` > 1, D forks the request into several that would all pull, and free, the same
+    blocks of P. Such requests are served by D alone, without params. (`best_of` is
+    gone from vLLM's API: ignored there, and here.)
     """
-    for name in ("n", "best_of"):
-        value = body.get(name)
-        if value is not None and value != 1:
-            return False
+    n = body.get("n")
+    if n is not None and n != 1:
+        return False
     prompt = body.get("prompt")
     # A list of token ids is one prompt; a list of strings or of id lists is a batch.
     return not (isinstance(prompt, list) and len(prompt) > 1 and any(type(t) is not int for t in prompt))

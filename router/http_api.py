@@ -10,6 +10,7 @@ keys set, /v1/ routes answer 401 to a client without one of them, as vLLM does.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import uuid
 from collections.abc import Awaitable, Callable
@@ -20,9 +21,10 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from router.choice import Node, choose_prefill
+from router.choice import Node
+from router.decisions import Failure, FailureKind
 from router.turn import Shared, Turn, bad_gateway, error_response
-from router.upstream import Reply
+from router.upstream import Reply, UpstreamError
 
 log = structlog.get_logger(__name__)
 
@@ -80,18 +82,24 @@ async def count_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 def auth_middleware(keys: tuple[str, ...]) -> Middleware:
     """vLLM's --api-key check: `Authorization: Bearer <key>` on /v1/ routes, else 401."""
-    accepted = [f"Bearer {key}".encode() for key in keys]
+    accepted = [_digest(key) for key in keys]
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-            # (every key compared, in constant time: the answer's timing says nothing)
-            if not sum(hmac.compare_digest(given, key) for key in accepted):
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            digest = _digest(given)
+            # Digests compared, every key, in constant time: the timing tells neither a key
+            # nor its length.
+            if scheme.lower() != "bearer" or not sum(hmac.compare_digest(digest, k) for k in accepted):
                 return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 
     return check
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
 
 
 async def _generate(request: web.Request, path: str) -> web.StreamResponse:
@@ -119,28 +127,37 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    """The model cards of every model served: one prefill node's answer per base model,
-    merged (one model: that node's answer as it is)."""
+    """The model cards of every model served: a prefill node's answer per base model,
+    merged (one model: that node's answer as it is). A model none of whose prefill
+    nodes answers cannot be served now, and is left out."""
     shared = request.app[SHARED_KEY]
-    load = shared.load.view
     by_model: dict[str, list[Node]] = {}
     for node in shared.directory.nodes:
         if node.prefills:
-            by_model.setdefault(node.model or node.engine_id, []).append(node)
+            by_model.setdefault(node.model, []).append(node)  # ("": not known yet)
     if not by_model:
         return error_response(503, "no prefill node available", "ServiceUnavailableError")
-    asked = [choose_prefill(nodes, load) for nodes in by_model.values()]
     headers = shared.engines.headers(request.headers, f"kvf-{uuid.uuid4().hex}")
-    replies = await asyncio.gather(
-        *(shared.engines.get(node.url + "/v1/models", headers) for node in asked if node is not None),
-        return_exceptions=True,
-    )
+
+    async def cards_of(nodes: list[Node]) -> Reply | UpstreamError:
+        """The model's cards from the first of its prefill nodes that answers, least loaded first."""
+        answer: Reply | UpstreamError = UpstreamError(Failure(FailureKind.CONNECT), "no node")
+        for node in sorted(nodes, key=lambda n: shared.load.view.get(n.engine_id, 0)):
+            try:
+                answer = await shared.engines.get(node.url + "/v1/models", headers)
+            except UpstreamError as e:
+                answer = e
+            if isinstance(answer, Reply) and answer.status == 200:
+                break
+        return answer
+
+    replies = await asyncio.gather(*(cards_of(nodes) for nodes in by_model.values()))
     good = [r for r in replies if isinstance(r, Reply) and r.status == 200]
     if len(replies) == 1 or not good:
-        first = replies[0]
-        if isinstance(first, BaseException):
-            return bad_gateway(f"models: {first}")
-        return web.Response(body=first.body, status=first.status, content_type="application/json")
+        reply = replies[0]
+        if isinstance(reply, UpstreamError):
+            return bad_gateway(f"models: {reply}")
+        return web.Response(body=reply.body, status=reply.status, content_type="application/json")
     cards: dict[str, Any] = {}
     for reply in good:
         answer = reply.json()

@@ -140,8 +140,11 @@ class NodeDirectory:
 
     async def _learn_model(self, node: Node) -> Node:
         try:
+            key = self._s.upstream.api_key  # (engines started with --api-key answer 401 without it)
             async with self._http.get(
-                node.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=self._s.daemon.rpc_timeout_s)
+                node.url + "/v1/models",
+                headers={"Authorization": f"Bearer {key}"} if key else None,
+                timeout=aiohttp.ClientTimeout(total=self._s.daemon.rpc_timeout_s),
             ) as r:
                 model = base_model_of(await r.json()) if r.status == 200 else ""
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:

@@ -136,12 +136,9 @@ def host_port(listen: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def _split(value: str) -> tuple[str, ...]:
-    return tuple(x.strip().rstrip("/") for x in value.split(",") if x.strip())
-
-
-def _keys(value: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in value.split(",") if x.strip())
+def _split(value: str, trailing: str = "/") -> tuple[str, ...]:
+    """The comma-separated items of `value`, stripped (of `trailing` characters too)."""
+    return tuple(x.strip().rstrip(trailing) for x in value.split(",") if x.strip())
 
 
 def _bool(value: str) -> bool:
@@ -185,7 +182,7 @@ def from_args(a: argparse.Namespace) -> Settings:
     """Settings from parsed flags; raises ValueError when invalid."""
     s = Settings(
         server=ServerSettings(
-            listen=a.listen, max_body_bytes=int(a.max_body_bytes), api_keys=_keys(a.api_key)
+            listen=a.listen, max_body_bytes=int(a.max_body_bytes), api_keys=_split(a.api_key, trailing="")
         ),
         daemon=DaemonSettings(
             addresses=_split(a.daemon),

@@ -137,6 +137,8 @@ class Turn:
         self.tokenized_by: Node | None = None
         """The P that tokenized instead of the chosen one (unreachable): the prefill goes there."""
         self.reuse: Reuse | None = None
+        self.retain = True
+        """Whether D's sidecar is told the conversation (to capture what D retains)."""
         self.log = log.bind(request_id=self.request_id, conversation_id=self.identity.conversation_id or None)
 
     # -- the turn ---------------------------------------------------------------------
@@ -146,13 +148,14 @@ class Turn:
         load = self.s.load.view
         tiebreak = next(self.s.tickets)
         conversation = self.identity.conversation_id
-        decode = choose_decode(nodes, load, tiebreak)
-        if decode is not None and not single_sequence(self.body):
-            if conversation:
-                self.reuse = skipped(Skip.MULTIPLE)
-                self.s.metrics.lookup(self.reuse)
-            return await self._decode(decode, None)
+        if not single_sequence(self.body):
+            return await self._decode_alone(tiebreak)
         prefill = choose_prefill(nodes, load, tiebreak=tiebreak)
+        if prefill is not None:
+            # One model per turn: a model name no node reports (an adapter's) leaves every
+            # node a candidate, and P's KV is only any use to a D of P's base model.
+            self.nodes = nodes = serving(nodes, prefill.model)
+        decode = choose_decode(nodes, load, tiebreak)
         if prefill is None or decode is None:
             return error_response(503, "no prefill or no decode node available", "ServiceUnavailableError")
         scoring = self.s.control is not None and worth_scoring(nodes)
@@ -162,6 +165,18 @@ class Turn:
         if isinstance(params, web.Response):
             return params
         return await self._decode(decode, params)
+
+    async def _decode_alone(self, tiebreak: int) -> web.StreamResponse:
+        """A request for several sequences: D serves it without P's params (see
+        `single_sequence`), and nothing of it is retained."""
+        decode = choose_decode(self.nodes, self.s.load.view, tiebreak)
+        if decode is None:
+            return error_response(503, "no decode node available", "ServiceUnavailableError")
+        self.retain = False
+        if self.identity.conversation_id and self.s.settings.reuse.enabled:
+            self.reuse = skipped(Skip.MULTIPLE)
+            self.s.metrics.lookup(self.reuse)
+        return await self._decode(decode, None)
 
     async def _prepare(self, prefill: Node, scoring: bool, tiebreak: int) -> Node:
         """Tokenize and look up (and score); -> the prefill node to use.
@@ -328,7 +343,7 @@ class Turn:
     def _decode_headers(self) -> dict[str, str]:
         ident = self.identity
         extra: list[tuple[str, str]] = []
-        if ident.conversation_id:
+        if ident.conversation_id and self.retain:
             extra.append((CONVERSATION_HEADER, ident.conversation_id))
             if ident.tenant:
                 extra.append((SIDECAR_TENANT_HEADER, ident.tenant))

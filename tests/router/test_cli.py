@@ -10,7 +10,8 @@ import aiohttp
 import pytest
 
 from kvferry import logs
-from router.cli import main
+from router.cli import build_parser, main
+from router.settings import from_args
 from tests.conftest import free_port
 
 
@@ -18,6 +19,14 @@ def test_bad_flags_exit_2(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(logs, "configure", lambda *a, **k: None)  # keep the process's logging as it is
     assert main(["--prefill", "http://p:1"]) == 2  # no decode node, no daemon
     assert main(["--prefill", "p:1", "--decode", "http://d:1"]) == 2
+
+
+def test_flags_and_environment_become_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVFERRY_ROUTER_API_KEY", " k-1, k/2/ ,")
+    args = build_parser().parse_args(["--prefill", "http://p:1/", "--decode", "http://d:1"])
+    s = from_args(args)
+    assert s.server.api_keys == ("k-1", "k/2/")  # keys kept as given; URLs lose a trailing /
+    assert s.nodes.prefill_urls == ("http://p:1",)
 
 
 async def test_serves_until_sigterm(http: aiohttp.ClientSession) -> None:

@@ -48,6 +48,8 @@ D_PARAMS = {
 def test_a_turn_uses_the_nodes_of_the_model_it_names() -> None:
     a, b = Node("a", "both", "http://a", model="m-a"), Node("b", "both", "http://b", model="m-b")
     assert serving([a, b], "m-b") == [b]
+    unknown = Node("u", "both", "http://u")  # its /v1/models not read yet: still a candidate
+    assert serving([a, b, unknown], "m-b") == [b, unknown]
     # An adapter's name, no model, or one no node reports: every node (the engine judges).
     assert serving([a, b], "my-lora") == serving([a, b], None) == serving([a, b], "") == [a, b]
 
@@ -58,7 +60,7 @@ def test_only_one_answer_to_one_prompt_goes_through_p_and_d() -> None:
     assert single_sequence({"prompt": [1, 2, 3]})  # token ids: one prompt
     assert single_sequence({"prompt": ["one"]}) and single_sequence({"prompt": [[1, 2]]})
     assert not single_sequence({"messages": [], "n": 2})
-    assert not single_sequence({"prompt": "one", "best_of": 3})
+    assert single_sequence({"prompt": "one", "best_of": 3})  # gone from vLLM's API, ignored there
     assert not single_sequence({"prompt": ["one", "two"]})
     assert not single_sequence({"prompt": [[1, 2], [3]]})
     assert not single_sequence({"prompt": [1, "two"]})  # not ids: the engine judges it

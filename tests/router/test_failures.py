@@ -302,6 +302,8 @@ class FakeEngine:
         self.url = ""
         self.tokenize_fails = False
         self.model = "fake"
+        self.models_fail = False
+        self.models_auth: list[str] = []
 
     async def tokenize(self, request: web.Request) -> web.Response:
         self.requests.append(("/tokenize", _lower(request.headers), await request.json()))
@@ -335,6 +337,9 @@ class FakeEngine:
         return resp
 
     async def models(self, request: web.Request) -> web.Response:
+        self.models_auth.append(request.headers.get("Authorization", ""))
+        if self.models_fail:
+            return web.json_response({"error": "down"}, status=500)
         return web.json_response({"object": "list", "data": [{"id": self.model, "parent": None}]})
 
 
@@ -422,7 +427,7 @@ async def test_several_answers_or_prompts_go_to_d_alone_without_params(
     assert p.requests == []
     [(_, d_headers, d_chat), (_, _, d_batch)] = d.requests
     assert d_chat["n"] == 2 and "kv_transfer_params" not in d_chat and "conversation_id" not in d_chat
-    assert d_headers["x-conversation-id"] == "c"
+    assert "x-conversation-id" not in d_headers  # D retains nothing of it: its sidecar need not look
     assert d_batch["prompt"] == ["a", "b"] and "kv_transfer_params" not in d_batch
 
 
@@ -447,38 +452,48 @@ async def test_with_api_keys_only_their_holders_get_in(http: aiohttp.ClientSessi
                 async with http.get(router.url + "/v1/models", headers=headers) as r:
                     assert r.status == 401
             assert p.requests == [] and d.requests == []
-            key_two = {"Authorization": "Bearer k-two"}
-            async with http.post(router.url + CHAT, json=body, headers=key_two) as r:
-                assert r.status == 200
+            for key_two in ({"Authorization": "Bearer k-two"}, {"Authorization": "bearer k-two"}):
+                async with http.post(router.url + CHAT, json=body, headers=key_two) as r:
+                    assert r.status == 200
             for path in ("/health", "/metrics"):
                 async with http.get(router.url + path) as r:
                     assert r.status == 200
             text = router.metrics.render()[0].decode()
             assert 'endpoint="/v1/chat/completions",status="401"} 4.0' in text
-    assert [h["authorization"] for _, h, _ in d.requests] == ["Bearer engine-key"]
+    assert [h["authorization"] for _, h, _ in d.requests] == ["Bearer engine-key"] * 2
+    # (learning a static node's model asks with the engine key too: a vLLM with --api-key wants it)
+    assert p.models_auth and set(p.models_auth) == {"Bearer engine-key"}
 
 
 async def test_a_request_goes_to_nodes_serving_its_model(http: aiohttp.ClientSession) -> None:
     """Two models behind one router: each turn uses a P and a D of the model it names, and
-    /v1/models lists both (an adapter or unknown name may use any node: the engine judges)."""
+    /v1/models lists both. A name no node reports (an adapter's) may use any P, and then
+    a D of that P's model."""
     async with contextlib.AsyncExitStack() as stack:
-        engines = [await stack.enter_async_context(fake_engine()) for _ in range(4)]
-        pa, da, pb, db = engines
-        pb.model = db.model = "other"
+        pa, pb, pb2, da, db, da2 = [await stack.enter_async_context(fake_engine()) for _ in range(6)]
+        pb.model = pb2.model = db.model = "other"
+        prefills = (pa.url, pb.url, pb2.url)
         settings = router_settings(
-            None, nodes__prefill_urls=(pa.url, pb.url), nodes__decode_urls=(da.url, db.url)
+            None, nodes__prefill_urls=prefills, nodes__decode_urls=(da.url, db.url, da2.url)
         )
         async with Router(settings) as router:
-            for model in ("fake", "fake", "other", "fake", "other", "other"):  # out of step with rotation
+            pb.models_fail = True  # one of model "other"'s two P: the other answers for it
+            for model in ("fake", "fake", "other", "fake", "other", "other", *["lora-x"] * 6):
                 body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
                 async with http.post(router.url + CHAT, json=body) as r:
                     assert r.status == 200
             async with http.get(router.url + "/v1/models") as r:
                 assert r.status == 200
                 assert sorted(card["id"] for card in (await r.json())["data"]) == ["fake", "other"]
-    for engine in engines:
-        turns = [body for path, _, body in engine.requests if path == CHAT]
-        assert len(turns) == 3 and {body["model"] for body in turns} == {engine.model}
+    model_of: dict[str, str] = {}  # request id -> the model of the P that prefilled it
+    for p in (pa, pb, pb2):
+        for _, headers, body in p.requests:
+            assert body["model"] in (p.model, "lora-x")
+            model_of[headers["x-request-id"]] = p.model
+    for d in (da, db, da2):
+        for _, headers, body in d.requests:
+            assert body["model"] in (d.model, "lora-x") and model_of[headers["x-request-id"]] == d.model
+    assert len(model_of) == 12
 
 
 async def test_a_decode_that_breaks_off_cuts_the_clients_stream(
