@@ -236,7 +236,7 @@ class Engine:
 
     async def submit(self, spec: GenerationSpec) -> RunningRequest:
         """Prefill a request; raises EngineError subclasses on bad input or failed loads."""
-        prompt = self._validate(spec)
+        prompt = self.validate(spec)
         bs = self.config.block_size
         seq = _Sequence(token_ids=prompt, session_id=spec.session_id)
         stats = PrefillStats(prompt_tokens=len(prompt))
@@ -260,8 +260,8 @@ class Engine:
         log.debug("engine.prefill.done", request_id=spec.request_id, **vars(stats))
         return RunningRequest(self, spec, seq, stats)
 
-    def _validate(self, spec: GenerationSpec) -> list[int]:
-        """The prompt (a copy) after checking it and the request's limits."""
+    def validate(self, spec: GenerationSpec) -> list[int]:
+        """The prompt (a copy) after checking it and the request's limits (InvalidRequest)."""
         if not spec.prompt_token_ids:
             raise InvalidRequest("The prompt must contain at least one token.")
         try:

@@ -344,6 +344,10 @@ async def _generate_many(
 ) -> web.StreamResponse:
     """Several sequences (n > 1, or a batch of prompts): one engine request each, as vLLM's
     engine runs them; choice ``k`` is sequence ``k`` (prompt ``k // n``)."""
+    if len(specs) > engine.pool.num_blocks:  # each holds a block of its own at least
+        raise InvalidRequest(f"{len(specs)} sequences need more KV blocks than the engine has.")
+    for spec in specs:  # a bad one refused before any other is prefilled
+        engine.validate(spec)
     shapes: list[_Shape] = []
     try:
         for spec in specs:  # one after the other: their prefills queue for the one GPU anyway

@@ -313,10 +313,13 @@ async def test_bad_multi_requests_release_everything(start_emulator: StartEmulat
         ({"prompt": prompt, "n": -3}, "n must be at least 1, got -3."),
         ({"prompt": [prompt, [104, 105]]}, None),  # texts and ids mixed
         ({"prompt": [prompt, ""], "n": 2}, "The prompt must contain at least one token."),
+        ({"prompt": prompt, "n": 5000}, "5000 sequences need more KV blocks than the engine has."),
     ):
         answer = await http.post(emu, "/v1/completions", body)
         assert answer.status == 400, body
         assert message is None or answer.body["error"]["message"] == message
+    # A bad prompt in a batch is refused before the good ones are prefilled.
+    assert emu.engine.metrics.total("vllm:prompt_tokens") == 0
     # best_of left vLLM's API: ignored like any unknown field
     ignored = await http.post(emu, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "best_of": 3})
     assert ignored.status == 200 and len(ignored.body["choices"]) == 1
