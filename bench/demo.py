@@ -337,14 +337,15 @@ def pct(xs: Sequence[float], p: float) -> float:
 def report(
     with_reuse: list[TurnRecord], without: list[TurnRecord], bands: Sequence[tuple[int, int, str]]
 ) -> str:
-    base = {(r.cid, r.turn): r for r in without}
+    # Failed turns (counted in the summary) have no TTFT: they stay out of the table.
+    base = {(r.cid, r.turn): r for r in without if r.status == 200}
     rows = [
         f"{'context':>9} {'turns':>5} | {'TTFT p50 off':>12} {'p50 kvferry':>11} {'speedup':>7} | "
         f"{'TTFT p90 off':>12} {'p90 kvferry':>11} {'speedup':>7} | {'pulled':>6} {'tokens reused':>13} "
         f"{'differ':>6}"
     ]
     for lo, hi, label in [*bands, (0, 1 << 30, "all")]:
-        on = [r for r in with_reuse if lo <= r.prompt_tokens < hi]
+        on = [r for r in with_reuse if r.status == 200 and lo <= r.prompt_tokens < hi]
         off = [base[(r.cid, r.turn)] for r in on if (r.cid, r.turn) in base]
         if not on:
             continue
@@ -379,6 +380,8 @@ async def main_async(args: argparse.Namespace) -> int:
         # Reads of D's blocks no longer held for the request: a retention handed out twice
         # (or after its deadline); the engine serves them silently, as vLLM does.
         stale = int(dep.decode.engine.metrics.total("kvferry_emulator:kv_reads_unheld"))
+        # What P really pulled (the table's "tokens reused" is what the daemon handed out).
+        p_pulled = int(dep.prefill.engine.metrics.total("kvferry_emulator:kv_pulled_tokens"))
     failed = [r for r in [*with_reuse, *without] if r.status != 200]
     print()
     print(report(with_reuse, without, BANDS))
@@ -389,11 +392,13 @@ async def main_async(args: argparse.Namespace) -> int:
     print(
         "\ncontext: prompt tokens of the turn; off: the same router with --reuse false; pulled: turns whose\n"
         "prefill pulled the previous turn's KV from D (a conversation's first turn has nothing to pull);\n"
-        "differ: answers not identical to the no-reuse run's."
+        "differ: answers not identical to the no-reuse run's. TTFT includes waiting behind the other\n"
+        "client's prompts at the engine (one prefill at a time), which reuse shortens too."
     )
     print(
         f"{len(with_reuse)} turns each way, {len(failed)} failed requests, {differ} answers "
-        f"differing from the no-reuse run, {stale} stale reads of D's blocks; "
+        f"differing from the no-reuse run, {stale} stale reads of D's blocks, "
+        f"{p_pulled:,} tokens pulled by P; "
         f"{time.perf_counter() - started:.0f}s in all"
     )
     return 1 if failed or differ or stale else 0
