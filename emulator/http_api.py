@@ -497,13 +497,15 @@ def _answer(shapes: list[_Shape], n: int, kv_transfer_params: dict[str, Any] | N
     for shape in shapes:
         running = shape.running
         choice = shape.choice(running.output_token_ids, running.finish_reason, delta=False)
-        if not shape.chat and shape.body.return_token_ids:
+        if not shape.chat:  # a completion's prompt fields are its choices' (a chat's, top-level)
+            choice["prompt_logprobs"] = None
             choice["prompt_token_ids"] = shape.prompt_token_ids()
         choices.append(choice)
     body = first.envelope(choices, chunk=False)
     body["usage"] = _usage(shapes, n)
-    body["prompt_logprobs"] = None
-    body["prompt_token_ids"] = first.prompt_token_ids()
+    if first.chat:
+        body["prompt_logprobs"] = None
+        body["prompt_token_ids"] = first.prompt_token_ids()
     body["kv_transfer_params"] = kv_transfer_params
     first.extras(body)
     return json_response(body, headers=first.headers())
@@ -567,13 +569,14 @@ async def _stream(request: web.Request, shapes: list[_Shape], n: int) -> web.Str
 
 async def _stream_tokens(shape: _Shape, send: Send) -> None:
     running = shape.running
-    sent_first = shape.chat
+    sent_first = shape.chat  # (a chat's prompt ids went out with the role)
     async for token, last in running.tokens():
         reason = running.finish_reason if last else None
-        chunk = shape.envelope([shape.choice([token], reason, delta=True)], chunk=True)
+        choice = shape.choice([token], reason, delta=True)
         if not sent_first and shape.body.return_token_ids:
-            chunk["prompt_token_ids"] = shape.prompt_token_ids()
+            choice["prompt_token_ids"] = shape.prompt_token_ids()  # a completion's: in its choice
         sent_first = True
+        chunk = shape.envelope([choice], chunk=True)
         if last:
             if running.kv_transfer_params is not None:
                 chunk["kv_transfer_params"] = running.kv_transfer_params
@@ -583,7 +586,7 @@ async def _stream_tokens(shape: _Shape, send: Send) -> None:
 
 async def _stream_many(shapes: list[_Shape], send: Send) -> None:
     """Chunks of several sequences as they come, one choice each. A completion's prompt ids
-    ride in its choice's first chunk, as in vLLM (a plain request has them top-level); each
+    ride in its choice's first chunk, as in vLLM; each
     sequence's last chunk carries its own ``kv_transfer_params``."""
     first = shapes[0]
     async with contextlib.aclosing(_interleaved(shapes)) as tokens:

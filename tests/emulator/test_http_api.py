@@ -93,7 +93,12 @@ async def test_completions_plain_and_streamed(start_emulator: StartEmulator, htt
     )
     assert plain.body["object"] == "text_completion"
     choice = plain.body["choices"][0]
-    assert choice["prompt_token_ids"] == list(prompt.encode())
+    # vLLM's completion answers carry the prompt's fields in the choice (a chat's, top-level)
+    assert choice["prompt_token_ids"] == list(prompt.encode()) and "prompt_token_ids" not in plain.body
+    streamed = {"prompt": prompt, "max_tokens": 30, "stream": True, "return_token_ids": True}
+    with_ids = await http.stream(emu, "/v1/completions", streamed)
+    assert with_ids[0]["choices"][0]["prompt_token_ids"] == list(prompt.encode())
+    assert not any("prompt_token_ids" in e for e in with_ids[:-1])
     events = await http.stream(emu, "/v1/completions", {"prompt": prompt, "max_tokens": 30, "stream": True})
     assert events[-1] == "[DONE]"
     text = "".join(e["choices"][0]["text"] for e in events[:-1])
