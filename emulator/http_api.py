@@ -567,40 +567,32 @@ async def _stream(request: web.Request, shapes: list[_Shape], n: int) -> web.Str
     return response
 
 
-async def _stream_tokens(shape: _Shape, send: Send) -> None:
+def _token_chunk(shape: _Shape, token: int, last: bool, first: _Shape) -> dict[str, Any]:
+    """The chunk of one sequence's token, in the envelope of the answer's `first` sequence.
+    A completion's prompt ids ride in its choice's first chunk, as in vLLM (a chat's went
+    out with the role); a sequence's last chunk carries its own ``kv_transfer_params``."""
     running = shape.running
-    sent_first = shape.chat  # (a chat's prompt ids went out with the role)
-    async for token, last in running.tokens():
-        reason = running.finish_reason if last else None
-        choice = shape.choice([token], reason, delta=True)
-        if not sent_first and shape.body.return_token_ids:
-            choice["prompt_token_ids"] = shape.prompt_token_ids()  # a completion's: in its choice
-        sent_first = True
-        chunk = shape.envelope([choice], chunk=True)
-        if last:
-            if running.kv_transfer_params is not None:
-                chunk["kv_transfer_params"] = running.kv_transfer_params
-            shape.extras(chunk)
-        await send(chunk)
+    choice = shape.choice([token], running.finish_reason if last else None, delta=True)
+    if not shape.chat and shape.body.return_token_ids and len(running.output_token_ids) == 1:
+        choice["prompt_token_ids"] = shape.prompt_token_ids()
+    chunk = first.envelope([choice], chunk=True)
+    if last:
+        if running.kv_transfer_params is not None:
+            chunk["kv_transfer_params"] = running.kv_transfer_params
+        shape.extras(chunk)
+    return chunk
+
+
+async def _stream_tokens(shape: _Shape, send: Send) -> None:
+    async for token, last in shape.running.tokens():
+        await send(_token_chunk(shape, token, last, shape))
 
 
 async def _stream_many(shapes: list[_Shape], send: Send) -> None:
-    """Chunks of several sequences as they come, one choice each. A completion's prompt ids
-    ride in its choice's first chunk, as in vLLM; each
-    sequence's last chunk carries its own ``kv_transfer_params``."""
-    first = shapes[0]
+    """Chunks of several sequences as they come, one choice each."""
     async with contextlib.aclosing(_interleaved(shapes)) as tokens:
         async for shape, token, last in tokens:
-            running = shape.running
-            choice = shape.choice([token], running.finish_reason if last else None, delta=True)
-            if not shape.chat and shape.body.return_token_ids and len(running.output_token_ids) == 1:
-                choice["prompt_token_ids"] = shape.prompt_token_ids()
-            chunk = first.envelope([choice], chunk=True)
-            if last:
-                if running.kv_transfer_params is not None:
-                    chunk["kv_transfer_params"] = running.kv_transfer_params
-                shape.extras(chunk)
-            await send(chunk)
+            await send(_token_chunk(shape, token, last, shapes[0]))
 
 
 def build_app(engine: Engine) -> web.Application:
