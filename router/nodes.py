@@ -22,6 +22,7 @@ from kvferry.logs import Outage
 from router.choice import Node
 from router.control import ControlPlane
 from router.settings import Settings
+from router.upstream import authorization
 
 log = structlog.get_logger(__name__)
 
@@ -140,10 +141,10 @@ class NodeDirectory:
 
     async def _learn_model(self, node: Node) -> Node:
         try:
-            key = self._s.upstream.api_key  # (engines started with --api-key answer 401 without it)
+            auth = authorization(self._s.upstream, {})  # (vLLM with --api-key: 401 without it)
             async with self._http.get(
                 node.url + "/v1/models",
-                headers={"Authorization": f"Bearer {key}"} if key else None,
+                headers={"Authorization": auth} if auth else None,
                 timeout=aiohttp.ClientTimeout(total=self._s.daemon.rpc_timeout_s),
             ) as r:
                 model = base_model_of(await r.json()) if r.status == 200 else ""

@@ -137,8 +137,6 @@ class Turn:
         self.tokenized_by: Node | None = None
         """The P that tokenized instead of the chosen one (unreachable): the prefill goes there."""
         self.reuse: Reuse | None = None
-        self.retain = True
-        """Whether D's sidecar is told the conversation (to capture what D retains)."""
         self.log = log.bind(request_id=self.request_id, conversation_id=self.identity.conversation_id or None)
 
     # -- the turn ---------------------------------------------------------------------
@@ -172,11 +170,10 @@ class Turn:
         decode = choose_decode(self.nodes, self.s.load.view, tiebreak)
         if decode is None:
             return error_response(503, "no decode node available", "ServiceUnavailableError")
-        self.retain = False
         if self.identity.conversation_id and self.s.settings.reuse.enabled:
             self.reuse = skipped(Skip.MULTIPLE)
             self.s.metrics.lookup(self.reuse)
-        return await self._decode(decode, None)
+        return await self._decode(decode, None, retain=False)
 
     async def _prepare(self, prefill: Node, scoring: bool, tiebreak: int) -> Node:
         """Tokenize and look up (and score); -> the prefill node to use.
@@ -340,10 +337,11 @@ class Turn:
             if retry is Retry.OTHER_NODE:
                 node = choose_prefill(spare, self.s.load.view) or node
 
-    def _decode_headers(self) -> dict[str, str]:
+    def _decode_headers(self, retain: bool) -> dict[str, str]:
+        """With `retain`, D's sidecar is told the conversation (to capture what D retains)."""
         ident = self.identity
         extra: list[tuple[str, str]] = []
-        if ident.conversation_id and self.retain:
+        if ident.conversation_id and retain:
             extra.append((CONVERSATION_HEADER, ident.conversation_id))
             if ident.tenant:
                 extra.append((SIDECAR_TENANT_HEADER, ident.tenant))
@@ -360,7 +358,9 @@ class Turn:
             "X-Kvferry-Reused-Tokens": str(r.reusable_tokens if r.pull else 0),
         }
 
-    async def _decode(self, node: Node, prefill_params: dict[str, Any] | None) -> web.StreamResponse:
+    async def _decode(
+        self, node: Node, prefill_params: dict[str, Any] | None, retain: bool = True
+    ) -> web.StreamResponse:
         payload = encode(decode_body(self.body, prefill_params, self.tokens))
         t0 = time.perf_counter()
         tried: set[str] = set()
@@ -369,7 +369,7 @@ class Turn:
             with self.s.load.track(node):
                 try:
                     upstream = await self.s.engines.open(
-                        node.url + self.path, payload, self._decode_headers()
+                        node.url + self.path, payload, self._decode_headers(retain)
                     )
                 except UpstreamError as e:
                     self.s.metrics.upstream_error("decode", e.failure)

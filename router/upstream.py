@@ -121,6 +121,13 @@ def tokens_of(raw: bytes) -> list[int] | None:
     return tokens or None
 
 
+def authorization(settings: UpstreamSettings, client: Mapping[str, str]) -> str | None:
+    """The Authorization an engine gets: the engine key when there is one, else the client's."""
+    if settings.api_key:
+        return f"Bearer {settings.api_key}"
+    return client.get(hdrs.AUTHORIZATION)
+
+
 class Engines:
     """Requests to engines over one pooled aiohttp session."""
 
@@ -140,10 +147,9 @@ class Engines:
         """Headers of a request to an engine."""
         # identity: the router reads D's answer (and passes it on as it came)
         out = {"Content-Type": "application/json", "Accept-Encoding": "identity", "X-Request-Id": request_id}
-        if self._s.api_key:
-            out["Authorization"] = f"Bearer {self._s.api_key}"
-        elif hdrs.AUTHORIZATION in client:
-            out["Authorization"] = client[hdrs.AUTHORIZATION]
+        auth = authorization(self._s, client)
+        if auth is not None:
+            out["Authorization"] = auth
         for name in _FORWARDED:
             if name in client:
                 out[name] = client[name]
