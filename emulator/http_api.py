@@ -319,44 +319,20 @@ async def _generate(
         )
         for k, sequence_id in enumerate(_sequence_ids(request_id, len(prompts), n, chat))
     ]
-    if len(specs) > 1:
-        return await _generate_many(request, engine, body, specs, n, request_id, chat)
-    running = await engine.submit(specs[0])
-    engine.metrics.num_requests_running.inc()
-    shape = _Shape(engine.config.model, request_id, chat, body, running)
-    try:
-        if body.stream:
-            return await _stream(request, [shape], 1)
-        return await _complete(shape)
-    finally:
-        running.abort()
-        engine.metrics.num_requests_running.dec()
-
-
-async def _generate_many(
-    request: web.Request,
-    engine: Engine,
-    body: _Common,
-    specs: list[GenerationSpec],
-    n: int,
-    request_id: str,
-    chat: bool,
-) -> web.StreamResponse:
-    """Several sequences (n > 1, or a batch of prompts): one engine request each, as vLLM's
-    engine runs them; choice ``k`` is sequence ``k`` (prompt ``k // n``)."""
-    if len(specs) > engine.pool.num_blocks:  # each holds a block of its own at least
-        raise InvalidRequest(f"{len(specs)} sequences need more KV blocks than the engine has.")
-    for spec in specs:  # a bad one refused before any other is prefilled
-        engine.validate(spec)
+    if len(specs) > 1:  # (n > 1, or a batch of prompts: choice k is sequence k, of prompt k // n)
+        if len(specs) > engine.pool.num_blocks:  # each holds a block of its own at least
+            raise InvalidRequest(f"{len(specs)} sequences need more KV blocks than the engine has.")
+        for spec in specs:  # a bad one refused before any other is prefilled
+            engine.validate(spec)
     shapes: list[_Shape] = []
     try:
-        for spec in specs:  # one after the other: their prefills queue for the one GPU anyway
+        for spec in specs:  # one engine request each, as vLLM runs them, prefilled in turn
             running = await engine.submit(spec)
             engine.metrics.num_requests_running.inc()
             shapes.append(_Shape(engine.config.model, request_id, chat, body, running, len(shapes)))
         if body.stream:
             return await _stream(request, shapes, n)
-        return await _complete_many(shapes, n)
+        return await (_complete(shapes[0]) if len(shapes) == 1 else _complete_many(shapes, n))
     finally:
         for shape in shapes:
             shape.running.abort()
