@@ -86,8 +86,12 @@ class EmbeddedEtcd:
             "--auto-compaction-mode=periodic",
             "--auto-compaction-retention=1m",
             "--quota-backend-bytes=4294967296",
-            # Snapshot often: a restart replays at most this many WAL entries (restart to serving).
-            "--snapshot-count=10000",
+            # Snapshot often. A start reads the WAL from the file holding the last snapshot
+            # on, and the count is in entries, not bytes: a group-committed entry carries up
+            # to 64 registrations (~250 KB), so at 10,000 105k leases had never snapshotted
+            # and every start read 550 MB of WAL (etcd start 2.6-3.3 s; at 500 1.2-1.3 s).
+            # A snapshot costs ~1.4 ms; lookups at 1,000/s measured the same at 1,000 and 10,000.
+            "--snapshot-count=500",
         ]
 
     async def start(self) -> None:
