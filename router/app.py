@@ -42,6 +42,7 @@ class Router:
         self._http: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._refresh: asyncio.Task[None] | None = None
+        self._shared: Shared | None = None
 
     @property
     def url(self) -> str:
@@ -76,7 +77,7 @@ class Router:
                             break
                         await asyncio.sleep(0.1)
             self._refresh = asyncio.create_task(directory.run(), name="router-nodes")
-            shared = Shared(
+            shared = self._shared = Shared(
                 settings=s,
                 engines=Engines(self._http, s.upstream),
                 directory=directory,
@@ -112,6 +113,10 @@ class Router:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._shared is not None and self._shared.releases:
+            # Releases of P's blocks still on their way get the same grace as answers.
+            await asyncio.wait(list(self._shared.releases), timeout=self.settings.server.shutdown_grace_s)
+            await cancel_and_wait(list(self._shared.releases))
         await cancel_and_wait([self._refresh])
         self._refresh = None
         if self.control is not None:

@@ -150,6 +150,29 @@ def decode_body(
     return out
 
 
+#: The prompt of a release when the router has no token ids (a turn without reuse).
+_RELEASE_PROMPT = "."
+
+
+def release_body(
+    model: Any, prefill_params: Mapping[str, Any], prompt_token_ids: Sequence[int] | None
+) -> dict[str, Any]:
+    """A one-token completion handing D P's params with nothing to pull, for a turn D
+    refused: D's connector then only notifies P (vLLM sends the notification alone when a
+    request has nothing to load), and P frees the blocks it kept for the turn now rather
+    than at its timeout (480 s by default). Not retained: no do_remote_decode."""
+    kv = {**prefill_params, "do_remote_decode": False, "remote_num_tokens": 0}
+    out: dict[str, Any] = {
+        "prompt": list(prompt_token_ids[:1]) if prompt_token_ids else _RELEASE_PROMPT,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": kv,
+    }
+    if isinstance(model, str):
+        out["model"] = model
+    return out
+
+
 class FailureKind(enum.StrEnum):
     CONNECT = "connect"
     """Could not reach the engine: it never saw the request."""

@@ -74,6 +74,13 @@ class RouterMetrics:
         self.prefill_retries = Counter(
             "kvferry_router_prefill_retries", "Prefill requests retried, by how", ["how"], registry=r
         )
+        self.prefill_releases = Counter(
+            "kvferry_router_prefill_releases",
+            "Turns D refused after P kept the prompt's blocks for it, by what became of the "
+            "release sent to have P free them (released, refused, failed)",
+            ["outcome"],
+            registry=r,
+        )
         self.nodes = Gauge(
             "kvferry_router_nodes", "Nodes the router routes to, by role", ["role"], registry=r
         )

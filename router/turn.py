@@ -13,7 +13,8 @@
    answer goes to the client as it comes (`router.relay`).
 
 Engine 4xx answers reach the client as the engine gave them; engine 5xx and
-unreachable engines become a 502 JSON error. Nothing the daemon does (or fails
+unreachable engines become a 502 JSON error. When D refuses a turn, the blocks P kept
+for it are released through D (`Turn._release_prefill`). Nothing the daemon does (or fails
 to do) changes what the client gets, only how fast.
 """
 
@@ -24,7 +25,7 @@ import itertools
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -51,6 +52,7 @@ from router.decisions import (
     decode_body,
     prefill_body,
     prefill_kv_params,
+    release_body,
     retry_after,
     retry_decode_elsewhere,
     single_sequence,
@@ -118,6 +120,8 @@ class Shared:
     metrics: RouterMetrics
     tickets: itertools.count[int]
     direct: DirectRoutes
+    releases: set[asyncio.Task[None]] = field(default_factory=set)
+    """Releases of P's blocks still on their way (`Turn._release_later`)."""
 
 
 class Turn:
@@ -379,21 +383,27 @@ class Turn:
                         node = other
                         continue
                     return bad_gateway(_engine_message(None, e.failure, "decode"))
-                return await self._decode_answer(node, upstream, t0)
+                return await self._decode_answer(node, upstream, t0, prefill_params)
 
     async def _decode_answer(
-        self, node: Node, upstream: aiohttp.ClientResponse, t0: float
+        self,
+        node: Node,
+        upstream: aiohttp.ClientResponse,
+        t0: float,
+        prefill_params: Mapping[str, Any] | None,
     ) -> web.StreamResponse:
         self.s.metrics.stage.labels("decode_start").observe(time.perf_counter() - t0)
         try:
-            return await self._relay(node, upstream)
+            return await self._relay(node, upstream, prefill_params)
         finally:
             if upstream.content.at_eof():
                 upstream.release()
             else:
                 upstream.close()  # the client left or D broke off: D's sidecar sees it and aborts
 
-    async def _relay(self, node: Node, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def _relay(
+        self, node: Node, upstream: aiohttp.ClientResponse, prefill_params: Mapping[str, Any] | None
+    ) -> web.StreamResponse:
         if upstream.status != 200:
             try:
                 reply = Reply(
@@ -404,6 +414,8 @@ class Turn:
             failure = Failure(FailureKind.STATUS, upstream.status)
             self.s.metrics.upstream_error("decode", failure)
             self.log.info("router.decode.refused", node=node.engine_id, status=upstream.status)
+            if prefill_params:
+                self._release_later(node, prefill_params)
             if failure.client_error:
                 return _passthrough(reply)
             return bad_gateway(_engine_message(reply, failure, "decode"))
@@ -450,6 +462,34 @@ class Turn:
         await resp.write_eof()
         self._observe_end()
         return resp
+
+    def _release_later(self, node: Node, params: Mapping[str, Any]) -> None:
+        """D refused the turn, so nothing will pull what P kept for it: have it freed now
+        (`_release_prefill`), beside the client's error answer, not before it."""
+        task = asyncio.get_running_loop().create_task(self._release_prefill(node, params))
+        self.s.releases.add(task)
+        task.add_done_callback(self.s.releases.discard)
+
+    async def _release_prefill(self, node: Node, params: Mapping[str, Any]) -> None:
+        """Hand D, which answered, P's params with nothing to pull (`release_body`): D's
+        connector notifies P, which frees the prompt's blocks. Best effort: P's timeout
+        frees them otherwise."""
+        payload = encode(release_body(self.body.get("model"), params, self.tokens))
+        headers = self.s.engines.headers(self.request.headers, f"{self.request_id}-release")
+        timeout_s = self.s.settings.upstream.tokenize_timeout_s
+        try:
+            reply = await self.s.engines.post(node.url + "/v1/completions", payload, headers, timeout_s)
+        except UpstreamError as e:
+            outcome, detail = "failed", str(e)
+        else:
+            outcome = "released" if reply.status == 200 else "refused"
+            detail = (
+                ""
+                if reply.status == 200
+                else _engine_message(reply, Failure(FailureKind.STATUS, reply.status), "decode")
+            )
+        self.s.metrics.prefill_releases.labels(outcome).inc()
+        self.log.info("router.prefill.release", node=node.engine_id, outcome=outcome, detail=detail or None)
 
     def _label(self) -> str:
         return "pull" if self.reuse is not None and self.reuse.pull else "none"

@@ -23,9 +23,10 @@ from router import Router
 from router import Settings as RouterSettings
 from sidecar import Sidecar
 from tests.conftest import free_port
+from tests.emulator.helpers import wait_until
 from tests.factories import lease_request, node_request
 from tests.router.conftest import MakeStack, Stack, router_settings, sidecar_for
-from tests.router.helpers import CHAT, ask, first_turn, next_turn
+from tests.router.helpers import CHAT, COMPLETIONS, ask, first_turn, next_turn
 
 Reference = Callable[[str, dict[str, Any]], Awaitable[str]]
 
@@ -71,6 +72,37 @@ async def test_engine_client_errors_pass_through(make_stack: MakeStack, http: ai
     bad_ids = {"prompt": [1, -5, 2**40], "max_tokens": 3, "session_id": "s"}
     res = await ask(http, router.url, bad_ids, path="/v1/completions")
     assert res.status == 400 and res.body["error"]["type"] == "BadRequestError"
+
+
+async def test_a_turn_d_refuses_frees_what_p_kept_for_it(
+    make_stack: MakeStack, http: aiohttp.ClientSession
+) -> None:
+    """P keeps the prompt's blocks for D to pull (vLLM: up to 480 s). A request only D
+    refuses (P is asked for one token: an answer too long for the context passes there)
+    leaves nothing to pull them, so the router has D release them."""
+    stack = await make_stack()
+    router = await stack.router()
+    [p], [d] = stack.prefills, stack.decodes
+    turns = [
+        {"messages": first_turn("leaks"), "max_tokens": 10**6, "conversation_id": "leak"},
+        {"messages": first_turn("leaks"), "max_tokens": 10**6, "stream": True},  # no tokens known
+        {"prompt": "x" * 100, "max_tokens": 10**6},
+    ]
+
+    async def p_holds_nothing() -> bool:
+        return not p.engine.snapshot()["held_requests"]
+
+    for n, body in enumerate(turns, 1):
+        path = CHAT if "messages" in body else COMPLETIONS
+        res = await ask(http, router.url, body, path=path)
+        assert res.status == 400 and "maximum context length" in res.body["error"]["message"]
+        async with asyncio.timeout(5):
+            await wait_until(p_holds_nothing)
+        assert router.metrics.value("kvferry_router_prefill_releases_total", outcome="released") == n
+    # The price: D keeps each release's one block for its TTL, as it keeps every request
+    # that came with a prefill's params; the whole prompt on P was the alternative.
+    assert [len(h["blocks"]) for h in d.engine.snapshot()["held_requests"].values()] == [1, 1, 1]
+    assert d.engine.metrics.total("kvferry_emulator:kv_pulled_tokens") == 0
 
 
 def behind_first(stack: Stack, first_p: str) -> RouterSettings:
