@@ -81,10 +81,11 @@ class EmbeddedEtcd:
             f"--initial-advertise-peer-urls={peer}",
             f"--initial-cluster={self.name}={peer}",
             "--log-level=warn",
-            # Keep the history short: retentions churn, nothing watches the history, and
-            # a restart reads every uncompacted revision back (restart to serving).
+            # Keep the history short: retentions churn, nothing watches the history or
+            # reads at an old revision, and a start reads every uncompacted revision back
+            # (bench.daemon, embedded restart: 2.79 s at 1m, 2.07 s at 10s).
             "--auto-compaction-mode=periodic",
-            "--auto-compaction-retention=1m",
+            "--auto-compaction-retention=10s",
             "--quota-backend-bytes=4294967296",
             # Snapshot often. A start reads the WAL from the file holding the last snapshot
             # on, and the count is in entries, not bytes: a group-committed entry carries up
