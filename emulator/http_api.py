@@ -30,7 +30,7 @@ from aiohttp import web
 
 from emulator.config import EmulatorConfig
 from emulator.engine import Engine, GenerationSpec, RunningRequest
-from emulator.errors import EngineError, InvalidRequest, ModelNotFound, error_body
+from emulator.errors import EngineError, InvalidRequest, KVLoadFailed, ModelNotFound, error_body
 from emulator.tokenizer import (
     VOCAB_SIZE,
     TemplateError,
@@ -326,10 +326,15 @@ async def _generate(
             engine.validate(spec)
     shapes: list[_Shape] = []
     try:
-        for spec in specs:  # one engine request each, as vLLM runs them, prefilled in turn
-            running = await engine.submit(spec)
-            engine.metrics.num_requests_running.inc()
-            shapes.append(_Shape(engine.config.model, request_id, chat, body, running, len(shapes)))
+        try:
+            for spec in specs:  # one engine request each, as vLLM runs them, prefilled in turn
+                running = await engine.submit(spec)
+                engine.metrics.num_requests_running.inc()
+                shapes.append(_Shape(engine.config.model, request_id, chat, body, running, len(shapes)))
+        except KVLoadFailed as exc:
+            if not body.stream:
+                raise
+            return await _stream_failed(request, exc)
         if body.stream:
             return await _stream(request, shapes, n)
         return await (_complete(shapes[0]) if len(shapes) == 1 else _complete_many(shapes, n))
@@ -539,6 +544,19 @@ async def _stream(request: web.Request, shapes: list[_Shape], n: int) -> web.Str
         tail["usage"] = _usage(shapes, n)
         await send(tail)
     await send(b"[DONE]")
+    await response.write_eof()
+    return response
+
+
+async def _stream_failed(request: web.Request, exc: EngineError) -> web.StreamResponse:
+    """A streamed request whose KV load failed. vLLM validates a request before its stream
+    starts, but a failed load is how the engine finishes it (``finish_reason`` "error"),
+    so a stream gets it as an error event, then its end; an answer not streamed, a 500."""
+    log.warning("http.stream.failed", path=request.path, status=int(exc.status), error=str(exc))
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    await response.write(b"data: " + _json_encode(error_body(exc.status, str(exc))) + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
 

@@ -201,6 +201,17 @@ async def test_reads_close_to_expiry_are_refused(start_emulator: StartEmulator, 
     assert refused.status == 500
     assert await wait_until_free(http, d)  # refused, but D was told and freed the blocks
 
+    # Streamed, the failed load ends a stream already begun (vLLM finishes the request with
+    # an error): an error event, then the end of the stream.
+    _, decode = await _turn(http, strict, d, first)
+    assert decode.params is not None
+    kv = {**decode.params, "do_remote_decode": True, "do_remote_prefill": False}
+    body = {"messages": second, "max_tokens": 1, "stream": True, "kv_transfer_params": kv}
+    *_, error, done = await http.stream(strict, "/v1/chat/completions", body)
+    assert done == "[DONE]" and error["error"]["code"] == 500
+    assert "KV load failed (expiry_too_close)" in error["error"]["message"]
+    assert await wait_until_free(http, d)
+
     _, decode = await _turn(http, strict, d, first)
     recomputed = await http.prefill(lenient, second, decode.params)
     assert recomputed.status == 200
