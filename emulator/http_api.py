@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from http import HTTPStatus
 from typing import Any, TypeVar
 
@@ -326,18 +326,18 @@ async def _generate(
             engine.validate(spec)
     shapes: list[_Shape] = []
     try:
-        try:
-            for spec in specs:  # one engine request each, as vLLM runs them, prefilled in turn
-                running = await engine.submit(spec)
-                engine.metrics.num_requests_running.inc()
-                shapes.append(_Shape(engine.config.model, request_id, chat, body, running, len(shapes)))
-        except KVLoadFailed as exc:
-            if not body.stream:
-                raise
-            return await _stream_failed(request, exc)
+        for spec in specs:  # one engine request each, as vLLM runs them, prefilled in turn
+            running = await engine.submit(spec)
+            engine.metrics.num_requests_running.inc()
+            shapes.append(_Shape(engine.config.model, request_id, chat, body, running, len(shapes)))
         if body.stream:
             return await _stream(request, shapes, n)
         return await (_complete(shapes[0]) if len(shapes) == 1 else _complete_many(shapes, n))
+    except KVLoadFailed as exc:  # (raised by a prefill: a stream handles its own failures)
+        if not body.stream:
+            raise
+        opening = _envelope(request_id, engine.config.model, chat, chunk=True)
+        return await _stream_failed(request, exc, opening, chat, len(specs))
     finally:
         for shape in shapes:
             shape.running.abort()
@@ -378,14 +378,7 @@ class _Shape:
         return decode(tokens, skip_special_tokens=self.body.skip_special_tokens)
 
     def envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
-        kind = "chat.completion" if self.chat else "text_completion"
-        return {
-            "id": self.request_id,
-            "object": f"{kind}.chunk" if chunk and self.chat else kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
+        return _envelope(self.request_id, self.model, self.chat, chunk, choices, self.created)
 
     def choice(self, tokens: list[int], finish_reason: str | None, delta: bool) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": self.index}
@@ -414,6 +407,34 @@ class _Shape:
     def extras(self, body: dict[str, Any]) -> None:
         if self.running.spec.session_id is not None:
             body["session_id"] = self.running.spec.session_id
+
+
+def _envelope(
+    request_id: str,
+    model: str,
+    chat: bool,
+    chunk: bool,
+    choices: list[dict[str, Any]] | None = None,
+    created: int | None = None,
+) -> dict[str, Any]:
+    kind = "chat.completion" if chat else "text_completion"
+    return {
+        "id": request_id,
+        "object": f"{kind}.chunk" if chunk and chat else kind,
+        "created": int(time.time()) if created is None else created,
+        "model": model,
+        "choices": choices or [],
+    }
+
+
+def _role_choice(index: int) -> dict[str, Any]:
+    """The choice of a chat stream's first chunk: vLLM opens with the role."""
+    return {
+        "index": index,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }
 
 
 def _usage(shapes: list[_Shape], n: int) -> dict[str, Any]:
@@ -495,70 +516,76 @@ def _answer(shapes: list[_Shape], n: int, kv_transfer_params: dict[str, Any] | N
 Send = Callable[[dict[str, Any] | bytes], Awaitable[None]]
 
 
+class _Sse:
+    """A streamed answer in vLLM's framing: ``data:`` events, an error event for a failure
+    once the stream began (vLLM cannot change the status any more), ``[DONE]`` at the end."""
+
+    def __init__(self, request: web.Request, headers: Mapping[str, str]) -> None:
+        self.request = request
+        self.response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
+        )
+
+    async def open(self) -> None:
+        await self.response.prepare(self.request)
+
+    async def send(self, payload: dict[str, Any] | bytes) -> None:
+        data = payload if isinstance(payload, bytes) else _json_encode(payload)
+        await self.response.write(b"data: " + data + b"\n\n")
+
+    async def fail(self, exc: EngineError) -> None:
+        log.warning("http.stream.failed", path=self.request.path, status=int(exc.status), error=str(exc))
+        await self.send(error_body(exc.status, str(exc)))
+
+    async def close(self) -> web.StreamResponse:
+        await self.send(b"[DONE]")
+        await self.response.write_eof()
+        return self.response
+
+
 async def _stream(request: web.Request, shapes: list[_Shape], n: int) -> web.StreamResponse:
     """SSE answer of one or more sequences; the ``X-Kvferry-Emulator-*`` headers, sent before
     any token, describe one prefill: for several sequences, the first one's."""
     first = shapes[0]
-    response = web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            **first.headers(),
-        }
-    )
-    await response.prepare(request)
-
-    async def send(payload: dict[str, Any] | bytes) -> None:
-        data = payload if isinstance(payload, bytes) else _json_encode(payload)
-        await response.write(b"data: " + data + b"\n\n")
-
+    sse = _Sse(request, first.headers())
+    await sse.open()
     if first.chat:  # vLLM opens with the role, once for each of the n choices
         for shape in shapes:
-            opening = first.envelope(
-                [
-                    {
-                        "index": shape.index,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-                chunk=True,
-            )
+            opening = first.envelope([_role_choice(shape.index)], chunk=True)
             if first.body.return_token_ids:
                 opening["prompt_token_ids"] = shape.prompt_token_ids()
-            await send(opening)
+            await sse.send(opening)
     include_usage = bool(first.body.stream_options and first.body.stream_options.include_usage)
     try:
         if len(shapes) == 1:
-            await _stream_tokens(first, send)
+            await _stream_tokens(first, sse.send)
         else:
-            await _stream_many(shapes, send)
+            await _stream_many(shapes, sse.send)
     except EngineError as exc:
-        # As vLLM: a failure once the stream started is an error event, then the stream's end.
-        log.warning("http.stream.failed", path=request.path, status=int(exc.status), error=str(exc))
-        await send(error_body(exc.status, str(exc)))
+        await sse.fail(exc)
         include_usage = False
     if include_usage:
         tail = first.envelope([], chunk=True)
         tail["usage"] = _usage(shapes, n)
-        await send(tail)
-    await send(b"[DONE]")
-    await response.write_eof()
-    return response
+        await sse.send(tail)
+    return await sse.close()
 
 
-async def _stream_failed(request: web.Request, exc: EngineError) -> web.StreamResponse:
+async def _stream_failed(
+    request: web.Request, exc: EngineError, opening: dict[str, Any], chat: bool, choices: int
+) -> web.StreamResponse:
     """A streamed request whose KV load failed. vLLM validates a request before its stream
-    starts, but a failed load is how the engine finishes it (``finish_reason`` "error"),
-    so a stream gets it as an error event, then its end; an answer not streamed, a 500."""
-    log.warning("http.stream.failed", path=request.path, status=int(exc.status), error=str(exc))
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    await response.write(b"data: " + _json_encode(error_body(exc.status, str(exc))) + b"\n\n")
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
+    starts, but a failed load is how the engine finishes it (``finish_reason`` "error"):
+    a chat stream opens with the role as ever (once for each of the `choices`), then the
+    error event, then its end (vLLM releases before #40986 drop that event); an answer not
+    streamed gets a 500."""
+    sse = _Sse(request, {"X-Request-Id": opening["id"]})
+    await sse.open()
+    if chat:
+        for index in range(choices):
+            await sse.send({**opening, "choices": [_role_choice(index)]})
+    await sse.fail(exc)
+    return await sse.close()
 
 
 def _token_chunk(shape: _Shape, token: int, last: bool, first: _Shape) -> dict[str, Any]:
