@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from types import TracebackType
 
 import aiohttp
@@ -110,13 +111,18 @@ class Router:
 
     async def stop(self) -> None:
         """Stop serving (in-flight answers get the grace), then everything else; idempotent."""
+        deadline = time.monotonic() + self.settings.server.shutdown_grace_s
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        if self._shared is not None and self._shared.releases:
-            # Releases of P's blocks still on their way get the same grace as answers.
-            await asyncio.wait(list(self._shared.releases), timeout=self.settings.server.shutdown_grace_s)
-            await cancel_and_wait(list(self._shared.releases))
+        releases = list(self._shared.releases) if self._shared is not None else []
+        if releases:
+            # Releases of P's blocks still on their way: what is left of the same grace.
+            await asyncio.wait(releases, timeout=max(0.0, deadline - time.monotonic()))
+            left = [t for t in releases if not t.done()]
+            if left:
+                log.warning("router.releases.abandoned", count=len(left))
+            await cancel_and_wait(left)
         await cancel_and_wait([self._refresh])
         self._refresh = None
         if self.control is not None:

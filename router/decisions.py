@@ -160,8 +160,11 @@ def release_body(
     """A one-token completion handing D P's params with nothing to pull, for a turn D
     refused: D's connector then only notifies P (vLLM sends the notification alone when a
     request has nothing to load), and P frees the blocks it kept for the turn now rather
-    than at its timeout (480 s by default). Not retained: no do_remote_decode."""
+    than at its timeout (480 s by default). A bidirectional D keeps this request's one
+    block for its own TTL (it keeps every request that came with a prefill's params);
+    D's sidecar registers nothing, as no conversation is named."""
     kv = {**prefill_params, "do_remote_decode": False, "remote_num_tokens": 0}
+    kv.pop("prompt_token_ids", None)  # the prompt is the one token below
     out: dict[str, Any] = {
         "prompt": list(prompt_token_ids[:1]) if prompt_token_ids else _RELEASE_PROMPT,
         "max_tokens": 1,

@@ -77,7 +77,8 @@ class RouterMetrics:
         self.prefill_releases = Counter(
             "kvferry_router_prefill_releases",
             "Turns D refused after P kept the prompt's blocks for it, by what became of the "
-            "release sent to have P free them (released, refused, failed)",
+            "release sent to have P free them: released (D answered it; P is told by D), "
+            "refused (D answered an error), failed (D not reached), error",
             ["outcome"],
             registry=r,
         )

@@ -20,6 +20,8 @@ import msgspec
 from kvferry.sse import SseEvents
 
 _MARKER = b'"kv_transfer_params"'
+#: How an error event's JSON starts; inside a JSON string its quotes would be escaped.
+_ERROR = b'{"error"'
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
@@ -43,10 +45,15 @@ class SseScrubber:
 
     def __init__(self) -> None:
         self._events = SseEvents()
+        self.error: int | None = None
+        """The status code of the first error event relayed (vLLM ends a stream whose
+        request failed after it began, a failed KV load say, with ``data: {"error": ...}``)."""
 
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to send the client now for `chunk`."""
         complete = self._events.complete(chunk)
+        if _ERROR in complete and self.error is None:
+            self.error = _error_code(self._events.split(complete))
         if _MARKER not in complete:
             return complete  # the common case: passes with no parsing
         return self._events.join([_scrub_event(e) for e in self._events.split(complete)])
@@ -54,6 +61,21 @@ class SseScrubber:
     def flush(self) -> bytes:
         """What is held back at the end of the stream (an unterminated event)."""
         return self._events.flush()
+
+
+def _error_code(events: list[bytes]) -> int | None:
+    for event in events:
+        if not event.startswith(b"data:") or _ERROR not in event:
+            continue
+        try:
+            obj: Any = _decode(event[5:].strip())
+        except msgspec.DecodeError:
+            continue
+        err = obj.get("error") if isinstance(obj, dict) else None
+        if isinstance(err, dict):
+            code = err.get("code")
+            return code if isinstance(code, int) and not isinstance(code, bool) else 500
+    return None
 
 
 def _scrub_event(event: bytes) -> bytes:

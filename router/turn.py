@@ -405,6 +405,8 @@ class Turn:
         self, node: Node, upstream: aiohttp.ClientResponse, prefill_params: Mapping[str, Any] | None
     ) -> web.StreamResponse:
         if upstream.status != 200:
+            if prefill_params:  # before reading D's answer: a client that leaves cancels that
+                self._release_later(node, prefill_params)
             try:
                 reply = Reply(
                     upstream.status, await upstream.read(), upstream.headers.get(hdrs.CONTENT_TYPE, "")
@@ -414,8 +416,6 @@ class Turn:
             failure = Failure(FailureKind.STATUS, upstream.status)
             self.s.metrics.upstream_error("decode", failure)
             self.log.info("router.decode.refused", node=node.engine_id, status=upstream.status)
-            if prefill_params:
-                self._release_later(node, prefill_params)
             if failure.client_error:
                 return _passthrough(reply)
             return bad_gateway(_engine_message(reply, failure, "decode"))
@@ -460,13 +460,18 @@ class Turn:
                 self.request.transport.close()
             return resp
         await resp.write_eof()
-        self._observe_end()
+        if scrubber.error is None:
+            self._observe_end()
+        else:  # relayed as D sent it; not a completed answer
+            self.s.metrics.upstream_error("decode", Failure(FailureKind.STATUS, scrubber.error))
+            self.log.warning("router.decode.stream_error", node=node.engine_id, status=scrubber.error)
         return resp
 
     def _release_later(self, node: Node, params: Mapping[str, Any]) -> None:
         """D refused the turn, so nothing will pull what P kept for it: have it freed now
         (`_release_prefill`), beside the client's error answer, not before it."""
-        task = asyncio.get_running_loop().create_task(self._release_prefill(node, params))
+        release = self._release_prefill(node, params)
+        task = asyncio.get_running_loop().create_task(release, name="router-release")
         self.s.releases.add(task)
         task.add_done_callback(self.s.releases.discard)
 
@@ -474,13 +479,18 @@ class Turn:
         """Hand D, which answered, P's params with nothing to pull (`release_body`): D's
         connector notifies P, which frees the prompt's blocks. Best effort: P's timeout
         frees them otherwise."""
-        payload = encode(release_body(self.body.get("model"), params, self.tokens))
+        model = node.model or self.body.get("model")  # D's own name: the client's may be what D refused
+        payload = encode(release_body(model, params, self.tokens))
         headers = self.s.engines.headers(self.request.headers, f"{self.request_id}-release")
-        timeout_s = self.s.settings.upstream.tokenize_timeout_s
         try:
-            reply = await self.s.engines.post(node.url + "/v1/completions", payload, headers, timeout_s)
+            # As long as a prefill may take: the release waits its turn on a busy D, and
+            # one given up before D scheduled it notifies no one.
+            reply = await self.s.engines.post(node.url + "/v1/completions", payload, headers)
         except UpstreamError as e:
             outcome, detail = "failed", str(e)
+        except Exception as e:  # a background task: nothing else would see it
+            self.log.exception("router.prefill.release_error", node=node.engine_id)
+            outcome, detail = "error", repr(e)
         else:
             outcome = "released" if reply.status == 200 else "refused"
             detail = (

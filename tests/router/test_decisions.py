@@ -320,6 +320,19 @@ def test_any_chunking_gives_the_same_stream(cuts: list[int]) -> None:
     assert json.loads(events[1]) == {"choices": []} and events[2] == b"[DONE]" and len(events) == 3
 
 
+def test_an_error_event_is_noticed_and_relayed_as_it_came() -> None:
+    s = SseScrubber()
+    said = _sse({"choices": [{"delta": {"content": 'the "error" was {"error": 1}'}}]})
+    assert s.feed(said) is said and s.error is None  # quotes inside a string are escaped
+    error = {"error": {"message": "KV load failed", "type": "InternalServerError", "code": 503}}
+    end = _sse(error, b"[DONE]")
+    assert s.feed(end[:20]) == b"" and s.error is None
+    assert s.feed(end[20:]) == end and s.error == 503
+    coded = SseScrubber()
+    coded.feed(_sse({"error": {"message": "no code"}}))
+    assert coded.error == 500
+
+
 def test_json_answers_get_null_params() -> None:
     raw = json.dumps({"id": "x", "kv_transfer_params": D_PARAMS}).encode()
     assert json.loads(scrub_json(raw)) == {"id": "x", "kv_transfer_params": None}

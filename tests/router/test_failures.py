@@ -89,16 +89,17 @@ async def test_a_turn_d_refuses_frees_what_p_kept_for_it(
         {"prompt": "x" * 100, "max_tokens": 10**6},
     ]
 
-    async def p_holds_nothing() -> bool:
-        return not p.engine.snapshot()["held_requests"]
-
     for n, body in enumerate(turns, 1):
         path = CHAT if "messages" in body else COMPLETIONS
         res = await ask(http, router.url, body, path=path)
         assert res.status == 400 and "maximum context length" in res.body["error"]["message"]
+
+        async def released(n: int = n) -> bool:  # P is told before D's answer reaches the router
+            done = router.metrics.value("kvferry_router_prefill_releases_total", outcome="released")
+            return done == n and not p.engine.snapshot()["held_requests"]
+
         async with asyncio.timeout(5):
-            await wait_until(p_holds_nothing)
-        assert router.metrics.value("kvferry_router_prefill_releases_total", outcome="released") == n
+            await wait_until(released)
     # The price: D keeps each release's one block for its TTL, as it keeps every request
     # that came with a prefill's params; the whole prompt on P was the alternative.
     assert [len(h["blocks"]) for h in d.engine.snapshot()["held_requests"].values()] == [1, 1, 1]
@@ -115,6 +116,28 @@ def behind_first(stack: Stack, first_p: str) -> RouterSettings:
         nodes__decode_urls=(stack.sidecar(d).url,),
         nodes__model=p.config.model,
     )
+
+
+async def test_a_streamed_turn_whose_decode_fails_to_load_is_relayed_and_counted(
+    make_stack: MakeStack, http: aiohttp.ClientSession
+) -> None:
+    """D's pull from P fails: vLLM (and the emulator) end D's stream, begun already, with an
+    error event. The client gets it as D sent it; the router counts a decode error and no
+    completed answer."""
+    stack = await make_stack()
+    router = await stack.router()
+    [p] = stack.prefills
+
+    def refuse(request: ReadBlocks) -> bytes:
+        raise SideChannelError("transfer failed")
+
+    p.engine._holds.read_blocks = refuse  # type: ignore[method-assign]
+    res = await ask(http, router.url, {"messages": first_turn("streams"), "max_tokens": 5, "stream": True})
+    assert res.status == 200 and res.text == "" and res.events[-1] == "[DONE]"
+    assert res.events[-2]["error"]["code"] == 500 and "KV load failed" in res.events[-2]["error"]["message"]
+    errors = router.metrics.value("kvferry_router_upstream_errors_total", role="decode", kind="status_5xx")
+    assert errors == 1
+    assert router.metrics.value("kvferry_router_request_seconds_count", reuse="none") == 0
 
 
 async def test_a_failed_pull_is_retried_without_params_and_answers_right(
