@@ -83,7 +83,8 @@ class EmbeddedEtcd:
             "--log-level=warn",
             # Keep the history short: retentions churn, nothing watches the history or
             # reads at an old revision, and a start reads every uncompacted revision back
-            # (bench.daemon, embedded restart: 2.79 s at 1m, 2.07 s at 10s).
+            # (bench.daemon, embedded restart: 2.79 s at 1m, 2.07 s at 10s, runs in
+            # different periods; lookup p99 at 1,000/s measured alike, 2 A/B pairs).
             "--auto-compaction-mode=periodic",
             "--auto-compaction-retention=10s",
             "--quota-backend-bytes=4294967296",
@@ -91,7 +92,8 @@ class EmbeddedEtcd:
             # on, and the count is in entries, not bytes: a group-committed entry carries up
             # to 64 registrations (~250 KB), so at 10,000 105k leases had never snapshotted
             # and every start read 550 MB of WAL (etcd start 2.6-3.3 s; at 500 1.2-1.3 s).
-            # A snapshot costs ~1.4 ms; lookups at 1,000/s measured the same at 1,000 and 10,000.
+            # A snapshot costs ~1.4 ms; lookup p99 at 1,000/s measured alike at 1,000 and
+            # 10,000 (2 A/B pairs); 500 is not measured apart.
             "--snapshot-count=500",
             # A single member waits out a random part of one election timeout before it
             # leads and serves (at etcd's 1 s default, 0.7 s of a measured restart).

@@ -55,8 +55,9 @@ def counts(usage: CompletionUsage | None) -> tuple[int, int, int]:
 
 
 def strict(obj: M) -> M:
-    """`obj` validated field by field (the SDK constructs its objects without validating)."""
-    return type(obj).model_validate(obj.to_dict())
+    """`obj` validated field by field in pydantic's strict mode, from its JSON (the SDK
+    constructs its objects without validating; extra fields stay allowed, as in the SDK)."""
+    return type(obj).model_validate_json(obj.to_json(), strict=True)
 
 
 async def drain(stream: AsyncStream[M]) -> list[M]:
