@@ -359,6 +359,9 @@ class FakeEngine:
         self.model = "fake"
         self.models_fail = False
         self.models_auth: list[str] = []
+        self.answers: list[int] = []
+        """Statuses the next generation requests get, in turn (0: no answer until the peer
+        hangs up); then the usual answers."""
 
     async def tokenize(self, request: web.Request) -> web.Response:
         self.requests.append(("/tokenize", _lower(request.headers), await request.json()))
@@ -369,6 +372,14 @@ class FakeEngine:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append((request.path, _lower(request.headers), body))
+        status = self.answers.pop(0) if self.answers else 200
+        if status == 0:
+            while request.transport is not None and not request.transport.is_closing():  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+            return web.Response()
+        if status != 200:
+            error = {"message": "refused", "type": "BadRequestError", "param": None, "code": status}
+            return web.json_response({"error": error}, status=status)
         if not body.get("stream"):
             params = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_block_ids": [[1]]}
             return web.json_response(
@@ -570,6 +581,37 @@ async def test_a_decode_that_breaks_off_cuts_the_clients_stream(
                 router.metrics.value("kvferry_router_upstream_errors_total", role="decode", kind="protocol")
                 == 1
             )
+
+
+async def test_releases_are_counted_and_shutdown_does_not_wait_for_them(
+    daemon: Daemon, http: aiohttp.ClientSession
+) -> None:
+    async with fake_engine() as p, fake_engine() as d:
+        d.answers = [400, 422, 400, 0]  # turn, its release refused; turn, its release never answered
+        settings = router_settings(
+            daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,), server__shutdown_grace_s=0.2
+        )
+        router = Router(settings)
+        await router.start()
+        try:
+            body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}
+            for _ in range(2):
+                async with http.post(router.url + CHAT, json=body) as r:
+                    assert r.status == 400
+
+            async def both_sent() -> bool:
+                return len(d.requests) == 4
+
+            async with asyncio.timeout(5):
+                await wait_until(both_sent)
+            path, _, release = d.requests[1]
+            assert path == "/v1/completions" and release["max_tokens"] == 1 and release["prompt"] == "."
+            assert release["model"] == "fake" and release["kv_transfer_params"]["remote_num_tokens"] == 0
+            assert router.metrics.value("kvferry_router_prefill_releases_total", outcome="refused") == 1
+        finally:
+            async with asyncio.timeout(5):  # the grace, then the unanswered release is given up
+                await router.stop()
+        assert router.metrics.value("kvferry_router_prefill_releases_total", outcome="released") == 0
 
 
 async def test_a_decode_gone_silent_is_given_up(daemon: Daemon, http: aiohttp.ClientSession) -> None:
