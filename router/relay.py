@@ -63,15 +63,21 @@ class SseScrubber:
         return self._events.flush()
 
 
+def _data_object(event: bytes, marker: bytes) -> dict[str, Any] | None:
+    """The JSON object of a ``data:`` event holding `marker` (None: not such an event)."""
+    if marker not in event or not event.startswith(b"data:"):
+        return None
+    try:
+        obj: Any = _decode(event[5:].strip())
+    except msgspec.DecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
 def _error_code(events: list[bytes]) -> int | None:
     for event in events:
-        if not event.startswith(b"data:") or _ERROR not in event:
-            continue
-        try:
-            obj: Any = _decode(event[5:].strip())
-        except msgspec.DecodeError:
-            continue
-        err = obj.get("error") if isinstance(obj, dict) else None
+        obj = _data_object(event, _ERROR)
+        err = obj.get("error") if obj is not None else None
         if isinstance(err, dict):
             code = err.get("code")
             return code if isinstance(code, int) and not isinstance(code, bool) else 500
@@ -79,13 +85,8 @@ def _error_code(events: list[bytes]) -> int | None:
 
 
 def _scrub_event(event: bytes) -> bytes:
-    if _MARKER not in event or not event.startswith(b"data:"):
-        return event
-    try:
-        obj: Any = _decode(event[5:].strip())
-    except msgspec.DecodeError:
-        return event
-    if not isinstance(obj, dict) or "kv_transfer_params" not in obj:
+    obj = _data_object(event, _MARKER)
+    if obj is None or "kv_transfer_params" not in obj:
         return event
     del obj["kv_transfer_params"]
     return b"data: " + _encode(obj)
