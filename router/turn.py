@@ -202,6 +202,8 @@ class Turn:
             self.tokens = made[0] if made is not None else None
         elif scoring:
             self.tokens = await self._tokenize(prefill)
+        # A P that could not be connected to for tokenizing is no choice for the prefill either.
+        unreachable = (prefill.engine_id,) if self.tokenized_by else ()
         prefill = self.tokenized_by or prefill
         t0 = time.perf_counter()
         score = self._score(prefill) if scoring and self.tokens is not None else None
@@ -213,7 +215,10 @@ class Turn:
                 # The daemon claimed before tokenizing failed: its release params still go to P.
                 self.reuse = Reuse("SKIPPED", Skip.NO_TOKENS.value, reuse.remote)
         if cached:
-            prefill = choose_prefill(self.nodes, self.s.load.view, cached, tiebreak=tiebreak) or prefill
+            load = self.s.load.view
+            prefill = (
+                choose_prefill(self.nodes, load, cached, exclude=unreachable, tiebreak=tiebreak) or prefill
+            )
         if self.reuse is not None:
             self.s.metrics.lookup(self.reuse)
         return prefill
