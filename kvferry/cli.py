@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from kvferry import admin, logs
-from kvferry.tasks import run_main
+from kvferry.tasks import run_process
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,11 +39,7 @@ def _daemon(a: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvferry daemon: {e}", file=sys.stderr)
         return 2
-    try:
-        return run_main(daemon.run(s))
-    except OSError as e:  # a port taken, a data dir it cannot write
-        print(f"kvferry daemon: {e}", file=sys.stderr)
-        return 1
+    return run_process("daemon", daemon.run(s))
 
 
 def _emulate(argv: list[str]) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 from collections.abc import Coroutine, Iterable
 from typing import Any
 
@@ -44,6 +45,16 @@ def run_main(main: Coroutine[Any, Any, int], use_uvloop: bool = True) -> int:
     except ImportError:
         use_uvloop = False
     return uvloop.run(main) if use_uvloop else asyncio.run(main)
+
+
+def run_process(name: str, main: Coroutine[Any, Any, int]) -> int:
+    """`run_main` for a kvferry process: an OSError at start-up (a port taken, a data dir it
+    cannot write) is one line on stderr and exit 1, not a traceback."""
+    try:
+        return run_main(main)
+    except OSError as e:
+        print(f"kvferry {name}: {e}", file=sys.stderr)
+        return 1
 
 
 def quiet_gc() -> None:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import structlog
 
 from kvferry import logs
-from kvferry.tasks import run_main
+from kvferry.tasks import run_process
 from router.app import Router
 from router.settings import Settings, add_arguments, from_args
 
@@ -56,11 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"kvferry router: {e}", file=sys.stderr)
         return 2
-    try:
-        return run_main(run(settings))
-    except OSError as e:  # e.g. the listen port is taken
-        print(f"kvferry router: {e}", file=sys.stderr)
-        return 1
+    return run_process("router", run(settings))
 
 
 if __name__ == "__main__":

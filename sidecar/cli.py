@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from kvferry import logs
-from kvferry.tasks import run_main
+from kvferry.tasks import run_process
 from sidecar import settings as sidecar_settings
 from sidecar.app import Sidecar
 from sidecar.settings import Settings
@@ -56,11 +56,7 @@ def run_args(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvferry sidecar: {e}", file=sys.stderr)
         return 2
-    try:
-        return run_main(run(settings))
-    except OSError as e:  # e.g. the listen port is taken
-        print(f"kvferry sidecar: {e}", file=sys.stderr)
-        return 1
+    return run_process("sidecar", run(settings))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
