@@ -23,6 +23,7 @@ from aiohttp.typedefs import Middleware
 
 from router.choice import Node
 from router.decisions import Failure, FailureKind
+from router.identity import api_key_of
 from router.turn import Shared, Turn, bad_gateway, error_response
 from router.upstream import Reply, UpstreamError
 
@@ -87,11 +88,11 @@ def auth_middleware(keys: tuple[str, ...]) -> Middleware:
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith("/v1/"):
-            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            given = api_key_of(request.headers)  # the key the tenant is named after, too
             digest = _digest(given)
             # Digests compared, every key, in constant time: the timing tells neither a key
             # nor its length.
-            if scheme.lower() != "bearer" or not sum(hmac.compare_digest(digest, k) for k in accepted):
+            if not given or not sum(hmac.compare_digest(digest, k) for k in accepted):
                 return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 
