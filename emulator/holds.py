@@ -94,8 +94,9 @@ class HeldBlockTable:
         if generation is not None and generation != REGISTRATION_GENERATION:
             raise SideChannelError(f"stale registration generation {generation}")
         ids = request.block_ids
-        outside = [b for b in ids if not 0 <= b < len(self._memory)]
-        if outside:
+        size = len(self._memory)
+        if ids and (min(ids) < 0 or max(ids) >= size):  # C-level passes; the list only for the message
+            outside = [b for b in ids if not 0 <= b < size]
             raise SideChannelError(f"blocks {outside} are outside the registered KV memory")
         hold = self._holds.get(request.request_id)
         if hold is None or not all(map(hold.by_id.__contains__, ids)):

@@ -111,7 +111,7 @@ def parse_remote(params: Mapping[str, Any] | None, direction: PullDirection) -> 
     groups = tuple(tuple(map(int, group)) for group in raw_ids)
     if not any(groups):
         return None
-    if not all(0 <= b < 2**63 for group in groups for b in group):
+    if any(group and (min(group) < 0 or max(group) >= 2**63) for group in groups):  # C-level passes
         raise ValueError("remote_block_ids must be block ids (non-negative 64-bit integers)")
     port = _int_or_none(params["remote_port"])
     if port is None or not 0 < port < 65536:
