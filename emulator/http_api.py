@@ -325,11 +325,12 @@ async def _generate(
         for spec in specs:  # a bad one refused before any other is prefilled
             engine.validate(spec)
     shapes: list[_Shape] = []
+    created = int(time.time())  # one answer: one time for all of its sequences
     try:
         for spec in specs:  # one engine request each, as vLLM runs them, prefilled in turn
             running = await engine.submit(spec)
             engine.metrics.num_requests_running.inc()
-            shapes.append(_Shape(engine.config.model, request_id, chat, body, running, len(shapes)))
+            shapes.append(_Shape(engine.config.model, request_id, chat, body, running, created, len(shapes)))
         if body.stream:
             return await _stream(request, shapes, n)
         return await (_complete(shapes[0]) if len(shapes) == 1 else _complete_many(shapes, n))
@@ -354,6 +355,7 @@ class _Shape:
         chat: bool,
         body: _Common,
         running: RunningRequest,
+        created: int,
         index: int = 0,
     ) -> None:
         self.model = model
@@ -362,7 +364,7 @@ class _Shape:
         self.body = body
         self.running = running
         self.index = index
-        self.created = int(time.time())
+        self.created = created
 
     def headers(self) -> dict[str, str]:
         stats = self.running.stats
@@ -588,15 +590,15 @@ async def _stream_failed(
     return await sse.close()
 
 
-def _token_chunk(shape: _Shape, token: int, last: bool, first: _Shape) -> dict[str, Any]:
-    """The chunk of one sequence's token, in the envelope of the answer's `first` sequence.
+def _token_chunk(shape: _Shape, token: int, last: bool) -> dict[str, Any]:
+    """The chunk of one sequence's token (every sequence of an answer shares its envelope).
     A completion's prompt ids ride in its choice's first chunk, as in vLLM (a chat's went
     out with the role); a sequence's last chunk carries its own ``kv_transfer_params``."""
     running = shape.running
     choice = shape.choice([token], running.finish_reason if last else None, delta=True)
     if not shape.chat and shape.body.return_token_ids and len(running.output_token_ids) == 1:
         choice["prompt_token_ids"] = shape.prompt_token_ids()
-    chunk = first.envelope([choice], chunk=True)
+    chunk = shape.envelope([choice], chunk=True)
     if last:
         if running.kv_transfer_params is not None:
             chunk["kv_transfer_params"] = running.kv_transfer_params
@@ -606,14 +608,14 @@ def _token_chunk(shape: _Shape, token: int, last: bool, first: _Shape) -> dict[s
 
 async def _stream_tokens(shape: _Shape, send: Send) -> None:
     async for token, last in shape.running.tokens():
-        await send(_token_chunk(shape, token, last, shape))
+        await send(_token_chunk(shape, token, last))
 
 
 async def _stream_many(shapes: list[_Shape], send: Send) -> None:
     """Chunks of several sequences as they come, one choice each."""
     async with contextlib.aclosing(_interleaved(shapes)) as tokens:
         async for shape, token, last in tokens:
-            await send(_token_chunk(shape, token, last, shapes[0]))
+            await send(_token_chunk(shape, token, last))
 
 
 def build_app(engine: Engine) -> web.Application:
