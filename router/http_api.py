@@ -21,7 +21,7 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from router.choice import Node
+from router.choice import Node, prefill_candidates
 from router.decisions import Failure, FailureKind
 from router.identity import api_key_of
 from router.turn import Shared, Turn, bad_gateway, error_response
@@ -133,9 +133,8 @@ async def models(request: web.Request) -> web.Response:
     nodes answers cannot be served now, and is left out."""
     shared = request.app[SHARED_KEY]
     by_model: dict[str, list[Node]] = {}
-    for node in shared.directory.nodes:
-        if node.prefills:
-            by_model.setdefault(node.model, []).append(node)  # ("": not known yet)
+    for node in prefill_candidates(shared.directory.nodes):
+        by_model.setdefault(node.model, []).append(node)  # ("": not known yet)
     if not by_model:
         return error_response(503, "no prefill node available", "ServiceUnavailableError")
     headers = shared.engines.headers(request.headers, f"kvf-{uuid.uuid4().hex}")
