@@ -88,13 +88,15 @@ class EmbeddedEtcd:
             "--auto-compaction-mode=periodic",
             "--auto-compaction-retention=10s",
             "--quota-backend-bytes=4294967296",
-            # Snapshot often. A start reads the WAL from the file holding the last snapshot
-            # on, and the count is in entries, not bytes: a group-committed entry carries up
-            # to 64 registrations (~250 KB), so at 10,000 105k leases had never snapshotted
-            # and every start read 550 MB of WAL (etcd start 2.6-3.3 s; at 500 1.2-1.3 s).
-            # A snapshot costs ~1.4 ms; lookup p99 at 1,000/s measured alike at 1,000 and
-            # 10,000 (2 A/B pairs); 500 is not measured apart.
-            "--snapshot-count=500",
+            # Snapshots: each one stalls claims. At 500 (a snapshot every ~0.7 s at 1,000
+            # lookups/s) they made most of the lookup tail: bench.lookup_tail, 1,000/s,
+            # p99 at 500 vs 5,000 (same periods): 20k leases 7.6/8.3 vs 6.6/5.6 ms; 100k
+            # leases, 30 s runs 22.8/17.6 vs 19.0/14.9 ms. Fewer snapshots cost restart
+            # time: a start reads the WAL from the last snapshot on, and the count is in
+            # entries, not bytes (a grouped entry carries up to 64 registrations, ~250 KB).
+            # Embedded restart with 105k leases: 1.3 s at 500, 2.1 s at 5,000, 2.2 s at
+            # 100,000 (restart probe), 2.2-2.4 s in bench.daemon at 5,000.
+            "--snapshot-count=5000",
             # A single member waits out a random part of one election timeout before it
             # leads and serves (at etcd's 1 s default, 0.7 s of a measured restart).
             "--heartbeat-interval=20",
