@@ -4,7 +4,7 @@
 prints what is needed to explain a tail: the CPU each process spent per lookup
 (daemon, etcd, this load generator; from /proc), the load generator's own event
 loop lag (a stall there is not the daemon's), etcd's WAL fsync / backend commit /
-snapshot counts over the run, and a timeline of slow lookups per 250 ms.
+snapshot / compaction counts over the run, and a timeline of slow lookups per 250 ms.
 
     python -m bench.lookup_tail [--leases 20000] [--rate 1000] [--seconds 15] [--list]
 
@@ -38,6 +38,11 @@ _ETCD_COUNTERS = (
     "etcd_disk_wal_fsync_duration_seconds",
     "etcd_disk_backend_commit_duration_seconds",
     "etcd_debugging_snap_save_total_duration_seconds",
+    # etcd 3.5 compaction: the key index walk, then the store in batches of 1,000
+    # revisions, a commit and a 10 ms sleep after each (milliseconds, not seconds)
+    "etcd_debugging_mvcc_index_compaction_pause_duration_milliseconds",
+    "etcd_debugging_mvcc_db_compaction_pause_duration_milliseconds",
+    "etcd_debugging_mvcc_db_compaction_total_duration_milliseconds",
 )
 
 
@@ -154,7 +159,8 @@ async def probe(args: argparse.Namespace) -> None:
         print(f"kvferry leases ls meanwhile: {listed:,} leases listed while the lookups ran")
     for name in _ETCD_COUNTERS:
         c, s = disk.get(f"{name}_count", 0.0), disk.get(f"{name}_sum", 0.0)
-        print(f"etcd {name.removeprefix('etcd_')}: {c:.0f} in the run, mean {s / c * 1e3 if c else 0:.2f} ms")
+        mean_ms = (s if name.endswith("_milliseconds") else s * 1e3) / c if c else 0.0
+        print(f"etcd {name.removeprefix('etcd_')}: {c:.0f} in the run, mean {mean_ms:.2f} ms")
     buckets: dict[int, list[float]] = {}
     for sent, x in sent_lat:
         buckets.setdefault(int((sent - t0) / 0.25), []).append(x * 1e3)
