@@ -148,9 +148,12 @@ class TxnBatcher:
         )
         self._inflight = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
 
     async def submit(self, op: str, txn: rpc.TxnRequest, keys: tuple[bytes, ...]) -> rpc.TxnResponse:
         """Run `txn` (whose writes touch `keys`) in the next batch. -> its own TxnResponse."""
+        if self._closed:
+            raise StoreUnavailable("etcd client closed")
         if not self._queue and self._inflight < self._max_inflight:
             # Idle: send it from the caller's own task (no hand-off, no extra wake-up).
             self._inflight += 1
@@ -167,6 +170,8 @@ class TxnBatcher:
         return await fut
 
     def _kick(self) -> None:
+        if self._closed:
+            return
         while self._queue and (
             self._inflight < self._max_inflight
             or (self._inflight < self._max_burst and len(self._queue) >= self._max_items)
@@ -219,9 +224,21 @@ class TxnBatcher:
             for _, _, _, fut in batch:
                 if not fut.done():
                     fut.set_exception(e)
+        except asyncio.CancelledError:  # closed: nobody waits for an answer that will not come
+            for _, _, _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(StoreUnavailable("etcd client closed"))
+            raise
         finally:
             self._inflight -= 1
             self._kick()
 
     async def close(self) -> None:
+        """Send nothing more; every caller still waiting (queued, or in a batch in
+        flight) gets StoreUnavailable."""
+        self._closed = True
+        while self._queue:
+            fut = self._queue.popleft()[3]
+            if not fut.done():
+                fut.set_exception(StoreUnavailable("etcd client closed"))
         await cancel_and_wait(list(self._tasks))

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from aetcd import rpc
 
+from controlplane.errors import StoreUnavailable
 from controlplane.etcd import TxnBatcher
 
 
@@ -106,3 +108,36 @@ async def test_transactions_on_one_key_never_share_a_batch() -> None:
     etcd.answer(2)
     await asyncio.gather(first, *same, other)
     await b.close()
+
+
+async def test_closing_answers_every_waiting_caller() -> None:
+    etcd = FakeEtcd()
+    b = TxnBatcher(etcd, 1.0, max_items=8)  # type: ignore[arg-type]
+    first = asyncio.create_task(b.submit("t", txn(b"/a"), (b"/a",)))  # in flight, never answered
+    await settle()
+    queued = [asyncio.create_task(b.submit("t", txn(k), (k,))) for k in (b"/b", b"/c")]
+    await settle()
+    await b.close()
+    late = asyncio.create_task(b.submit("t", txn(b"/d"), (b"/d",)))
+    for caller in (*queued, late):
+        with pytest.raises(StoreUnavailable, match="closed"):
+            await caller
+    assert len(etcd.sent) == 1  # nothing leaves after close
+    first.cancel()
+
+
+async def test_closing_answers_the_callers_of_a_batch_in_flight() -> None:
+    etcd = FakeEtcd()
+    b = TxnBatcher(etcd, 1.0, max_items=8)  # type: ignore[arg-type]
+    first = asyncio.create_task(b.submit("t", txn(b"/a"), (b"/a",)))
+    await settle()
+    queued = [asyncio.create_task(b.submit("t", txn(k), (k,))) for k in (b"/b", b"/c")]
+    await settle()
+    etcd.answer(0)
+    await first
+    await settle()
+    assert batch_size(etcd.sent[1]) == 2  # in flight, never answered
+    await b.close()
+    for caller in queued:
+        with pytest.raises(StoreUnavailable, match="closed"):
+            await caller
