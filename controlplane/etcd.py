@@ -12,7 +12,7 @@ import ipaddress
 import socket
 import time
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from typing import TypeVar
 
 import aetcd
@@ -108,6 +108,10 @@ async def timed(op: str, call: Awaitable[T]) -> T:
         metrics.ETCD_LATENCY.labels(op).observe(time.perf_counter() - start)
 
 
+# One submitted transaction waiting to leave: (op name, txn, the keys it writes, its caller's answer).
+_Queued = tuple[str, rpc.TxnRequest, tuple[bytes, ...], asyncio.Future[rpc.TxnResponse]]
+
+
 class TxnBatcher:
     """Group commit: transactions submitted concurrently leave as one etcd Txn.
 
@@ -143,9 +147,7 @@ class TxnBatcher:
         self._max_bytes = max_bytes
         self._max_inflight = max_inflight
         self._max_burst = max(max_burst, max_inflight)
-        self._queue: deque[tuple[str, rpc.TxnRequest, tuple[bytes, ...], asyncio.Future[rpc.TxnResponse]]] = (
-            deque()
-        )
+        self._queue: deque[_Queued] = deque()
         self._inflight = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -153,7 +155,7 @@ class TxnBatcher:
     async def submit(self, op: str, txn: rpc.TxnRequest, keys: tuple[bytes, ...]) -> rpc.TxnResponse:
         """Run `txn` (whose writes touch `keys`) in the next batch. -> its own TxnResponse."""
         if self._closed:
-            raise StoreUnavailable("etcd client closed")
+            raise _closed()
         if not self._queue and self._inflight < self._max_inflight:
             # Idle: send it from the caller's own task (no hand-off, no extra wake-up).
             self._inflight += 1
@@ -182,8 +184,8 @@ class TxnBatcher:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    def _take(self) -> list[tuple[str, rpc.TxnRequest, tuple[bytes, ...], asyncio.Future[rpc.TxnResponse]]]:
-        batch: list[tuple[str, rpc.TxnRequest, tuple[bytes, ...], asyncio.Future[rpc.TxnResponse]]] = []
+    def _take(self) -> list[_Queued]:
+        batch: list[_Queued] = []
         taken: set[bytes] = set()
         size = 0
         deferred = []
@@ -201,9 +203,7 @@ class TxnBatcher:
         self._queue.extendleft(reversed(deferred))
         return batch
 
-    async def _send(
-        self, batch: list[tuple[str, rpc.TxnRequest, tuple[bytes, ...], asyncio.Future[rpc.TxnResponse]]]
-    ) -> None:
+    async def _send(self, batch: list[_Queued]) -> None:
         try:
             if not batch:
                 return
@@ -221,13 +221,9 @@ class TxnBatcher:
                 if not fut.done():
                     fut.set_result(result)
         except Exception as e:  # StoreUnavailable, LeaseGone: every caller of the batch sees it
-            for _, _, _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(e)
+            _fail(batch, e)
         except asyncio.CancelledError:  # closed: nobody waits for an answer that will not come
-            for _, _, _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(StoreUnavailable("etcd client closed"))
+            _fail(batch, _closed())
             raise
         finally:
             self._inflight -= 1
@@ -237,8 +233,20 @@ class TxnBatcher:
         """Send nothing more; every caller still waiting (queued, or in a batch in
         flight) gets StoreUnavailable."""
         self._closed = True
-        while self._queue:
-            fut = self._queue.popleft()[3]
-            if not fut.done():
-                fut.set_exception(StoreUnavailable("etcd client closed"))
+        _fail(self._queue, _closed())
+        self._queue.clear()
         await cancel_and_wait(list(self._tasks))
+
+
+def _closed() -> StoreUnavailable:
+    return StoreUnavailable("etcd client closed")
+
+
+def _fail(
+    items: Iterable[_Queued],
+    error: BaseException,
+) -> None:
+    """Answer the callers of `items` still waiting with `error`."""
+    for *_, fut in items:
+        if not fut.done():
+            fut.set_exception(error)
