@@ -155,7 +155,7 @@ class TxnBatcher:
     async def submit(self, op: str, txn: rpc.TxnRequest, keys: tuple[bytes, ...]) -> rpc.TxnResponse:
         """Run `txn` (whose writes touch `keys`) in the next batch. -> its own TxnResponse."""
         if self._closed:
-            raise _closed()
+            raise _closed_error()
         if not self._queue and self._inflight < self._max_inflight:
             # Idle: send it from the caller's own task (no hand-off, no extra wake-up).
             self._inflight += 1
@@ -223,7 +223,7 @@ class TxnBatcher:
         except Exception as e:  # StoreUnavailable, LeaseGone: every caller of the batch sees it
             _fail(batch, e)
         except asyncio.CancelledError:  # closed: nobody waits for an answer that will not come
-            _fail(batch, _closed())
+            _fail(batch, _closed_error())
             raise
         finally:
             self._inflight -= 1
@@ -233,19 +233,16 @@ class TxnBatcher:
         """Send nothing more; every caller still waiting (queued, or in a batch in
         flight) gets StoreUnavailable."""
         self._closed = True
-        _fail(self._queue, _closed())
+        _fail(self._queue, _closed_error())
         self._queue.clear()
         await cancel_and_wait(list(self._tasks))
 
 
-def _closed() -> StoreUnavailable:
+def _closed_error() -> StoreUnavailable:
     return StoreUnavailable("etcd client closed")
 
 
-def _fail(
-    items: Iterable[_Queued],
-    error: BaseException,
-) -> None:
+def _fail(items: Iterable[_Queued], error: BaseException) -> None:
     """Answer the callers of `items` still waiting with `error`."""
     for *_, fut in items:
         if not fut.done():
