@@ -134,20 +134,22 @@ async def models(request: web.Request) -> web.Response:
     shared = request.app[SHARED_KEY]
     by_model: dict[str, list[Node]] = {}
     for node in prefill_candidates(shared.directory.nodes):
-        by_model.setdefault(node.model, []).append(node)  # ("": not known yet)
+        # (a node whose model is not known yet stands for itself: it may serve any model)
+        by_model.setdefault(node.model or node.engine_id, []).append(node)
     if not by_model:
         return error_response(503, "no prefill node available", "ServiceUnavailableError")
     headers = shared.engines.headers(request.headers, f"kvf-{uuid.uuid4().hex}")
 
     async def cards_of(nodes: list[Node]) -> Reply | UpstreamError:
-        """The model's cards from the first of its prefill nodes that answers, least loaded first."""
+        """The model's cards from the first of its prefill nodes that answers, least loaded
+        first. A 4xx is the client's (its key, say): the next node would answer alike."""
         answer: Reply | UpstreamError = UpstreamError(Failure(FailureKind.CONNECT), "no node")
         for node in sorted(nodes, key=lambda n: shared.load.view.get(n.engine_id, 0)):
             try:
                 answer = await shared.engines.get(node.url + "/v1/models", headers)
             except UpstreamError as e:
                 answer = e
-            if isinstance(answer, Reply) and answer.status == 200:
+            if isinstance(answer, Reply) and answer.status < 500:
                 break
         return answer
 

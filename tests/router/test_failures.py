@@ -357,7 +357,7 @@ class FakeEngine:
         self.url = ""
         self.tokenize_fails = False
         self.model = "fake"
-        self.models_fail = False
+        self.models_status = 200
         self.models_auth: list[str] = []
         self.answers: list[int] = []
         """Statuses the next generation requests get, in turn (0: no answer until the peer
@@ -404,8 +404,8 @@ class FakeEngine:
 
     async def models(self, request: web.Request) -> web.Response:
         self.models_auth.append(request.headers.get("Authorization", ""))
-        if self.models_fail:
-            return web.json_response({"error": "down"}, status=500)
+        if self.models_status != 200:
+            return web.json_response({"error": "no"}, status=self.models_status)
         return web.json_response({"object": "list", "data": [{"id": self.model, "parent": None}]})
 
 
@@ -543,7 +543,7 @@ async def test_a_request_goes_to_nodes_serving_its_model(http: aiohttp.ClientSes
             None, nodes__prefill_urls=prefills, nodes__decode_urls=(da.url, db.url, da2.url)
         )
         async with Router(settings) as router:
-            pb.models_fail = True  # one of model "other"'s two P: the other answers for it
+            pb.models_status = 500  # one of model "other"'s two P: the other answers for it
             for model in ("fake", "fake", "other", "fake", "other", "other", *["lora-x"] * 6):
                 body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
                 async with http.post(router.url + CHAT, json=body) as r:
@@ -665,3 +665,33 @@ async def test_a_turn_whose_prompt_cannot_be_tokenized_releases_what_the_early_l
     (_, _, p_body) = p.requests[1]  # after the refused /tokenize
     kv = p_body["kv_transfer_params"]
     assert kv["remote_num_tokens"] == 0 and kv["do_remote_decode"] is True and "prompt_token_ids" not in kv
+
+
+async def test_models_asks_each_node_of_unknown_model_and_stops_at_a_client_error(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Static prefill nodes whose model could not be learned yet each stand for
+    themselves in /v1/models (they may serve different models); a 4xx from a node is the
+    client's answer, not a reason to ask the model's next node."""
+    async with fake_engine() as p1, fake_engine() as p2, fake_engine() as d:
+        p2.model = "other"
+        p1.models_status = p2.models_status = 500  # the router cannot learn their models
+        settings = router_settings(
+            None,
+            nodes__prefill_urls=(p1.url, p2.url),
+            nodes__decode_urls=(d.url,),
+            daemon__nodes_refresh_s=3600,
+        )
+        async with Router(settings) as router:
+            p1.models_status = p2.models_status = 200  # answering now, still unknown to the router
+            async with http.get(router.url + "/v1/models") as r:
+                assert r.status == 200
+                assert sorted(card["id"] for card in (await r.json())["data"]) == ["fake", "other"]
+    async with fake_engine() as pa, fake_engine() as pb, fake_engine() as d:
+        settings = router_settings(None, nodes__prefill_urls=(pa.url, pb.url), nodes__decode_urls=(d.url,))
+        async with Router(settings) as router:
+            pa.models_status = pb.models_status = 401
+            asked = len(pa.models_auth) + len(pb.models_auth)
+            async with http.get(router.url + "/v1/models") as r:
+                assert r.status == 401
+            assert len(pa.models_auth) + len(pb.models_auth) == asked + 1  # one node asked, not both
