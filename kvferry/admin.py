@@ -96,13 +96,15 @@ def _leases(a: argparse.Namespace) -> int:
                 leases_pb2.RevokeLeaseRequest(tenant=a.tenant, conversation_id=a.conversation_id),
                 timeout=a.timeout,
             )
-            if a.json:
-                print(json.dumps(_as_dict(resp)))
-            else:
-                print("revoked" if resp.found else "no such lease")
-            return 0 if resp.found else 2
+            return _removed(resp, a.json, "revoked", "no such lease")
         except grpc.RpcError as e:
             return _fail(e)
+
+
+def _removed(resp: Any, as_json: bool, done: str, missing: str) -> int:
+    """Report a removal (a response with `found`): exit 0, or 2 when there was nothing to remove."""
+    print(json.dumps(_as_dict(resp)) if as_json else done if resp.found else missing)
+    return 0 if resp.found else 2
 
 
 def _leases_ls(stub: leases_pb2_grpc.LeasesStub, a: argparse.Namespace) -> int:
@@ -155,10 +157,7 @@ def _nodes(a: argparse.Namespace) -> int:
                 gone = stub.Deregister(
                     nodes_pb2.DeregisterNodeRequest(engine_id=a.engine_id), timeout=a.timeout
                 )
-                print(
-                    json.dumps(_as_dict(gone)) if a.json else "deregistered" if gone.found else "no such node"
-                )
-                return 0 if gone.found else 2
+                return _removed(gone, a.json, "deregistered", "no such node")
             resp = stub.List(nodes_pb2.ListNodesRequest(include_dead=a.all), timeout=a.timeout)
         except grpc.RpcError as e:
             return _fail(e)
