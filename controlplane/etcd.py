@@ -172,8 +172,6 @@ class TxnBatcher:
         return await fut
 
     def _kick(self) -> None:
-        if self._closed:
-            return
         while self._queue and (
             self._inflight < self._max_inflight
             or (self._inflight < self._max_burst and len(self._queue) >= self._max_items)
