@@ -9,8 +9,16 @@ first line end and framed with CRLF from then on.
 
 from __future__ import annotations
 
+from typing import Any, TypeGuard
+
 _LF = b"\n\n"
 _CRLF = b"\r\n\r\n"
+
+
+def is_error_event(obj: Any) -> TypeGuard[dict[str, Any]]:
+    """Whether a decoded event is vLLM's error event, which ends a stream whose request
+    failed after it began (``{"error": {...}}``, no choices)."""
+    return isinstance(obj, dict) and "error" in obj and "choices" not in obj
 
 
 class SseEvents:

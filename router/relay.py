@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from kvferry.sse import SseEvents
+from kvferry.sse import SseEvents, is_error_event
 
 _MARKER = b'"kv_transfer_params"'
 #: How an error event's JSON starts; inside a JSON string its quotes would be escaped.
@@ -77,9 +77,9 @@ def _data_object(event: bytes, marker: bytes) -> dict[str, Any] | None:
 def _error_code(events: list[bytes]) -> int | None:
     for event in events:
         obj = _data_object(event, _ERROR)
-        err = obj.get("error") if obj is not None else None
-        if isinstance(err, dict):
-            code = err.get("code")
+        if is_error_event(obj):
+            err = obj["error"]
+            code = err.get("code") if isinstance(err, dict) else None
             return code if isinstance(code, int) and not isinstance(code, bool) else 500
     return None
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from kvferry.sse import SseEvents
+from kvferry.sse import SseEvents, is_error_event
 
 #: Paths whose requests the tap rewrites and whose answers it reads.
 TAPPED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -167,7 +167,7 @@ class TurnObserver:
         """Take in one object; -> whether it was changed (token ids stripped)."""
         if not isinstance(obj, dict):
             return False
-        if "error" in obj and "choices" not in obj:
+        if is_error_event(obj):
             self.failed = True
             return False
         changed = False
