@@ -20,7 +20,8 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, TypeVar
 
@@ -324,52 +325,70 @@ async def _generate(
             raise InvalidRequest(f"{len(specs)} sequences need more KV blocks than the engine has.")
         for spec in specs:  # a bad one refused before any other is prefilled
             engine.validate(spec)
+    answer = _Answer(request_id, engine.config.model, chat, body, int(time.time()))
     shapes: list[_Shape] = []
-    created = int(time.time())  # one answer: one time for all of its sequences
     try:
         for spec in specs:  # one engine request each, as vLLM runs them, prefilled in turn
             running = await engine.submit(spec)
             engine.metrics.num_requests_running.inc()
-            shapes.append(_Shape(engine.config.model, request_id, chat, body, running, created, len(shapes)))
+            shapes.append(_Shape(answer, running, len(shapes)))
         if body.stream:
-            return await _stream(request, shapes, n)
+            return await _stream(request, answer, shapes, n)
         return await (_complete(shapes[0]) if len(shapes) == 1 else _complete_many(shapes, n))
     except KVLoadFailed as exc:  # (raised by a prefill: a stream handles its own failures)
         if not body.stream:
             raise
-        opening = _envelope(request_id, engine.config.model, chat, chunk=True)
-        return await _stream_failed(request, exc, opening, chat, len(specs))
+        return await _stream_failed(request, exc, answer, [spec.prompt_token_ids for spec in specs])
     finally:
         for shape in shapes:
             shape.running.abort()
             engine.metrics.num_requests_running.dec()
 
 
-class _Shape:
-    """Builds OpenAI objects for one request (or one sequence, choice ``index``, of several)."""
+@dataclass(frozen=True)
+class _Answer:
+    """What every sequence of one answer shares: its id, model, kind, request and time."""
 
-    def __init__(
-        self,
-        model: str,
-        request_id: str,
-        chat: bool,
-        body: _Common,
-        running: RunningRequest,
-        created: int,
-        index: int = 0,
-    ) -> None:
-        self.model = model
-        self.request_id = request_id
-        self.chat = chat
-        self.body = body
+    request_id: str
+    model: str
+    chat: bool
+    body: _Common
+    created: int
+
+    def envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {
+            "id": self.request_id,
+            "object": f"{kind}.chunk" if chunk and self.chat else kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    async def open_chat(self, sse: _Sse, prompts: Sequence[Sequence[int]]) -> None:
+        """A chat stream's first chunks, as vLLM opens one: the role, once for each choice
+        (choice k of prompt k), with the prompt's token ids when asked for them."""
+        for index, prompt in enumerate(prompts):
+            opening = self.envelope([_role_choice(index)], chunk=True)
+            if self.body.return_token_ids:
+                opening["prompt_token_ids"] = list(prompt)
+            await sse.send(opening)
+
+
+class _Shape:
+    """Builds OpenAI objects for one sequence (choice ``index``) of an answer."""
+
+    def __init__(self, answer: _Answer, running: RunningRequest, index: int = 0) -> None:
+        self.answer = answer
+        self.chat = answer.chat
+        self.body = answer.body
         self.running = running
         self.index = index
-        self.created = created
 
     def headers(self) -> dict[str, str]:
         stats = self.running.stats
         return {
-            "X-Request-Id": self.request_id,
+            "X-Request-Id": self.answer.request_id,
             "X-Kvferry-Emulator-Pull": stats.pull,
             "X-Kvferry-Emulator-Cached-Tokens": str(stats.local_cached_tokens),
             "X-Kvferry-Emulator-Pulled-Tokens": str(stats.pulled_tokens),
@@ -380,7 +399,7 @@ class _Shape:
         return decode(tokens, skip_special_tokens=self.body.skip_special_tokens)
 
     def envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
-        return _envelope(self.request_id, self.model, self.chat, chunk, choices, self.created)
+        return self.answer.envelope(choices, chunk)
 
     def choice(self, tokens: list[int], finish_reason: str | None, delta: bool) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": self.index}
@@ -409,24 +428,6 @@ class _Shape:
     def extras(self, body: dict[str, Any]) -> None:
         if self.running.spec.session_id is not None:
             body["session_id"] = self.running.spec.session_id
-
-
-def _envelope(
-    request_id: str,
-    model: str,
-    chat: bool,
-    chunk: bool,
-    choices: list[dict[str, Any]] | None = None,
-    created: int | None = None,
-) -> dict[str, Any]:
-    kind = "chat.completion" if chat else "text_completion"
-    return {
-        "id": request_id,
-        "object": f"{kind}.chunk" if chunk and chat else kind,
-        "created": int(time.time()) if created is None else created,
-        "model": model,
-        "choices": choices or [],
-    }
 
 
 def _role_choice(index: int) -> dict[str, Any]:
@@ -545,19 +546,15 @@ class _Sse:
         return self.response
 
 
-async def _stream(request: web.Request, shapes: list[_Shape], n: int) -> web.StreamResponse:
+async def _stream(request: web.Request, answer: _Answer, shapes: list[_Shape], n: int) -> web.StreamResponse:
     """SSE answer of one or more sequences; the ``X-Kvferry-Emulator-*`` headers, sent before
     any token, describe one prefill: for several sequences, the first one's."""
     first = shapes[0]
     sse = _Sse(request, first.headers())
     await sse.open()
-    if first.chat:  # vLLM opens with the role, once for each of the n choices
-        for shape in shapes:
-            opening = first.envelope([_role_choice(shape.index)], chunk=True)
-            if first.body.return_token_ids:
-                opening["prompt_token_ids"] = shape.prompt_token_ids()
-            await sse.send(opening)
-    include_usage = bool(first.body.stream_options and first.body.stream_options.include_usage)
+    if answer.chat:
+        await answer.open_chat(sse, [shape.running.spec.prompt_token_ids for shape in shapes])
+    include_usage = bool(answer.body.stream_options and answer.body.stream_options.include_usage)
     try:
         if len(shapes) == 1:
             await _stream_tokens(first, sse.send)
@@ -567,25 +564,24 @@ async def _stream(request: web.Request, shapes: list[_Shape], n: int) -> web.Str
         await sse.fail(exc)
         include_usage = False
     if include_usage:
-        tail = first.envelope([], chunk=True)
+        tail = answer.envelope([], chunk=True)
         tail["usage"] = _usage(shapes, n)
         await sse.send(tail)
     return await sse.close()
 
 
 async def _stream_failed(
-    request: web.Request, exc: EngineError, opening: dict[str, Any], chat: bool, choices: int
+    request: web.Request, exc: EngineError, answer: _Answer, prompts: list[list[int]]
 ) -> web.StreamResponse:
     """A streamed request whose KV load failed. vLLM validates a request before its stream
     starts, but a failed load is how the engine finishes it (``finish_reason`` "error"):
-    a chat stream opens with the role as ever (once for each of the `choices`), then the
+    a chat stream opens as ever (the role, once for each sequence's choice), then the
     error event, then its end (vLLM releases before #40986 drop that event); an answer not
     streamed gets a 500."""
-    sse = _Sse(request, {"X-Request-Id": opening["id"]})
+    sse = _Sse(request, {"X-Request-Id": answer.request_id})
     await sse.open()
-    if chat:
-        for index in range(choices):
-            await sse.send({**opening, "choices": [_role_choice(index)]})
+    if answer.chat:
+        await answer.open_chat(sse, prompts)
     await sse.fail(exc)
     return await sse.close()
 

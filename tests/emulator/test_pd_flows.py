@@ -206,9 +206,17 @@ async def test_reads_close_to_expiry_are_refused(start_emulator: StartEmulator, 
     _, decode = await _turn(http, strict, d, first)
     assert decode.params is not None
     kv = {**decode.params, "do_remote_decode": True, "do_remote_prefill": False}
-    body = {"messages": second, "max_tokens": 1, "stream": True, "kv_transfer_params": kv}
+    body = {
+        "messages": second,
+        "max_tokens": 1,
+        "stream": True,
+        "return_token_ids": True,
+        "kv_transfer_params": kv,
+    }
     role, error, done = await http.stream(strict, "/v1/chat/completions", body)
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # as ever, first
+    prompt = (await http.post(strict, "/tokenize", {"messages": second})).body["tokens"]
+    assert role["prompt_token_ids"] == prompt
     assert done == "[DONE]" and error["error"]["code"] == 500
     assert "KV load failed (expiry_too_close)" in error["error"]["message"]
     assert await wait_until_free(http, d)
