@@ -78,7 +78,8 @@ class RouterMetrics:
             "kvferry_router_prefill_releases",
             "Turns D refused after P kept the prompt's blocks for it, by what became of the "
             "release sent to have P free them: released (D answered it; P is told by D), "
-            "refused (D answered an error), failed (D not reached), error",
+            "refused (D answered an error), failed (D not reached), error, skipped (too many "
+            "already on their way: P's timeout frees the blocks)",
             ["outcome"],
             registry=r,
         )

@@ -79,6 +79,10 @@ class UpstreamSettings:
     """Longest a tokenize request may take; a slower one means serving that turn without reuse."""
     api_key: str = ""
     """Bearer key to send the engines; "" = forward the client's Authorization header."""
+    max_releases_in_flight: int = 256
+    """Most releases of P's blocks (after D refused a turn) on their way at once. A D that
+    refuses turns and is slow to answer would otherwise gather an unbounded backlog of
+    them; a release not sent leaves the blocks to P's own timeout."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,8 @@ class Settings:
         timeouts = (u.connect_timeout_s, u.prefill_timeout_s, u.tokenize_timeout_s, u.decode_idle_timeout_s)
         if min(timeouts) <= 0:
             raise ValueError("upstream timeouts must be positive")
+        if u.max_releases_in_flight < 1:
+            raise ValueError("upstream max_releases_in_flight must be at least 1")
 
 
 def host_port(listen: str) -> tuple[str, int]:

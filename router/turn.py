@@ -474,7 +474,13 @@ class Turn:
 
     def _release_later(self, node: Node, params: Mapping[str, Any]) -> None:
         """D refused the turn, so nothing will pull what P kept for it: have it freed now
-        (`_release_prefill`), beside the client's error answer, not before it."""
+        (`_release_prefill`), beside the client's error answer, not before it. Not sent
+        when the most allowed are already on their way: P's timeout frees the blocks."""
+        in_flight = len(self.s.releases)
+        if in_flight >= self.s.settings.upstream.max_releases_in_flight:
+            self.s.metrics.prefill_releases.labels("skipped").inc()
+            self.log.warning("router.prefill.release_skipped", node=node.engine_id, in_flight=in_flight)
+            return
         release = self._release_prefill(node, params)
         task = asyncio.get_running_loop().create_task(release, name="router-release")
         self.s.releases.add(task)

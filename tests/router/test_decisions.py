@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -387,6 +388,11 @@ def test_flags_make_settings() -> None:
         _parse()
     with pytest.raises(ValueError, match="http"):
         _parse("--prefill", "p:1", "--decode", "http://d")
+    good = _parse("--daemon", "a:1")
+    with pytest.raises(ValueError, match="max_releases_in_flight"):
+        dataclasses.replace(
+            good, upstream=dataclasses.replace(good.upstream, max_releases_in_flight=0)
+        ).validate()
 
 
 def test_an_unreachable_engine_url_is_avoided_for_a_while() -> None:

@@ -614,6 +614,40 @@ async def test_releases_are_counted_and_shutdown_does_not_wait_for_them(
         assert router.metrics.value("kvferry_router_prefill_releases_total", outcome="released") == 0
 
 
+async def test_releases_in_flight_are_capped(daemon: Daemon, http: aiohttp.ClientSession) -> None:
+    """A D that refuses turns and never answers their releases gathers no backlog of them."""
+    async with fake_engine() as p, fake_engine() as d:
+        d.answers = [400, 0, 400, 400]  # turn, its release never answered; two more turns refused
+        settings = router_settings(
+            daemon,
+            nodes__prefill_urls=(p.url,),
+            nodes__decode_urls=(d.url,),
+            upstream__max_releases_in_flight=1,
+            server__shutdown_grace_s=0.2,
+        )
+        router = Router(settings)
+        await router.start()
+        try:
+            body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}
+            async with http.post(router.url + CHAT, json=body) as r:
+                assert r.status == 400
+
+            async def release_sent() -> bool:
+                return len(d.requests) == 2
+
+            async with asyncio.timeout(5):
+                await wait_until(release_sent)
+            for _ in range(2):
+                async with http.post(router.url + CHAT, json=body) as r:
+                    assert r.status == 400
+            await asyncio.sleep(0.1)
+            assert [path for path, _, _ in d.requests] == [CHAT, "/v1/completions", CHAT, CHAT]
+            assert router.metrics.value("kvferry_router_prefill_releases_total", outcome="skipped") == 2
+        finally:
+            async with asyncio.timeout(5):
+                await router.stop()
+
+
 async def test_a_decode_gone_silent_is_given_up(daemon: Daemon, http: aiohttp.ClientSession) -> None:
     """A wedged D (connection open, nothing sent) does not hold the client forever."""
     async with fake_engine() as p, fake_engine(stall_after=2) as d:
