@@ -114,14 +114,6 @@ class Client:
         return events
 
 
-async def wait_until(predicate: Callable[[], Awaitable[bool]], interval: float = 0.02) -> None:
-    """Poll until a condition holds (the caller's timeout bounds it)."""
-    while True:
-        if await predicate():
-            return
-        await asyncio.sleep(interval)
-
-
 def conversation(turns: int = 1) -> list[dict[str, Any]]:
     """A first-turn conversation long enough for pulls above the default threshold."""
     return [SYSTEM, {"role": "user", "content": "Tell me about ferries and harbours. " * 6}][: 1 + turns]

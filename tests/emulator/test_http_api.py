@@ -7,7 +7,8 @@ import time
 
 from emulator import EmulatorServer
 from tests.emulator.conftest import StartEmulator
-from tests.emulator.helpers import Client, async_test, conversation, wait_until
+from tests.emulator.helpers import Client, async_test, conversation
+from tests.polling import eventually
 
 MODEL = "kvferry/emulated-model"
 
@@ -341,7 +342,7 @@ async def test_multi_stream_disconnect_releases_everything(
         assert response.status == 200
         await response.content.readline()
         response.close()
-    await wait_until(lambda: _all_released(http, emu))
+    await eventually(lambda: _all_released(http, emu))
 
 
 @async_test()

@@ -17,7 +17,8 @@ from emulator import EmulatorServer
 from emulator import engine as engine_module
 from emulator.sidechannel import Notify
 from tests.emulator.conftest import StartEmulator
-from tests.emulator.helpers import Answer, Client, async_test, conversation, wait_until
+from tests.emulator.helpers import Answer, Client, async_test, conversation
+from tests.polling import eventually
 
 
 async def _turn(
@@ -50,7 +51,7 @@ async def _not_held(http: Client, emu: EmulatorServer, request_id: str) -> bool:
 
 
 async def wait_until_free(http: Client, emu: EmulatorServer) -> bool:
-    await wait_until(lambda: _fully_free(http, emu))
+    await eventually(lambda: _fully_free(http, emu))
     return True
 
 
@@ -94,7 +95,7 @@ async def test_two_turns_pull_the_decoders_blocks(start_emulator: StartEmulator,
     assert prefill2.pull == "pulled"
     assert prefill2.count("pulled") == params["remote_num_tokens"]
     assert prefill2.count("computed") == prefill2.body["usage"]["prompt_tokens"] - params["remote_num_tokens"]
-    await wait_until(  # the notify travels beside P's answer, not before it
+    await eventually(  # the notify travels beside P's answer, not before it
         lambda: _not_held(http, d, params["remote_request_id"])
     )
     assert decode2.content == await _reference_answer(start_emulator, http, second)
@@ -243,20 +244,20 @@ async def test_skipped_pulls_still_free_the_decoders_blocks(
     skipped = await http.prefill(cautious, _next_turn(first, decode.content, second_text), decode.params)
     assert skipped.pull == "skipped:below_threshold"
     assert skipped.count("computed") == skipped.body["usage"]["prompt_tokens"]
-    await wait_until(lambda: _fully_free(http, d))
+    await eventually(lambda: _fully_free(http, d))
 
     _, decode = await _turn(http, caching, d, first)
     local = await http.prefill(caching, _next_turn(first, decode.content, second_text), decode.params)
     assert local.pull == "skipped:below_threshold"
     assert local.count("cached") > 0
-    await wait_until(lambda: _fully_free(http, d))
+    await eventually(lambda: _fully_free(http, d))
 
     _, decode = await _turn(http, cautious, d, first)
     assert decode.params is not None
     release_only = {**decode.params, "remote_num_tokens": 0}
     freed = await http.prefill(cautious, _next_turn(first, decode.content), release_only)
     assert freed.pull == "skipped:no_remote_tokens"
-    await wait_until(lambda: _fully_free(http, d))
+    await eventually(lambda: _fully_free(http, d))
 
 
 @async_test(timeout=10)
@@ -269,7 +270,7 @@ async def test_decoder_frees_unclaimed_blocks_at_the_deadline(
     _, decode = await _turn(http, p, d, first)
     assert decode.params is not None
     assert (await http.state(d))["held_requests"]
-    await wait_until(lambda: _fully_free(http, d))
+    await eventually(lambda: _fully_free(http, d))
     late = await http.prefill(
         p,
         _next_turn(first, decode.content),
@@ -397,7 +398,7 @@ async def test_client_disconnect_retains_nothing(start_emulator: StartEmulator, 
         assert response.status == 200
         await response.content.readline()
         response.close()
-    await wait_until(lambda: _fully_free(http, d))
+    await eventually(lambda: _fully_free(http, d))
     assert await wait_until_free(http, p)
 
 
@@ -459,7 +460,7 @@ async def test_prefiller_frees_blocks_its_decoder_never_read(
     prefill = await http.prefill(p, conversation())
     assert prefill.params is not None
     assert list((await http.state(p))["held_requests"]) == [prefill.params["remote_request_id"]]
-    await wait_until(lambda: _fully_free(http, p))
+    await eventually(lambda: _fully_free(http, p))
 
 
 @async_test(timeout=15)

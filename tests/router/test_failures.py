@@ -23,8 +23,8 @@ from router import Router
 from router import Settings as RouterSettings
 from sidecar import Sidecar
 from tests.conftest import free_port
-from tests.emulator.helpers import wait_until
 from tests.factories import lease_request, node_request
+from tests.polling import eventually
 from tests.router.conftest import MakeStack, Stack, router_settings, sidecar_for
 from tests.router.helpers import CHAT, COMPLETIONS, ask, first_turn, next_turn
 
@@ -98,8 +98,7 @@ async def test_a_turn_d_refuses_frees_what_p_kept_for_it(
             done = router.metrics.value("kvferry_router_prefill_releases_total", outcome="released")
             return done == n and not p.engine.snapshot()["held_requests"]
 
-        async with asyncio.timeout(5):
-            await wait_until(released)
+        await eventually(released)
     # The price: D keeps each release's one block for its TTL, as it keeps every request
     # that came with a prefill's params; the whole prompt on P was the alternative.
     assert [len(h["blocks"]) for h in d.engine.snapshot()["held_requests"].values()] == [1, 1, 1]
@@ -602,8 +601,7 @@ async def test_releases_are_counted_and_shutdown_does_not_wait_for_them(
             async def both_sent() -> bool:
                 return len(d.requests) == 4
 
-            async with asyncio.timeout(5):
-                await wait_until(both_sent)
+            await eventually(both_sent)
             path, _, release = d.requests[1]
             assert path == "/v1/completions" and release["max_tokens"] == 1 and release["prompt"] == "."
             assert release["model"] == "fake" and release["kv_transfer_params"]["remote_num_tokens"] == 0
@@ -635,8 +633,7 @@ async def test_releases_in_flight_are_capped(daemon: Daemon, http: aiohttp.Clien
             async def release_sent() -> bool:
                 return len(d.requests) == 2
 
-            async with asyncio.timeout(5):
-                await wait_until(release_sent)
+            await eventually(release_sent)
             for _ in range(2):
                 async with http.post(router.url + CHAT, json=body) as r:
                     assert r.status == 400

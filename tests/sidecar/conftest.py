@@ -21,7 +21,7 @@ from sidecar import Settings, Sidecar
 from sidecar.settings import DaemonSettings, EngineSettings, KvEventSettings, TapSettings
 from tests.conftest import StartEmulator
 
-__all__ = ["StartEmulator", "StartSidecar", "eventually", "sidecar_settings"]
+__all__ = ["StartEmulator", "StartSidecar", "sidecar_settings"]
 
 StartSidecar = Callable[..., Awaitable[Sidecar]]
 
@@ -79,14 +79,3 @@ async def start_sidecar(daemon: Daemon) -> AsyncIterator[StartSidecar]:
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
         yield session
-
-
-async def eventually(
-    predicate: Callable[[], Awaitable[bool]], within: float = 5.0, interval: float = 0.02
-) -> None:
-    """Poll until `predicate` holds; fail after `within` seconds."""
-    async with asyncio.timeout(within):
-        while True:
-            if await predicate():
-                return
-            await asyncio.sleep(interval)

@@ -12,7 +12,8 @@ import aiohttp
 from controlplane.daemon import Daemon
 from kvferry.v1 import nodes_pb2
 from tests.conftest import Client, free_port
-from tests.sidecar.conftest import StartEmulator, eventually
+from tests.polling import eventually
+from tests.sidecar.conftest import StartEmulator
 
 
 async def _alive(client: Client, engine_id: str) -> bool:

@@ -17,7 +17,8 @@ from kvferry.blockhash import external_block_hash
 from kvferry.v1 import nodes_pb2
 from sidecar import Sidecar
 from tests.conftest import Client, DaemonFactory
-from tests.sidecar.conftest import StartEmulator, StartSidecar, eventually
+from tests.polling import eventually
+from tests.sidecar.conftest import StartEmulator, StartSidecar
 from tests.sidecar.helpers import FakePublisher, chat, first_turn
 
 KV = {"kv_events_port": 0, "kv_events_replay_port": 0}

@@ -18,7 +18,8 @@ from emulator import EmulatorServer
 from kvferry.v1 import leases_pb2
 from sidecar import Sidecar
 from tests.conftest import Client
-from tests.sidecar.conftest import StartEmulator, StartSidecar, eventually, sidecar_settings
+from tests.polling import eventually
+from tests.sidecar.conftest import StartEmulator, StartSidecar, sidecar_settings
 from tests.sidecar.helpers import chat, first_turn, prefill, sse_events
 
 

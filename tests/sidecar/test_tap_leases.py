@@ -9,7 +9,8 @@ import aiohttp
 from kvferry.digests import block_digests, seed
 from kvferry.v1 import leases_pb2, nodes_pb2
 from tests.conftest import Client
-from tests.sidecar.conftest import StartEmulator, StartSidecar, eventually
+from tests.polling import eventually
+from tests.sidecar.conftest import StartEmulator, StartSidecar
 from tests.sidecar.helpers import chat, first_turn, next_turn, params_of, prefill, tokenize
 
 MODEL = "kvferry/emulated-model"
