@@ -32,7 +32,7 @@ from controlplane.errors import (
     StoreUnavailable,
 )
 from controlplane.policy import RELEASE, Prompt
-from controlplane.records import NodeRecord, NodeState
+from controlplane.records import NodeRecord, NodeState, Registered
 from controlplane.service import ControlPlane, LeaseRegistration, LeaseView, LookupQuery, NodeRegistration
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
@@ -242,7 +242,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         self._cp = cp
 
     async def _register(self, request: leases_pb2.RegisterLeaseRequest) -> leases_pb2.RegisterLeaseResponse:
-        view, replaced = await self._cp.register_lease(
+        view, done = await self._cp.register_lease(
             LeaseRegistration(
                 tenant=request.tenant,
                 conversation_id=request.conversation_id,
@@ -257,7 +257,11 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
             )
         )
         # The stored lease without its params and digests: the caller just sent them.
-        return leases_pb2.RegisterLeaseResponse(lease=lease_message(view, summary=True), replaced=replaced)
+        return leases_pb2.RegisterLeaseResponse(
+            lease=lease_message(view, summary=True),
+            replaced=done is Registered.REPLACED,
+            duplicate=done is Registered.DUPLICATE,
+        )
 
     async def _lookup(
         self,

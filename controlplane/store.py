@@ -35,6 +35,7 @@ from controlplane.records import (
     Keys,
     NodeRecord,
     NodeState,
+    Registered,
     Retention,
     decode_bounds,
     decode_claim,
@@ -93,11 +94,12 @@ class GcLeases:
         self._leases: dict[int, tuple[int, int]] = {}  # bucket -> (lease id, keys attached)
         self._granting: dict[int, asyncio.Future[int]] = {}
 
-    async def lease_for(self, deadline: float, now: float) -> int:
+    async def lease_for(self, deadline: float, now: float, keys: int = 1) -> int:
+        """The lease for `keys` more records whose deadline is `deadline`."""
         bucket = math.ceil(deadline / self._bucket_s)
         held = self._leases.get(bucket)
-        if held is not None and held[1] < self._max_keys:
-            self._leases[bucket] = (held[0], held[1] + 1)
+        if held is not None and held[1] + keys <= self._max_keys:
+            self._leases[bucket] = (held[0], held[1] + keys)
             return held[0]
         pending = self._granting.get(bucket)
         if pending is not None:
@@ -106,7 +108,7 @@ class GcLeases:
             await asyncio.wait([pending])
             if not pending.cancelled() and (failed := pending.exception()) is not None:
                 raise failed  # etcd refused or is down: the same answer for everyone waiting
-            return await self.lease_for(deadline, now)
+            return await self.lease_for(deadline, now, keys)
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._granting[bucket] = fut
         try:
@@ -116,7 +118,7 @@ class GcLeases:
                 self._client.leasestub.LeaseGrant(rpc.LeaseGrantRequest(TTL=ttl), timeout=self._timeout),
             )
             metrics.GC_LEASE_GRANTS.inc()
-            self._leases[bucket] = (resp.ID, 1)
+            self._leases[bucket] = (resp.ID, keys)
             fut.set_result(resp.ID)
             self._forget_before(math.floor(now / self._bucket_s))
             return int(resp.ID)
@@ -263,13 +265,15 @@ class EtcdStore:
         resp: rpc.TxnResponse = await timed(op, self._client.kvstub.Txn(req, timeout=self._timeout))
         return resp
 
-    async def _with_gc_lease(self, deadline: float, now: float, write: Callable[[int], Awaitable[T]]) -> T:
-        lease = await self._gc.lease_for(deadline, now)
+    async def _with_gc_lease(
+        self, deadline: float, now: float, write: Callable[[int], Awaitable[T]], keys: int = 1
+    ) -> T:
+        lease = await self._gc.lease_for(deadline, now, keys)
         try:
             return await write(lease)
         except LeaseGone:
             self._gc.forget(lease)
-            lease = await self._gc.lease_for(deadline, now)
+            lease = await self._gc.lease_for(deadline, now, keys)
             try:
                 return await write(lease)
             except LeaseGone as e:
@@ -278,22 +282,35 @@ class EtcdStore:
     # -- retentions -----------------------------------------------------------
 
     async def put_retention(
-        self, tenant: str, conversation_id: str, r: Retention, now: float
-    ) -> tuple[int, bool]:
-        """Store a retention, replacing the conversation's previous one. -> (revision, replaced)."""
+        self, tenant: str, conversation_id: str, r: Retention, request_id: str, now: float
+    ) -> tuple[int, Registered]:
+        """Store a retention, replacing the conversation's previous one, unless D's request
+        `request_id` was stored before. -> (revision, what was done).
+
+        Once only: a registration whose answer was lost is sent again, and by then its
+        retention may have been claimed and D's blocks freed; storing it again would hand
+        them out a second time. So the same transaction leaves a mark of the D request,
+        kept as long as the retention could live, and refuses a registration that finds it.
+        """
         key = self.keys.retention(tenant, conversation_id)
+        once = self.keys.registration(r.engine_id, request_id)
         value = encode(r)
         self._registered += 1
         if self._registered % SCAN_PAGE == 0 and len(self._sampled) < MAX_SCAN_BOUNDS:
             self._sampled.append(key)  # a window bound for the next gauge scan
 
-        async def write(lease: int) -> tuple[int, bool]:
+        async def write(lease: int) -> tuple[int, Registered]:
             put = rpc.PutRequest(key=key, value=value, lease=lease, prev_kv=True)
-            txn = rpc.TxnRequest(success=[rpc.RequestOp(request_put=put)])
-            resp = await self._batcher.submit("put_retention", txn, (key,))
-            return int(resp.header.revision), resp.responses[0].response_put.HasField("prev_kv")
+            txn = rpc.TxnRequest(
+                compare=[_absent(once)], success=[rpc.RequestOp(request_put=put), _put(once, b"", lease)]
+            )
+            resp = await self._batcher.submit("put_retention", txn, (key, once))
+            if not resp.succeeded:
+                return int(resp.header.revision), Registered.DUPLICATE
+            replaced = resp.responses[0].response_put.HasField("prev_kv")
+            return int(resp.header.revision), Registered.REPLACED if replaced else Registered.NEW
 
-        return await self._with_gc_lease(r.expires_at, now, write)
+        return await self._with_gc_lease(r.expires_at, now, write, keys=2)
 
     async def claim(self, tenant: str, conversation_id: str, now: float) -> ClaimOutcome:
         """Take the conversation's retention out of etcd, atomically, leaving a claim marker.
