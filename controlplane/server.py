@@ -34,6 +34,7 @@ from controlplane.errors import (
 from controlplane.policy import RELEASE, Prompt
 from controlplane.records import NodeRecord, NodeState, Registered
 from controlplane.service import ControlPlane, LeaseRegistration, LeaseView, LookupQuery, NodeRegistration
+from kvferry.framing import by_size
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -316,7 +317,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[leases_pb2.LeaseOpResultBatch]:
         """Run each op as it arrives (up to STREAM_WINDOW at once); answer in completion
-        order, every result that is ready going out in one message."""
+        order, the results that are ready going out together (`kvferry.framing`)."""
         ready: list[leases_pb2.LeaseOpResult] = []
         wake = asyncio.Event()
         taken = asyncio.Event()  # results were taken out to be sent
@@ -415,7 +416,8 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
                 if ready:
                     out, ready[:] = list(ready), []
                     taken.set()
-                    yield leases_pb2.LeaseOpResultBatch(results=out)
+                    for results in by_size(out):
+                        yield leases_pb2.LeaseOpResultBatch(results=results)
                     continue
                 if not reading:
                     break

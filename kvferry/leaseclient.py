@@ -3,8 +3,9 @@ long-lived gRPC stream. Shared by the sidecar, the router and the benchmarks.
 
 A gRPC message costs far more than an operation in gRPC Python, so calls made
 while a write is in progress leave together in the next message (one op per
-message when idle, many under load). A broken stream fails the calls in flight
-with UNAVAILABLE; the next call opens a new one. Each call has its own timeout.
+message when idle, many under load, up to `kvferry.framing`'s size budget). A
+broken stream fails the calls in flight with UNAVAILABLE; the next call opens a
+new one. Each call has its own timeout.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from kvferry.framing import by_size
 from kvferry.tasks import cancel_and_wait
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
 
@@ -133,7 +135,8 @@ class LeaseStream:
                 self._wake.clear()
                 while self._outbox:
                     batch, self._outbox = self._outbox, []
-                    await call.write(leases_pb2.LeaseOpBatch(ops=batch))
+                    for ops in by_size(batch):
+                        await call.write(leases_pb2.LeaseOpBatch(ops=ops))
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
             call.cancel()  # the reader sees the stream end and fails what is in flight
 

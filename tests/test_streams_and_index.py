@@ -11,7 +11,7 @@ import pytest
 from controlplane.blockindex import BlockIndex, IndexUpdate
 from kvferry.v1 import leases_pb2, nodes_pb2
 from tests.conftest import Client, free_port
-from tests.factories import lease_request, lookup_request, node_request
+from tests.factories import lease_request, lookup_request, node_request, tokens
 
 
 async def test_stream_multiplexes_register_and_lookup_with_per_op_errors(client: Client) -> None:
@@ -116,6 +116,51 @@ async def test_lease_stream_client_batches_under_load_and_survives_timeouts(clie
             assert e.code == grpc.StatusCode.DEADLINE_EXCEEDED and not e.stream_lost
         again = await stream.lookup(lookup_request("b-1", peek=True), 10)
         assert again.reason == "already_claimed"
+    finally:
+        await stream.close()
+
+
+def test_batches_are_cut_by_encoded_size_in_order() -> None:
+    from kvferry.framing import by_size
+
+    ops = [
+        leases_pb2.LookupRequest(conversation_id=c * size)
+        for c, size in zip("abcdef", (40, 40, 40, 200, 10, 10), strict=True)
+    ]
+    sizes = [op.ByteSize() for op in ops]
+    runs = list(by_size(ops, budget=100))
+    assert [op for run in runs for op in run] == ops
+    assert [len(run) for run in runs] == [2, 1, 1, 2]  # the 200-byte one alone, over the budget
+    assert all(sum(op.ByteSize() for op in run) <= 100 for run in runs if len(run) > 1)
+    assert sizes[3] > 100
+    assert list(by_size(ops[3:4], budget=1)) == [ops[3:4]]
+
+
+async def test_long_conversations_ops_and_answers_stay_under_the_message_limit(client: Client) -> None:
+    """100 registrations of 64k-token conversations at once (~11 MB) and their 100 PULL
+    answers (~4.5 MB): in one message each, over the daemon's 4 MiB limit and this client's,
+    gRPC would end the stream and fail every op on it."""
+    from kvferry.leaseclient import LeaseStream
+
+    await client.nodes.Register(node_request("d-1"))
+    n = 65536
+    seq = tokens(n)
+    reqs = [lease_request(f"long-{i}", num_tokens=n, seq=seq) for i in range(100)]
+    assert sum(r.ByteSize() for r in reqs) > 8 * 1024 * 1024
+    prompt = lookup_request("", prompt_tokens=n + 100, seq=seq + tokens(100, start=7))
+    stream = LeaseStream(client.channel)
+    try:
+        regs = await asyncio.gather(*(stream.register(r, 60) for r in reqs))
+        assert all(r.lease.num_tokens == n for r in regs)
+        looks = []
+        for i in range(100):
+            ask = leases_pb2.LookupRequest()
+            ask.CopyFrom(prompt)
+            ask.conversation_id = f"long-{i}"
+            looks.append(stream.lookup(ask, 60))
+        answers = await asyncio.gather(*looks)
+        assert all(a.decision == leases_pb2.PULL and a.reusable_tokens == n for a in answers)
+        assert sum(a.ByteSize() for a in answers) > 4 * 1024 * 1024
     finally:
         await stream.close()
 
