@@ -38,6 +38,8 @@ class LeaseOpError(Exception):
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+LATE_ANSWER_S = 10.0
+"""How long an answer given up on is still waited for when its caller wants it late."""
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # missing from the stubs
 
 
@@ -68,10 +70,12 @@ class LeaseStream:
         req: leases_pb2.LookupRequest,
         prompt: Awaitable[leases_pb2.LookupPrompt | None],
         deadline_s: float,
+        late: Callable[[leases_pb2.LookupResponse], None] | None = None,
     ) -> leases_pb2.LookupResponse:
         """A Lookup sent before its prompt is known: the daemon claims the retention while
         `prompt` is awaited, then decides on it. `deadline_s` counts from when the prompt
-        is ready (the work before it has deadlines of its own).
+        is ready (the work before it has deadlines of its own). An answer that comes after
+        the deadline (up to LATE_ANSWER_S) goes to `late`: what the daemon claimed for it.
 
         When `prompt` gives None, fails or is cancelled, an empty prompt still goes (the
         daemon answers RECOMPUTE / no_prompt with release_params for what it claimed, so
@@ -88,7 +92,8 @@ class LeaseStream:
             finally:  # also when cancelled: end the daemon's wait at once
                 self._enqueue(leases_pb2.LeaseOp(id=op_id, prompt=later or leases_pb2.LookupPrompt()))
 
-        res = await self._op(leases_pb2.LeaseOp(lookup=req), deadline_s, then_prompt)
+        late_result = (lambda res: late(res.lookup)) if late is not None else None
+        res = await self._op(leases_pb2.LeaseOp(lookup=req), deadline_s, then_prompt, late_result)
         return res.lookup
 
     async def _op(
@@ -96,28 +101,62 @@ class LeaseStream:
         op: leases_pb2.LeaseOp,
         deadline_s: float,
         before_deadline: Callable[[int], Awaitable[None]] | None = None,
+        late: Callable[[leases_pb2.LeaseOpResult], None] | None = None,
     ) -> leases_pb2.LeaseOpResult:
-        """Send `op`, run `before_deadline(op.id)` if given, then wait up to `deadline_s`."""
+        """Send `op`, run `before_deadline(op.id)` if given, then wait up to `deadline_s`
+        (and, with `late`, hand it an answer that comes after that)."""
         op.id = next(self._ids)
         fut: asyncio.Future[leases_pb2.LeaseOpResult] = asyncio.get_running_loop().create_future()
         self._pending[op.id] = fut
+        answer_late = False
         try:
             await self._open()  # creates the call when there is none; never waits on the network
             self._enqueue(op)
             if before_deadline is not None:
                 await before_deadline(op.id)
             async with asyncio.timeout(deadline_s):
-                res = await fut
+                res = await (fut if late is None else asyncio.shield(fut))
         except TimeoutError:
+            if late is not None:
+                answer_late = True
+                self._answer_late(op.id, fut, late)
             raise LeaseOpError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {deadline_s}s") from None
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
             await self._reset()
             raise LeaseOpError(grpc.StatusCode.UNAVAILABLE, f"lease stream broke: {e}", True) from e
         finally:
-            self._pending.pop(op.id, None)
+            if not answer_late:  # (else `_answer_late` removes it)
+                self._pending.pop(op.id, None)
         if res.WhichOneof("result") == "error":
             raise LeaseOpError(_CODES.get(res.error.code, grpc.StatusCode.UNKNOWN), res.error.message)
         return res
+
+    def _answer_late(
+        self,
+        op_id: int,
+        fut: asyncio.Future[leases_pb2.LeaseOpResult],
+        late: Callable[[leases_pb2.LeaseOpResult], None],
+    ) -> None:
+        """Keep waiting, up to LATE_ANSWER_S, for the answer to an op whose caller gave up;
+        `late` gets it unless it is an error (or the stream broke meanwhile)."""
+
+        def give_up() -> None:
+            if self._pending.get(op_id) is fut:
+                del self._pending[op_id]
+            fut.cancel()
+
+        def answered(f: asyncio.Future[leases_pb2.LeaseOpResult]) -> None:
+            timer.cancel()
+            if self._pending.get(op_id) is f:
+                del self._pending[op_id]
+            if f.cancelled() or f.exception() is not None:
+                return
+            res = f.result()
+            if res.WhichOneof("result") != "error":
+                late(res)
+
+        timer = asyncio.get_running_loop().call_later(LATE_ANSWER_S, give_up)
+        fut.add_done_callback(answered)
 
     def _enqueue(self, op: leases_pb2.LeaseOp) -> None:
         """Hand `op` to the writer (it leaves in the next message)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 import structlog
@@ -95,13 +95,18 @@ class ControlPlane:
             log.info("router.daemon.failover", address=self._replica.address)
 
     async def lookup_early(
-        self, tenant: str, conversation_id: str, prompt: asyncio.Future[tuple[list[int], bytes] | None]
+        self,
+        tenant: str,
+        conversation_id: str,
+        prompt: asyncio.Future[tuple[list[int], bytes] | None],
+        answered_late: Callable[[Reuse], None] | None = None,
     ) -> Reuse:
         """Claim the conversation's retention for a prompt; any failure = serve without reuse.
 
         Sent before the prompt is known: the daemon claims while `prompt` (the token ids
         and their digests; None = none could be made) is still being computed, so the
-        claim's round trip overlaps tokenizing. The deadline counts from the prompt."""
+        claim's round trip overlaps tokenizing. The deadline counts from the prompt. An
+        answer after the deadline goes to `answered_late` (the daemon claimed for it all the same)."""
         req = leases_pb2.LookupRequest(tenant=tenant, conversation_id=conversation_id)
 
         async def message() -> leases_pb2.LookupPrompt | None:
@@ -116,7 +121,12 @@ class ControlPlane:
             return skipped(Skip.BACKOFF)
         replica = self._replica
         try:
-            res = await replica.leases.lookup_with_prompt(req, message(), self._s.lookup_deadline_s)
+            res = await replica.leases.lookup_with_prompt(
+                req,
+                message(),
+                self._s.lookup_deadline_s,
+                None if answered_late is None else lambda res: answered_late(reuse_of(answer_of(res))),
+            )
         except LeaseOpError as e:
             late = e.code is grpc.StatusCode.DEADLINE_EXCEEDED
             unreachable = e.code in _UNREACHABLE

@@ -165,12 +165,22 @@ def release_body(
     D's sidecar registers nothing, as no conversation is named."""
     kv = {**prefill_params, "do_remote_decode": False, "remote_num_tokens": 0}
     kv.pop("prompt_token_ids", None)  # the prompt is the one token below
-    out: dict[str, Any] = {
-        "prompt": list(prompt_token_ids[:1]) if prompt_token_ids else _RELEASE_PROMPT,
-        "max_tokens": 1,
-        "stream": False,
-        "kv_transfer_params": kv,
-    }
+    return _one_token(model, kv, list(prompt_token_ids[:1]) if prompt_token_ids else _RELEASE_PROMPT)
+
+
+def claim_release_body(model: Any, decode_params: Mapping[str, Any]) -> dict[str, Any]:
+    """A one-token completion handing P D's params (a pull's or a release's) with nothing
+    to pull, for a claim whose answer came after its turn went on without it: P's connector
+    only notifies D, which frees the conversation's blocks now rather than at its TTL
+    (480 s by default). P keeps this request's one block until its own timeout, as a
+    producer keeps every request's blocks for a D that may read them."""
+    kv = {**decode_params, "do_remote_decode": True, "do_remote_prefill": False, "remote_num_tokens": 0}
+    kv.pop("prompt_token_ids", None)
+    return _one_token(model, kv, _RELEASE_PROMPT)
+
+
+def _one_token(model: Any, kv: dict[str, Any], prompt: str | list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {"prompt": prompt, "max_tokens": 1, "stream": False, "kv_transfer_params": kv}
     if isinstance(model, str):
         out["model"] = model
     return out

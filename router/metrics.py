@@ -83,6 +83,15 @@ class RouterMetrics:
             ["outcome"],
             registry=r,
         )
+        self.claim_releases = Counter(
+            "kvferry_router_claim_releases",
+            "Lookups answered after their deadline, when the turn had gone on without reuse: "
+            "the daemon had claimed D's blocks all the same. By what became of the release "
+            "sent through P to have D free them: released, refused (P answered an error), "
+            "failed (P not reached), error, skipped (too many releases on their way)",
+            ["outcome"],
+            registry=r,
+        )
         self.nodes = Gauge(
             "kvferry_router_nodes", "Nodes the router routes to, by role", ["role"], registry=r
         )

@@ -21,16 +21,18 @@ to do) changes what the client gets, only how fast.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import structlog
 from aiohttp import hdrs, web
+from prometheus_client import Counter
 
 from kvferry.blockhash import block_hashes, external_block_hash
 from kvferry.digests import block_digests, seed_for
@@ -49,6 +51,7 @@ from router.decisions import (
     Retry,
     Reuse,
     Skip,
+    claim_release_body,
     decode_body,
     prefill_body,
     prefill_kv_params,
@@ -196,7 +199,12 @@ class Turn:
             assert self.s.control is not None
             prompt = asyncio.ensure_future(self._prompt(prefill))
             lookup = asyncio.ensure_future(
-                self.s.control.lookup_early(self.identity.tenant, conversation, prompt)
+                self.s.control.lookup_early(
+                    self.identity.tenant,
+                    conversation,
+                    prompt,
+                    answered_late=lambda reuse: self._release_claim(self.tokenized_by or prefill, reuse),
+                )
             )
             made = await prompt
             self.tokens = made[0] if made is not None else None
@@ -279,11 +287,11 @@ class Turn:
         return choose_prefill(same, self.s.load.view) if same else None
 
     async def _post_prefill_node(
-        self, node: Node, path: str, body: bytes, timeout_s: float | None = None
+        self, node: Node, path: str, body: bytes, timeout_s: float | None = None, request_id: str = ""
     ) -> Reply:
         """POST to the engine itself when its sidecar advertised it, else (or when that
         cannot be connected to: the engine never saw the request) through the sidecar."""
-        headers = self.s.engines.headers(self.request.headers, self.request_id)
+        headers = self.s.engines.headers(self.request.headers, request_id or self.request_id)
         url = self.s.direct.url(node)
         try:
             return await self.s.engines.post(url + path, body, headers, timeout_s)
@@ -473,44 +481,69 @@ class Turn:
         return resp
 
     def _release_later(self, node: Node, params: Mapping[str, Any]) -> None:
-        """D refused the turn, so nothing will pull what P kept for it: have it freed now
-        (`_release_prefill`), beside the client's error answer, not before it. Not sent
-        when the most allowed are already on their way: P's timeout frees the blocks."""
-        in_flight = len(self.s.releases)
-        if in_flight >= self.s.settings.upstream.max_releases_in_flight:
-            self.s.metrics.prefill_releases.labels("skipped").inc()
-            self.log.warning("router.prefill.release_skipped", node=node.engine_id, in_flight=in_flight)
-            return
-        release = self._release_prefill(node, params)
-        task = asyncio.get_running_loop().create_task(release, name="router-release")
-        self.s.releases.add(task)
-        task.add_done_callback(self.s.releases.discard)
-
-    async def _release_prefill(self, node: Node, params: Mapping[str, Any]) -> None:
-        """Hand D, which answered, P's params with nothing to pull (`release_body`): D's
-        connector notifies P, which frees the prompt's blocks. Best effort: P's timeout
-        frees them otherwise."""
+        """D refused the turn, so nothing will pull what P kept for it: have it freed now,
+        beside the client's error answer, not before it. D, handed P's params with nothing
+        to pull (`release_body`), has its connector notify P."""
         model = node.model or self.body.get("model")  # D's own name: the client's may be what D refused
         payload = encode(release_body(model, params, self.tokens))
         headers = self.s.engines.headers(self.request.headers, f"{self.request_id}-release")
+        # As long as a prefill may take: the release waits its turn on a busy D, and one
+        # given up before D scheduled it notifies no one.
+        post = functools.partial(self.s.engines.post, node.url + "/v1/completions", payload, headers)
+        self._release(node, "decode", "prefill", post, self.s.metrics.prefill_releases)
+
+    def _release_claim(self, node: Node, reuse: Reuse) -> None:
+        """The lookup's answer came after its deadline: the turn went on without reuse, but
+        the daemon had claimed the conversation's blocks on D (`reuse.remote`: a pull's or
+        a release's params; None = none were held). Have D free them now rather than at its
+        TTL: P, handed D's params with nothing to pull (`claim_release_body`), has its
+        connector notify D."""
+        if reuse.remote is None:
+            return
+        payload = encode(claim_release_body(node.model or self.body.get("model"), reuse.remote))
+        request_id = f"{self.request_id}-claim-release"
+        post = functools.partial(
+            self._post_prefill_node, node, "/v1/completions", payload, request_id=request_id
+        )
+        self._release(node, "prefill", "claim", post, self.s.metrics.claim_releases)
+
+    def _release(
+        self, node: Node, role: str, what: str, post: Callable[[], Awaitable[Reply]], outcomes: Counter
+    ) -> None:
+        """Send a release (`what`: a prefill's blocks, a claim's) to `node` in its `role`, in
+        the background; not when the most allowed are already on their way (then the
+        holder's timeout frees the blocks)."""
+        in_flight = len(self.s.releases)
+        if in_flight >= self.s.settings.upstream.max_releases_in_flight:
+            outcomes.labels("skipped").inc()
+            self.log.warning(f"router.{what}.release_skipped", node=node.engine_id, in_flight=in_flight)
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._send_release(node, role, what, post, outcomes), name=f"router-{what}-release"
+        )
+        self.s.releases.add(task)
+        task.add_done_callback(self.s.releases.discard)
+
+    async def _send_release(
+        self, node: Node, role: str, what: str, post: Callable[[], Awaitable[Reply]], outcomes: Counter
+    ) -> None:
+        """Best effort: the holder's timeout frees the blocks otherwise."""
         try:
-            # As long as a prefill may take: the release waits its turn on a busy D, and
-            # one given up before D scheduled it notifies no one.
-            reply = await self.s.engines.post(node.url + "/v1/completions", payload, headers)
+            reply = await post()
         except UpstreamError as e:
             outcome, detail = "failed", str(e)
         except Exception as e:  # a background task: nothing else would see it
-            self.log.exception("router.prefill.release_error", node=node.engine_id)
+            self.log.exception(f"router.{what}.release_error", node=node.engine_id)
             outcome, detail = "error", repr(e)
         else:
             outcome = "released" if reply.status == 200 else "refused"
             detail = (
                 ""
                 if reply.status == 200
-                else _engine_message(reply, Failure(FailureKind.STATUS, reply.status), "decode")
+                else _engine_message(reply, Failure(FailureKind.STATUS, reply.status), role)
             )
-        self.s.metrics.prefill_releases.labels(outcome).inc()
-        self.log.info("router.prefill.release", node=node.engine_id, outcome=outcome, detail=detail or None)
+        outcomes.labels(outcome).inc()
+        self.log.info(f"router.{what}.release", node=node.engine_id, outcome=outcome, detail=detail or None)
 
     def _label(self) -> str:
         return "pull" if self.reuse is not None and self.reuse.pull else "none"

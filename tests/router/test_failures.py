@@ -26,7 +26,7 @@ from tests.conftest import free_port
 from tests.factories import lease_request, node_request
 from tests.polling import eventually
 from tests.router.conftest import MakeStack, Stack, router_settings, sidecar_for
-from tests.router.helpers import CHAT, COMPLETIONS, ask, first_turn, next_turn
+from tests.router.helpers import CHAT, COMPLETIONS, ask, first_turn, next_turn, unheld_reads
 
 Reference = Callable[[str, dict[str, Any]], Awaitable[str]]
 
@@ -314,6 +314,37 @@ async def test_without_a_daemon_turns_are_served_without_reuse(
         res = await ask(http, late.url, body)
         assert res.status == 200 and (res.decision, res.reason) == ("SKIPPED", "daemon_timeout")
         assert res.text == await reference(CHAT, body)
+
+
+async def test_a_claim_answered_late_has_ds_blocks_freed_through_p(
+    make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
+) -> None:
+    """The lookup's answer came after its deadline: the turn went on without reuse, but the
+    daemon claimed the previous turn's blocks on D. Nothing would pull them, so D would keep
+    them for its TTL (480 s); the router has P tell D to free them now."""
+    stack = await make_stack()
+    router = await stack.router()
+    [d] = stack.decodes
+    messages = first_turn("lateness")
+    body = {"messages": messages, "max_tokens": 10, "conversation_id": "late-claim"}
+    one = await ask(http, router.url, body)
+    assert one.status == 200
+    await stack.registrations_idle()
+    [first] = d.engine.snapshot()["held_requests"]
+
+    late = await stack.router(daemon__lookup_deadline_s=1e-6)
+    second = {**body, "messages": next_turn(messages, one.text)}
+    two = await ask(http, late.url, second)
+    assert two.status == 200 and (two.decision, two.reason) == ("SKIPPED", "daemon_timeout")
+    assert two.text == await reference(CHAT, second)
+
+    async def released() -> bool:
+        done = late.metrics.value("kvferry_router_claim_releases_total", outcome="released")
+        return done == 1 and first not in d.engine.snapshot()["held_requests"]
+
+    await eventually(released)
+    assert len(d.engine.snapshot()["held_requests"]) == 1  # turn two's, for the next turn
+    assert unheld_reads(stack.decodes) == 0
 
 
 async def test_health_models_and_metrics(make_stack: MakeStack, http: aiohttp.ClientSession) -> None:
