@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--port", type=int, default=_DEFAULTS.port, help="HTTP port (0 = any free)")
     add("--role", choices=ROLES, default=_DEFAULTS.role, help="deployment role")
     add("--model", default=_DEFAULTS.model, help="served model name")
+    add("--api-key", default=_DEFAULTS.api_key, help="key that /v1/... requests must bear (vLLM's --api-key)")
     add("--block-size", type=int, default=_DEFAULTS.block_size, help="tokens per KV block")
     add("--num-blocks", type=int, default=_DEFAULTS.num_blocks, help="KV blocks in the pool")
     add("--max-model-len", type=int, default=_DEFAULTS.max_model_len, help="longest sequence")
@@ -95,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         port=args.port,
         role=args.role,
         model=args.model,
+        api_key=args.api_key,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         max_model_len=args.max_model_len,

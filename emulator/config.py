@@ -32,6 +32,9 @@ class EmulatorConfig:
     """Deployment role: prefill, decode or both (reported, not enforced, like vLLM's kv_both)."""
     model: str = "kvferry/emulated-model"
     """Served model name; requests naming another model get a 404."""
+    api_key: str = ""
+    """vLLM's --api-key: requests to /v1/... without ``Authorization: Bearer <key>`` get a
+    401 (the other routes, /health, /tokenize and /metrics among them, stay open)."""
     block_size: int = 16
     """Tokens per KV block."""
     num_blocks: int = 4096

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import msgspec
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from emulator.config import EmulatorConfig
 from emulator.engine import Engine, GenerationSpec, RunningRequest
@@ -614,9 +615,25 @@ async def _stream_many(shapes: list[_Shape], send: Send) -> None:
             await send(_token_chunk(shape, token, last))
 
 
+def _api_key_middleware(key: str) -> Middleware:
+    """vLLM's --api-key check: only the /v1 routes, the key as a bearer token, 401 otherwise."""
+    expected = f"Bearer {key}"
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith("/v1") and request.headers.get("Authorization") != expected:
+            return json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check
+
+
 def build_app(engine: Engine) -> web.Application:
     """The aiohttp application serving one engine."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
+    middlewares: list[Middleware] = [error_middleware]
+    if engine.config.api_key:  # (checked first: vLLM refuses before it parses anything)
+        middlewares.insert(0, _api_key_middleware(engine.config.api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app[ENGINE_KEY] = engine
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)

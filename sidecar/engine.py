@@ -203,7 +203,8 @@ async def learn_facts(session: aiohttp.ClientSession, settings: EngineSettings) 
     timeout = aiohttp.ClientTimeout(total=settings.health_timeout_s)
     model = settings.model
     if not model:
-        async with session.get(settings.url + "/v1/models", timeout=timeout) as r:
+        headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else None
+        async with session.get(settings.url + "/v1/models", timeout=timeout, headers=headers) as r:
             r.raise_for_status()
             body = await r.json(content_type=None)
         data = body.get("data") if isinstance(body, dict) else None

@@ -30,6 +30,9 @@ class EngineSettings:
     """prefill, decode or both (only decode and both nodes register retentions)."""
     model: str = ""
     """Base model; "" = learned from the engine's /v1/models."""
+    api_key: str = ""
+    """Bearer key for the sidecar's own requests to the engine's /v1 routes (vLLM's
+    --api-key guards them; "" = none). Requests it relays keep their own Authorization."""
     block_size: int = 0
     """Tokens per KV block; 0 = learned from vllm:cache_config_info in /metrics, else 16."""
     side_channel_host: str = ""
@@ -209,6 +212,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("role", e.role, "prefill, decode or both")
     add("engine-id", e.engine_id, "node id at the daemon (default <hostname>-<engine port>)")
     add("model", e.model, "base model (default: learned from /v1/models)")
+    add("engine-api-key", e.api_key, "bearer key for the engine's /v1/models (vLLM --api-key)")
     add("block-size", e.block_size, "tokens per KV block (0: learn from /metrics, else 16)", int)
     add("side-channel-host", e.side_channel_host, "NIXL side-channel host prefill nodes reach")
     add("side-channel-port", e.side_channel_port, "NIXL side-channel port", int)
@@ -243,6 +247,7 @@ def from_args(a: argparse.Namespace) -> Settings:
             engine_id=a.engine_id,
             role=a.role,
             model=a.model,
+            api_key=a.engine_api_key,
             block_size=a.block_size,
             side_channel_host=a.side_channel_host,
             side_channel_port=a.side_channel_port,

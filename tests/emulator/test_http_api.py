@@ -32,6 +32,30 @@ async def test_health_models_tokenize(start_emulator: StartEmulator, http: Clien
 
 
 @async_test()
+async def test_an_api_key_guards_the_v1_routes_as_in_vllm(
+    start_emulator: StartEmulator, http: Client
+) -> None:
+    emu = await start_emulator(api_key="sk-emu")
+    session = http.session
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-emu"}):
+        async with session.get(emu.http_url + "/v1/models", headers=headers) as r:
+            assert (r.status, await r.json()) == (401, {"error": "Unauthorized"}), headers
+        async with session.post(emu.http_url + "/v1/chat/completions", json={}, headers=headers) as r:
+            assert r.status == 401  # refused before the body is looked at
+    key = {"Authorization": "Bearer sk-emu"}
+    async with session.get(emu.http_url + "/v1/models", headers=key) as r:
+        assert r.status == 200 and (await r.json())["data"][0]["id"] == MODEL
+    async with session.post(
+        emu.http_url + "/v1/chat/completions", json={"messages": conversation(), "max_tokens": 2}, headers=key
+    ) as r:
+        assert r.status == 200
+    for path in ("/health", "/metrics"):  # outside /v1: open, as in vLLM
+        async with session.get(emu.http_url + path) as r:
+            assert r.status == 200, path
+    assert (await http.post(emu, "/tokenize", {"prompt": "hi"})).status == 200
+
+
+@async_test()
 async def test_errors_look_like_vllm(start_emulator: StartEmulator, http: Client) -> None:
     emu = await start_emulator(max_model_len=512)
     wrong_model = await http.chat(emu, conversation(), model="other")

@@ -56,6 +56,16 @@ def _fixed_ports(**extra: Any) -> dict[str, Any]:
     return {"port": free_port(), "side_channel_port": free_port(), **extra}
 
 
+async def test_the_model_is_learned_from_an_engine_that_wants_an_api_key(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar
+) -> None:
+    d = await start_emulator(role="decode", api_key="sk-engine")
+    sc = await start_sidecar(d, engine__api_key="sk-engine")
+    await eventually(lambda: _alive_at(client, sc.settings.node_id, 1))
+    node = await _node(client, sc.settings.node_id)
+    assert node is not None and node.model == d.config.model
+
+
 async def test_engine_restart_seen_by_health_makes_old_leases_node_restarted(
     client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
 ) -> None:
