@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import aiohttp
 
+KEEPALIVE_S = 4.0
+"""How long an idle connection to an engine (or a sidecar) is kept for reuse: less than
+vLLM's 5 s (uvicorn's --timeout-keep-alive). A request sent on a connection the server is
+closing at that moment fails after it left, so it cannot be retried as undelivered."""
+
 NOT_DELIVERED_HEADER = "X-Kvferry-Not-Delivered"
 """Set on a sidecar's 502 when its engine was never reached: the request was not seen, so
 the router may send it to another node as if the sidecar itself had been unreachable."""

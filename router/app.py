@@ -18,6 +18,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from kvferry.hops import KEEPALIVE_S
 from kvferry.tasks import cancel_and_wait
 from router.control import ControlPlane
 from router.http_api import build_app
@@ -58,7 +59,7 @@ class Router:
         s = self.settings
         try:
             self._http = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30),
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=KEEPALIVE_S),
                 auto_decompress=False,
             )
             if s.daemon.addresses:

@@ -19,6 +19,7 @@ import structlog
 import zmq.asyncio
 from aiohttp import web
 
+from kvferry.hops import KEEPALIVE_S
 from kvferry.tasks import cancel_and_wait
 from sidecar.daemon import DaemonLink
 from sidecar.engine import EngineInstance, watch_health
@@ -78,7 +79,7 @@ class Sidecar:
         s = self.settings
         try:
             self._http = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60),
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=KEEPALIVE_S),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.tap.connect_timeout_s),
                 auto_decompress=False,
             )
