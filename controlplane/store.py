@@ -55,6 +55,9 @@ T = TypeVar("T")
 SCAN_PAGE = 100
 #: At most this many gauge-scan window bounds are kept (~50 bytes each in etcd).
 MAX_SCAN_BOUNDS = 10_000
+#: Seconds a registration's once-only mark is kept at least (its GC lease may keep it up
+#: to two buckets longer). Twice the sidecar's resend window, for its clock and latency.
+REGISTRATION_MARK_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -94,12 +97,11 @@ class GcLeases:
         self._leases: dict[int, tuple[int, int]] = {}  # bucket -> (lease id, keys attached)
         self._granting: dict[int, asyncio.Future[int]] = {}
 
-    async def lease_for(self, deadline: float, now: float, keys: int = 1) -> int:
-        """The lease for `keys` more records whose deadline is `deadline`."""
+    async def lease_for(self, deadline: float, now: float) -> int:
         bucket = math.ceil(deadline / self._bucket_s)
         held = self._leases.get(bucket)
-        if held is not None and held[1] + keys <= self._max_keys:
-            self._leases[bucket] = (held[0], held[1] + keys)
+        if held is not None and held[1] < self._max_keys:
+            self._leases[bucket] = (held[0], held[1] + 1)
             return held[0]
         pending = self._granting.get(bucket)
         if pending is not None:
@@ -108,7 +110,7 @@ class GcLeases:
             await asyncio.wait([pending])
             if not pending.cancelled() and (failed := pending.exception()) is not None:
                 raise failed  # etcd refused or is down: the same answer for everyone waiting
-            return await self.lease_for(deadline, now, keys)
+            return await self.lease_for(deadline, now)
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._granting[bucket] = fut
         try:
@@ -118,7 +120,7 @@ class GcLeases:
                 self._client.leasestub.LeaseGrant(rpc.LeaseGrantRequest(TTL=ttl), timeout=self._timeout),
             )
             metrics.GC_LEASE_GRANTS.inc()
-            self._leases[bucket] = (resp.ID, keys)
+            self._leases[bucket] = (resp.ID, 1)
             fut.set_result(resp.ID)
             self._forget_before(math.floor(now / self._bucket_s))
             return int(resp.ID)
@@ -265,19 +267,25 @@ class EtcdStore:
         resp: rpc.TxnResponse = await timed(op, self._client.kvstub.Txn(req, timeout=self._timeout))
         return resp
 
-    async def _with_gc_lease(
-        self, deadline: float, now: float, write: Callable[[int], Awaitable[T]], keys: int = 1
+    async def _with_gc_lease(self, deadline: float, now: float, write: Callable[[int], Awaitable[T]]) -> T:
+        return await self._with_gc_leases((deadline,), now, lambda leases: write(leases[0]))
+
+    async def _with_gc_leases(
+        self, deadlines: Sequence[float], now: float, write: Callable[[list[int]], Awaitable[T]]
     ) -> T:
-        lease = await self._gc.lease_for(deadline, now, keys)
+        """`write` given a GC lease for each deadline. Leases etcd no longer has (it does
+        not say which) are all replaced, once."""
+        leases = [await self._gc.lease_for(d, now) for d in deadlines]
         try:
-            return await write(lease)
+            return await write(leases)
         except LeaseGone:
-            self._gc.forget(lease)
-            lease = await self._gc.lease_for(deadline, now, keys)
+            for lease in leases:
+                self._gc.forget(lease)
+            leases = [await self._gc.lease_for(d, now) for d in deadlines]
             try:
-                return await write(lease)
+                return await write(leases)
             except LeaseGone as e:
-                raise StoreUnavailable("etcd lost the GC lease twice in a row") from e
+                raise StoreUnavailable("etcd lost a GC lease twice in a row") from e
 
     # -- retentions -----------------------------------------------------------
 
@@ -285,12 +293,14 @@ class EtcdStore:
         self, tenant: str, conversation_id: str, r: Retention, request_id: str, now: float
     ) -> tuple[int, Registered]:
         """Store a retention, replacing the conversation's previous one, unless D's request
-        `request_id` was stored before. -> (revision, what was done).
+        `request_id` was stored in the last REGISTRATION_MARK_S. -> (revision, what was done).
 
         Once only: a registration whose answer was lost is sent again, and by then its
         retention may have been claimed and D's blocks freed; storing it again would hand
         them out a second time. So the same transaction leaves a mark of the D request,
-        kept as long as the retention could live, and refuses a registration that finds it.
+        and refuses a registration that finds it. Marks are kept for a window, not for
+        the retention's life (an etcd key per registration for 480 s doubled the store);
+        senders resend only within a shorter one (`kvferry.leaseclient.RESEND_WINDOW_S`).
         """
         key = self.keys.retention(tenant, conversation_id)
         once = self.keys.registration(r.engine_id, request_id)
@@ -299,10 +309,12 @@ class EtcdStore:
         if self._registered % SCAN_PAGE == 0 and len(self._sampled) < MAX_SCAN_BOUNDS:
             self._sampled.append(key)  # a window bound for the next gauge scan
 
-        async def write(lease: int) -> tuple[int, Registered]:
+        async def write(leases: list[int]) -> tuple[int, Registered]:
+            lease, mark_lease = leases
             put = rpc.PutRequest(key=key, value=value, lease=lease, prev_kv=True)
             txn = rpc.TxnRequest(
-                compare=[_absent(once)], success=[rpc.RequestOp(request_put=put), _put(once, b"", lease)]
+                compare=[_absent(once)],
+                success=[rpc.RequestOp(request_put=put), _put(once, b"", mark_lease)],
             )
             resp = await self._batcher.submit("put_retention", txn, (key, once))
             if not resp.succeeded:
@@ -310,7 +322,8 @@ class EtcdStore:
             replaced = resp.responses[0].response_put.HasField("prev_kv")
             return int(resp.header.revision), Registered.REPLACED if replaced else Registered.NEW
 
-        return await self._with_gc_lease(r.expires_at, now, write, keys=2)
+        mark_until = min(r.expires_at, now + REGISTRATION_MARK_S)
+        return await self._with_gc_leases((r.expires_at, mark_until), now, write)
 
     async def claim(self, tenant: str, conversation_id: str, now: float) -> ClaimOutcome:
         """Take the conversation's retention out of etcd, atomically, leaving a claim marker.
