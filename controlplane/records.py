@@ -7,7 +7,7 @@ Key layout under a configurable prefix (default ``/kvferry``)::
     <prefix>/retentions/<tenant>/<conversation>   Retention, on a shared time-bucketed GC lease
     <prefix>/claimed/<tenant>/<conversation>      Claim marker, on a shared GC lease
     <prefix>/registered/<engine_id>/<request_id>  Empty: this D request's retention was stored
-                                                  (for a minute, on a GC lease of its own)
+                                                  (for 20-30 s, on a GC lease of its own)
     <prefix>/meta/scan-bounds                     Window bounds of the gauge scan (no lease)
     <prefix>/meta/generation-floor                Highest generation of a deleted node record
 

@@ -56,8 +56,10 @@ SCAN_PAGE = 100
 #: At most this many gauge-scan window bounds are kept (~50 bytes each in etcd).
 MAX_SCAN_BOUNDS = 10_000
 #: Seconds a registration's once-only mark is kept at least (its GC lease may keep it up
-#: to two buckets longer). Twice the sidecar's resend window, for its clock and latency.
-REGISTRATION_MARK_S = 60.0
+#: to two MARK_BUCKET_S longer). Twice the sidecar's resend window, for its clock and
+#: latency. Each live mark is an etcd key: at 2,000 registrations/s, ~60,000 of them.
+REGISTRATION_MARK_S = 20.0
+MARK_BUCKET_S = 5
 
 
 @dataclass(frozen=True)
@@ -207,6 +209,8 @@ class EtcdStore:
         self._timeout = timeout_s
         self._client = Client(channel_target(endpoints), timeout_s)
         self._gc = GcLeases(self._client, bucket_s, max_keys_per_lease, timeout_s)
+        # Registration marks live seconds, not minutes: buckets of their own, as fine.
+        self._marks = GcLeases(self._client, MARK_BUCKET_S, max_keys_per_lease, timeout_s)
         self._batcher = TxnBatcher(self._client, timeout_s)
         self._claim_marker_s = claim_marker_s
         # Every SCAN_PAGE-th key this replica registered since the last gauge scan.
@@ -268,20 +272,23 @@ class EtcdStore:
         return resp
 
     async def _with_gc_lease(self, deadline: float, now: float, write: Callable[[int], Awaitable[T]]) -> T:
-        return await self._with_gc_leases((deadline,), now, lambda leases: write(leases[0]))
+        return await self._with_gc_leases(((self._gc, deadline),), now, lambda leases: write(leases[0]))
 
     async def _with_gc_leases(
-        self, deadlines: Sequence[float], now: float, write: Callable[[list[int]], Awaitable[T]]
+        self,
+        needs: Sequence[tuple[GcLeases, float]],
+        now: float,
+        write: Callable[[list[int]], Awaitable[T]],
     ) -> T:
-        """`write` given a GC lease for each deadline. Leases etcd no longer has (it does
-        not say which) are all replaced, once."""
-        leases = [await self._gc.lease_for(d, now) for d in deadlines]
+        """`write` given a GC lease from each (table, deadline). Leases etcd no longer has
+        (it does not say which) are all replaced, once."""
+        leases = [await table.lease_for(deadline, now) for table, deadline in needs]
         try:
             return await write(leases)
         except LeaseGone:
-            for lease in leases:
-                self._gc.forget(lease)
-            leases = [await self._gc.lease_for(d, now) for d in deadlines]
+            for (table, _), lease in zip(needs, leases, strict=True):
+                table.forget(lease)
+            leases = [await table.lease_for(deadline, now) for table, deadline in needs]
             try:
                 return await write(leases)
             except LeaseGone as e:
@@ -323,7 +330,7 @@ class EtcdStore:
             return int(resp.header.revision), Registered.REPLACED if replaced else Registered.NEW
 
         mark_until = min(r.expires_at, now + REGISTRATION_MARK_S)
-        return await self._with_gc_leases((r.expires_at, mark_until), now, write)
+        return await self._with_gc_leases(((self._gc, r.expires_at), (self._marks, mark_until)), now, write)
 
     async def claim(self, tenant: str, conversation_id: str, now: float) -> ClaimOutcome:
         """Take the conversation's retention out of etcd, atomically, leaving a claim marker.

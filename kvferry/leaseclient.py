@@ -45,9 +45,9 @@ class LeaseOpError(Exception):
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 LATE_ANSWER_S = 10.0
 """How long an answer given up on is still waited for when its caller wants it late."""
-RESEND_WINDOW_S = 30.0
+RESEND_WINDOW_S = 10.0
 """A registration may be sent again only this long after it was first sent: the daemon
-refuses a duplicate (the same D request) for longer than that (60 s), but not for ever,
+refuses a duplicate (the same D request) for longer than that (20 s), but not for ever,
 and one stored, then handed out, then stored again would be handed out twice."""
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # missing from the stubs
 

@@ -176,9 +176,9 @@ class RegisterLeaseResponse(_message.Message):
     """A previous retention of this conversation was replaced."""
     duplicate: _builtins.bool
     """This D request's retention (engine_id, kv_transfer_params.remote_request_id) was
-    registered in the last minute, so nothing was stored: a resend whose first answer was
+    registered in the last 20 s, so nothing was stored: a resend whose first answer was
     lost. It may have been handed out since; storing it again could hand freed blocks to
-    a second P. (Do not resend a registration later than 30 s after first sending it.)
+    a second P. (Do not resend a registration later than 10 s after first sending it.)
     """
     @_builtins.property
     def lease(self) -> Global___Lease: ...
