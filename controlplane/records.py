@@ -6,8 +6,6 @@ Key layout under a configurable prefix (default ``/kvferry``)::
     <prefix>/alive/<engine_id>                    generation, on the node's liveness lease
     <prefix>/retentions/<tenant>/<conversation>   Retention, on a shared time-bucketed GC lease
     <prefix>/claimed/<tenant>/<conversation>      Claim marker, on a shared GC lease
-    <prefix>/registered/<engine_id>/<request_id>  Empty: this D request's retention was stored
-                                                  (for 20-30 s, on a GC lease of its own)
     <prefix>/meta/scan-bounds                     Window bounds of the gauge scan (no lease)
     <prefix>/meta/generation-floor                Highest generation of a deleted node record
 
@@ -64,16 +62,6 @@ class Retention(msgspec.Struct, frozen=True):
     created_at: float
     expires_at: float
     digests: bytes = b""
-
-
-class Registered(enum.Enum):
-    """What a retention registration did."""
-
-    NEW = "new"
-    REPLACED = "replaced"  # the conversation's previous retention
-    # The same D request was stored before; nothing was written. A sender retrying after a
-    # lost answer must not bring back a retention that was handed out (and freed) since.
-    DUPLICATE = "duplicate"
 
 
 class HeldSummary(msgspec.Struct, frozen=True):
@@ -148,7 +136,6 @@ class Keys:
         self.alive = f"{self.prefix}/alive/".encode()
         self.retentions = f"{self.prefix}/retentions/".encode()
         self.claimed = f"{self.prefix}/claimed/".encode()
-        self.registered = f"{self.prefix}/registered/".encode()
         self.scan_bounds = f"{self.prefix}/meta/scan-bounds".encode()
         self.generation_floor = f"{self.prefix}/meta/generation-floor".encode()
 
@@ -166,9 +153,6 @@ class Keys:
 
     def claim(self, tenant: str, conversation_id: str) -> bytes:
         return self.claimed + f"{_seg(tenant)}/{_seg(conversation_id)}".encode()
-
-    def registration(self, engine_id: str, request_id: str) -> bytes:
-        return self.registered + f"{_seg(engine_id)}/{_seg(request_id)}".encode()
 
     def split_retention(self, key: bytes) -> tuple[str, str]:
         """(tenant, conversation_id) of a retention or claim key."""

@@ -32,7 +32,7 @@ from controlplane.errors import (
     StoreUnavailable,
 )
 from controlplane.policy import RELEASE, Prompt
-from controlplane.records import NodeRecord, NodeState, Registered
+from controlplane.records import NodeRecord, NodeState
 from controlplane.service import ControlPlane, LeaseRegistration, LeaseView, LookupQuery, NodeRegistration
 from kvferry.framing import by_size
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
@@ -243,7 +243,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         self._cp = cp
 
     async def _register(self, request: leases_pb2.RegisterLeaseRequest) -> leases_pb2.RegisterLeaseResponse:
-        view, done = await self._cp.register_lease(
+        view, replaced = await self._cp.register_lease(
             LeaseRegistration(
                 tenant=request.tenant,
                 conversation_id=request.conversation_id,
@@ -258,11 +258,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
             )
         )
         # The stored lease without its params and digests: the caller just sent them.
-        return leases_pb2.RegisterLeaseResponse(
-            lease=lease_message(view, summary=True),
-            replaced=done is Registered.REPLACED,
-            duplicate=done is Registered.DUPLICATE,
-        )
+        return leases_pb2.RegisterLeaseResponse(lease=lease_message(view, summary=True), replaced=replaced)
 
     async def _lookup(
         self,

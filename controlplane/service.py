@@ -20,7 +20,7 @@ from controlplane import metrics
 from controlplane.blockindex import BlockIndex, IndexUpdate
 from controlplane.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound, StoreUnavailable
 from controlplane.policy import RELEASE, Decision, Prompt, Reason, decide, digest_problem, param_problems
-from controlplane.records import Claim, NodeRecord, NodeState, Registered, Retention, Role
+from controlplane.records import Claim, NodeRecord, NodeState, Retention, Role
 from controlplane.settings import Settings
 from controlplane.store import ClaimOutcome, EtcdStore
 from kvferry.logs import Outage
@@ -360,7 +360,7 @@ class ControlPlane:
         _check_id("tenant", tenant, self._limits.max_id_bytes, required=False)
         return tenant or DEFAULT_TENANT
 
-    async def register_lease(self, reg: LeaseRegistration) -> tuple[LeaseView, Registered]:
+    async def register_lease(self, reg: LeaseRegistration) -> tuple[LeaseView, bool]:
         lim = self._limits
         tenant = self._tenant(reg.tenant)
         _check_id("conversation_id", reg.conversation_id, lim.max_id_bytes)
@@ -395,8 +395,6 @@ class ControlPlane:
         problems = param_problems(reg.params, reg.num_tokens, block_size)
         if problems:
             raise InvalidArgument("; ".join(problems))
-        request_id = str(reg.params["remote_request_id"])
-        _check_id("kv_transfer_params.remote_request_id", request_id, lim.max_id_bytes)
         generation = reg.generation or node.record.generation
         if generation != node.record.generation:
             raise FailedPrecondition(
@@ -413,20 +411,12 @@ class ControlPlane:
             expires_at=expires_at,
             digests=reg.digests,
         )
-        revision, done = await self.store.put_retention(
-            tenant, reg.conversation_id, retention, request_id, now
+        revision, replaced = await self.store.put_retention(tenant, reg.conversation_id, retention, now)
+        metrics.REGISTRATIONS.labels("replaced" if replaced else "new").inc()
+        log.debug(
+            "retention.registered", tenant=tenant, conversation_id=reg.conversation_id, tokens=reg.num_tokens
         )
-        metrics.REGISTRATIONS.labels(done.value).inc()
-        # (a duplicate is worth an operator's eye: a sender retried a registration that was stored)
-        (log.info if done is Registered.DUPLICATE else log.debug)(
-            f"retention.{done.value}",
-            tenant=tenant,
-            conversation_id=reg.conversation_id,
-            engine_id=reg.engine_id,
-            request_id=request_id,
-            tokens=reg.num_tokens,
-        )
-        return LeaseView(tenant, reg.conversation_id, retention, revision), done
+        return LeaseView(tenant, reg.conversation_id, retention, revision), replaced
 
     async def lookup(self, q: LookupQuery, later: Awaitable[Prompt] | None = None) -> LookupResult:
         """Claim the conversation's retention (unless `q.peek`) and decide on the prompt.

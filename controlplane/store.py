@@ -35,7 +35,6 @@ from controlplane.records import (
     Keys,
     NodeRecord,
     NodeState,
-    Registered,
     Retention,
     decode_bounds,
     decode_claim,
@@ -55,11 +54,6 @@ T = TypeVar("T")
 SCAN_PAGE = 100
 #: At most this many gauge-scan window bounds are kept (~50 bytes each in etcd).
 MAX_SCAN_BOUNDS = 10_000
-#: Seconds a registration's once-only mark is kept at least (its GC lease may keep it up
-#: to two MARK_BUCKET_S longer). Twice the sidecar's resend window, for its clock and
-#: latency. Each live mark is an etcd key: at 2,000 registrations/s, ~60,000 of them.
-REGISTRATION_MARK_S = 20.0
-MARK_BUCKET_S = 5
 
 
 @dataclass(frozen=True)
@@ -209,8 +203,6 @@ class EtcdStore:
         self._timeout = timeout_s
         self._client = Client(channel_target(endpoints), timeout_s)
         self._gc = GcLeases(self._client, bucket_s, max_keys_per_lease, timeout_s)
-        # Registration marks live seconds, not minutes: buckets of their own, as fine.
-        self._marks = GcLeases(self._client, MARK_BUCKET_S, max_keys_per_lease, timeout_s)
         self._batcher = TxnBatcher(self._client, timeout_s)
         self._claim_marker_s = claim_marker_s
         # Every SCAN_PAGE-th key this replica registered since the last gauge scan.
@@ -272,65 +264,36 @@ class EtcdStore:
         return resp
 
     async def _with_gc_lease(self, deadline: float, now: float, write: Callable[[int], Awaitable[T]]) -> T:
-        return await self._with_gc_leases(((self._gc, deadline),), now, lambda leases: write(leases[0]))
-
-    async def _with_gc_leases(
-        self,
-        needs: Sequence[tuple[GcLeases, float]],
-        now: float,
-        write: Callable[[list[int]], Awaitable[T]],
-    ) -> T:
-        """`write` given a GC lease from each (table, deadline). Leases etcd no longer has
-        (it does not say which) are all replaced, once."""
-        leases = [await table.lease_for(deadline, now) for table, deadline in needs]
+        lease = await self._gc.lease_for(deadline, now)
         try:
-            return await write(leases)
+            return await write(lease)
         except LeaseGone:
-            for (table, _), lease in zip(needs, leases, strict=True):
-                table.forget(lease)
-            leases = [await table.lease_for(deadline, now) for table, deadline in needs]
+            self._gc.forget(lease)
+            lease = await self._gc.lease_for(deadline, now)
             try:
-                return await write(leases)
+                return await write(lease)
             except LeaseGone as e:
-                raise StoreUnavailable("etcd lost a GC lease twice in a row") from e
+                raise StoreUnavailable("etcd lost the GC lease twice in a row") from e
 
     # -- retentions -----------------------------------------------------------
 
     async def put_retention(
-        self, tenant: str, conversation_id: str, r: Retention, request_id: str, now: float
-    ) -> tuple[int, Registered]:
-        """Store a retention, replacing the conversation's previous one, unless D's request
-        `request_id` was stored in the last REGISTRATION_MARK_S. -> (revision, what was done).
-
-        Once only: a registration whose answer was lost is sent again, and by then its
-        retention may have been claimed and D's blocks freed; storing it again would hand
-        them out a second time. So the same transaction leaves a mark of the D request,
-        and refuses a registration that finds it. Marks are kept for a window, not for
-        the retention's life (an etcd key per registration for 480 s doubled the store);
-        senders resend only within a shorter one (`kvferry.leaseclient.RESEND_WINDOW_S`).
-        """
+        self, tenant: str, conversation_id: str, r: Retention, now: float
+    ) -> tuple[int, bool]:
+        """Store a retention, replacing the conversation's previous one. -> (revision, replaced)."""
         key = self.keys.retention(tenant, conversation_id)
-        once = self.keys.registration(r.engine_id, request_id)
         value = encode(r)
         self._registered += 1
         if self._registered % SCAN_PAGE == 0 and len(self._sampled) < MAX_SCAN_BOUNDS:
             self._sampled.append(key)  # a window bound for the next gauge scan
 
-        async def write(leases: list[int]) -> tuple[int, Registered]:
-            lease, mark_lease = leases
+        async def write(lease: int) -> tuple[int, bool]:
             put = rpc.PutRequest(key=key, value=value, lease=lease, prev_kv=True)
-            txn = rpc.TxnRequest(
-                compare=[_absent(once)],
-                success=[rpc.RequestOp(request_put=put), _put(once, b"", mark_lease)],
-            )
-            resp = await self._batcher.submit("put_retention", txn, (key, once))
-            if not resp.succeeded:
-                return int(resp.header.revision), Registered.DUPLICATE
-            replaced = resp.responses[0].response_put.HasField("prev_kv")
-            return int(resp.header.revision), Registered.REPLACED if replaced else Registered.NEW
+            txn = rpc.TxnRequest(success=[rpc.RequestOp(request_put=put)])
+            resp = await self._batcher.submit("put_retention", txn, (key,))
+            return int(resp.header.revision), resp.responses[0].response_put.HasField("prev_kv")
 
-        mark_until = min(r.expires_at, now + REGISTRATION_MARK_S)
-        return await self._with_gc_leases(((self._gc, r.expires_at), (self._marks, mark_until)), now, write)
+        return await self._with_gc_lease(r.expires_at, now, write)
 
     async def claim(self, tenant: str, conversation_id: str, now: float) -> ClaimOutcome:
         """Take the conversation's retention out of etcd, atomically, leaving a claim marker.

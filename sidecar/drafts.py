@@ -44,9 +44,6 @@ class LeaseDraft:
     epoch: int
     """The engine instance (see EngineInstance.epoch) that holds the blocks."""
     attempts: int = 0
-    first_sent: float | None = None
-    """Wall-clock time of the first try that reached the daemon's stream (None: none did
-    yet). The daemon may have stored any such try: resends are bounded from then on."""
 
 
 def is_loopback(host: str) -> bool:

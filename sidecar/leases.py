@@ -20,7 +20,7 @@ from dataclasses import replace
 import grpc
 import structlog
 
-from kvferry.leaseclient import RESEND_WINDOW_S, LeaseOpError, LeaseStream
+from kvferry.leaseclient import LeaseOpError, LeaseStream
 from kvferry.structs import dict_to_struct
 from kvferry.v1 import leases_pb2
 from sidecar.daemon import TRANSIENT, Backoff, DaemonLink
@@ -65,21 +65,15 @@ class RegistrationQueue:
 
 
 def dead_reason(draft: LeaseDraft, now_wall: float, epoch: int) -> str | None:
-    """Why a draft is no longer worth (or safe) sending (None: it is).
-
-    "resend_window": a try reached the daemon, which may have stored it, too long ago
-    (RESEND_WINDOW_S): the daemon would no longer know a resend for a duplicate, and a
-    retention stored, handed out and stored again would be handed out twice."""
+    """Why a draft is no longer worth registering (None: it is)."""
     if draft.epoch != epoch:
         return "restarted"
     if draft.expires_at <= now_wall:
         return "expired"
-    if draft.first_sent is not None and now_wall - draft.first_sent > RESEND_WINDOW_S:
-        return "resend_window"
     return None
 
 
-#: The daemon could not be reached or could not reach etcd (or its answer was lost).
+#: The daemon could not be reached or could not reach etcd: the draft was not sent.
 UNSENT = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 )
@@ -88,9 +82,8 @@ UNSENT = frozenset(
 def retry_decision(code: grpc.StatusCode, attempts: int, max_attempts: int) -> str:
     """After a failed try, what to do with the draft.
 
-    "requeue": the daemon or etcd was unreachable (or the answer was lost): wait for
-    them, bounded by the queue's capacity and the draft's deadline (and, once a try may
-    have been stored, the resend window: see `dead_reason`), not by attempts.
+    "requeue": it was not sent (daemon or etcd unreachable): wait for the daemon,
+    bounded by the queue's capacity and the draft's deadline, not by attempts.
     "retry": the daemon answered with a passing trouble (FAILED_PRECONDITION while
     the node re-registers, ABORTED, INTERNAL ...). "attempts": tried enough.
     "failed": refused for good (INVALID_ARGUMENT, ...).
@@ -252,12 +245,9 @@ class LeaseSender:
         draft: LeaseDraft,
         req: leases_pb2.RegisterLeaseRequest,
     ) -> None:
-        started = time.time()
         try:
             await stream.register(req, self._s.daemon.rpc_timeout_s)
         except LeaseOpError as e:
-            if e.sent and draft.first_sent is None:
-                draft = replace(draft, first_sent=started)
             if e.code in TRANSIENT:
                 log.warning("lease.daemon.unavailable", code=e.code.name, address=self._link.address)
             if e.stream_lost:

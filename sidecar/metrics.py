@@ -34,8 +34,7 @@ class SidecarMetrics:
         )
         self.registrations_dropped = Counter(
             "kvferry_sidecar_lease_registrations_dropped",
-            "Registrations given up: overflow (queue full), expired, restarted (engine), attempts, "
-            "resend_window (possibly stored, and too late to send again safely)",
+            "Registrations given up: overflow (queue full), expired, restarted (engine), attempts",
             ["reason"],
             registry=r,
         )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -18,15 +17,10 @@ VECTORS = Path(__file__).parent / "vectors"
 SEED = seed("test-model")
 
 
-_request_ids = itertools.count(1)
-
-
 def d_params(
-    engine_id: str, num_tokens: int, request_id: str = "", block_size: int = BLOCK
+    engine_id: str, num_tokens: int, request_id: str = "req-1", block_size: int = BLOCK
 ) -> dict[str, Any]:
-    """kv_transfer_params as a vLLM decode node returns them when a request finishes
-    (each D request has an id of its own: a new one unless `request_id` is given)."""
-    request_id = request_id or f"req-{next(_request_ids)}"
+    """kv_transfer_params as a vLLM decode node returns them when a request finishes."""
     n_blocks = -(-num_tokens // block_size)
     return {
         "do_remote_prefill": False,

@@ -36,31 +36,6 @@ async def test_finished_turn_is_pulled_once_then_recomputed(client: Client) -> N
     assert not second.HasField("kv_transfer_params") and not second.HasField("release_params")
 
 
-async def test_a_registration_sent_again_never_brings_back_a_claimed_retention(client: Client) -> None:
-    """A sidecar sends a registration again when its answer was lost (a timeout after etcd
-    stored it). By then the retention may have been pulled and D's blocks freed: the resend
-    is a duplicate that stores nothing, so nothing is handed out twice."""
-    await client.nodes.Register(node_request("d-1"))
-    reg = lease_request("conv-r", params=d_params("d-1", 1000, request_id="d-req-7"))
-    assert not (await client.leases.Register(reg)).duplicate
-    resent = await client.leases.Register(reg)  # before any lookup: the retention stays as it is
-    assert resent.duplicate and not resent.replaced
-    pulled = await client.leases.Lookup(lookup_request("conv-r", prompt_tokens=1200))
-    assert pulled.decision == leases_pb2.PULL
-
-    late = await client.leases.Register(reg)
-    assert late.duplicate and not late.replaced
-    after = await client.leases.Lookup(lookup_request("conv-r", prompt_tokens=1200))
-    assert after.decision == leases_pb2.RECOMPUTE and after.reason == "already_claimed"
-    assert not after.HasField("release_params")
-
-    # The next turn's D request is a new one: it registers as ever.
-    nxt = lease_request("conv-r", num_tokens=1300, params=d_params("d-1", 1300, request_id="d-req-8"))
-    assert not (await client.leases.Register(nxt)).duplicate
-    again = await client.leases.Lookup(lookup_request("conv-r", prompt_tokens=1400))
-    assert again.decision == leases_pb2.PULL and again.reusable_tokens == 1300
-
-
 async def test_peek_does_not_claim(client: Client) -> None:
     await client.nodes.Register(node_request("d-1"))
     await client.leases.Register(lease_request("conv-p"))

@@ -59,7 +59,7 @@ async def scanned(store: EtcdStore, monkeypatch: pytest.MonkeyPatch, page: int, 
     monkeypatch.setattr(store_mod, "SCAN_PAGE", page)
     now = time.time()
     for i in range(n):
-        await store.put_retention("t", f"c{i:03d}", retention("d-a", 1), uuid.uuid4().hex, now)
+        await store.put_retention("t", f"c{i:03d}", retention("d-a", 1), now)
     assert await held(store) == {"d-a": (n, n)}
     return now
 
@@ -91,9 +91,7 @@ async def test_every_retention_once_with_sampled_then_remembered_bounds(
     monkeypatch.setattr(store_mod, "SCAN_PAGE", 7)
     now = time.time()
     for i in range(60):
-        await store.put_retention(
-            "t", f"c{i:03d}", retention("d-a" if i % 3 else "d-b", 100), uuid.uuid4().hex, now
-        )
+        await store.put_retention("t", f"c{i:03d}", retention("d-a" if i % 3 else "d-b", 100), now)
     expected = {"d-a": (40, 4000), "d-b": (20, 2000)}
     assert len(store._sampled) == 60 // 7  # every 7th registration: a window bound
     assert await held(store) == expected
@@ -103,7 +101,7 @@ async def test_every_retention_once_with_sampled_then_remembered_bounds(
     for i in range(0, 60, 5):
         await store.claim("t", f"c{i:03d}", now)
     for i in range(60, 75):
-        await store.put_retention("t", f"c{i:03d}", retention("d-b", 10), uuid.uuid4().hex, now)
+        await store.put_retention("t", f"c{i:03d}", retention("d-b", 10), now)
     assert await held(store) == {"d-a": (32, 3200), "d-b": (31, 1750)}
 
 
@@ -121,7 +119,7 @@ async def test_a_new_replica_reads_windows_from_the_bounds_kept_in_etcd(
 async def test_bad_bounds_in_etcd_are_ignored_with_a_log_line(store: EtcdStore) -> None:
     now = time.time()
     for i in range(20):
-        await store.put_retention("t", f"c{i}", retention("d-a", 1), uuid.uuid4().hex, now)
+        await store.put_retention("t", f"c{i}", retention("d-a", 1), now)
     outside = [store.keys.retentions[:-1], b"\xff"]  # not inside the prefix
     for value in (b"not json", encode_bounds(outside), encode_bounds([store.keys.retention("t", "c5")] * 2)):
         await store._client.kvstub.Put(rpc.PutRequest(key=store.keys.scan_bounds, value=value))
@@ -148,9 +146,7 @@ async def test_listing_pages_through_the_windows_and_sees_every_retention_once(
     monkeypatch.setattr(store_mod, "SCAN_PAGE", 4)
     now = time.time()
     for i in range(30):
-        await store.put_retention(
-            "a" if i % 2 else "b", f"c{i:03d}", retention("d-a", 1), uuid.uuid4().hex, now
-        )
+        await store.put_retention("a" if i % 2 else "b", f"c{i:03d}", retention("d-a", 1), now)
     assert await held(store) == {"d-a": (30, 30)}  # a scan: window bounds every 4th key
     bounds = await stored_bounds(store)
     assert len(bounds) == 7
@@ -187,7 +183,7 @@ async def test_a_listing_is_not_disturbed_by_keys_sampled_while_it_runs(
     first = asyncio.create_task(listed(store, store.keys.retentions, 1000))
     await waiting.wait()
     for i in range(12):  # keys sampled below where the first listing stands
-        await store.put_retention("t", f"a{i:03d}", retention("d-a", 1), uuid.uuid4().hex, now)
+        await store.put_retention("t", f"a{i:03d}", retention("d-a", 1), now)
     assert len(await listed(store, store.keys.retentions, 1000)) == 52
     gate.set()
     keys = await first

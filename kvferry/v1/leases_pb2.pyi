@@ -171,15 +171,8 @@ class RegisterLeaseResponse(_message.Message):
 
     LEASE_FIELD_NUMBER: _builtins.int
     REPLACED_FIELD_NUMBER: _builtins.int
-    DUPLICATE_FIELD_NUMBER: _builtins.int
     replaced: _builtins.bool
     """A previous retention of this conversation was replaced."""
-    duplicate: _builtins.bool
-    """This D request's retention (engine_id, kv_transfer_params.remote_request_id) was
-    registered in the last 20 s, so nothing was stored: a resend whose first answer was
-    lost. It may have been handed out since; storing it again could hand freed blocks to
-    a second P. (Do not resend a registration later than 10 s after first sending it.)
-    """
     @_builtins.property
     def lease(self) -> Global___Lease: ...
     def __init__(
@@ -187,11 +180,10 @@ class RegisterLeaseResponse(_message.Message):
         *,
         lease: Global___Lease | None = ...,
         replaced: _builtins.bool = ...,
-        duplicate: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["duplicate", b"duplicate", "lease", b"lease", "replaced", b"replaced"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "replaced", b"replaced"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -8,8 +8,6 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from controlplane.store import REGISTRATION_MARK_S
-from kvferry.leaseclient import RESEND_WINDOW_S
 from sidecar.drafts import LeaseDraft
 from sidecar.engine import (
     EngineInstance,
@@ -91,16 +89,6 @@ def test_queue_skips_dead_drafts() -> None:
         ("expired", "expired"),
     ]
     assert dead_reason(_draft("x", epoch=1), 100.0, 1) is None
-
-
-def test_a_try_that_may_have_been_stored_is_resent_only_within_the_window() -> None:
-    """After a try reached the daemon (its answer lost), a resend is safe only while the
-    daemon still knows the D request: later it could store a retention handed out since."""
-    sent = replace(_draft("x", epoch=1), first_sent=1000.0)
-    assert dead_reason(sent, 1000.0 + RESEND_WINDOW_S - 1, 1) is None
-    assert dead_reason(sent, 1000.0 + RESEND_WINDOW_S + 1, 1) == "resend_window"
-    assert dead_reason(_draft("never-sent", epoch=1), 1e9, 1) is None  # (it waits for the daemon)
-    assert REGISTRATION_MARK_S >= 2 * RESEND_WINDOW_S  # the daemon knows a duplicate for longer
 
 
 def test_retry_decisions() -> None:
