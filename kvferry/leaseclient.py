@@ -28,13 +28,18 @@ class LeaseOpError(Exception):
 
     `stream_lost`: the stream itself broke or ended (the replica or the way to it is in
     doubt), rather than the daemon answering this one op with an error or the op timing out.
+    `sent`: the op was handed to the stream, so the daemon may have carried it out; false
+    only when it surely never left this process.
     """
 
-    def __init__(self, code: grpc.StatusCode, message: str, stream_lost: bool = False) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, stream_lost: bool = False, sent: bool = True
+    ) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
         self.stream_lost = stream_lost
+        self.sent = sent
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -51,6 +56,7 @@ class LeaseStream:
         self._pending: dict[int, asyncio.Future[leases_pb2.LeaseOpResult]] = {}
         self._ids = itertools.count(1)
         self._outbox: list[leases_pb2.LeaseOp] = []
+        self._written: set[int] = set()  # ids of the ops in flight handed to the stream
         self._wake = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
         self._open_lock = asyncio.Lock()
@@ -120,11 +126,20 @@ class LeaseStream:
             if late is not None:
                 answer_late = True
                 self._answer_late(op.id, fut, late)
-            raise LeaseOpError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {deadline_s}s") from None
+            raise LeaseOpError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no answer within {deadline_s}s",
+                sent=op.id in self._written,
+            ) from None
+        except LeaseOpError as e:  # the stream ended with this op in flight (`_read`)
+            raise LeaseOpError(e.code, e.message, e.stream_lost, sent=op.id in self._written) from None
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
             await self._reset()
-            raise LeaseOpError(grpc.StatusCode.UNAVAILABLE, f"lease stream broke: {e}", True) from e
+            raise LeaseOpError(
+                grpc.StatusCode.UNAVAILABLE, f"lease stream broke: {e}", True, sent=op.id in self._written
+            ) from e
         finally:
+            self._written.discard(op.id)
             if not answer_late:  # (else `_answer_late` removes it)
                 self._pending.pop(op.id, None)
         if res.WhichOneof("result") == "error":
@@ -176,6 +191,9 @@ class LeaseStream:
                     batch, self._outbox = self._outbox, []
                     for ops in by_size(batch):
                         await call.write(leases_pb2.LeaseOpBatch(ops=ops))
+                        # On a live stream now: the daemon may act on them. (A write on a
+                        # stream that could not connect raises: those never left.)
+                        self._written.update(op.id for op in ops)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
             call.cancel()  # the reader sees the stream end and fails what is in flight
 

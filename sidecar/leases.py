@@ -73,21 +73,30 @@ def dead_reason(draft: LeaseDraft, now_wall: float, epoch: int) -> str | None:
     return None
 
 
-#: The daemon could not be reached or could not reach etcd: the draft was not sent.
+#: The daemon could not be reached or could not reach etcd, or the answer was lost.
 UNSENT = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 )
+#: After these, a try that reached the daemon may have been stored all the same.
+MAYBE_STORED = UNSENT | {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 
 
-def retry_decision(code: grpc.StatusCode, attempts: int, max_attempts: int) -> str:
-    """After a failed try, what to do with the draft.
+def retry_decision(code: grpc.StatusCode, attempts: int, max_attempts: int, sent: bool = False) -> str:
+    """After a failed try, what to do with the draft (`sent`: the try reached the daemon's stream).
 
-    "requeue": it was not sent (daemon or etcd unreachable): wait for the daemon,
-    bounded by the queue's capacity and the draft's deadline, not by attempts.
-    "retry": the daemon answered with a passing trouble (FAILED_PRECONDITION while
-    the node re-registers, ABORTED, INTERNAL ...). "attempts": tried enough.
-    "failed": refused for good (INVALID_ARGUMENT, ...).
+    "maybe_stored": the try reached the daemon and failed in a way that leaves open
+    whether etcd stored it (a timeout, a lost answer, etcd slow). It is not sent again:
+    by the time a resend lands, the retention may have been handed out and D's blocks
+    freed, and storing it again would hand them to a second P (wrong KV, silently).
+    The next turn of the conversation recomputes at worst.
+    "requeue": it never reached the daemon: wait for it, bounded by the queue's
+    capacity and the draft's deadline, not by attempts.
+    "retry": the daemon answered with a passing trouble that stored nothing
+    (FAILED_PRECONDITION while the node re-registers, ABORTED ...). "attempts": tried
+    enough. "failed": refused for good (INVALID_ARGUMENT, ...).
     """
+    if sent and code in MAYBE_STORED:
+        return "maybe_stored"
     if code in UNSENT:
         return "requeue"
     if code in TRANSIENT or code == grpc.StatusCode.FAILED_PRECONDITION:
@@ -172,9 +181,9 @@ class LeaseSender:
         req.expires_at.FromNanoseconds(int(draft.expires_at * 1e9))
         return req
 
-    def _failed(self, draft: LeaseDraft, code: grpc.StatusCode, detail: str) -> None:
+    def _failed(self, draft: LeaseDraft, code: grpc.StatusCode, detail: str, sent: bool = False) -> None:
         """A try failed with `code`: put it back and pause, or give up."""
-        decision = retry_decision(code, draft.attempts + 1, self._s.leases.max_attempts)
+        decision = retry_decision(code, draft.attempts + 1, self._s.leases.max_attempts, sent)
         if decision in ("requeue", "retry"):
             if decision == "retry":
                 draft = replace(draft, attempts=draft.attempts + 1)
@@ -183,8 +192,8 @@ class LeaseSender:
             if dropped is not None:
                 self._drop(dropped, "overflow")
             self._pause_until = asyncio.get_running_loop().time() + self._backoff.next()
-        elif decision == "attempts":
-            self._drop(draft, "attempts")
+        elif decision in ("attempts", "maybe_stored"):
+            self._drop(draft, decision)
         else:
             self._metrics.registrations.labels("failed").inc()
             log.warning(
@@ -255,7 +264,7 @@ class LeaseSender:
                 # node's Attach stream, and an op's own error or timeout (etcd slow, say) would
                 # not be better there.
                 await self._link.failover(channel)
-            self._failed(draft, e.code, e.message)
+            self._failed(draft, e.code, e.message, e.sent)
         else:
             self._backoff.reset()
             self._metrics.registrations.labels("sent").inc()

@@ -34,7 +34,8 @@ class SidecarMetrics:
         )
         self.registrations_dropped = Counter(
             "kvferry_sidecar_lease_registrations_dropped",
-            "Registrations given up: overflow (queue full), expired, restarted (engine), attempts",
+            "Registrations given up: overflow (queue full), expired, restarted (engine), attempts, "
+            "maybe_stored (the daemon may have stored it: sending it again is not safe)",
             ["reason"],
             registry=r,
         )

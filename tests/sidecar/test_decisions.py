@@ -98,6 +98,10 @@ def test_retry_decisions() -> None:
     assert retry_decision(grpc.StatusCode.ABORTED, 4, 5) == "retry"
     assert retry_decision(grpc.StatusCode.ABORTED, 5, 5) == "attempts"  # the fifth try failed
     assert retry_decision(grpc.StatusCode.INVALID_ARGUMENT, 1, 5) == "failed"
+    # The daemon got it, and whether etcd stored it is open: never sent again.
+    for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL):
+        assert retry_decision(code, 1, 5, sent=True) == "maybe_stored"
+    assert retry_decision(grpc.StatusCode.FAILED_PRECONDITION, 1, 5, sent=True) == "retry"  # (stored nothing)
 
 
 def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:

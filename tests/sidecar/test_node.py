@@ -7,12 +7,13 @@ from dataclasses import replace
 from typing import Any
 
 import aiohttp
+import grpc
 
 from controlplane.daemon import Daemon
 from emulator import EmulatorServer
 from kvferry.v1 import leases_pb2, nodes_pb2
 from sidecar import Sidecar
-from tests.conftest import Client, DaemonFactory, daemon_settings, free_port
+from tests.conftest import Client, DaemonFactory, EtcdProcess, daemon_settings, free_port
 from tests.polling import eventually
 from tests.sidecar.conftest import StartEmulator, StartSidecar, sidecar_settings
 from tests.sidecar.helpers import chat, first_turn, prefill
@@ -166,6 +167,42 @@ async def test_daemon_outage_leaves_traffic_alone_and_registrations_catch_up(
         assert sc.metrics.value("kvferry_sidecar_lease_registrations_total", outcome="sent") == 1
         await eventually(lambda: _alive_at(client, sc.settings.node_id, 1))  # re-attached, same generation
         assert (await _lookup(client, "during-outage")).decision == leases_pb2.PULL
+
+
+async def test_a_registration_the_daemon_may_have_stored_is_not_sent_again(
+    private_etcd: EtcdProcess,
+    make_daemon: DaemonFactory,
+    connect: Any,
+    start_emulator: StartEmulator,
+    start_sidecar: StartSidecar,
+    http: aiohttp.ClientSession,
+) -> None:
+    """The daemon got it and answered UNAVAILABLE (etcd down here; as well a write that
+    timed out, which etcd may have committed): the registration is dropped, not resent. By
+    the time a resend landed, the retention could have been handed out and D's blocks
+    freed, and it would hand them to a second P."""
+    daemon = await make_daemon(daemon_settings(private_etcd.endpoint))
+    client = connect(daemon)
+    p = await start_emulator(role="prefill", enable_prefix_caching=False)
+    d = await start_emulator(role="decode")
+    sc = await start_sidecar(d, daemon)
+    await eventually(lambda: _alive_at(client, sc.settings.node_id, 1))
+    await private_etcd.stop()
+    await _d_turn(http, p, sc, "unsure")
+    dropped = "kvferry_sidecar_lease_registrations_dropped_total"
+    await eventually(lambda: _counted(sc, dropped, reason="maybe_stored"), within=20)
+    await private_etcd.start()
+
+    async def back() -> bool:
+        try:
+            return await _alive_at(client, sc.settings.node_id, 1)
+        except grpc.aio.AioRpcError:  # the daemon reconnecting to etcd
+            return False
+
+    await eventually(back, within=20)
+    assert sc.leases is not None and sc.leases.pending == 0
+    assert sc.metrics.value("kvferry_sidecar_lease_registrations_total", outcome="requeue") == 0
+    assert (await _lookup(client, "unsure")).reason == "no_lease"
 
 
 async def _counted(sc: Sidecar, name: str, **labels: str) -> bool:
