@@ -70,19 +70,20 @@ async def attach(
 
 
 async def test_node_stays_alive_while_attached_and_lapses_after(client: Client) -> None:
-    await client.nodes.Register(node_request("d-1", liveness_ttl_seconds=2))
+    # (3 s: a 0.5 s heartbeat seen late on a loaded 2-core machine lapsed a 2 s TTL once)
+    await client.nodes.Register(node_request("d-1", liveness_ttl_seconds=3))
     await client.leases.Register(lease_request("conv-a"))
     await client.leases.Register(lease_request("conv-b"))
     beats = asyncio.Event()
     beats.set()
     gen = attach(client, "d-1", 1, beats)
     await gen.__anext__()
-    await asyncio.sleep(3.0)  # longer than the TTL: heartbeats keep it alive
+    await asyncio.sleep(4.0)  # longer than the TTL: heartbeats keep it alive
     alive = await client.leases.Lookup(lookup_request("conv-a", peek=True))
     assert alive.decision == leases_pb2.PULL
     with pytest.raises(StopAsyncIteration):
         await gen.__anext__()  # stop heartbeating and close the stream
-    await asyncio.sleep(3.0)
+    await asyncio.sleep(4.0)
     nodes = await client.nodes.List(nodes_pb2.ListNodesRequest(include_dead=True))
     assert [n.alive for n in nodes.nodes] == [False]
     assert not (await client.nodes.List(nodes_pb2.ListNodesRequest())).nodes
