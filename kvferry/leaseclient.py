@@ -126,6 +126,8 @@ class LeaseStream:
             if late is not None:
                 answer_late = True
                 self._answer_late(op.id, fut, late)
+            else:
+                self._withdraw(op.id)
             raise LeaseOpError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"no answer within {deadline_s}s",
@@ -139,9 +141,8 @@ class LeaseStream:
                 grpc.StatusCode.UNAVAILABLE, f"lease stream broke: {e}", True, sent=op.id in self._written
             ) from e
         finally:
-            self._written.discard(op.id)
-            if not answer_late:  # (else `_answer_late` removes it)
-                self._pending.pop(op.id, None)
+            if not answer_late:  # (else `_answer_late` does)
+                self._forget(op.id)
         if res.WhichOneof("result") == "error":
             raise LeaseOpError(_CODES.get(res.error.code, grpc.StatusCode.UNKNOWN), res.error.message)
         return res
@@ -157,13 +158,13 @@ class LeaseStream:
 
         def give_up() -> None:
             if self._pending.get(op_id) is fut:
-                del self._pending[op_id]
+                self._forget(op_id)
             fut.cancel()
 
         def answered(f: asyncio.Future[leases_pb2.LeaseOpResult]) -> None:
             timer.cancel()
             if self._pending.get(op_id) is f:
-                del self._pending[op_id]
+                self._forget(op_id)
             if f.cancelled() or f.exception() is not None:
                 return
             res = f.result()
@@ -178,6 +179,20 @@ class LeaseStream:
         self._outbox.append(op)
         self._wake.set()
 
+    def _withdraw(self, op_id: int) -> None:
+        """Take an op its caller gave up on out of the outbox, if it has not left yet (then
+        it never will: its `LeaseOpError.sent` is false, and true to that)."""
+        self._outbox = [op for op in self._outbox if op.id != op_id]
+
+    def _forget(self, op_id: int) -> None:
+        self._pending.pop(op_id, None)
+        self._written.discard(op_id)
+
+    def _fail_pending(self, error: LeaseOpError) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(error)
+
     async def _write(self, call: Any) -> None:
         """The stream's only writer: sends whatever is in the outbox, one message at a time.
 
@@ -189,11 +204,19 @@ class LeaseStream:
                 self._wake.clear()
                 while self._outbox:
                     batch, self._outbox = self._outbox, []
-                    for ops in by_size(batch):
-                        await call.write(leases_pb2.LeaseOpBatch(ops=ops))
-                        # On a live stream now: the daemon may act on them. (A write on a
-                        # stream that could not connect raises: those never left.)
-                        self._written.update(op.id for op in ops)
+                    # Leaving: from now on the daemon may act on them (a write that blocks,
+                    # on a daemon that stopped reading, say, may still go out).
+                    self._written.update(op.id for op in batch if op.id in self._pending)
+                    chunks = list(by_size(batch))
+                    for k, ops in enumerate(chunks):
+                        try:
+                            await call.write(leases_pb2.LeaseOpBatch(ops=ops))
+                        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+                            # A write that fails sent nothing (the stream could not connect,
+                            # or is gone), nor will the ones after it.
+                            for unsent in chunks[k:]:
+                                self._written.difference_update(op.id for op in unsent)
+                            raise
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
             call.cancel()  # the reader sees the stream end and fails what is in flight
 
@@ -208,7 +231,7 @@ class LeaseStream:
             return self._call
 
     async def _read(self, call: Any, writer: asyncio.Task[None]) -> None:
-        error: BaseException = LeaseOpError(grpc.StatusCode.UNAVAILABLE, "lease stream ended", True)
+        error = LeaseOpError(grpc.StatusCode.UNAVAILABLE, "lease stream ended", True)
         try:
             while True:
                 batch = await call.read()
@@ -227,18 +250,17 @@ class LeaseStream:
             raise
         finally:
             writer.cancel()
-            if self._call is call:
+            if self._call is call:  # (else `_reset` or `close` replaced it, and failed its ops)
                 self._call = None
                 self._outbox = []
-            for fut in self._pending.values():
-                if not fut.done():
-                    fut.set_exception(error)
+                self._fail_pending(error)
 
     async def _reset(self) -> None:
         call, self._call = self._call, None
         self._outbox = []
         if call is not None:
             call.cancel()
+        self._fail_pending(LeaseOpError(grpc.StatusCode.UNAVAILABLE, "lease stream reset", True))
 
     async def close(self) -> None:
         call, reader = self._call, self._reader
@@ -248,3 +270,4 @@ class LeaseStream:
                 await call.done_writing()
             call.cancel()
         await cancel_and_wait([self._writer, reader])
+        self._fail_pending(LeaseOpError(grpc.StatusCode.CANCELLED, "lease stream closed"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import pytest
@@ -177,9 +178,56 @@ async def test_a_lost_lease_stream_says_so() -> None:
         raise AssertionError("expected an error")
     except LeaseOpError as e:
         assert e.code == grpc.StatusCode.UNAVAILABLE and e.stream_lost
+        assert not e.sent  # it never left: sending it again is safe
     finally:
         await stream.close()
         await channel.close(None)
+
+
+class _StuckCall:
+    """A Leases/Stream call whose first write never completes (a daemon that stopped
+    reading: gRPC flow control holds the client back)."""
+
+    def __init__(self) -> None:
+        self.written: list[int] = []
+        self._never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def write(self, batch: leases_pb2.LeaseOpBatch) -> None:
+        self.written += [op.id for op in batch.ops]
+        await self._never
+
+    async def read(self) -> Any:
+        await self._never
+
+    async def done_writing(self) -> None:
+        pass
+
+    def cancel(self) -> None:
+        pass
+
+
+async def test_an_op_given_up_on_says_whether_it_left() -> None:
+    """`sent` is what the sidecar goes by to send a registration again or not: an op in a
+    write that never finished may still reach the daemon; one still waiting to leave when
+    its caller gives up is taken back, and never leaves."""
+    from kvferry.leaseclient import LeaseOpError, LeaseStream
+
+    call = _StuckCall()
+    channel = grpc.aio.insecure_channel("127.0.0.1:9")  # (never used: the call is the test's)
+    stream = LeaseStream(channel)
+    stream._stub = type("Stub", (), {"Stream": lambda self: call})()  # type: ignore[assignment]
+    first = asyncio.ensure_future(stream.register(lease_request("a"), 0.3))
+    await asyncio.sleep(0.05)  # the writer is stuck in the write of the first op
+    with pytest.raises(LeaseOpError) as second:
+        await stream.register(lease_request("b"), 0.1)
+    assert second.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and not second.value.sent
+    with pytest.raises(LeaseOpError) as stuck:
+        await first
+    assert stuck.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and stuck.value.sent
+    assert call.written == [1]  # the second op never left, nor will it
+    assert not stream._outbox and not stream._pending and not stream._written
+    await stream.close()
+    await channel.close(None)
 
 
 async def test_a_stream_whose_results_are_not_read_stops_reading_its_ops(
