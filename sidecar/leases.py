@@ -6,7 +6,8 @@ sender registers them in the background, several in flight on one
 unreachable registrations wait in a capped queue: beyond `queue_size` the
 oldest is dropped, entries past their deadline or from an engine process that
 has since restarted are dropped, and a registration is tried at most
-`max_attempts` times. Every drop is counted.
+`max_attempts` times. One that reached the daemon without a clear answer (which
+etcd may have stored) is never sent again (`retry_decision`). Every drop is counted.
 """
 
 from __future__ import annotations
@@ -73,15 +74,15 @@ def dead_reason(draft: LeaseDraft, now_wall: float, epoch: int) -> str | None:
     return None
 
 
-#: The daemon could not be reached or could not reach etcd, or the answer was lost.
-UNSENT = frozenset(
+#: No answer: the daemon was not reached, or could not reach etcd, or the answer was lost.
+NOT_ANSWERED = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 )
 #: After these, a try that reached the daemon may have been stored all the same.
-MAYBE_STORED = UNSENT | {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+MAYBE_STORED = NOT_ANSWERED | {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 
 
-def retry_decision(code: grpc.StatusCode, attempts: int, max_attempts: int, sent: bool = False) -> str:
+def retry_decision(code: grpc.StatusCode, attempts: int, max_attempts: int, *, sent: bool) -> str:
     """After a failed try, what to do with the draft (`sent`: the try reached the daemon's stream).
 
     "maybe_stored": the try reached the daemon and failed in a way that leaves open
@@ -97,7 +98,7 @@ def retry_decision(code: grpc.StatusCode, attempts: int, max_attempts: int, sent
     """
     if sent and code in MAYBE_STORED:
         return "maybe_stored"
-    if code in UNSENT:
+    if code in NOT_ANSWERED:
         return "requeue"
     if code in TRANSIENT or code == grpc.StatusCode.FAILED_PRECONDITION:
         return "retry" if attempts < max_attempts else "attempts"
@@ -181,9 +182,9 @@ class LeaseSender:
         req.expires_at.FromNanoseconds(int(draft.expires_at * 1e9))
         return req
 
-    def _failed(self, draft: LeaseDraft, code: grpc.StatusCode, detail: str, sent: bool = False) -> None:
+    def _failed(self, draft: LeaseDraft, code: grpc.StatusCode, detail: str, *, sent: bool) -> None:
         """A try failed with `code`: put it back and pause, or give up."""
-        decision = retry_decision(code, draft.attempts + 1, self._s.leases.max_attempts, sent)
+        decision = retry_decision(code, draft.attempts + 1, self._s.leases.max_attempts, sent=sent)
         if decision in ("requeue", "retry"):
             if decision == "retry":
                 draft = replace(draft, attempts=draft.attempts + 1)
@@ -194,6 +195,8 @@ class LeaseSender:
             self._pause_until = asyncio.get_running_loop().time() + self._backoff.next()
         elif decision in ("attempts", "maybe_stored"):
             self._drop(draft, decision)
+            if decision == "maybe_stored":  # a daemon (or etcd) in trouble: let it breathe
+                self._pause_until = asyncio.get_running_loop().time() + self._backoff.next()
         else:
             self._metrics.registrations.labels("failed").inc()
             log.warning(
@@ -219,7 +222,7 @@ class LeaseSender:
                 try:
                     req = self._request(draft)  # now, while the generation is surely this epoch's
                 except (ValueError, TypeError) as e:  # params a Struct cannot hold
-                    self._failed(draft, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                    self._failed(draft, grpc.StatusCode.INVALID_ARGUMENT, str(e), sent=False)
                     continue
                 task = asyncio.create_task(self._send(stream, channel, draft, req), name="sidecar-lease")
                 self._in_flight.add(task)
@@ -264,7 +267,7 @@ class LeaseSender:
                 # node's Attach stream, and an op's own error or timeout (etcd slow, say) would
                 # not be better there.
                 await self._link.failover(channel)
-            self._failed(draft, e.code, e.message, e.sent)
+            self._failed(draft, e.code, e.message, sent=e.sent)
         else:
             self._backoff.reset()
             self._metrics.registrations.labels("sent").inc()

@@ -92,12 +92,14 @@ def test_queue_skips_dead_drafts() -> None:
 
 
 def test_retry_decisions() -> None:
-    assert retry_decision(grpc.StatusCode.UNAVAILABLE, 99, 5) == "requeue"  # not sent: attempts do not count
-    assert retry_decision(grpc.StatusCode.DEADLINE_EXCEEDED, 99, 5) == "requeue"
-    assert retry_decision(grpc.StatusCode.FAILED_PRECONDITION, 2, 5) == "retry"
-    assert retry_decision(grpc.StatusCode.ABORTED, 4, 5) == "retry"
-    assert retry_decision(grpc.StatusCode.ABORTED, 5, 5) == "attempts"  # the fifth try failed
-    assert retry_decision(grpc.StatusCode.INVALID_ARGUMENT, 1, 5) == "failed"
+    assert (
+        retry_decision(grpc.StatusCode.UNAVAILABLE, 99, 5, sent=False) == "requeue"
+    )  # not sent: attempts do not count
+    assert retry_decision(grpc.StatusCode.DEADLINE_EXCEEDED, 99, 5, sent=False) == "requeue"
+    assert retry_decision(grpc.StatusCode.FAILED_PRECONDITION, 2, 5, sent=False) == "retry"
+    assert retry_decision(grpc.StatusCode.ABORTED, 4, 5, sent=False) == "retry"
+    assert retry_decision(grpc.StatusCode.ABORTED, 5, 5, sent=False) == "attempts"  # the fifth try failed
+    assert retry_decision(grpc.StatusCode.INVALID_ARGUMENT, 1, 5, sent=False) == "failed"
     # The daemon got it, and whether etcd stored it is open: never sent again.
     for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL):
         assert retry_decision(code, 1, 5, sent=True) == "maybe_stored"
