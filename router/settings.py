@@ -80,9 +80,10 @@ class UpstreamSettings:
     api_key: str = ""
     """Bearer key to send the engines; "" = forward the client's Authorization header."""
     max_releases_in_flight: int = 256
-    """Most releases of P's blocks (after D refused a turn) on their way at once. A D that
-    refuses turns and is slow to answer would otherwise gather an unbounded backlog of
-    them; a release not sent leaves the blocks to P's own timeout."""
+    """Most releases on their way at once, of both kinds: of P's blocks after D refused a
+    turn, and of D's blocks after a lookup answered too late. A node that is slow to
+    answer them would otherwise gather an unbounded backlog; a release not sent leaves
+    the blocks to their holder's own timeout."""
 
 
 @dataclass(frozen=True)

@@ -487,8 +487,6 @@ class Turn:
         model = node.model or self.body.get("model")  # D's own name: the client's may be what D refused
         payload = encode(release_body(model, params, self.tokens))
         headers = self.s.engines.headers(self.request.headers, f"{self.request_id}-release")
-        # As long as a prefill may take: the release waits its turn on a busy D, and one
-        # given up before D scheduled it notifies no one.
         post = functools.partial(self.s.engines.post, node.url + "/v1/completions", payload, headers)
         self._release(node, "decode", "prefill", post, self.s.metrics.prefill_releases)
 
@@ -527,7 +525,9 @@ class Turn:
     async def _send_release(
         self, node: Node, role: str, what: str, post: Callable[[], Awaitable[Reply]], outcomes: Counter
     ) -> None:
-        """Best effort: the holder's timeout frees the blocks otherwise."""
+        """Best effort: the holder's timeout frees the blocks otherwise. `post` takes as long
+        as a prefill may (the engines' default timeout): a release waits its turn on a busy
+        engine, and one given up before the engine scheduled it notifies no one."""
         try:
             reply = await post()
         except UpstreamError as e:

@@ -17,6 +17,7 @@ from router.decisions import (
     FailureKind,
     LookupAnswer,
     Retry,
+    claim_release_body,
     decode_body,
     prefill_body,
     prefill_kv_params,
@@ -183,6 +184,21 @@ def test_a_recompute_with_release_params_frees_ds_blocks() -> None:
     reuse = reuse_of(LookupAnswer(False, "below_threshold", {}, release, 0))
     assert not reuse.pull and reuse.remote == release
     assert prefill_kv_params(reuse, None)["remote_num_tokens"] == 0
+
+
+def test_a_claim_answered_late_is_released_through_p_with_nothing_to_pull() -> None:
+    """P, handed D's params with remote_num_tokens 0, pulls nothing and notifies D, which
+    frees the blocks: the same for a late pull's params as for a release's."""
+    for params in (D_PARAMS, {**D_PARAMS, "remote_num_tokens": 0, "prompt_token_ids": [1, 2]}):
+        body = claim_release_body("m", params)
+        kv = body["kv_transfer_params"]
+        assert kv["do_remote_decode"] is True and kv["do_remote_prefill"] is False
+        assert kv["remote_num_tokens"] == 0 and "prompt_token_ids" not in kv
+        assert kv["remote_block_ids"] == D_PARAMS["remote_block_ids"]
+        assert kv["remote_request_id"] == "r1" and kv["remote_engine_id"] == "d1"
+        assert (body["model"], body["max_tokens"], body["stream"]) == ("m", 1, False)
+        assert body["prompt"]
+    assert "model" not in claim_release_body(None, D_PARAMS)
 
 
 def test_nothing_to_hand_over_means_fresh_params() -> None:
