@@ -371,9 +371,14 @@ class _Answer:
         (choice k of prompt k), with the prompt's token ids when asked for them."""
         for index, prompt in enumerate(prompts):
             opening = self.envelope([_role_choice(index)], chunk=True)
-            if self.body.return_token_ids:
-                opening["prompt_token_ids"] = list(prompt)
+            ids = self.prompt_ids(prompt)
+            if ids is not None:  # (a chunk leaves out what is not set, as vLLM's do)
+                opening["prompt_token_ids"] = ids
             await sse.send(opening)
+
+    def prompt_ids(self, prompt: Sequence[int]) -> list[int] | None:
+        """A prompt's token ids as answers carry them: only when the request asked."""
+        return list(prompt) if self.body.return_token_ids else None
 
 
 class _Shape:
@@ -381,10 +386,16 @@ class _Shape:
 
     def __init__(self, answer: _Answer, running: RunningRequest, index: int = 0) -> None:
         self.answer = answer
-        self.chat = answer.chat
-        self.body = answer.body
         self.running = running
         self.index = index
+
+    @property
+    def chat(self) -> bool:
+        return self.answer.chat
+
+    @property
+    def body(self) -> _Common:
+        return self.answer.body
 
     def headers(self) -> dict[str, str]:
         stats = self.running.stats
@@ -422,9 +433,7 @@ class _Shape:
         return choice
 
     def prompt_token_ids(self) -> list[int] | None:
-        if not self.body.return_token_ids:
-            return None
-        return list(self.running.spec.prompt_token_ids)
+        return self.answer.prompt_ids(self.running.spec.prompt_token_ids)
 
     def extras(self, body: dict[str, Any]) -> None:
         if self.running.spec.session_id is not None:
