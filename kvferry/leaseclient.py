@@ -81,7 +81,8 @@ class LeaseStream:
         """A Lookup sent before its prompt is known: the daemon claims the retention while
         `prompt` is awaited, then decides on it. `deadline_s` counts from when the prompt
         is ready (the work before it has deadlines of its own). An answer that comes after
-        the deadline (up to LATE_ANSWER_S) goes to `late`: what the daemon claimed for it.
+        the deadline, or after the caller was cancelled (up to LATE_ANSWER_S), goes to
+        `late`: what the daemon claimed for it.
 
         When `prompt` gives None, fails or is cancelled, an empty prompt still goes (the
         daemon answers RECOMPUTE / no_prompt with release_params for what it claimed, so
@@ -133,6 +134,11 @@ class LeaseStream:
                 f"no answer within {deadline_s}s",
                 sent=op.id in self._written,
             ) from None
+        except asyncio.CancelledError:  # the caller went away: the answer may still matter
+            if late is not None:
+                answer_late = True
+                self._answer_late(op.id, fut, late)
+            raise
         except LeaseOpError as e:  # the stream ended with this op in flight (`_read`)
             raise LeaseOpError(e.code, e.message, e.stream_lost, sent=op.id in self._written) from None
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:

@@ -156,6 +156,42 @@ async def test_a_cancelled_caller_still_ends_the_daemons_wait(client: Client) ->
         await stream.close()
 
 
+async def test_a_cancelled_callers_claim_is_handed_to_its_late_hook(client: Client) -> None:
+    """The caller went away (a client that disconnected), but the daemon claimed D's blocks
+    all the same: its answer, release params included, goes to the late hook, so that the
+    router can have D free them instead of holding them for D's TTL."""
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("c"))
+    stream = LeaseStream(client.channel)
+    never = asyncio.Event()
+    late: list[leases_pb2.LookupResponse] = []
+
+    async def forever() -> leases_pb2.LookupPrompt:
+        await never.wait()
+        raise AssertionError("unreachable")
+
+    try:
+        task = asyncio.create_task(
+            stream.lookup_with_prompt(
+                leases_pb2.LookupRequest(conversation_id="c"), forever(), 5, late.append
+            )
+        )
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if late:
+                break
+            await asyncio.sleep(0.02)
+        [answer] = late
+        assert answer.decision == leases_pb2.RECOMPUTE and answer.reason == "no_prompt" and answer.claimed
+        assert answer.release_params.fields["remote_num_tokens"].number_value == 0
+        assert not stream._pending and not stream._written
+    finally:
+        await stream.close()
+
+
 async def test_prompt_in_the_same_message_as_its_lookup(client: Client) -> None:
     await client.nodes.Register(node_request("d-1"))
     await client.leases.Register(lease_request("c"))
