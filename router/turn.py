@@ -491,12 +491,11 @@ class Turn:
         self._release(node, "decode", "prefill", post, self.s.metrics.prefill_releases)
 
     def _release_claim(self, node: Node, reuse: Reuse) -> None:
-        """The lookup's answer came after its deadline (or after the turn was abandoned: its
-        client left): the turn went on without reuse (or is gone), but
-        the daemon had claimed the conversation's blocks on D (`reuse.remote`: a pull's or
-        a release's params; None = none were held). Have D free them now rather than at its
-        TTL: P, handed D's params with nothing to pull (`claim_release_body`), has its
-        connector notify D."""
+        """The lookup's answer came after its deadline, or after its client left: the turn
+        went on without reuse (or is gone), but the daemon had claimed the conversation's
+        blocks on D (`reuse.remote`: a pull's or a release's params; None = none were held).
+        Have D free them now rather than at its TTL: P, handed D's params with nothing to
+        pull (`claim_release_body`), has its connector notify D."""
         if reuse.remote is None:
             return
         payload = encode(claim_release_body(node.model or self.body.get("model"), reuse.remote))
