@@ -206,6 +206,77 @@ class _StuckCall:
         pass
 
 
+class _ScriptedCall:
+    """A Leases/Stream call whose answers the test hands over (`answer`, `end`)."""
+
+    def __init__(self) -> None:
+        self.written: list[int] = []
+        self._results: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def write(self, batch: leases_pb2.LeaseOpBatch) -> None:
+        self.written += [op.id for op in batch.ops]
+
+    async def read(self) -> Any:
+        return await self._results.get()
+
+    def answer(self, result: leases_pb2.LeaseOpResult) -> None:
+        self._results.put_nowait(leases_pb2.LeaseOpResultBatch(results=[result]))
+
+    def end(self) -> None:
+        self._results.put_nowait(grpc.aio.EOF)  # type: ignore[attr-defined]
+
+    async def done_writing(self) -> None:
+        pass
+
+    def cancel(self) -> None:
+        pass
+
+
+async def test_late_answers_reach_the_hook_only_when_they_are_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lookup given up on (deadline, cancelled caller) still hands a later answer to its
+    hook; not an error answer, not after LATE_ANSWER_S, not when the stream ends first.
+    Nothing is left behind either way."""
+    from kvferry import leaseclient
+    from kvferry.leaseclient import LeaseOpError, LeaseStream
+
+    monkeypatch.setattr(leaseclient, "LATE_ANSWER_S", 0.2)
+    first = _ScriptedCall()
+    channel = grpc.aio.insecure_channel("127.0.0.1:9")  # (never used: the call is the test's)
+    stream = LeaseStream(channel)
+    stream._stub = type("Stub", (), {"Stream": lambda self: first})()  # type: ignore[assignment]
+    hooked: list[leases_pb2.LookupResponse] = []
+
+    async def given_up(conversation: str) -> None:
+        async def prompt() -> leases_pb2.LookupPrompt:
+            return leases_pb2.LookupPrompt(prompt_tokens=100)
+
+        with pytest.raises(LeaseOpError):
+            await stream.lookup_with_prompt(
+                leases_pb2.LookupRequest(conversation_id=conversation), prompt(), 0.01, hooked.append
+            )
+
+    await given_up("error")  # op 1
+    first.answer(leases_pb2.LeaseOpResult(id=1, error=leases_pb2.OpError(code=14, message="etcd down")))
+    await given_up("expired")  # op 2
+    await asyncio.sleep(0.3)  # past LATE_ANSWER_S: no longer waited for
+    first.answer(leases_pb2.LeaseOpResult(id=2, lookup=leases_pb2.LookupResponse(reason="too late")))
+    await given_up("answered")  # op 3
+    first.answer(
+        leases_pb2.LeaseOpResult(id=3, lookup=leases_pb2.LookupResponse(reason="pull", claimed=True))
+    )
+    await given_up("stream ends")  # op 4
+    await asyncio.sleep(0.05)
+    first.end()
+    await asyncio.sleep(0.05)
+    assert [h.reason for h in hooked] == ["pull"]
+    assert not stream._pending and not stream._written and not stream._outbox
+    assert first.written == [1, 1, 2, 2, 3, 3, 4, 4]  # each lookup, then its prompt
+    await stream.close()
+    await channel.close(None)
+
+
 async def test_an_op_given_up_on_says_whether_it_left() -> None:
     """`sent` is what the sidecar goes by to send a registration again or not: an op in a
     write that never finished may still reach the daemon; one still waiting to leave when
