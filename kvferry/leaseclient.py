@@ -123,22 +123,16 @@ class LeaseStream:
                 await before_deadline(op.id)
             async with asyncio.timeout(deadline_s):
                 res = await (fut if late is None else asyncio.shield(fut))
+        except asyncio.CancelledError:  # the caller went away
+            answer_late = self._given_up(op.id, fut, late)
+            raise
         except TimeoutError:
-            if late is not None:
-                answer_late = True
-                self._answer_late(op.id, fut, late)
-            else:
-                self._withdraw(op.id)
+            answer_late = self._given_up(op.id, fut, late)
             raise LeaseOpError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"no answer within {deadline_s}s",
                 sent=op.id in self._written,
             ) from None
-        except asyncio.CancelledError:  # the caller went away: the answer may still matter
-            if late is not None:
-                answer_late = True
-                self._answer_late(op.id, fut, late)
-            raise
         except LeaseOpError as e:  # the stream ended with this op in flight (`_read`)
             raise LeaseOpError(e.code, e.message, e.stream_lost, sent=op.id in self._written) from None
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
@@ -152,6 +146,20 @@ class LeaseStream:
         if res.WhichOneof("result") == "error":
             raise LeaseOpError(_CODES.get(res.error.code, grpc.StatusCode.UNKNOWN), res.error.message)
         return res
+
+    def _given_up(
+        self,
+        op_id: int,
+        fut: asyncio.Future[leases_pb2.LeaseOpResult],
+        late: Callable[[leases_pb2.LeaseOpResult], None] | None,
+    ) -> bool:
+        """Its caller gave up on an op: with `late`, the answer still matters (`_answer_late`);
+        without, the op is taken back if it has not left. -> whether the answer is awaited."""
+        if late is None:
+            self._withdraw(op_id)
+            return False
+        self._answer_late(op_id, fut, late)
+        return True
 
     def _answer_late(
         self,
@@ -187,8 +195,10 @@ class LeaseStream:
 
     def _withdraw(self, op_id: int) -> None:
         """Take an op its caller gave up on out of the outbox, if it has not left yet (then
-        it never will: its `LeaseOpError.sent` is false, and true to that)."""
-        self._outbox = [op for op in self._outbox if op.id != op_id]
+        it never will: its `LeaseOpError.sent` is false, and true to that). A lookup that
+        left keeps its prompt op: the daemon waits for it."""
+        if op_id not in self._written:
+            self._outbox = [op for op in self._outbox if op.id != op_id]
 
     def _forget(self, op_id: int) -> None:
         self._pending.pop(op_id, None)
@@ -209,20 +219,19 @@ class LeaseStream:
                 await self._wake.wait()
                 self._wake.clear()
                 while self._outbox:
-                    batch, self._outbox = self._outbox, []
+                    # One message's worth leaves the outbox at a time: the rest can still
+                    # be taken back (`_withdraw`) while this write waits.
+                    ops = next(by_size(self._outbox))
+                    del self._outbox[: len(ops)]
                     # Leaving: from now on the daemon may act on them (a write that blocks,
                     # on a daemon that stopped reading, say, may still go out).
-                    self._written.update(op.id for op in batch if op.id in self._pending)
-                    chunks = list(by_size(batch))
-                    for k, ops in enumerate(chunks):
-                        try:
-                            await call.write(leases_pb2.LeaseOpBatch(ops=ops))
-                        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-                            # A write that fails sent nothing (the stream could not connect,
-                            # or is gone), nor will the ones after it.
-                            for unsent in chunks[k:]:
-                                self._written.difference_update(op.id for op in unsent)
-                            raise
+                    self._written.update(op.id for op in ops if op.id in self._pending)
+                    try:
+                        await call.write(leases_pb2.LeaseOpBatch(ops=ops))
+                    except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+                        # A write that fails sent nothing: the stream could not connect, or is gone.
+                        self._written.difference_update(op.id for op in ops)
+                        raise
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
             call.cancel()  # the reader sees the stream end and fails what is in flight
 
