@@ -185,6 +185,8 @@ class LeaseSender:
     def _failed(self, draft: LeaseDraft, code: grpc.StatusCode, detail: str, *, sent: bool) -> None:
         """A try failed with `code`: put it back and pause, or give up."""
         decision = retry_decision(code, draft.attempts + 1, self._s.leases.max_attempts, sent=sent)
+        if decision in ("requeue", "retry", "maybe_stored"):  # a daemon (or etcd) in trouble
+            self._pause_until = asyncio.get_running_loop().time() + self._backoff.next()
         if decision in ("requeue", "retry"):
             if decision == "retry":
                 draft = replace(draft, attempts=draft.attempts + 1)
@@ -192,11 +194,8 @@ class LeaseSender:
             dropped = self._queue.retry(draft)
             if dropped is not None:
                 self._drop(dropped, "overflow")
-            self._pause_until = asyncio.get_running_loop().time() + self._backoff.next()
         elif decision in ("attempts", "maybe_stored"):
             self._drop(draft, decision)
-            if decision == "maybe_stored":  # a daemon (or etcd) in trouble: let it breathe
-                self._pause_until = asyncio.get_running_loop().time() + self._backoff.next()
         else:
             self._metrics.registrations.labels("failed").inc()
             log.warning(
