@@ -516,34 +516,30 @@ class Turn:
             outcomes.labels("skipped").inc()
             self.log.warning(f"router.{what}.release_skipped", node=node.engine_id, in_flight=in_flight)
             return
-        task = asyncio.get_running_loop().create_task(
-            self._send_release(node, role, what, post, outcomes), name=f"router-{what}-release"
-        )
+
+        async def send() -> None:
+            """Best effort: the holder's timeout frees the blocks otherwise. `post` takes as
+            long as a prefill may (the engines' default timeout): a release waits its turn on
+            a busy engine, and one given up before the engine scheduled it notifies no one."""
+            try:
+                reply = await post()
+            except UpstreamError as e:
+                outcome, detail = "failed", str(e)
+            except Exception as e:  # a background task: nothing else would see it
+                self.log.exception(f"router.{what}.release_error", node=node.engine_id)
+                outcome, detail = "error", repr(e)
+            else:
+                outcome = "released" if reply.status == 200 else "refused"
+                failure = Failure(FailureKind.STATUS, reply.status)
+                detail = "" if reply.status == 200 else _engine_message(reply, failure, role)
+            outcomes.labels(outcome).inc()
+            self.log.info(
+                f"router.{what}.release", node=node.engine_id, outcome=outcome, detail=detail or None
+            )
+
+        task = asyncio.get_running_loop().create_task(send(), name=f"router-{what}-release")
         self.s.releases.add(task)
         task.add_done_callback(self.s.releases.discard)
-
-    async def _send_release(
-        self, node: Node, role: str, what: str, post: Callable[[], Awaitable[Reply]], outcomes: Counter
-    ) -> None:
-        """Best effort: the holder's timeout frees the blocks otherwise. `post` takes as long
-        as a prefill may (the engines' default timeout): a release waits its turn on a busy
-        engine, and one given up before the engine scheduled it notifies no one."""
-        try:
-            reply = await post()
-        except UpstreamError as e:
-            outcome, detail = "failed", str(e)
-        except Exception as e:  # a background task: nothing else would see it
-            self.log.exception(f"router.{what}.release_error", node=node.engine_id)
-            outcome, detail = "error", repr(e)
-        else:
-            outcome = "released" if reply.status == 200 else "refused"
-            detail = (
-                ""
-                if reply.status == 200
-                else _engine_message(reply, Failure(FailureKind.STATUS, reply.status), role)
-            )
-        outcomes.labels(outcome).inc()
-        self.log.info(f"router.{what}.release", node=node.engine_id, outcome=outcome, detail=detail or None)
 
     def _label(self) -> str:
         return "pull" if self.reuse is not None and self.reuse.pull else "none"
