@@ -102,8 +102,10 @@ async def private_etcd(tmp_path: Path) -> AsyncIterator[EtcdProcess]:
 
 def daemon_settings(endpoint: str, prefix: str | None = None, **changes: object) -> Settings:
     s = Settings(
+        # (3 s per etcd request: one session etcd serves every test, and on a loaded 2-core
+        # machine it has stalled past 1 s, failing a test's first Register)
         etcd=EtcdSettings(
-            endpoints=(endpoint,), prefix=prefix or f"/t-{uuid.uuid4().hex[:10]}", timeout_s=1.0
+            endpoints=(endpoint,), prefix=prefix or f"/t-{uuid.uuid4().hex[:10]}", timeout_s=3.0
         ),
         server=ServerSettings(listen="127.0.0.1:0", metrics_port=-1, grace_s=0.5),
         nodes=NodeSettings(liveness_ttl_s=10, cache_refresh_s=0.2),
