@@ -10,6 +10,7 @@ import sys
 from emulator.config import KV_LOAD_FAILURE_POLICIES, ROLES, ConfigError, EmulatorConfig
 from emulator.server import serve_forever
 from kvferry import logs
+from kvferry.tasks import run_process
 
 _DEFAULTS = EmulatorConfig()
 
@@ -121,12 +122,13 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
     return config
 
 
-async def _run(config: EmulatorConfig) -> None:
+async def _run(config: EmulatorConfig) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     await serve_forever(config, stop)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,12 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvferry emulate: error: {exc}", file=sys.stderr)
         return 2
     logs.configure(args.log_level)
-    try:
-        asyncio.run(_run(config))
-    except OSError as exc:
-        print(f"kvferry emulate: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_process("emulate", _run(config), use_uvloop=False)
 
 
 if __name__ == "__main__":

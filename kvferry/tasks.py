@@ -47,11 +47,11 @@ def run_main(main: Coroutine[Any, Any, int], use_uvloop: bool = True) -> int:
     return uvloop.run(main) if use_uvloop else asyncio.run(main)
 
 
-def run_process(name: str, main: Coroutine[Any, Any, int]) -> int:
+def run_process(name: str, main: Coroutine[Any, Any, int], use_uvloop: bool = True) -> int:
     """`run_main` for a kvferry process: an OSError at start-up (a port taken, a data dir it
     cannot write) is one line on stderr and exit 1, not a traceback."""
     try:
-        return run_main(main)
+        return run_main(main, use_uvloop)
     except OSError as e:
         print(f"kvferry {name}: {e}", file=sys.stderr)
         return 1
