@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -107,3 +108,14 @@ async def test_process_serves_and_stops_on_sigterm() -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def test_a_port_in_use_is_one_line_and_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["--host=127.0.0.1", f"--port={port}", "--side-channel-port=0"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("kvferry emulate: ") and "address already in use" in err
+    assert "Traceback" not in err
