@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -110,12 +111,29 @@ async def test_process_serves_and_stops_on_sigterm() -> None:
             await proc.wait()
 
 
-def test_a_port_in_use_is_one_line_and_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
-    with socket.socket() as taken:
+def test_a_port_in_use_is_one_line_and_exit_1() -> None:
+    with socket.socket() as taken:  # (a process of its own: main() runs an event loop to its end)
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert main(["--host=127.0.0.1", f"--port={port}", "--side-channel-port=0"]) == 1
-    err = capsys.readouterr().err
-    assert err.splitlines()[-1].startswith("kvferry emulate: ") and "address already in use" in err
-    assert "Traceback" not in err
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "emulator.cli",
+                "--host=127.0.0.1",
+                f"--port={port}",
+                "--side-channel-port=0",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            cwd=ROOT,
+        )
+    assert proc.returncode == 1
+    assert (
+        proc.stderr.splitlines()[-1].startswith("kvferry emulate: ")
+        and "address already in use" in proc.stderr
+    )
+    assert "Traceback" not in proc.stderr
