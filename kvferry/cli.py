@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from kvferry import admin, logs
+from kvferry import admin, flags, logs
 from kvferry.tasks import run_process
 
 
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _daemon(a: argparse.Namespace) -> int:
     from controlplane import daemon, settings
 
+    flags.warn_unknown_variables("daemon", settings.ENV_PREFIX, a)
     try:
         s = settings.from_args(a)
     except ValueError as e:

@@ -9,9 +9,14 @@ variable and the built-in default.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
 
 
 def env_name(prefix: str, flag: str) -> str:
@@ -33,3 +38,40 @@ def flag_adder(p: argparse.ArgumentParser, env_prefix: str) -> Callable[..., Non
         )
 
     return add
+
+
+#: Variables any kvferry process reads besides its own flags' (and the tests' own).
+SHARED_VARIABLES = frozenset({"KVFERRY_LOG_LEVEL", "KVFERRY_TEST_ETCD"})
+#: Every process's prefix. The daemon's is a prefix of the others': their variables
+#: are not the daemon's business.
+PREFIXES = ("KVFERRY_", "KVFERRY_SIDECAR_", "KVFERRY_ROUTER_")
+
+
+def unknown_variables(
+    prefix: str, args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> list[tuple[str, str]]:
+    """Set variables named like this process's flags that no flag reads -> [(name, the
+    closest name a flag reads, or "")]. A misspelt one leaves its flag at the default
+    without a word (a sidecar's side-channel host, say), so each process reports them."""
+    env = os.environ if environ is None else environ
+    known = sorted(dest.upper() for dest in vars(args))  # the names after the prefix
+    others = tuple(p for p in PREFIXES if p != prefix and p.startswith(prefix))
+    out = []
+    for name in sorted(env):
+        rest = name.removeprefix(prefix)
+        if rest == name or rest in known or name in SHARED_VARIABLES or (others and name.startswith(others)):
+            continue
+        close = difflib.get_close_matches(rest, known, n=1, cutoff=0.75)
+        out.append((name, prefix + close[0] if close else ""))
+    return out
+
+
+def warn_unknown_variables(process: str, prefix: str, args: argparse.Namespace) -> None:
+    """One warning per variable of `unknown_variables` (the process runs as configured)."""
+    for name, close in unknown_variables(prefix, args):
+        log.warning(
+            "config.unknown_variable",
+            process=process,
+            variable=name,
+            hint=f"did you mean {close}?" if close else f"no {process} flag reads it; see --help",
+        )

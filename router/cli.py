@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import structlog
 
-from kvferry import logs
+from kvferry import flags, logs
 from kvferry.tasks import run_process
 from router.app import Router
-from router.settings import Settings, add_arguments, from_args
+from router.settings import ENV_PREFIX, Settings, add_arguments, from_args
 
 log = structlog.get_logger(__name__)
 
@@ -51,6 +51,7 @@ async def run(settings: Settings) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     logs.configure(args.log_level)
+    flags.warn_unknown_variables("router", ENV_PREFIX, args)
     try:
         settings = from_args(args)
     except ValueError as e:

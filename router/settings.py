@@ -183,13 +183,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         float,
     )
     add("max-body-bytes", d.server.max_body_bytes, "largest request body accepted", int)
+    add("shutdown-grace", d.server.shutdown_grace_s, "seconds answers in flight get to end on SIGTERM", float)
 
 
 def from_args(a: argparse.Namespace) -> Settings:
     """Settings from parsed flags; raises ValueError when invalid."""
     s = Settings(
         server=ServerSettings(
-            listen=a.listen, max_body_bytes=int(a.max_body_bytes), api_keys=_split(a.api_key, trailing="")
+            listen=a.listen,
+            max_body_bytes=int(a.max_body_bytes),
+            shutdown_grace_s=float(a.shutdown_grace),
+            api_keys=_split(a.api_key, trailing=""),
         ),
         daemon=DaemonSettings(
             addresses=_split(a.daemon),

@@ -12,7 +12,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from kvferry import logs
+from kvferry import flags, logs
 from kvferry.tasks import run_process
 from sidecar import settings as sidecar_settings
 from sidecar.app import Sidecar
@@ -51,6 +51,7 @@ async def run(settings: Settings) -> int:
 
 def run_args(args: argparse.Namespace) -> int:
     """Entry point for parsed flags (what ``kvferry sidecar`` calls)."""
+    flags.warn_unknown_variables("sidecar", sidecar_settings.ENV_PREFIX, args)
     try:
         settings = sidecar_settings.from_args(args)
     except ValueError as e:

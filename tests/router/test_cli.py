@@ -23,9 +23,11 @@ def test_bad_flags_exit_2(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_flags_and_environment_become_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVFERRY_ROUTER_API_KEY", " k-1, k/2/ ,")
+    monkeypatch.setenv("KVFERRY_ROUTER_SHUTDOWN_GRACE", "60")
     args = build_parser().parse_args(["--prefill", "http://p:1/", "--decode", "http://d:1"])
     s = from_args(args)
     assert s.server.api_keys == ("k-1", "k/2/")  # keys kept as given; URLs lose a trailing /
+    assert s.server.shutdown_grace_s == 60.0
     assert s.nodes.prefill_urls == ("http://p:1",)
 
 
