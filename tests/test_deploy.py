@@ -1,0 +1,220 @@
+"""deploy/ against the code it deploys: every command line, KVFERRY_* variable and
+metric there must be one this checkout has. A manifest that sets a misspelt variable
+runs with the flag's default and says nothing (the processes now log a warning, but
+only at run time, in the cluster); an alert on a renamed metric never fires."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.metrics import MetricWrapperBase
+
+import controlplane.metrics  # noqa: F401 - registers the daemon's metrics in the default registry
+from controlplane import settings as daemon_settings
+from controlplane.policy import Reason
+from emulator import cli as emulator_cli
+from kvferry import cli as kvferry_cli
+from kvferry import flags
+from router import cli as router_cli
+from router import settings as router_settings
+from router.decisions import Skip
+from router.metrics import RouterMetrics
+from sidecar import cli as sidecar_cli
+from sidecar import settings as sidecar_settings
+from sidecar.metrics import SidecarMetrics
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+
+# -- the processes deploy/ starts ---------------------------------------------------------------
+
+
+@dataclass
+class Process:
+    """One kvferry process as a deploy file starts it."""
+
+    where: str
+    argv: list[str]  # after `kvferry`
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _substituted(value: str) -> str:
+    """Kubernetes' $(VAR) references, as a pod would see them."""
+    return re.sub(r"\$\((\w+)\)", lambda m: {"POD_IP": "10.1.2.3"}.get(m[1], "pod-0"), value)
+
+
+def _container_env(env: list[dict[str, Any]]) -> dict[str, str]:
+    out = {}
+    for var in env:
+        # A secret's value is not in the manifest: any non-empty string stands for it.
+        out[var["name"]] = _substituted(str(var["value"])) if "value" in var else "from-a-secret"
+    return out
+
+
+def _kubernetes() -> Iterator[Process]:
+    for path in sorted((DEPLOY / "kubernetes").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc["kind"] in ("Deployment", "StatefulSet"):
+                for c in doc["spec"]["template"]["spec"]["containers"]:
+                    if "kvferry" in c["image"]:
+                        where = f"{path.name}:{c['name']}"
+                        yield Process(
+                            where, [str(a) for a in c.get("args", [])], _container_env(c.get("env", []))
+                        )
+
+
+def _compose() -> Iterator[Process]:
+    path = DEPLOY / "compose" / "compose.yaml"
+    for name, service in yaml.safe_load(path.read_text())["services"].items():
+        env = {k: str(v) for k, v in (service.get("environment") or {}).items()}
+        yield Process(f"compose.yaml:{name}", [str(a) for a in service["command"]], env)
+
+
+def _systemd() -> Iterator[Process]:
+    for path in sorted((DEPLOY / "systemd").glob("*.service")):
+        env: dict[str, str] = {}
+        argv: list[str] = []
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition("=")
+            if key == "Environment":
+                name, _, var = value.partition("=")
+                env[name] = var
+            elif key == "ExecStart":
+                command = shlex.split(value)
+                assert command[0].endswith("/kvferry"), line
+                argv = command[1:]
+        yield Process(path.name, argv, env)
+
+
+PROCESSES = [*_kubernetes(), *_compose(), *_systemd()]
+
+
+def test_every_deploy_file_starts_kvferry_processes() -> None:
+    found = {Path(p.where.split(":")[0]).name for p in PROCESSES}
+    expected = {p.name for p in DEPLOY.glob("kubernetes/*.yaml")} | {"compose.yaml"}
+    expected |= {p.name for p in DEPLOY.glob("systemd/*.service")}
+    assert found == expected
+    kinds = {p.argv[0] for p in PROCESSES}
+    assert kinds == {"daemon", "sidecar", "router", "emulate"}
+
+
+def _settings_of(
+    argv: list[str],
+) -> tuple[Callable[[], argparse.ArgumentParser], Callable[[argparse.Namespace], Any], str | None]:
+    """(parser, settings from parsed args, variable prefix) of the process `argv` starts."""
+    kind = argv[0]
+    if kind == "daemon":
+        return kvferry_cli.build_parser, daemon_settings.from_args, daemon_settings.ENV_PREFIX
+    if kind == "sidecar":
+        return sidecar_cli.build_parser, sidecar_settings.from_args, sidecar_settings.ENV_PREFIX
+    if kind == "router":
+        return router_cli.build_parser, router_settings.from_args, router_settings.ENV_PREFIX
+    if kind == "emulate":
+        return emulator_cli.build_parser, emulator_cli.config_from_args, None
+    raise AssertionError(f"{argv}: not a process deploy/ should start")
+
+
+@pytest.mark.parametrize("process", PROCESSES, ids=[p.where for p in PROCESSES])
+def test_the_flags_and_variables_are_this_versions(process: Process, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n in os.environ if n.startswith("KVFERRY_")]:
+        monkeypatch.delenv(name)
+    for name, value in process.env.items():
+        monkeypatch.setenv(name, value)
+    build, settings_from, prefix = _settings_of(process.argv)
+    # flags read their variables when the parser is built
+    argv = process.argv if process.argv[0] == "daemon" else process.argv[1:]
+    try:
+        args = build().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"{process.where}: kvferry {shlex.join(process.argv)} does not parse")
+    if prefix is None:
+        assert not [n for n in process.env if n.startswith("KVFERRY_")], "the emulator reads no variables"
+    else:
+        assert flags.unknown_variables(prefix, args, process.env) == []
+    settings_from(args)  # and the values are valid settings (raises otherwise)
+
+
+# -- metrics named in alerts and dashboards -------------------------------------------------------
+
+
+def _families(registry: CollectorRegistry) -> Iterator[tuple[str, str, tuple[str, ...]]]:
+    """(name, type, label names) of the registry's kvferry metrics (prometheus_client lists
+    label names nowhere public)."""
+    for collector in list(registry._collector_to_names):
+        if isinstance(collector, MetricWrapperBase) and collector._name.startswith("kvferry_"):
+            yield collector._name, collector._type, tuple(collector._labelnames)
+
+
+def _exposed() -> dict[str, tuple[str, ...]]:
+    """Every sample name kvferry's processes expose -> its label names."""
+    suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+    out = {}
+    for registry in (REGISTRY, RouterMetrics().registry, SidecarMetrics().registry):
+        for name, kind, labels in _families(registry):
+            for suffix in suffixes[kind]:
+                out[name + suffix] = labels + (("le",) if suffix == "_bucket" else ())
+    return out
+
+
+KNOWN_VALUES = {
+    ("kvferry_lookups_total", "decision"): {"PULL", "RECOMPUTE"},
+    ("kvferry_lookups_total", "reason"): {r.value for r in Reason},
+    ("kvferry_router_lookups_total", "decision"): {"PULL", "RECOMPUTE", "SKIPPED"},
+    ("kvferry_router_lookups_total", "reason"): {r.value for r in Reason} | {s.value for s in Skip},
+}
+
+_SELECTOR = re.compile(r"\b(kvferry_[a-z_]+)(\{[^}]*\})?")
+_MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"')
+_GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
+
+
+def _expressions() -> Iterator[tuple[str, str]]:
+    for rule in yaml.safe_load((DEPLOY / "prometheus" / "alerts.yaml").read_text())["groups"][0]["rules"]:
+        yield f"alert {rule['alert']}", rule["expr"]
+    for panel in json.loads((DEPLOY / "grafana" / "kvferry.json").read_text())["panels"]:
+        for target in panel.get("targets", []):
+            yield f"panel {panel['title']!r}", target["expr"]
+
+
+EXPRESSIONS = list(_expressions())
+
+
+@pytest.mark.parametrize(
+    ("where", "expr"), EXPRESSIONS, ids=[f"{w} {i}" for i, (w, _) in enumerate(EXPRESSIONS)]
+)
+def test_alerts_and_panels_name_metrics_and_labels_that_exist(where: str, expr: str) -> None:
+    exposed = _exposed()
+    metrics = _SELECTOR.findall(expr)
+    assert metrics, f"{where}: no kvferry metric in {expr!r}"
+    labels_used: set[str] = set()
+    for name, selector in metrics:
+        assert name in exposed, f"{where}: no process exposes {name}"
+        for label, op, value in _MATCHER.findall(selector):
+            assert label in exposed[name], f"{where}: {name} has no label {label!r}"
+            known = KNOWN_VALUES.get((name, label))
+            if known is not None:
+                values = value.split("|") if op in ("=~", "!~") else [value]
+                assert set(values) <= known, f"{where}: {name}{{{label}}} is never {set(values) - known}"
+        labels_used |= set(exposed[name])
+    for group in _GROUPING.findall(expr):  # by (...) names labels of the metrics summed
+        for label in filter(None, (x.strip() for x in group.split(","))):
+            assert label in labels_used | {"instance", "job"}, f"{where}: no metric here has {label!r}"
+
+
+def test_the_dashboard_is_grafana_json_with_a_prometheus_variable() -> None:
+    dash = json.loads((DEPLOY / "grafana" / "kvferry.json").read_text())
+    assert [v["type"] for v in dash["templating"]["list"]] == ["datasource"]
+    panels = [p for p in dash["panels"] if p["type"] != "row"]
+    assert panels and all(p["targets"] and p["datasource"]["uid"] == "${datasource}" for p in panels)
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
