@@ -82,7 +82,8 @@ class LeaseStream:
         `prompt` is awaited, then decides on it. `deadline_s` counts from when the prompt
         is ready (the work before it has deadlines of its own). An answer that comes after
         the deadline, or after the caller was cancelled (up to LATE_ANSWER_S), goes to
-        `late`: what the daemon claimed for it.
+        `late`: what the daemon claimed for it. (A lookup that had not left by then never
+        does: nothing is claimed for it.)
 
         When `prompt` gives None, fails or is cancelled, an empty prompt still goes (the
         daemon answers RECOMPUTE / no_prompt with release_params for what it claimed, so
@@ -153,9 +154,14 @@ class LeaseStream:
         fut: asyncio.Future[leases_pb2.LeaseOpResult],
         late: Callable[[leases_pb2.LeaseOpResult], None] | None,
     ) -> bool:
-        """Its caller gave up on an op: with `late`, the answer still matters (`_answer_late`);
-        without, the op is taken back if it has not left. -> whether the answer is awaited."""
-        if late is None:
+        """Its caller gave up on an op: one that has not left is taken back, and never leaves;
+        for one that left, with `late`, the answer still matters (`_answer_late`). -> whether
+        the answer is awaited.
+
+        A lookup sent late (the stream still connecting) would claim what its conversation
+        holds by then: maybe the retention of the very turn that went on without it, whose
+        release would cost the next turn its reuse."""
+        if late is None or op_id not in self._written:
             self._withdraw(op_id)
             return False
         self._answer_late(op_id, fut, late)

@@ -301,6 +301,37 @@ async def test_an_op_given_up_on_says_whether_it_left() -> None:
     await channel.close(None)
 
 
+async def test_a_lookup_given_up_on_before_it_left_never_leaves() -> None:
+    """Not even with a late hook: sent later (the stream was still connecting), it would
+    claim what the conversation holds by then, which may be the retention of the very
+    turn that went on without it; releasing that costs the next turn its reuse, and the
+    blocks it should have freed stay held for D's TTL."""
+    from kvferry.leaseclient import LeaseOpError, LeaseStream
+
+    call = _StuckCall()
+    channel = grpc.aio.insecure_channel("127.0.0.1:9")  # (never used: the call is the test's)
+    stream = LeaseStream(channel)
+    stream._stub = type("Stub", (), {"Stream": lambda self: call})()  # type: ignore[assignment]
+    stuck = asyncio.ensure_future(stream.register(lease_request("a"), 0.5))
+    await asyncio.sleep(0.05)  # the writer is stuck in the write of the first op
+    hooked: list[leases_pb2.LookupResponse] = []
+
+    async def prompt() -> leases_pb2.LookupPrompt:
+        return leases_pb2.LookupPrompt(prompt_tokens=100)
+
+    with pytest.raises(LeaseOpError) as late:
+        await stream.lookup_with_prompt(
+            leases_pb2.LookupRequest(conversation_id="c"), prompt(), 0.05, hooked.append
+        )
+    assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and not late.value.sent
+    assert not stream._outbox and list(stream._pending) == [1]  # only the stuck register
+    with pytest.raises(LeaseOpError):
+        await stuck
+    assert call.written == [1] and not hooked
+    await stream.close()
+    await channel.close(None)
+
+
 async def test_a_stream_whose_results_are_not_read_stops_reading_its_ops(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
