@@ -18,6 +18,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from kvferry.digests import DigestCache
 from kvferry.hops import KEEPALIVE_S
 from kvferry.tasks import cancel_and_wait
 from router.control import ControlPlane
@@ -78,6 +79,8 @@ class Router:
                         if directory.ready.is_set():
                             break
                         await asyncio.sleep(0.1)
+            if self.control is not None and s.reuse.enabled:
+                await self.control.open_stream()
             self._refresh = asyncio.create_task(directory.run(), name="router-nodes")
             shared = self._shared = Shared(
                 settings=s,
@@ -88,6 +91,7 @@ class Router:
                 metrics=self.metrics,
                 tickets=itertools.count(),
                 direct=DirectRoutes(),
+                digests=DigestCache(s.reuse.digest_cache_bytes),
             )
             self._runner = web.AppRunner(
                 build_app(shared),

@@ -35,6 +35,8 @@ _CHANNEL_OPTIONS = [
 ]
 _ROLES = {nodes_pb2.PREFILL: "prefill", nodes_pb2.DECODE: "decode", nodes_pb2.BOTH: "both"}
 _UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+_STREAM_PROBE = "kvferry-router-stream-probe"
+"""The conversation of the peek that sets the lease stream up (no client's: the default tenant's)."""
 
 
 def answer_of(res: leases_pb2.LookupResponse) -> LookupAnswer:
@@ -93,6 +95,22 @@ class ControlPlane:
         if self._replica is failed and len(self._replicas) > 1:
             self._current = (self._current + 1) % len(self._replicas)
             log.info("router.daemon.failover", address=self._replica.address)
+
+    async def open_stream(self) -> None:
+        """Set the lease stream to the daemon up before a turn needs it (a peek that claims
+        nothing). A lookup sent on a stream still being set up can miss its deadline, and
+        if its claim then reaches the daemon after the turn's own retention was
+        registered, it takes that one: the next turn loses its reuse. A failure here is
+        only logged: turns set the stream up themselves."""
+        replica = self._replica
+        try:
+            await replica.leases.lookup(
+                leases_pb2.LookupRequest(conversation_id=_STREAM_PROBE, peek=True), self._s.rpc_timeout_s
+            )
+        except LeaseOpError as e:
+            log.info(
+                "router.daemon.stream_not_ready", address=replica.address, code=e.code.name, error=e.message
+            )
 
     async def lookup_early(
         self,
