@@ -95,6 +95,16 @@ class RouterMetrics:
         self.nodes = Gauge(
             "kvferry_router_nodes", "Nodes the router routes to, by role", ["role"], registry=r
         )
+        self.digest_blocks = Counter(
+            "kvferry_router_digest_blocks",
+            "Prompt blocks digested for lookups, by how: hashed, or reused from the "
+            "conversation's previous turn through this router (the digest cache)",
+            ["how"],
+            registry=r,
+        )
+        self.digest_cache_bytes = Gauge(
+            "kvferry_router_digest_cache_bytes", "Bytes the digest cache holds", registry=r
+        )
 
     def lookup(self, reuse: Reuse) -> None:
         self.lookups.labels(reuse.decision, reuse.reason).inc()

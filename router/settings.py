@@ -94,6 +94,9 @@ class ReuseSettings:
     """Ask the daemon for the previous turn's KV; off = plain P/D serving for every request."""
     tenant_header: str = "X-Kvferry-Tenant"
     """Request header naming the tenant when the client sends no API key ("" = ignore it)."""
+    digest_cache_bytes: int = 128 << 20
+    """Memory for each conversation's last prompt (token ids and block digests, about 5
+    bytes per token), so its next turn hashes only its new blocks; 0 = hash every block."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,8 @@ class Settings:
             raise ValueError("block size must be in 1..4096")
         if not d.addresses and not (n.prefill_urls and n.decode_urls):
             raise ValueError("give the daemon's address, or prefill and decode node URLs")
+        if self.reuse.digest_cache_bytes < 0:
+            raise ValueError("the digest cache size must be >= 0")
         u = self.upstream
         timeouts = (u.connect_timeout_s, u.prefill_timeout_s, u.tokenize_timeout_s, u.decode_idle_timeout_s)
         if min(timeouts) <= 0:
@@ -172,6 +177,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("nodes-refresh", d.daemon.nodes_refresh_s, "seconds between node list refreshes", float)
     add("reuse", "true", "KV reuse across turns (false: plain P/D serving)", _bool)
     add("tenant-header", d.reuse.tenant_header, "header naming the tenant when there is no API key")
+    add(
+        "digest-cache-mb",
+        d.reuse.digest_cache_bytes >> 20,
+        "MiB of recent prompts kept so a conversation's next turn hashes only its new blocks",
+        float,
+    )
     add("api-key", "", "bearer key(s) clients must present on /v1/, comma-separated; empty = no check")
     add("engine-api-key", d.upstream.api_key, "bearer key for the engines (default: the client's)")
     add("connect-timeout", d.upstream.connect_timeout_s, "seconds to connect to an engine", float)
@@ -215,6 +226,7 @@ def from_args(a: argparse.Namespace) -> Settings:
         reuse=ReuseSettings(
             enabled=a.reuse if isinstance(a.reuse, bool) else _bool(a.reuse),
             tenant_header=a.tenant_header,
+            digest_cache_bytes=int(float(a.digest_cache_mb) * (1 << 20)),
         ),
     )
     s.validate()

@@ -35,7 +35,7 @@ from aiohttp import hdrs, web
 from prometheus_client import Counter
 
 from kvferry.blockhash import block_hashes, external_block_hash
-from kvferry.digests import block_digests, seed_for
+from kvferry.digests import DIGEST_SIZE, DigestCache, seed_for
 from router.choice import (
     Node,
     choose_decode,
@@ -123,6 +123,7 @@ class Shared:
     metrics: RouterMetrics
     tickets: itertools.count[int]
     direct: DirectRoutes
+    digests: DigestCache
     releases: set[asyncio.Task[None]] = field(default_factory=set)
     """Releases of P's blocks still on their way (`Turn._release_later`)."""
 
@@ -239,11 +240,16 @@ class Turn:
             return None
         requested = self.body.get("model")
         chain = seed_for(prefill.model, requested if isinstance(requested, str) else "")
+        cache, metrics = self.s.digests, self.s.metrics
+        key = (self.identity.tenant, self.identity.conversation_id)
         try:
-            digests = block_digests(tokens, prefill.block_size, chain)
+            digests, reused = cache.digests(key, tokens, prefill.block_size, chain)
         except ValueError as e:  # ids no engine would send: serve without reuse
             self.log.warning("router.digests.failed", node=prefill.engine_id, error=str(e))
             return None
+        metrics.digest_blocks.labels("reused").inc(reused)
+        metrics.digest_blocks.labels("hashed").inc(len(digests) // DIGEST_SIZE - reused)
+        metrics.digest_cache_bytes.set(cache.size_bytes)
         return tokens, digests
 
     async def _tokenize(self, node: Node) -> list[int] | None:

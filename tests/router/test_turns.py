@@ -56,6 +56,13 @@ async def test_a_turn_after_a_finished_turn_pulls_and_answers_the_same(
     assert two.text == await reference(CHAT, second)
     assert router.metrics.value("kvferry_router_lookups_total", decision="PULL", reason=two.reason) == 1
     assert router.metrics.value("kvferry_router_reused_tokens_total") == two.reused
+    # Turn 2 hashed only the blocks after turn 1's prompt (the digest cache): the
+    # answer above is the reference, so the digests it was verified with were right.
+    digested = {
+        how: router.metrics.value("kvferry_router_digest_blocks_total", how=how)
+        for how in ("reused", "hashed")
+    }
+    assert digested["reused"] > 0 and digested["hashed"] < 2 * digested["reused"]
 
     # Non-streaming, conversation named by the header: the JSON answer as vLLM gives it.
     await stack.registrations_idle()
