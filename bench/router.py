@@ -283,15 +283,15 @@ class Sample:
     reused: int
     answer: str
     router_ms: float = 0.0
-    """The router's own reuse work on this turn's critical path: tokenize, then the wait for
-    the lookup's answer once the prompt is known (digests + the rest of the round trip)."""
+    """The router's own reuse work on this turn's critical path: tokenize, digests, then the
+    wait for the lookup's answer once the prompt is known (the rest of its round trip)."""
 
 
 def _stage_sums(router: Router) -> float:
     reg = router.metrics.registry
     return sum(
         reg.get_sample_value("kvferry_router_stage_seconds_sum", {"stage": stage}) or 0.0
-        for stage in ("tokenize", "lookup")
+        for stage in ("tokenize", "digests", "lookup")
     )
 
 

@@ -59,8 +59,9 @@ class RouterMetrics:
         )
         self.stage = Histogram(
             "kvferry_router_stage_seconds",
-            "Time spent per stage of a turn: tokenize, lookup (the wait for the daemon's answer "
-            "once the prompt is tokenized and digested), prefill, decode_start",
+            "Time spent per stage of a turn: tokenize, digests (of the prompt's blocks), lookup "
+            "(the wait for the daemon's answer once the prompt is tokenized and digested), "
+            "prefill, decode_start",
             ["stage"],
             buckets=_STAGE_SECONDS,
             registry=r,

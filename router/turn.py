@@ -242,11 +242,13 @@ class Turn:
         chain = seed_for(prefill.model, requested if isinstance(requested, str) else "")
         cache, metrics = self.s.digests, self.s.metrics
         key = (self.identity.tenant, self.identity.conversation_id)
+        t0 = time.perf_counter()
         try:
             digests, reused = cache.digests(key, tokens, prefill.block_size, chain)
         except ValueError as e:  # ids no engine would send: serve without reuse
             self.log.warning("router.digests.failed", node=prefill.engine_id, error=str(e))
             return None
+        metrics.stage.labels("digests").observe(time.perf_counter() - t0)
         metrics.digest_blocks.labels("reused").inc(reused)
         metrics.digest_blocks.labels("hashed").inc(len(digests) // DIGEST_SIZE - reused)
         metrics.digest_cache_bytes.set(cache.size_bytes)

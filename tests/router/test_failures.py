@@ -363,6 +363,7 @@ async def test_health_models_and_metrics(make_stack: MakeStack, http: aiohttp.Cl
         "kvferry_router_ttft_seconds_bucket",
         "kvferry_router_request_seconds_bucket",
         'kvferry_router_stage_seconds_count{stage="lookup"} 1.0',
+        'kvferry_router_stage_seconds_count{stage="digests"} 1.0',
     ):
         assert name in text, name
     with pytest.raises(ValueError, match="decode"):
