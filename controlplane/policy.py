@@ -47,6 +47,9 @@ class Reason(enum.StrEnum):
     STORE_UNAVAILABLE = "store_unavailable"
     # A Lookup sent with prompt_follows whose prompt never came, or was invalid.
     NO_PROMPT = "no_prompt"
+    # The retention was registered by the very request the Lookup is for (it came late):
+    # left unclaimed, for the conversation's next turn.
+    OWN_TURN = "own_turn"
 
 
 @dataclass(frozen=True)

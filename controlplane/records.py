@@ -62,6 +62,8 @@ class Retention(msgspec.Struct, frozen=True):
     created_at: float
     expires_at: float
     digests: bytes = b""
+    request_id: str = ""
+    """The request whose answer D holds the blocks for (its X-Request-Id); "" = unknown."""
 
 
 class HeldSummary(msgspec.Struct, frozen=True):

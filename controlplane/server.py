@@ -130,6 +130,7 @@ def lease_message(v: LeaseView, summary: bool = False) -> leases_pb2.Lease:
         m.block_size = r.block_size
         m.created_at.CopyFrom(_ts(r.created_at))
         m.expires_at.CopyFrom(_ts(r.expires_at))
+        m.request_id = r.request_id
     if v.claim is not None:
         m.claimed = True
         m.claimed_at.CopyFrom(_ts(v.claim.claimed_at))
@@ -255,6 +256,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
                 block_size=request.block_size,
                 digests=request.block_digests,
                 generation=request.generation,
+                request_id=request.request_id,
             )
         )
         # The stored lease without its params and digests: the caller just sent them.
@@ -277,6 +279,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
                 prompt_tokens=request.prompt_tokens,
                 prompt_digests=request.prompt_digests,
                 peek=request.peek,
+                request_id=request.request_id,
             ),
             None if later is None else _prompt_of(later),
         )

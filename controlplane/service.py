@@ -62,6 +62,7 @@ class LeaseRegistration:
     block_size: int
     digests: bytes
     generation: int
+    request_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class LookupQuery:
     prompt_tokens: int
     prompt_digests: bytes
     peek: bool
+    request_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,10 @@ def _check_id(name: str, value: str, max_bytes: int, required: bool = True) -> N
         raise InvalidArgument(f"{name} is {len(value.encode())} bytes, at most {max_bytes} allowed")
     if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
         raise InvalidArgument(f"{name} contains control characters")
+
+
+_Claimed = tuple[ClaimOutcome, bool]
+_OWN_TURN = Decision(False, Reason.OWN_TURN, "registered for this same request: left to the next turn")
 
 
 class ControlPlane:
@@ -365,6 +371,7 @@ class ControlPlane:
         tenant = self._tenant(reg.tenant)
         _check_id("conversation_id", reg.conversation_id, lim.max_id_bytes)
         _check_id("engine_id", reg.engine_id, lim.max_id_bytes)
+        _check_id("request_id", reg.request_id, lim.max_id_bytes, required=False)
         if not 0 < reg.num_tokens <= lim.max_tokens:
             raise InvalidArgument(f"num_tokens {reg.num_tokens} must be in 1..{lim.max_tokens}")
         if len(reg.params_blob) > lim.max_params_bytes:
@@ -410,6 +417,7 @@ class ControlPlane:
             created_at=now,
             expires_at=expires_at,
             digests=reg.digests,
+            request_id=reg.request_id,
         )
         revision, replaced = await self.store.put_retention(tenant, reg.conversation_id, retention, now)
         metrics.REGISTRATIONS.labels("replaced" if replaced else "new").inc()
@@ -435,20 +443,22 @@ class ControlPlane:
         prompt = Prompt(q.prompt_tokens, q.prompt_digests)
         missing = ""  # why a prompt_follows lookup has no usable prompt
         retention: Retention | None = None
+        own = False  # the retention claimed was this request's own, and is back
         try:
             if q.peek:
                 stored, claim = await self.store.read(tenant, q.conversation_id)
                 retention = stored.retention if stored else None
             else:
+                claiming = self._claim(tenant, q.conversation_id, q.request_id, now)
                 if later is None:
-                    outcome = await self.store.claim(tenant, q.conversation_id, now)
+                    outcome, own = await claiming
                 else:
-                    outcome, prompt, missing = await self._claim_awaiting(
-                        tenant, q.conversation_id, later, now
+                    (outcome, own), prompt, missing = await self._claim_awaiting(
+                        claiming, later, q.conversation_id
                     )
                     now = self._clock()  # decide on the time it is now
                 retention, claim = outcome.taken, outcome.earlier
-            decision = await self._decide(retention, claim, prompt, now)
+            decision = _OWN_TURN if own else await self._decide(retention, claim, prompt, now)
             if missing and retention is not None:
                 # Nothing to verify a pull against: RECOMPUTE, releasing what was claimed.
                 decision = replace(decision, reason=Reason.NO_PROMPT, detail=missing)
@@ -482,12 +492,31 @@ class ControlPlane:
         if problem:
             raise InvalidArgument(problem)
 
+    async def _claim(self, tenant: str, conversation_id: str, request_id: str, now: float) -> _Claimed:
+        """Claim the conversation's retention. -> (what the claim found, whether that was
+        the asking request's own retention, taken and put straight back).
+
+        A lookup can reach the daemon after the turn it is for went on without it (it came
+        late) and registered: that retention is the next turn's to pull, not this one's."""
+        outcome = await self.store.claim(tenant, conversation_id, now)
+        taken = outcome.taken
+        if taken is None or not request_id or taken.request_id != request_id:
+            return outcome, False
+        try:
+            back = await self.store.unclaim(tenant, conversation_id, taken, outcome.marker_revision, now)
+        except StoreUnavailable:
+            back = False
+        if not back:  # (replaced meanwhile, or etcd failed): it is spent, and released
+            return outcome, False
+        log.info("lookup.own_turn", conversation_id=conversation_id, request_id=request_id)
+        return ClaimOutcome(None), True
+
     async def _claim_awaiting(
-        self, tenant: str, conversation_id: str, later: Awaitable[Prompt], now: float
-    ) -> tuple[ClaimOutcome, Prompt, str]:
-        """The claim, run while the caller's prompt is awaited. -> (claim, prompt, why
-        there is no usable prompt or "")."""
-        claiming = asyncio.ensure_future(self.store.claim(tenant, conversation_id, now))
+        self, claim: Awaitable[_Claimed], later: Awaitable[Prompt], conversation_id: str
+    ) -> tuple[_Claimed, Prompt, str]:
+        """`claim`, run while the caller's prompt is awaited. -> (its result, the prompt,
+        why there is no usable prompt or "")."""
+        claiming = asyncio.ensure_future(claim)
         try:
             prompt, missing = await self._late_prompt(later, conversation_id)
         except BaseException:  # the caller went away: no one to answer

@@ -73,6 +73,8 @@ class ClaimOutcome:
     taken: Retention | None
     revision: int = 0
     earlier: Claim | None = None
+    marker_revision: int = 0
+    """The revision of the marker this claim left (0: it took nothing)."""
 
 
 class GcLeases:
@@ -316,10 +318,30 @@ class EtcdStore:
         resp = await self._with_gc_lease(now + self._claim_marker_s, now, write)
         kvs = resp.responses[0].response_range.kvs
         if resp.succeeded and kvs:
-            return ClaimOutcome(decode_retention(kvs[0].value), int(kvs[0].mod_revision))
+            taken = decode_retention(kvs[0].value)
+            return ClaimOutcome(taken, int(kvs[0].mod_revision), marker_revision=int(resp.header.revision))
         if kvs:
             return ClaimOutcome(None, earlier=decode_claim(kvs[0].value))
         return ClaimOutcome(None)
+
+    async def unclaim(
+        self, tenant: str, conversation_id: str, r: Retention, marker_revision: int, now: float
+    ) -> bool:
+        """Put back a retention `claim` took and remove its marker, unless the conversation
+        has a newer retention or another marker by now. -> whether it was put back."""
+        key = self.keys.retention(tenant, conversation_id)
+        ckey = self.keys.claim(tenant, conversation_id)
+        value = encode(r)
+
+        async def write(lease: int) -> rpc.TxnResponse:
+            txn = rpc.TxnRequest(
+                compare=[_absent(key), _mod_is(ckey, marker_revision)],
+                success=[_put(key, value, lease), _delete(ckey)],
+            )
+            return await self._batcher.submit("unclaim", txn, (key, ckey))
+
+        resp = await self._with_gc_lease(r.expires_at, now, write)
+        return bool(resp.succeeded)
 
     async def read(self, tenant: str, conversation_id: str) -> tuple[Stored | None, Claim | None]:
         """The conversation's retention and claim marker, linearizably, without touching them."""

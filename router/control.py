@@ -118,14 +118,16 @@ class ControlPlane:
         conversation_id: str,
         prompt: asyncio.Future[tuple[list[int], bytes] | None],
         answered_late: Callable[[Reuse], None] | None = None,
+        request_id: str = "",
     ) -> Reuse:
         """Claim the conversation's retention for a prompt; any failure = serve without reuse.
 
         Sent before the prompt is known: the daemon claims while `prompt` (the token ids
         and their digests; None = none could be made) is still being computed, so the
         claim's round trip overlaps tokenizing. The deadline counts from the prompt. An
-        answer after the deadline goes to `answered_late` (the daemon claimed for it all the same)."""
-        req = leases_pb2.LookupRequest(tenant=tenant, conversation_id=conversation_id)
+        answer after the deadline goes to `answered_late` (the daemon claimed for it all the same).
+        `request_id` is the one D gets: a retention registered for it is not this lookup's to claim."""
+        req = leases_pb2.LookupRequest(tenant=tenant, conversation_id=conversation_id, request_id=request_id)
 
         async def message() -> leases_pb2.LookupPrompt | None:
             made = await prompt

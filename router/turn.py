@@ -205,6 +205,7 @@ class Turn:
                     conversation,
                     prompt,
                     answered_late=lambda reuse: self._release_claim(self.tokenized_by or prefill, reuse),
+                    request_id=self.request_id,
                 )
             )
             made = await prompt

@@ -24,6 +24,10 @@ from kvferry.sse import SseEvents, is_error_event
 #: Paths whose requests the tap rewrites and whose answers it reads.
 TAPPED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 CONVERSATION_HEADERS = ("X-Conversation-Id", "X-Session-ID")
+#: The router's id of the turn, sent to every engine: registered with the retention, so
+#: the turn's own lookup, should it reach the daemon only after that, leaves it alone.
+REQUEST_ID_HEADER = "X-Request-Id"
+_MAX_REQUEST_ID = 128  # bytes (the daemon takes ids up to 256); a longer one is not kept
 # The engine stopped or hit max_tokens (vLLM's FINISHED_STOPPED / _LENGTH_CAPPED, when D
 # keeps the blocks): "tool_calls" is a stop the chat layer renamed because the model called
 # a tool, the turn agent conversations take most.
@@ -47,6 +51,8 @@ class RequestPlan:
     """The client did not ask for token ids: remove them from the answer."""
     capture: bool = True
     """Read the answer for D's params (decode and both nodes)."""
+    request_id: str = ""
+    """The request's X-Request-Id (the router's id of the turn), registered with the retention."""
 
 
 def conversation_of(headers: Mapping[str, str], body: Mapping[str, Any]) -> str:
@@ -115,7 +121,15 @@ def plan_request(
         model=head.model if isinstance(head.model, str) else "",
         strip_token_ids=capture and not wants_ids,
         capture=capture,
+        request_id=_request_id(headers),
     )
+
+
+def _request_id(headers: Mapping[str, str]) -> str:
+    """The request's id as the daemon takes it ("" if absent, too long or not printable:
+    a client's own header must not cost the retention its registration)."""
+    value = headers.get(REQUEST_ID_HEADER, "").strip()
+    return value if len(value.encode()) <= _MAX_REQUEST_ID and value.isprintable() else ""
 
 
 def _rewrite(raw: bytes, capture: bool, drop_conversation: bool, ids_absent: bool) -> bytes:

@@ -43,6 +43,8 @@ class LeaseDraft:
     """The model the request named ("" = the base model)."""
     epoch: int
     """The engine instance (see EngineInstance.epoch) that holds the blocks."""
+    request_id: str = ""
+    """The request the blocks are held for (its X-Request-Id; "" = none came)."""
     attempts: int = 0
 
 
@@ -98,6 +100,7 @@ def draft_lease(
     model: str,
     epoch: int,
     side_channel_host: str,
+    request_id: str = "",
     now_mono: float,
     now_wall: float,
     blocks_ttl_s: float,
@@ -128,6 +131,7 @@ def draft_lease(
         tokens=tokens,
         model=model,
         epoch=epoch,
+        request_id=request_id,
     )
 
 

@@ -177,6 +177,7 @@ class LeaseSender:
             block_size=facts.block_size,
             block_digests=digests_of(draft, facts.model, facts.block_size),
             generation=self._instance.generation,
+            request_id=draft.request_id,
         )
         dict_to_struct(draft.params, req.kv_transfer_params)
         req.expires_at.FromNanoseconds(int(draft.expires_at * 1e9))

@@ -217,6 +217,7 @@ class Tap:
                 model=plan.model,
                 epoch=epoch,
                 side_channel_host=self._side_channel_host,
+                request_id=plan.request_id,
                 now_mono=time.perf_counter(),
                 now_wall=time.time(),
                 blocks_ttl_s=self._s.engine.blocks_ttl_s,

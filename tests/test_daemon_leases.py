@@ -132,6 +132,30 @@ async def test_newer_retention_replaces(client: Client) -> None:
     assert resp.reusable_tokens == 900
 
 
+async def test_a_lookup_leaves_its_own_requests_retention_to_the_next_turn(client: Client) -> None:
+    """A lookup that reaches the daemon after its own turn went on without it and registered
+    (it came late) must not take that retention: it is the next turn's to pull."""
+    await client.nodes.Register(node_request("d-1"))
+    reg = lease_request("conv-own", num_tokens=900)
+    reg.request_id = "kvf-turn-2"
+    await client.leases.Register(reg)
+    got = await client.leases.Get(leases_pb2.GetLeaseRequest(conversation_id="conv-own"))
+    assert got.request_id == "kvf-turn-2"
+
+    late = lookup_request("conv-own", prompt_tokens=900)
+    late.request_id = "kvf-turn-2"
+    own = await client.leases.Lookup(late)
+    assert own.decision == leases_pb2.RECOMPUTE and own.reason == "own_turn" and not own.claimed
+    assert not own.HasField("kv_transfer_params") and not own.HasField("release_params")
+
+    after = await client.leases.Get(leases_pb2.GetLeaseRequest(conversation_id="conv-own"))
+    assert not after.claimed and after.num_tokens == 900  # back as it was
+    nxt = lookup_request("conv-own", prompt_tokens=1400)
+    nxt.request_id = "kvf-turn-3"
+    pulled = await client.leases.Lookup(nxt)
+    assert pulled.decision == leases_pb2.PULL and pulled.claimed and pulled.reusable_tokens == 900
+
+
 async def test_list_pages_and_filters(client: Client) -> None:
     await client.nodes.Register(node_request("d-1"))
     await client.nodes.Register(node_request("d-2", side_channel_port=5601))

@@ -63,6 +63,7 @@ class Lease(_message.Message):
     CLAIMED_FIELD_NUMBER: _builtins.int
     CLAIMED_AT_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     conversation_id: _builtins.str
     engine_id: _builtins.str
@@ -79,6 +80,8 @@ class Lease(_message.Message):
     """Handed out already (PULL or release); kept as a tombstone until collected."""
     revision: _builtins.int
     """etcd mod revision of the record; changes on every write."""
+    request_id: _builtins.str
+    """The request (its X-Request-Id) whose answer D holds these blocks for; "" = unknown."""
     @_builtins.property
     def kv_transfer_params(self) -> _struct_pb2.Struct:
         """D's kv_transfer_params as returned by vLLM (opaque; unknown keys kept)."""
@@ -107,10 +110,11 @@ class Lease(_message.Message):
         claimed: _builtins.bool = ...,
         claimed_at: _timestamp_pb2.Timestamp | None = ...,
         revision: _builtins.int = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["claimed_at", b"claimed_at", "created_at", b"created_at", "expires_at", b"expires_at", "kv_transfer_params", b"kv_transfer_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_digests", b"block_digests", "block_size", b"block_size", "claimed", b"claimed", "claimed_at", b"claimed_at", "conversation_id", b"conversation_id", "created_at", b"created_at", "engine_id", b"engine_id", "expires_at", b"expires_at", "generation", b"generation", "kv_transfer_params", b"kv_transfer_params", "num_tokens", b"num_tokens", "revision", b"revision", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_digests", b"block_digests", "block_size", b"block_size", "claimed", b"claimed", "claimed_at", b"claimed_at", "conversation_id", b"conversation_id", "created_at", b"created_at", "engine_id", b"engine_id", "expires_at", b"expires_at", "generation", b"generation", "kv_transfer_params", b"kv_transfer_params", "num_tokens", b"num_tokens", "request_id", b"request_id", "revision", b"revision", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -129,6 +133,7 @@ class RegisterLeaseRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     BLOCK_DIGESTS_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     """Empty = "default"."""
     conversation_id: _builtins.str
@@ -138,6 +143,10 @@ class RegisterLeaseRequest(_message.Message):
     block_digests: _builtins.bytes
     generation: _builtins.int
     """Engine generation the blocks were produced under; 0 = the node's current one."""
+    request_id: _builtins.str
+    """The request (its X-Request-Id, as the router sent it to D) whose answer D holds
+    these blocks for; a Lookup for that same request never claims them.
+    """
     @_builtins.property
     def kv_transfer_params(self) -> _struct_pb2.Struct: ...
     @_builtins.property
@@ -156,10 +165,11 @@ class RegisterLeaseRequest(_message.Message):
         block_size: _builtins.int = ...,
         block_digests: _builtins.bytes = ...,
         generation: _builtins.int = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "kv_transfer_params", b"kv_transfer_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_digests", b"block_digests", "block_size", b"block_size", "conversation_id", b"conversation_id", "engine_id", b"engine_id", "expires_at", b"expires_at", "generation", b"generation", "kv_transfer_params", b"kv_transfer_params", "num_tokens", b"num_tokens", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_digests", b"block_digests", "block_size", b"block_size", "conversation_id", b"conversation_id", "engine_id", b"engine_id", "expires_at", b"expires_at", "generation", b"generation", "kv_transfer_params", b"kv_transfer_params", "num_tokens", b"num_tokens", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -199,6 +209,7 @@ class LookupRequest(_message.Message):
     PROMPT_DIGESTS_FIELD_NUMBER: _builtins.int
     PEEK_FIELD_NUMBER: _builtins.int
     PROMPT_FOLLOWS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     conversation_id: _builtins.str
     prompt_tokens: _builtins.int
@@ -216,6 +227,12 @@ class LookupRequest(_message.Message):
     etcd round trip overlaps that work. The retention is claimed whatever the
     prompt turns out to be (as for any Lookup that finds one).
     """
+    request_id: _builtins.str
+    """The request this lookup is for (the X-Request-Id the router sends P and D).
+    A retention registered for this same request is not claimed: a lookup that
+    reaches the daemon after its own turn's retention (sent late, on a stream still
+    being set up) leaves that one to the next turn, and answers RECOMPUTE / own_turn.
+    """
     def __init__(
         self,
         *,
@@ -225,10 +242,11 @@ class LookupRequest(_message.Message):
         prompt_digests: _builtins.bytes = ...,
         peek: _builtins.bool = ...,
         prompt_follows: _builtins.bool = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "peek", b"peek", "prompt_digests", b"prompt_digests", "prompt_follows", b"prompt_follows", "prompt_tokens", b"prompt_tokens", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "peek", b"peek", "prompt_digests", b"prompt_digests", "prompt_follows", b"prompt_follows", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -274,7 +292,8 @@ class LookupResponse(_message.Message):
     reason: _builtins.str
     """Machine-readable: pull, partial_pull, no_lease, expired, node_gone,
     node_restarted, below_threshold, prefix_mismatch, already_claimed,
-    store_unavailable, no_prompt (prompt_follows without a usable prompt).
+    store_unavailable, no_prompt (prompt_follows without a usable prompt),
+    own_turn (the retention was registered for this lookup's own request_id).
     """
     detail: _builtins.str
     """Human-readable explanation."""

@@ -347,6 +347,63 @@ async def test_a_claim_answered_late_has_ds_blocks_freed_through_p(
     assert unheld_reads(stack.decodes) == 0
 
 
+class _SlowWrites:
+    """A Leases/Stream call whose writes take `delay_s` to leave (a stream still being set
+    up, a congested connection): ops sent in time reach the daemon late."""
+
+    def __init__(self, call: Any, delay_s: float) -> None:
+        self._call, self._delay = call, delay_s
+
+    async def write(self, batch: Any) -> None:
+        await asyncio.sleep(self._delay)
+        await self._call.write(batch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._call, name)
+
+
+async def test_a_claim_reaching_the_daemon_after_its_own_turn_registered_leaves_that_retention(
+    make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
+) -> None:
+    """Turn two's lookup leaves in time but reaches the daemon only after turn two, served
+    without reuse, has registered its own retention. Claimed and released (as any late
+    claim is), those blocks would be lost to turn three; the daemon leaves them to it."""
+    stack = await make_stack()
+    router = await stack.router()
+    messages = first_turn("own turn")
+    body = {"messages": messages, "max_tokens": 10, "conversation_id": "own-turn"}
+    one = await ask(http, router.url, body)
+    await stack.registrations_idle()
+
+    slow = await stack.router(daemon__lookup_deadline_s=0.05)
+    assert slow.control is not None
+    leases = slow.control._replica.leases
+    await leases.close()  # (the stream opened at start) the next one is slow to send
+    real = leases._stub
+    leases._stub = type("Stub", (), {"Stream": lambda self: _SlowWrites(real.Stream(), 1.0)})()
+    second = {**body, "messages": next_turn(messages, one.text)}
+    two = await ask(http, slow.url, second)
+    assert two.status == 200 and (two.decision, two.reason) == ("SKIPPED", "daemon_timeout")
+    await stack.registrations_idle()
+    get = leases_pb2.GetLeaseRequest(conversation_id="own-turn")
+    registered = await stack.client.leases.Get(get)
+    assert registered.request_id == two.headers["X-Request-ID"]  # turn two's own
+
+    async def lookup_arrived() -> bool:
+        return (await stack.client.leases.Get(get)).revision != registered.revision
+
+    await eventually(lookup_arrived)  # the late claim took it, and put it back
+    after = await stack.client.leases.Get(get)
+    assert not after.claimed and after.request_id == registered.request_id
+    await asyncio.sleep(0.1)
+    assert slow.metrics.value("kvferry_router_claim_releases_total", outcome="released") == 0
+
+    third = {**body, "messages": next_turn(second["messages"], two.text, "And then? ")}
+    three = await ask(http, router.url, third)
+    assert three.decision == "PULL" and three.reused > len(one.text)
+    assert three.text == await reference(CHAT, third)
+
+
 async def test_health_models_and_metrics(make_stack: MakeStack, http: aiohttp.ClientSession) -> None:
     stack = await make_stack()
     router = await stack.router()

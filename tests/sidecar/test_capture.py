@@ -54,6 +54,16 @@ def test_conversation_sources_in_order() -> None:
     assert _plan({"conversation_id": "  "}) is None
 
 
+def test_the_request_id_is_kept_when_the_daemon_would_take_it() -> None:
+    """The router's X-Request-Id goes with the retention; a client's odd one is dropped rather
+    than have the daemon refuse the registration for it."""
+    body = {"conversation_id": "c"}
+    assert _plan(body, {"X-Request-Id": " kvf-0123 "}).request_id == "kvf-0123"
+    assert _plan(body).request_id == ""
+    assert _plan(body, {"X-Request-Id": "x" * 129}).request_id == ""
+    assert _plan(body, {"X-Request-Id": "a\x01b"}).request_id == ""
+
+
 @pytest.mark.parametrize(
     "raw",
     [
