@@ -221,7 +221,8 @@ async def overhead(requests: int, prompt_tokens: int) -> None:
     print(
         f"   reuse path (40 conversation turns, ~{prompt_tokens}-token prompts growing), the router's own "
         f"work, mean: tokenize {_stage_mean(dep.kvferry, 'tokenize'):.2f}ms, "
-        f"digests + the lookup's wait after tokenizing {_stage_mean(dep.kvferry, 'lookup'):.2f}ms"
+        f"digests {_stage_mean(dep.kvferry, 'digests'):.2f}ms, "
+        f"the lookup's wait after them {_stage_mean(dep.kvferry, 'lookup'):.2f}ms"
     )
 
 

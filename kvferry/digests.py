@@ -110,9 +110,11 @@ class DigestCache:
     """`block_digests` that remembers each conversation's last sequence.
 
     A conversation's next prompt begins with most of its last one, so only the blocks
-    after what the two share are hashed (a 64k-token turn: 2.2 ms of hashing becomes a
-    comparison of the token bytes). The shared part is found by comparing the token
-    ids themselves, never assumed: the digests are the same as `block_digests`'.
+    after what the two share are hashed: a 64k-token turn that adds 600 tokens costs
+    0.6 ms instead of 2.3 (most of it turning the ids into bytes to compare). The shared
+    part is found by comparing the token ids themselves, never assumed: the digests are
+    the same as `block_digests`'. Router CPU, not TTFT: in bench.router the daemon's
+    claim, sent before tokenizing, is still on its way when the digests are done.
     Bounded in bytes (about 5 per token), least recently used first out.
     """
 
