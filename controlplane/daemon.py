@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,6 +19,7 @@ from prometheus_client import start_http_server
 from controlplane import metrics
 from controlplane.embedded import EmbeddedEtcd
 from controlplane.errors import StoreUnavailable
+from controlplane.peers import Peers
 from controlplane.records import Keys
 from controlplane.server import start_server
 from controlplane.service import ControlPlane
@@ -41,6 +44,7 @@ class Daemon:
     _metrics_httpd: Any = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _store: EtcdStore | None = None
+    peers: Peers | None = None
     _stopped: bool = False
 
     @property
@@ -78,9 +82,19 @@ class Daemon:
         metrics.INDEXED_BLOCKS.set_function(cp.index.total)
         with contextlib.suppress(StoreUnavailable):
             await cp.nodes.refresh()
+        self.peers = Peers(store)
         self._server, self.port, self._health = await start_server(
-            cp, s.server.listen, s.server.max_message_bytes
+            cp, s.server.listen, s.server.max_message_bytes, self.peers
         )
+        announced = advertised(s.server.listen, self.port, s.server.advertise)
+        if announced:
+            self._tasks.append(asyncio.create_task(self.peers.run(announced), name="peers"))
+        else:
+            log.warning(
+                "peers.off",
+                listen=s.server.listen,
+                why="no address other replicas could reach: give --advertise HOST:PORT",
+            )
         if s.server.metrics_port >= 0:
             host = s.server.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
             try:
@@ -120,6 +134,8 @@ class Daemon:
             await self._server.stop(grace)
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
+        if self.peers is not None:
+            await self.peers.close()
         if self._store is not None:
             await self._store.close()
         if self.embedded is not None:
@@ -132,6 +148,23 @@ class Daemon:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def advertised(listen: str, port: int, advertise: str) -> str:
+    """The address other replicas reach this one at: `advertise` if given, else the listen
+    host with the bound port; for a wildcard listen, this host's name resolved (what a
+    container's /etc/hosts maps to its address). "" when that is only loopback."""
+    if advertise:
+        return advertise
+    host = listen.rpartition(":")[0].strip("[]")
+    if host in ("", "0.0.0.0", "::"):
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return ""
+        if ipaddress.ip_address(host).is_loopback:
+            return ""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def run(settings: Settings) -> int:

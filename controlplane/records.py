@@ -140,6 +140,13 @@ class Keys:
         self.claimed = f"{self.prefix}/claimed/".encode()
         self.scan_bounds = f"{self.prefix}/meta/scan-bounds".encode()
         self.generation_floor = f"{self.prefix}/meta/generation-floor".encode()
+        self.replicas = f"{self.prefix}/replicas/".encode()
+
+    def replica(self, address: str) -> bytes:
+        return self.replicas + _seg(address).encode()
+
+    def replica_address(self, key: bytes) -> str:
+        return unquote(key[len(self.replicas) :].decode())
 
     def node(self, engine_id: str) -> bytes:
         return self.nodes + _seg(engine_id).encode()

@@ -31,6 +31,7 @@ from controlplane.errors import (
     NotFound,
     StoreUnavailable,
 )
+from controlplane.peers import Peers
 from controlplane.policy import RELEASE, Prompt
 from controlplane.records import NodeRecord, NodeState
 from controlplane.service import ControlPlane, LeaseRegistration, LeaseView, LookupQuery, NodeRegistration
@@ -139,8 +140,9 @@ def lease_message(v: LeaseView, summary: bool = False) -> leases_pb2.Lease:
 
 
 class NodesServicer(nodes_pb2_grpc.NodesServicer):
-    def __init__(self, cp: ControlPlane) -> None:
+    def __init__(self, cp: ControlPlane, peers: Peers | None = None) -> None:
         self._cp = cp
+        self._peers = peers
 
     @_rpc("Nodes/Register")
     async def Register(
@@ -228,6 +230,14 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
         self, request: nodes_pb2.ScoreRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> nodes_pb2.ScoreResponse:
         scores = await self._cp.score(list(request.block_hashes), int(request.role))
+        if not request.local_only and self._peers is not None:
+            # Each replica indexes the sidecars attached to it: each node's best count.
+            best = dict(scores)
+            for answer in await self._peers.scores(request, context.time_remaining()):
+                for s in answer.scores:
+                    if s.cached_blocks > best.get(s.engine_id, s.cached_blocks):
+                        best[s.engine_id] = s.cached_blocks
+            scores = sorted(best.items(), key=lambda x: (-x[1], x[0]))
         return nodes_pb2.ScoreResponse(
             scores=[nodes_pb2.NodeScore(engine_id=e, cached_blocks=n) for e, n in scores]
         )
@@ -482,9 +492,10 @@ SERVICE_NAMES = (
 
 
 async def start_server(
-    cp: ControlPlane, listen: str, max_message_bytes: int
+    cp: ControlPlane, listen: str, max_message_bytes: int, peers: Peers | None = None
 ) -> tuple[grpc.aio.Server, int, HealthServicer]:
-    """Build and start the gRPC server. -> (server, bound port, health servicer)."""
+    """Build and start the gRPC server (Nodes/Score asks `peers` too). -> (server, bound
+    port, health servicer)."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -492,7 +503,7 @@ async def start_server(
             ("grpc.so_reuseport", 0),
         ]
     )
-    nodes_pb2_grpc.add_NodesServicer_to_server(NodesServicer(cp), server)
+    nodes_pb2_grpc.add_NodesServicer_to_server(NodesServicer(cp, peers), server)
     leases_pb2_grpc.add_LeasesServicer_to_server(LeasesServicer(cp), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

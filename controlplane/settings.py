@@ -30,6 +30,9 @@ class EtcdSettings:
 class ServerSettings:
     # gRPC listen address.
     listen: str = "127.0.0.1:50051"
+    # host:port the other replicas reach this one at ("" = the listen address, or for a
+    # wildcard one this host's resolved name): Nodes/Score asks them for their sidecars'.
+    advertise: str = ""
     # Prometheus metrics port on the same host as listen; 0 = pick one, -1 = off.
     metrics_port: int = 9464
     # Largest gRPC message accepted, bytes (a 128k-token lease's digests are ~128 KiB).
@@ -97,6 +100,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = Settings()
     add = flag_adder(p, ENV_PREFIX)
     add("listen", d.server.listen, "gRPC address (host:port)")
+    add(
+        "advertise",
+        d.server.advertise,
+        "host:port other daemon replicas reach this one at (default: from --listen)",
+    )
     add("metrics-port", d.server.metrics_port, "Prometheus port (0 = pick one, -1 = off)", int)
     add("etcd", "", "external etcd endpoints host:port,...; empty = start an embedded etcd")
     add("etcd-prefix", d.etcd.prefix, "key prefix of all of kvferry's keys")
@@ -133,7 +141,7 @@ def from_args(a: argparse.Namespace) -> Settings:
             embedded_client_port=a.embedded_port,
             embedded_peer_port=a.embedded_port + 10,
         ),
-        server=ServerSettings(listen=a.listen, metrics_port=a.metrics_port),
+        server=ServerSettings(listen=a.listen, advertise=a.advertise, metrics_port=a.metrics_port),
         policy=Policy(
             safety_margin_s=a.safety_margin,
             recompute_threshold=a.recompute_threshold,

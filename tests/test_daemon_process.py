@@ -11,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import pytest
 import structlog.testing
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -93,3 +94,14 @@ async def test_logs_are_structured_events(client: Client) -> None:
         ("d-log", 1, False),
         ("d-log", 2, True),
     ]
+
+
+def test_the_address_a_replica_advertises_to_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    from controlplane import daemon
+
+    assert daemon.advertised("127.0.0.1:0", 4321, "") == "127.0.0.1:4321"
+    assert daemon.advertised("0.0.0.0:50051", 50051, "10.1.2.3:50051") == "10.1.2.3:50051"
+    monkeypatch.setattr(daemon.socket, "gethostbyname", lambda name: "10.9.8.7")
+    assert daemon.advertised("0.0.0.0:50051", 50051, "") == "10.9.8.7:50051"  # a container's own address
+    monkeypatch.setattr(daemon.socket, "gethostbyname", lambda name: "127.0.1.1")
+    assert daemon.advertised("[::]:50051", 50051, "") == ""  # loopback: no one else could reach it

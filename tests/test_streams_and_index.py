@@ -13,6 +13,7 @@ from controlplane.blockindex import BlockIndex, IndexUpdate
 from kvferry.v1 import leases_pb2, nodes_pb2
 from tests.conftest import Client, free_port
 from tests.factories import lease_request, lookup_request, node_request, tokens
+from tests.polling import eventually
 
 
 async def test_stream_multiplexes_register_and_lookup_with_per_op_errors(client: Client) -> None:
@@ -77,6 +78,46 @@ async def test_kv_events_feed_the_index_and_score(client: Client) -> None:
     await asyncio.sleep(0.2)
     listed = {n.engine_id: n for n in (await client.nodes.List(nodes_pb2.ListNodesRequest())).nodes}
     assert listed["p-1"].indexed_blocks == 0, "a detached node's index would go stale: dropped"
+
+
+async def test_score_on_any_replica_sees_every_replicas_sidecars(make_daemon, connect) -> None:  # type: ignore[no-untyped-def]
+    """A sidecar's KV events reach the replica it attached to; a router asking another
+    replica still scores that node by them (the replicas ask each other)."""
+    a = await make_daemon()
+    b = await make_daemon(etcd=a.settings.etcd)  # same etcd, same prefix: two replicas
+    ca, cb = connect(a), connect(b)
+    await ca.nodes.Register(node_request("p-1", role=nodes_pb2.PREFILL))
+    await ca.nodes.Register(node_request("p-2", role=nodes_pb2.PREFILL, side_channel_port=5601))
+    queue: asyncio.Queue[nodes_pb2.AttachRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[nodes_pb2.AttachRequest]:
+        while (item := await queue.get()) is not None:
+            yield item
+
+    call = ca.nodes.Attach(requests())  # p-1's sidecar attaches to replica a
+    queue.put_nowait(nodes_pb2.AttachRequest(hello=nodes_pb2.AttachHello(engine_id="p-1", generation=1)))
+    await call.read()
+    queue.put_nowait(nodes_pb2.AttachRequest(kv_events=nodes_pb2.KvEventBatch(seq=0, stored=[1, 2, 3])))
+    queue.put_nowait(nodes_pb2.AttachRequest(heartbeat=nodes_pb2.Heartbeat(seq=1)))
+    await call.read()
+    ask = nodes_pb2.ScoreRequest(block_hashes=[1, 2, 9], role=nodes_pb2.PREFILL)
+
+    async def b_knows_a() -> bool:
+        return b.peers is not None and b.peers.addresses == [a.address]
+
+    await eventually(b_knows_a)
+    await eventually(lambda: _score_of(cb, ask, "p-1", expect=2))
+    scores = await cb.nodes.Score(ask)
+    assert [(s.engine_id, s.cached_blocks) for s in scores.scores] == [("p-1", 2), ("p-2", 0)]
+    local = await cb.nodes.Score(nodes_pb2.ScoreRequest(block_hashes=[1, 2, 9], local_only=True))
+    assert {s.engine_id: s.cached_blocks for s in local.scores} == {"p-1": 0, "p-2": 0}
+    queue.put_nowait(None)
+    call.cancel()
+
+
+async def _score_of(client: Client, ask: nodes_pb2.ScoreRequest, engine: str, expect: int) -> bool:
+    scores = await client.nodes.Score(ask)
+    return any(s.engine_id == engine and s.cached_blocks == expect for s in scores.scores)
 
 
 def test_block_index_applies_net_effect_in_order() -> None:

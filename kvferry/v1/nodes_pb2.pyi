@@ -426,8 +426,14 @@ class ScoreRequest(_message.Message):
 
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
+    LOCAL_ONLY_FIELD_NUMBER: _builtins.int
     role: Global___Role.ValueType
     """Empty = all roles."""
+    local_only: _builtins.bool
+    """This replica's KV-event index only. Each replica indexes the sidecars attached to
+    it; without local_only it also asks the other replicas (local_only) and answers
+    each node's best count.
+    """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """vLLM block hashes of the prompt's full blocks, in order (64-bit form)."""
@@ -437,10 +443,11 @@ class ScoreRequest(_message.Message):
         *,
         block_hashes: _abc.Iterable[_builtins.int] | None = ...,
         role: Global___Role.ValueType = ...,
+        local_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "local_only", b"local_only", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
