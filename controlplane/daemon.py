@@ -153,7 +153,8 @@ class Daemon:
 def advertised(listen: str, port: int, advertise: str) -> str:
     """The address other replicas reach this one at: `advertise` if given, else the listen
     host with the bound port; for a wildcard listen, this host's name resolved (what a
-    container's /etc/hosts maps to its address). "" when that is only loopback."""
+    container's /etc/hosts maps to its address), or "" when that is loopback. (A listen
+    on loopback is announced as it is: replicas on one host reach each other there.)"""
     if advertise:
         return advertise
     host = listen.rpartition(":")[0].strip("[]")

@@ -2,17 +2,19 @@
 
 A sidecar attaches to one replica, and that replica alone indexes its KV events. So
 that `Nodes/Score` on any replica scores every prefill node, each replica announces
-its address in etcd (a key under a lease of its own, gone within `ttl_s` of a crash)
-and asks the others for their own index's scores (`local_only`), merging each node's
-best count. A peer that does not answer within the deadline is left out: its nodes
-score 0 from this answer, as they did before.
+its address in etcd (a key of its own under a lease of its own, gone within `ttl_s`
+of a crash) and asks the others for their own index's scores (`local_only`), merging
+each node's best count. A peer that does not answer within the deadline is left out
+(its nodes score 0 from this answer, as they did before), and left alone for
+`backoff_s`: a dead or unreachable one must not cost every scoring turn the deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Sequence
+import time
+import uuid
+from collections.abc import Mapping
 
 import grpc
 import structlog
@@ -23,24 +25,41 @@ from kvferry.v1 import nodes_pb2, nodes_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
+_STOP_TIMEOUT_S = 1.0  # the announcement's revoke at stop (it lapses by itself anyway)
+
+
+class _Peer:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub: nodes_pb2_grpc.NodesAsyncStub = nodes_pb2_grpc.NodesStub(self.channel)
+        self.skip_until = 0.0
+
 
 class Peers:
     """This replica's announcement, and stubs of the other replicas."""
 
     def __init__(
-        self, store: EtcdStore, ttl_s: int = 10, refresh_s: float = 2.0, deadline_s: float = 0.02
+        self,
+        store: EtcdStore,
+        ttl_s: int = 10,
+        refresh_s: float = 2.0,
+        deadline_s: float = 0.02,
+        backoff_s: float = 5.0,
     ) -> None:
+        self.id = uuid.uuid4().hex
         self.address = ""
         self._store = store
         self._ttl = ttl_s
         self._refresh = refresh_s
         self._deadline = deadline_s
+        self._backoff = backoff_s
         self._lease = 0
-        self._peers: dict[str, tuple[grpc.aio.Channel, nodes_pb2_grpc.NodesAsyncStub]] = {}
+        self._peers: dict[str, _Peer] = {}  # by replica id
 
     @property
     def addresses(self) -> list[str]:
-        return sorted(self._peers)
+        return sorted(p.address for p in self._peers.values())
 
     async def run(self, address: str) -> None:
         """Announce this replica at `address` and follow the others, until cancelled."""
@@ -48,40 +67,57 @@ class Peers:
         while True:
             try:
                 if not self._lease or not await self._store.refresh_replica(self._lease):
-                    self._lease = await self._store.put_replica(self.address, self._ttl)
-                    log.info("peers.announced", address=self.address)
-                self._follow(await self._store.replicas())
+                    self._lease = 0
+                    self._lease = await self._store.put_replica(self.id, address, self._ttl)
+                    log.info("peers.announced", address=address, id=self.id)
+                await self._follow(await self._store.replicas())
             except StoreUnavailable as e:
                 log.info("peers.refresh_failed", error=str(e))
+            except Exception:  # (a lease gone under us, an odd key): try again, never stop
+                log.exception("peers.refresh_crashed")
             await asyncio.sleep(self._refresh)
 
-    def _follow(self, announced: Sequence[str]) -> None:
-        others = set(announced) - {self.address}
-        for gone in set(self._peers) - others:
-            channel, _ = self._peers.pop(gone)
-            asyncio.get_running_loop().create_task(channel.close(None))
-        for new in others - set(self._peers):
-            channel = grpc.aio.insecure_channel(new)
-            self._peers[new] = (channel, nodes_pb2_grpc.NodesStub(channel))
+    async def _follow(self, announced: Mapping[str, str]) -> None:
+        others = {i: a for i, a in announced.items() if i != self.id}
+        for i in [i for i, p in self._peers.items() if others.get(i) != p.address]:
+            await self._peers.pop(i).channel.close(None)
+        for i, address in others.items():
+            if i not in self._peers:
+                self._peers[i] = _Peer(address)
+                log.info("peers.following", address=address, id=i)
 
     async def scores(
         self, request: nodes_pb2.ScoreRequest, time_left_s: float | None
     ) -> list[nodes_pb2.ScoreResponse]:
         """The other replicas' own scores for `request` (those that answered in time:
         within the deadline, and well within the caller's `time_left_s`)."""
-        if not self._peers:
+        now = time.monotonic()
+        asked = [p for p in self._peers.values() if p.skip_until <= now]
+        if not asked:
             return []
         deadline = self._deadline if time_left_s is None else min(self._deadline, time_left_s / 2)
         local = nodes_pb2.ScoreRequest(block_hashes=request.block_hashes, role=request.role, local_only=True)
-        calls = [stub.Score(local, timeout=deadline) for _, stub in self._peers.values()]
-        answers = await asyncio.gather(*calls, return_exceptions=True)
-        return [a for a in answers if isinstance(a, nodes_pb2.ScoreResponse)]
+        answers = await asyncio.gather(
+            *(p.stub.Score(local, timeout=deadline) for p in asked), return_exceptions=True
+        )
+        out = []
+        for peer, answer in zip(asked, answers, strict=True):
+            if isinstance(answer, nodes_pb2.ScoreResponse):
+                out.append(answer)
+            elif isinstance(answer, grpc.aio.AioRpcError):
+                peer.skip_until = time.monotonic() + self._backoff
+                log.info("peers.score_failed", address=peer.address, code=answer.code().name)
+        return out
 
     async def close(self) -> None:
-        """Withdraw the announcement (peers stop asking at once) and close the channels."""
+        """Withdraw the announcement (the others stop asking at their next refresh) and
+        close the channels."""
         if self._lease:
-            with contextlib.suppress(StoreUnavailable):
-                await self._store.revoke_lease_quietly(self._lease)
-        for channel, _ in self._peers.values():
-            await channel.close(None)
+            try:
+                async with asyncio.timeout(_STOP_TIMEOUT_S):
+                    await self._store.revoke_lease_quietly(self._lease)
+            except TimeoutError:
+                log.info("peers.revoke_timed_out", lease=self._lease)
+        for peer in self._peers.values():
+            await peer.channel.close(None)
         self._peers.clear()

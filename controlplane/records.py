@@ -142,11 +142,11 @@ class Keys:
         self.generation_floor = f"{self.prefix}/meta/generation-floor".encode()
         self.replicas = f"{self.prefix}/replicas/".encode()
 
-    def replica(self, address: str) -> bytes:
-        return self.replicas + _seg(address).encode()
+    def replica(self, replica_id: str) -> bytes:
+        return self.replicas + _seg(replica_id).encode()
 
-    def replica_address(self, key: bytes) -> str:
-        return unquote(key[len(self.replicas) :].decode())
+    def replica_id(self, key: bytes) -> str:
+        return unquote(key[len(self.replicas) :].decode(errors="replace"))
 
     def node(self, engine_id: str) -> bytes:
         return self.nodes + _seg(engine_id).encode()

@@ -614,25 +614,30 @@ class EtcdStore:
 
     # -- daemon replicas -------------------------------------------------------
 
-    async def put_replica(self, address: str, ttl_s: int) -> int:
-        """Announce a daemon replica at `address` under a lease of its own. -> the lease
-        (refresh it with `refresh_replica`; the key goes when it lapses)."""
+    async def put_replica(self, replica_id: str, address: str, ttl_s: int) -> int:
+        """Announce daemon replica `replica_id` at `address` under a lease of its own. ->
+        the lease (refresh it with `refresh_replica`; the key goes when it lapses)."""
         grant = await timed(
             "replica",
             self._client.leasestub.LeaseGrant(rpc.LeaseGrantRequest(TTL=ttl_s), timeout=self._timeout),
         )
-        await self._txn("replica", [], [_put(self.keys.replica(address), b"", int(grant.ID))], [])
-        return int(grant.ID)
+        lease = int(grant.ID)
+        try:
+            await self._txn("replica", [], [_put(self.keys.replica(replica_id), address.encode(), lease)], [])
+        except BaseException:
+            await self.revoke_lease_quietly(lease)
+            raise
+        return lease
 
     async def refresh_replica(self, lease_id: int) -> bool:
         """Refresh a replica's lease. -> False when it is gone (announce again)."""
         return await self._refresh(lease_id) > 0
 
-    async def replicas(self) -> list[str]:
-        """The addresses of the replicas announced now."""
+    async def replicas(self) -> dict[str, str]:
+        """The replicas announced now: id -> address."""
         keys = self.keys.replicas
         [resp] = await self._read("replicas", _get(keys, prefix_end(keys)))
-        return [self.keys.replica_address(kv.key) for kv in resp.kvs]
+        return {self.keys.replica_id(kv.key): kv.value.decode(errors="replace") for kv in resp.kvs}
 
     async def revoke_lease_quietly(self, lease_id: int) -> None:
         try:

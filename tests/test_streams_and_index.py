@@ -115,6 +115,25 @@ async def test_score_on_any_replica_sees_every_replicas_sidecars(make_daemon, co
     call.cancel()
 
 
+async def test_a_peer_that_does_not_answer_is_left_alone_for_a_while() -> None:
+    """A dead replica's announcement lives up to its lease's TTL: it must not cost every
+    scoring turn the peers' deadline meanwhile."""
+    from controlplane.peers import Peers
+
+    peers = Peers(None, backoff_s=30.0)  # type: ignore[arg-type]  # (no store: nothing announced)
+    await peers._follow({"dead": f"127.0.0.1:{free_port()}"})  # nothing listens there
+    ask = nodes_pb2.ScoreRequest(block_hashes=[1])
+    assert await peers.scores(ask, 1.0) == []
+    [dead] = peers._peers.values()
+    assert dead.skip_until > 0  # failed: skipped from now on
+    started = asyncio.get_running_loop().time()
+    assert await peers.scores(ask, 1.0) == []
+    assert asyncio.get_running_loop().time() - started < 0.005  # not asked again
+    await peers._follow({})  # gone from etcd: its channel closes
+    assert peers.addresses == []
+    await peers.close()
+
+
 async def _score_of(client: Client, ask: nodes_pb2.ScoreRequest, engine: str, expect: int) -> bool:
     scores = await client.nodes.Score(ask)
     return any(s.engine_id == engine and s.cached_blocks == expect for s in scores.scores)
