@@ -504,9 +504,12 @@ class ControlPlane:
             return outcome, False
         try:
             back = await self.store.unclaim(tenant, conversation_id, taken, outcome.marker_revision, now)
-        except StoreUnavailable:
-            back = False
-        if not back:  # (replaced meanwhile, or etcd failed): it is spent, and released
+        except StoreUnavailable as e:
+            # It may be back all the same (the answer lost, not the write): a release now
+            # would free blocks the next turn may be handed. At worst D keeps them to its TTL.
+            log.warning("lookup.own_turn.unknown", conversation_id=conversation_id, error=str(e))
+            return ClaimOutcome(None), True
+        if not back:  # a newer retention replaced it meanwhile: this one is spent, and released
             return outcome, False
         log.info("lookup.own_turn", conversation_id=conversation_id, request_id=request_id)
         return ClaimOutcome(None), True
