@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -45,6 +46,12 @@ SHARED_VARIABLES = frozenset({"KVFERRY_LOG_LEVEL", "KVFERRY_TEST_ETCD"})
 #: Every process's prefix. The daemon's is a prefix of the others': their variables
 #: are not the daemon's business.
 PREFIXES = ("KVFERRY_", "KVFERRY_SIDECAR_", "KVFERRY_ROUTER_")
+#: Parsed names no variable sets (`--log-level` reads KVFERRY_LOG_LEVEL, whatever the process).
+_NOT_FROM_VARIABLES = frozenset({"LOG_LEVEL", "FUNC", "COMMAND"})
+#: What Kubernetes sets in every pod for each Service ("kvferry-router" gives
+#: KVFERRY_ROUTER_SERVICE_HOST, KVFERRY_ROUTER_PORT_80_TCP_ADDR, ...), unless the pod
+#: says enableServiceLinks: false.
+_SERVICE_LINK = re.compile(r"_(SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT(_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)?)$")
 
 
 def unknown_variables(
@@ -54,12 +61,14 @@ def unknown_variables(
     closest name a flag reads, or "")]. A misspelt one leaves its flag at the default
     without a word (a sidecar's side-channel host, say), so each process reports them."""
     env = os.environ if environ is None else environ
-    known = sorted(dest.upper() for dest in vars(args))  # the names after the prefix
+    known = sorted({dest.upper() for dest in vars(args)} - _NOT_FROM_VARIABLES)  # (after the prefix)
     others = tuple(p for p in PREFIXES if p != prefix and p.startswith(prefix))
     out = []
     for name in sorted(env):
         rest = name.removeprefix(prefix)
         if rest == name or rest in known or name in SHARED_VARIABLES or (others and name.startswith(others)):
+            continue
+        if _SERVICE_LINK.search(name):
             continue
         close = difflib.get_close_matches(rest, known, n=1, cutoff=0.75)
         out.append((name, prefix + close[0] if close else ""))

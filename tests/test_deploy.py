@@ -100,6 +100,21 @@ def _systemd() -> Iterator[Process]:
 PROCESSES = [*_kubernetes(), *_compose(), *_systemd()]
 
 
+def test_label_values_are_read_off_the_code() -> None:
+    assert KNOWN_VALUES["kvferry_router_stage_seconds_bucket", "stage"] == {
+        "tokenize", "digests", "lookup", "prefill", "decode_start"
+    }  # fmt: skip
+    assert KNOWN_VALUES["kvferry_router_digest_blocks_total", "how"] == {"reused", "hashed"}
+
+
+def test_pods_get_no_service_variables() -> None:
+    """Kubernetes' service links would read as kvferry's variables, or vLLM's (VLLM_PORT)."""
+    for path in sorted((DEPLOY / "kubernetes").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc["kind"] in ("Deployment", "StatefulSet"):
+                assert doc["spec"]["template"]["spec"]["enableServiceLinks"] is False, path.name
+
+
 def test_every_deploy_file_starts_kvferry_processes() -> None:
     found = {Path(p.where.split(":")[0]).name for p in PROCESSES}
     expected = {p.name for p in DEPLOY.glob("kubernetes/*.yaml")} | {"compose.yaml"}
@@ -167,7 +182,15 @@ def _exposed() -> dict[str, tuple[str, ...]]:
     return out
 
 
+def _labels_in_source(attribute: str) -> set[str]:
+    """The literal values the router's code gives `metrics.<attribute>.labels(...)`."""
+    source = "".join(p.read_text() for p in (DEPLOY.parent / "router").glob("*.py"))
+    return set(re.findall(rf"\.{attribute}\.labels\(\"(\w+)\"\)", source))
+
+
 KNOWN_VALUES = {
+    ("kvferry_router_stage_seconds_bucket", "stage"): _labels_in_source("stage"),
+    ("kvferry_router_digest_blocks_total", "how"): _labels_in_source("digest_blocks"),
     ("kvferry_lookups_total", "decision"): {"PULL", "RECOMPUTE"},
     ("kvferry_lookups_total", "reason"): {r.value for r in Reason},
     ("kvferry_router_lookups_total", "decision"): {"PULL", "RECOMPUTE", "SKIPPED"},

@@ -25,10 +25,14 @@ def test_unknown_variables_are_named_with_the_closest_flag() -> None:
         "KVFERRY_SIDECAR_COLOUR": "blue",  # nothing like any flag
         "KVFERRY_LOG_LEVEL": "info",  # every process's
         "KVFERRY_ROUTER_LISTEN": "0.0.0.0:8000",  # the router's business
+        "KVFERRY_SIDECAR_LOG_LEVEL": "debug",  # no such variable: it is KVFERRY_LOG_LEVEL
+        "KVFERRY_SIDECAR_SERVICE_HOST": "10.0.0.9",  # Kubernetes' service links
+        "KVFERRY_SIDECAR_PORT_8100_TCP_ADDR": "10.0.0.9",
         "PATH": "/bin",
     }
     assert flags.unknown_variables("KVFERRY_SIDECAR_", args, env) == [
         ("KVFERRY_SIDECAR_COLOUR", ""),
+        ("KVFERRY_SIDECAR_LOG_LEVEL", ""),
         ("KVFERRY_SIDECAR_SIDE_CHANEL_HOST", "KVFERRY_SIDECAR_SIDE_CHANNEL_HOST"),
     ]
     # The daemon's prefix is the others' too: their variables are not its own.
