@@ -97,13 +97,14 @@ class _Digested:
     block_size: int
     data: bytes  # the full blocks' token ids, as `_block_bytes`
     digests: bytes
+    key_bytes: int
 
     @property
     def size(self) -> int:
-        return len(self.data) + len(self.digests) + _ENTRY_OVERHEAD
+        return len(self.data) + len(self.digests) + self.key_bytes + _ENTRY_OVERHEAD
 
 
-_ENTRY_OVERHEAD = 256  # the key, the entry, the dict slot: roughly
+_ENTRY_OVERHEAD = 600  # the entry's objects, its key's and its dict slot (measured: ~440 bytes)
 
 
 class DigestCache:
@@ -138,8 +139,8 @@ class DigestCache:
                 same = _common_prefix(last.data, data, step)
         head = last.digests[: same * DIGEST_SIZE] if last is not None else b""
         digests = head + _chain(data[same * step :], step, head[-DIGEST_SIZE:] if same else chain_seed)
-        entry = _Digested(chain_seed, block_size, data, digests)
-        if entry.size <= self.max_bytes:
+        entry = _Digested(chain_seed, block_size, data, digests, len(repr(key)))
+        if data and entry.size <= self.max_bytes:  # (a prompt without a full block: nothing to keep)
             self._entries[key] = entry
             self._bytes += entry.size
             while self._bytes > self.max_bytes:

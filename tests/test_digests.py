@@ -68,8 +68,10 @@ def test_a_grown_sequence_hashes_only_its_new_blocks() -> None:
 
 
 def test_the_least_recently_used_conversation_leaves_first() -> None:
-    tokens = list(range(160))  # 10 blocks: 640 bytes of ids, 160 of digests
-    cache = DigestCache(3 * (640 + 160 + 256))
+    tokens = list(range(160))  # 10 blocks
+    one = DigestCache(1 << 20)
+    one.digests("a", tokens, 16, seed("m"))
+    cache = DigestCache(3 * one.size_bytes)  # room for three such
     for key in "abc":
         cache.digests(key, tokens, 16, seed("m"))
     cache.digests("a", tokens, 16, seed("m"))  # a is the most recent now
