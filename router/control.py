@@ -19,6 +19,7 @@ import structlog
 
 from kvferry.leaseclient import LeaseOpError, LeaseStream
 from kvferry.structs import struct_to_dict
+from kvferry.tasks import cancel_and_wait
 from kvferry.v1 import leases_pb2, nodes_pb2, nodes_pb2_grpc
 from router.choice import Node
 from router.decisions import Breaker, LookupAnswer, Reuse, Skip, reuse_of, skipped
@@ -86,6 +87,7 @@ class ControlPlane:
         self._replicas = [_Replica(a) for a in addresses]
         self._current = 0
         self.breaker = Breaker(settings.breaker_base_s, settings.breaker_max_s)
+        self._reopening: asyncio.Task[None] | None = None
 
     @property
     def _replica(self) -> _Replica:
@@ -111,6 +113,12 @@ class ControlPlane:
             log.info(
                 "router.daemon.stream_not_ready", address=replica.address, code=e.code.name, error=e.message
             )
+
+    def _reopen(self) -> None:
+        """Set a new lease stream up in the background while the breaker holds lookups back,
+        so the first lookup after it does not wait on the set-up (see `open_stream`)."""
+        if self._reopening is None or self._reopening.done():
+            self._reopening = asyncio.get_running_loop().create_task(self.open_stream())
 
     async def lookup_early(
         self,
@@ -154,6 +162,8 @@ class ControlPlane:
                 self.breaker.record(False, time.monotonic())
             if unreachable:
                 self._failover(replica)
+            if e.stream_lost:
+                self._reopen()
             log.info(
                 "router.lookup.failed",
                 address=replica.address,
@@ -197,5 +207,6 @@ class ControlPlane:
         return [node for n in res.nodes if n.alive and (node := node_of(n)) is not None]
 
     async def close(self) -> None:
+        await cancel_and_wait([self._reopening])
         for r in self._replicas:
             await r.close()

@@ -815,3 +815,18 @@ async def test_models_asks_each_node_of_unknown_model_and_stops_at_a_client_erro
             async with http.get(router.url + "/v1/models") as r:
                 assert r.status == 401
             assert len(pa.models_auth) + len(pb.models_auth) == asked + 1  # one node asked, not both
+
+
+async def test_a_lost_lease_stream_is_set_up_again_in_the_background() -> None:
+    """While the breaker holds lookups back, a new stream is set up (a peek), so the first
+    lookup after it does not wait on the set-up, where a claim can arrive too late."""
+    from router.control import ControlPlane
+    from router.settings import DaemonSettings
+
+    cp = ControlPlane([f"127.0.0.1:{free_port()}"], DaemonSettings(rpc_timeout_s=0.2))
+    prompt: asyncio.Future[tuple[list[int], bytes] | None] = asyncio.get_running_loop().create_future()
+    prompt.set_result(([1] * 32, b""))
+    reuse = await cp.lookup_early("t", "c", prompt)  # no daemon there: the stream is lost
+    assert reuse.decision == "SKIPPED" and reuse.reason == "daemon_unavailable"
+    assert cp._reopening is not None
+    await cp.close()
