@@ -51,7 +51,9 @@ _NOT_FROM_VARIABLES = frozenset({"LOG_LEVEL", "FUNC", "COMMAND"})
 #: What Kubernetes sets in every pod for each Service ("kvferry-router" gives
 #: KVFERRY_ROUTER_SERVICE_HOST, KVFERRY_ROUTER_PORT_80_TCP_ADDR, ...), unless the pod
 #: says enableServiceLinks: false.
-_SERVICE_LINK = re.compile(r"_(SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT(_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)?)$")
+_SERVICE_LINK = re.compile(
+    r"_(SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT(_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)?)$"
+)
 
 
 def unknown_variables(
