@@ -46,7 +46,11 @@ async def test_stream_multiplexes_register_and_lookup_with_per_op_errors(client:
     assert {r.id % 50 for r in pulls} == set(range(50))
 
 
-async def test_kv_events_feed_the_index_and_score(client: Client) -> None:
+async def _two_prefills_p1_attached(
+    client: Client,
+) -> tuple[asyncio.Queue[nodes_pb2.AttachRequest | None], Any]:
+    """Prefill nodes p-1 and p-2, and an Attach stream for p-1 (greeted): -> (the queue its
+    requests are put in, None to end it; the call)."""
     await client.nodes.Register(node_request("p-1", role=nodes_pb2.PREFILL))
     await client.nodes.Register(node_request("p-2", role=nodes_pb2.PREFILL, side_channel_port=5601))
     queue: asyncio.Queue[nodes_pb2.AttachRequest | None] = asyncio.Queue()
@@ -58,6 +62,11 @@ async def test_kv_events_feed_the_index_and_score(client: Client) -> None:
     call = client.nodes.Attach(requests())
     queue.put_nowait(nodes_pb2.AttachRequest(hello=nodes_pb2.AttachHello(engine_id="p-1", generation=1)))
     await call.read()
+    return queue, call
+
+
+async def test_kv_events_feed_the_index_and_score(client: Client) -> None:
+    queue, call = await _two_prefills_p1_attached(client)
     batches = [
         nodes_pb2.KvEventBatch(seq=0, stored=[1, 2, 3, 4, 5]),
         nodes_pb2.KvEventBatch(seq=1, removed=[4], stored=[6]),
@@ -86,17 +95,7 @@ async def test_score_on_any_replica_sees_every_replicas_sidecars(make_daemon, co
     a = await make_daemon()
     b = await make_daemon(etcd=a.settings.etcd)  # same etcd, same prefix: two replicas
     ca, cb = connect(a), connect(b)
-    await ca.nodes.Register(node_request("p-1", role=nodes_pb2.PREFILL))
-    await ca.nodes.Register(node_request("p-2", role=nodes_pb2.PREFILL, side_channel_port=5601))
-    queue: asyncio.Queue[nodes_pb2.AttachRequest | None] = asyncio.Queue()
-
-    async def requests() -> AsyncIterator[nodes_pb2.AttachRequest]:
-        while (item := await queue.get()) is not None:
-            yield item
-
-    call = ca.nodes.Attach(requests())  # p-1's sidecar attaches to replica a
-    queue.put_nowait(nodes_pb2.AttachRequest(hello=nodes_pb2.AttachHello(engine_id="p-1", generation=1)))
-    await call.read()
+    queue, call = await _two_prefills_p1_attached(ca)  # p-1's sidecar attaches to replica a
     queue.put_nowait(nodes_pb2.AttachRequest(kv_events=nodes_pb2.KvEventBatch(seq=0, stored=[1, 2, 3])))
     queue.put_nowait(nodes_pb2.AttachRequest(heartbeat=nodes_pb2.Heartbeat(seq=1)))
     await call.read()
@@ -244,6 +243,17 @@ async def test_a_lost_lease_stream_says_so() -> None:
         await channel.close(None)
 
 
+def _stream_on(call: Any) -> tuple[Any, grpc.aio.Channel]:
+    """A LeaseStream whose Leases/Stream call is `call` (the test's), and its channel
+    (never used; close it)."""
+    from kvferry.leaseclient import LeaseStream
+
+    channel = grpc.aio.insecure_channel("127.0.0.1:9")
+    stream = LeaseStream(channel)
+    stream._stub = type("Stub", (), {"Stream": lambda self: call})()
+    return stream, channel
+
+
 class _StuckCall:
     """A Leases/Stream call whose first write never completes (a daemon that stopped
     reading: gRPC flow control holds the client back)."""
@@ -299,13 +309,11 @@ async def test_late_answers_reach_the_hook_only_when_they_are_answers(
     hook; not an error answer, not after LATE_ANSWER_S, not when the stream ends first.
     Nothing is left behind either way."""
     from kvferry import leaseclient
-    from kvferry.leaseclient import LeaseOpError, LeaseStream
+    from kvferry.leaseclient import LeaseOpError
 
     monkeypatch.setattr(leaseclient, "LATE_ANSWER_S", 0.2)
     first = _ScriptedCall()
-    channel = grpc.aio.insecure_channel("127.0.0.1:9")  # (never used: the call is the test's)
-    stream = LeaseStream(channel)
-    stream._stub = type("Stub", (), {"Stream": lambda self: first})()  # type: ignore[assignment]
+    stream, channel = _stream_on(first)
     hooked: list[leases_pb2.LookupResponse] = []
 
     async def given_up(conversation: str) -> None:
@@ -341,12 +349,10 @@ async def test_an_op_given_up_on_says_whether_it_left() -> None:
     """`sent` is what the sidecar goes by to send a registration again or not: an op in a
     write that never finished may still reach the daemon; one still waiting to leave when
     its caller gives up is taken back, and never leaves."""
-    from kvferry.leaseclient import LeaseOpError, LeaseStream
+    from kvferry.leaseclient import LeaseOpError
 
     call = _StuckCall()
-    channel = grpc.aio.insecure_channel("127.0.0.1:9")  # (never used: the call is the test's)
-    stream = LeaseStream(channel)
-    stream._stub = type("Stub", (), {"Stream": lambda self: call})()  # type: ignore[assignment]
+    stream, channel = _stream_on(call)
     first = asyncio.ensure_future(stream.register(lease_request("a"), 0.3))
     await asyncio.sleep(0.05)  # the writer is stuck in the write of the first op
     with pytest.raises(LeaseOpError) as second:
@@ -366,12 +372,10 @@ async def test_a_lookup_given_up_on_before_it_left_never_leaves() -> None:
     claim what the conversation holds by then, which may be the retention of the very
     turn that went on without it; releasing that costs the next turn its reuse, and the
     blocks it should have freed stay held for D's TTL."""
-    from kvferry.leaseclient import LeaseOpError, LeaseStream
+    from kvferry.leaseclient import LeaseOpError
 
     call = _StuckCall()
-    channel = grpc.aio.insecure_channel("127.0.0.1:9")  # (never used: the call is the test's)
-    stream = LeaseStream(channel)
-    stream._stub = type("Stub", (), {"Stream": lambda self: call})()  # type: ignore[assignment]
+    stream, channel = _stream_on(call)
     stuck = asyncio.ensure_future(stream.register(lease_request("a"), 0.5))
     await asyncio.sleep(0.05)  # the writer is stuck in the write of the first op
     hooked: list[leases_pb2.LookupResponse] = []
