@@ -133,6 +133,29 @@ async def test_a_peer_that_does_not_answer_is_left_alone_for_a_while() -> None:
     await peers.close()
 
 
+async def test_a_replica_whose_announcement_lapsed_announces_itself_again(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    """Its lease gone (an etcd outage longer than the TTL, a restore), a replica puts its
+    key back with a new lease at the next refresh, and the others find it again."""
+    a = await make_daemon()
+    b = await make_daemon(etcd=a.settings.etcd)
+    assert a.peers is not None and b.peers is not None and a._store is not None
+
+    async def b_knows_a() -> bool:
+        return b.peers.addresses == [a.address]  # type: ignore[union-attr]
+
+    await eventually(b_knows_a)
+    first = a.peers._lease
+    await a._store.revoke_lease_quietly(first)  # the key goes with it
+    assert a.address not in (await a._store.replicas()).values()
+
+    async def announced_again() -> bool:
+        return a.address in (await a._store.replicas()).values()  # type: ignore[union-attr]
+
+    await eventually(announced_again)
+    assert a.peers._lease != first
+    await eventually(b_knows_a)
+
+
 async def _score_of(client: Client, ask: nodes_pb2.ScoreRequest, engine: str, expect: int) -> bool:
     scores = await client.nodes.Score(ask)
     return any(s.engine_id == engine and s.cached_blocks == expect for s in scores.scores)
