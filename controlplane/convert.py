@@ -7,7 +7,15 @@ from google.protobuf import struct_pb2
 from controlplane.policy import Handout
 from kvferry.structs import struct_to_dict
 
-__all__ = ["apply_handout", "struct_to_dict"]
+__all__ = ["apply_handout", "remote_request_of", "struct_to_dict"]
+
+
+def remote_request_of(blob: bytes) -> str:
+    """D's request id (remote_request_id) in stored params ("" when absent)."""
+    s = struct_pb2.Struct()
+    s.ParseFromString(blob)
+    field = s.fields.get("remote_request_id")
+    return field.string_value if field is not None else ""
 
 
 def apply_handout(blob: bytes, h: Handout, out: struct_pb2.Struct) -> None:

@@ -254,7 +254,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         self._cp = cp
 
     async def _register(self, request: leases_pb2.RegisterLeaseRequest) -> leases_pb2.RegisterLeaseResponse:
-        view, replaced = await self._cp.register_lease(
+        view, replaced, release = await self._cp.register_lease(
             LeaseRegistration(
                 tenant=request.tenant,
                 conversation_id=request.conversation_id,
@@ -270,7 +270,10 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
             )
         )
         # The stored lease without its params and digests: the caller just sent them.
-        return leases_pb2.RegisterLeaseResponse(lease=lease_message(view, summary=True), replaced=replaced)
+        resp = leases_pb2.RegisterLeaseResponse(lease=lease_message(view, summary=True), replaced=replaced)
+        if release is not None:
+            apply_handout(release, RELEASE, resp.release_params)
+        return resp
 
     async def _lookup(
         self,

@@ -18,6 +18,7 @@ import structlog
 
 from controlplane import metrics
 from controlplane.blockindex import BlockIndex, IndexUpdate
+from controlplane.convert import remote_request_of
 from controlplane.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound, StoreUnavailable
 from controlplane.policy import RELEASE, Decision, Prompt, Reason, decide, digest_problem, param_problems
 from controlplane.records import Claim, NodeRecord, NodeState, Retention, Role
@@ -366,7 +367,9 @@ class ControlPlane:
         _check_id("tenant", tenant, self._limits.max_id_bytes, required=False)
         return tenant or DEFAULT_TENANT
 
-    async def register_lease(self, reg: LeaseRegistration) -> tuple[LeaseView, bool]:
+    async def register_lease(self, reg: LeaseRegistration) -> tuple[LeaseView, bool, bytes | None]:
+        """-> (the stored lease, whether it replaced one, the params of the replaced one when
+        its blocks are still held: no turn claimed it, so nothing else will free them)."""
         lim = self._limits
         tenant = self._tenant(reg.tenant)
         _check_id("conversation_id", reg.conversation_id, lim.max_id_bytes)
@@ -421,10 +424,23 @@ class ControlPlane:
         )
         revision, replaced = await self.store.put_retention(tenant, reg.conversation_id, retention, now)
         metrics.REGISTRATIONS.labels("replaced" if replaced else "new").inc()
+        release = await self._still_held(replaced, retention, now) if replaced is not None else None
         log.debug(
             "retention.registered", tenant=tenant, conversation_id=reg.conversation_id, tokens=reg.num_tokens
         )
-        return LeaseView(tenant, reg.conversation_id, retention, revision), replaced
+        return LeaseView(tenant, reg.conversation_id, retention, revision), replaced is not None, release
+
+    async def _still_held(self, replaced: Retention, new: Retention, now: float) -> bytes | None:
+        """The params of a replaced retention whose blocks D still holds (None: expired, its
+        engine restarted or gone, or the same D request registered again)."""
+        if replaced.expires_at <= now or replaced.params == new.params:
+            return None
+        node = await self.nodes.get(replaced.engine_id)
+        if node is None or not node.alive or node.record.generation != replaced.generation:
+            return None
+        if remote_request_of(replaced.params) == remote_request_of(new.params):
+            return None
+        return replaced.params
 
     async def lookup(self, q: LookupQuery, later: Awaitable[Prompt] | None = None) -> LookupResult:
         """Claim the conversation's retention (unless `q.peek`) and decide on the prompt.

@@ -281,19 +281,22 @@ class EtcdStore:
 
     async def put_retention(
         self, tenant: str, conversation_id: str, r: Retention, now: float
-    ) -> tuple[int, bool]:
-        """Store a retention, replacing the conversation's previous one. -> (revision, replaced)."""
+    ) -> tuple[int, Retention | None]:
+        """Store a retention, replacing the conversation's previous one. -> (revision, the one
+        it replaced: never claimed, as a claim takes it out)."""
         key = self.keys.retention(tenant, conversation_id)
         value = encode(r)
         self._registered += 1
         if self._registered % SCAN_PAGE == 0 and len(self._sampled) < MAX_SCAN_BOUNDS:
             self._sampled.append(key)  # a window bound for the next gauge scan
 
-        async def write(lease: int) -> tuple[int, bool]:
+        async def write(lease: int) -> tuple[int, Retention | None]:
             put = rpc.PutRequest(key=key, value=value, lease=lease, prev_kv=True)
             txn = rpc.TxnRequest(success=[rpc.RequestOp(request_put=put)])
             resp = await self._batcher.submit("put_retention", txn, (key,))
-            return int(resp.header.revision), resp.responses[0].response_put.HasField("prev_kv")
+            previous = resp.responses[0].response_put
+            replaced = decode_retention(previous.prev_kv.value) if previous.HasField("prev_kv") else None
+            return int(resp.header.revision), replaced
 
         return await self._with_gc_lease(r.expires_at, now, write)
 

@@ -36,6 +36,7 @@ from prometheus_client import Counter
 
 from kvferry.blockhash import block_hashes, external_block_hash
 from kvferry.digests import DIGEST_SIZE, DigestCache, seed_for
+from kvferry.releases import claim_release_body, release_body
 from router.choice import (
     Node,
     choose_decode,
@@ -51,11 +52,9 @@ from router.decisions import (
     Retry,
     Reuse,
     Skip,
-    claim_release_body,
     decode_body,
     prefill_body,
     prefill_kv_params,
-    release_body,
     retry_after,
     retry_decode_elsewhere,
     single_sequence,

@@ -28,6 +28,7 @@ from sidecar.kvstream import KvIngest
 from sidecar.leases import LeaseSender
 from sidecar.metrics import SidecarMetrics
 from sidecar.node import NodeSession
+from sidecar.releases import Releaser
 from sidecar.settings import Settings, listen_address
 from sidecar.tap import Tap, start_server
 
@@ -65,6 +66,7 @@ class Sidecar:
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.leases: LeaseSender | None = None
+        self._releaser: Releaser | None = None
         self.node: NodeSession | None = None
 
     @property
@@ -83,7 +85,8 @@ class Sidecar:
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.tap.connect_timeout_s),
                 auto_decompress=False,
             )
-            self.leases = LeaseSender(s, self.instance, self._link, self.metrics)
+            self._releaser = Releaser(s, self._link, self._http, self.metrics)
+            self.leases = LeaseSender(s, self.instance, self._link, self.metrics, self._releaser)
             self.node = NodeSession(s, self.instance, self.mirror, self._link, self._http, self.metrics)
             tap = Tap(s, self._http, self.instance, self.leases, self.metrics)
             host, port = listen_address(s)
@@ -123,6 +126,8 @@ class Sidecar:
             await self.leases.wait_idle(lease_grace_s)
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
+        if self._releaser is not None:
+            await self._releaser.close()
         await self._link.close()
         if self._zmq is not None:
             self._zmq.term()

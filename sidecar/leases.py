@@ -22,12 +22,13 @@ import grpc
 import structlog
 
 from kvferry.leaseclient import LeaseOpError, LeaseStream
-from kvferry.structs import dict_to_struct
+from kvferry.structs import dict_to_struct, struct_to_dict
 from kvferry.v1 import leases_pb2
 from sidecar.daemon import TRANSIENT, Backoff, DaemonLink
 from sidecar.drafts import LeaseDraft, digests_of
 from sidecar.engine import EngineInstance
 from sidecar.metrics import SidecarMetrics
+from sidecar.releases import Releaser
 from sidecar.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -109,9 +110,16 @@ class LeaseSender:
     """Sends queued drafts to the daemon, forever, several at a time on one Leases/Stream."""
 
     def __init__(
-        self, settings: Settings, instance: EngineInstance, link: DaemonLink, metrics: SidecarMetrics
+        self,
+        settings: Settings,
+        instance: EngineInstance,
+        link: DaemonLink,
+        metrics: SidecarMetrics,
+        releaser: Releaser | None = None,
     ) -> None:
         self._s = settings
+        self._releaser = releaser
+        """Where the replaced retentions' releases the daemon hands back go (None: nowhere)."""
         self._instance = instance
         self._link = link
         self._metrics = metrics
@@ -258,7 +266,7 @@ class LeaseSender:
         req: leases_pb2.RegisterLeaseRequest,
     ) -> None:
         try:
-            await stream.register(req, self._s.daemon.rpc_timeout_s)
+            res = await stream.register(req, self._s.daemon.rpc_timeout_s)
         except LeaseOpError as e:
             if e.code in TRANSIENT:
                 log.warning("lease.daemon.unavailable", code=e.code.name, address=self._link.address)
@@ -271,6 +279,10 @@ class LeaseSender:
         else:
             self._backoff.reset()
             self._metrics.registrations.labels("sent").inc()
+            if res.HasField("release_params") and self._releaser is not None:
+                facts = self._instance.facts
+                model = facts.model if facts is not None else ""
+                self._releaser.release(struct_to_dict(res.release_params), model, draft.conversation_id)
         finally:
             task = asyncio.current_task()
             if task is not None:

@@ -32,6 +32,14 @@ class SidecarMetrics:
             ["outcome"],
             registry=r,
         )
+        self.replaced_releases = Counter(
+            "kvferry_sidecar_replaced_releases",
+            "Retentions replaced before a turn claimed them, whose D blocks were released through "
+            "a prefill node: released, refused (P answered an error), failed, no_prefill, "
+            "skipped (too many on their way); all but released leave the blocks to D's TTL",
+            ["outcome"],
+            registry=r,
+        )
         self.registrations_dropped = Counter(
             "kvferry_sidecar_lease_registrations_dropped",
             "Registrations given up: overflow (queue full), expired, restarted (engine), attempts, "

@@ -156,6 +156,38 @@ async def test_a_lookup_leaves_its_own_requests_retention_to_the_next_turn(clien
     assert pulled.decision == leases_pb2.PULL and pulled.claimed and pulled.reusable_tokens == 900
 
 
+async def test_a_retention_replaced_unclaimed_comes_back_to_be_released(client: Client) -> None:
+    """No turn claimed it (its next turn skipped the lookup): D still holds its blocks, and
+    nothing else will free them before D's TTL. Its release params come back to the
+    registering sidecar; not for the same D request registered again, nor an expired one."""
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(
+        lease_request("conv-u", num_tokens=500, params=d_params("d-1", 500, "req-a"))
+    )
+    again = await client.leases.Register(
+        lease_request("conv-u", num_tokens=500, params=d_params("d-1", 500, "req-a"))
+    )
+    assert again.replaced and not again.HasField("release_params")  # the same request's blocks
+    newer = await client.leases.Register(
+        lease_request("conv-u", num_tokens=900, params=d_params("d-1", 900, "req-b"))
+    )
+    assert newer.replaced
+    release = struct_to_dict(newer.release_params)
+    assert release["remote_request_id"] == "req-a" and release["remote_num_tokens"] == 0
+    assert release["do_remote_decode"] is True
+    pulled = await client.leases.Lookup(lookup_request("conv-u", prompt_tokens=1200))
+    assert pulled.decision == leases_pb2.PULL and pulled.reusable_tokens == 900  # the newer one
+
+    await client.leases.Register(
+        lease_request("conv-x", num_tokens=500, params=d_params("d-1", 500, "req-c"), expires_in=0.5)
+    )
+    await asyncio.sleep(0.6)
+    after_expiry = await client.leases.Register(
+        lease_request("conv-x", num_tokens=500, params=d_params("d-1", 500, "req-d"))
+    )
+    assert after_expiry.replaced and not after_expiry.HasField("release_params")  # D freed them
+
+
 async def test_list_pages_and_filters(client: Client) -> None:
     await client.nodes.Register(node_request("d-1"))
     await client.nodes.Register(node_request("d-2", side_channel_port=5601))

@@ -181,19 +181,28 @@ class RegisterLeaseResponse(_message.Message):
 
     LEASE_FIELD_NUMBER: _builtins.int
     REPLACED_FIELD_NUMBER: _builtins.int
+    RELEASE_PARAMS_FIELD_NUMBER: _builtins.int
     replaced: _builtins.bool
     """A previous retention of this conversation was replaced."""
     @_builtins.property
     def lease(self) -> Global___Lease: ...
+    @_builtins.property
+    def release_params(self) -> _struct_pb2.Struct:
+        """The replaced retention's D params with remote_num_tokens 0, when no turn had claimed
+        it and its blocks are still held (unexpired, same engine generation): hand them to a
+        prefill node in a one-token request and D frees them now instead of at its deadline.
+        """
+
     def __init__(
         self,
         *,
         lease: Global___Lease | None = ...,
         replaced: _builtins.bool = ...,
+        release_params: _struct_pb2.Struct | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "release_params", b"release_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "replaced", b"replaced"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "release_params", b"release_params", "replaced", b"replaced"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvferry.releases import claim_release_body
 from router.choice import Node, choose_decode, choose_prefill, serving, worth_scoring
 from router.decisions import (
     Breaker,
@@ -17,7 +18,6 @@ from router.decisions import (
     FailureKind,
     LookupAnswer,
     Retry,
-    claim_release_body,
     decode_body,
     prefill_body,
     prefill_kv_params,

@@ -367,13 +367,16 @@ async def test_a_claim_reaching_the_daemon_after_its_own_turn_registered_leaves_
 ) -> None:
     """Turn two's lookup leaves in time but reaches the daemon only after turn two, served
     without reuse, has registered its own retention. Claimed and released (as any late
-    claim is), those blocks would be lost to turn three; the daemon leaves them to it."""
+    claim is), those blocks would be lost to turn three; the daemon leaves them to it.
+    Turn one's retention, replaced without a claim, has its blocks freed through P."""
     stack = await make_stack()
     router = await stack.router()
+    [d] = stack.decodes
     messages = first_turn("own turn")
     body = {"messages": messages, "max_tokens": 10, "conversation_id": "own-turn"}
     one = await ask(http, router.url, body)
     await stack.registrations_idle()
+    [first] = d.engine.snapshot()["held_requests"]
 
     slow = await stack.router(daemon__lookup_deadline_s=0.05)
     assert slow.control is not None
@@ -397,6 +400,14 @@ async def test_a_claim_reaching_the_daemon_after_its_own_turn_registered_leaves_
     assert not after.claimed and after.request_id == registered.request_id
     await asyncio.sleep(0.1)
     assert slow.metrics.value("kvferry_router_claim_releases_total", outcome="released") == 0
+
+    async def first_freed() -> bool:  # replaced unclaimed: D's sidecar released it through P
+        return first not in d.engine.snapshot()["held_requests"]
+
+    await eventually(first_freed)
+    d_sidecar = stack.sidecar(d).metrics.registry
+    assert d_sidecar.get_sample_value("kvferry_sidecar_replaced_releases_total", {"outcome": "released"}) == 1
+    assert len(d.engine.snapshot()["held_requests"]) == 1  # turn two's, for turn three
 
     third = {**body, "messages": next_turn(second["messages"], two.text, "And then? ")}
     three = await ask(http, router.url, third)

@@ -1,0 +1,45 @@
+"""Requests that only make an engine free KV blocks ("releases"): one-token completions
+whose kv_transfer_params hold the other side's params with nothing to transfer. vLLM's
+connector then only sends the notification that frees the blocks on the other side.
+The router sends them, and a decode node's sidecar (for a retention replaced before
+any turn claimed it)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+#: The prompt of a release when the router has no token ids (a turn without reuse).
+_RELEASE_PROMPT = "."
+
+
+def release_body(
+    model: Any, prefill_params: Mapping[str, Any], prompt_token_ids: Sequence[int] | None
+) -> dict[str, Any]:
+    """A one-token completion handing D P's params with nothing to pull, for a turn D
+    refused: D's connector then only notifies P (vLLM sends the notification alone when a
+    request has nothing to load), and P frees the blocks it kept for the turn now rather
+    than at its timeout (480 s by default). A bidirectional D keeps this request's one
+    block for its own TTL (it keeps every request that came with a prefill's params);
+    D's sidecar registers nothing, as no conversation is named."""
+    kv = {**prefill_params, "do_remote_decode": False, "remote_num_tokens": 0}
+    kv.pop("prompt_token_ids", None)  # the prompt is the one token below
+    return _one_token(model, kv, list(prompt_token_ids[:1]) if prompt_token_ids else _RELEASE_PROMPT)
+
+
+def claim_release_body(model: Any, decode_params: Mapping[str, Any]) -> dict[str, Any]:
+    """A one-token completion handing P D's params (a pull's or a release's) with nothing
+    to pull, for a claim whose answer came after its turn went on without it: P's connector
+    only notifies D, which frees the conversation's blocks now rather than at its TTL
+    (480 s by default). P keeps this request's one block until its own timeout, as a
+    producer keeps every request's blocks for a D that may read them."""
+    kv = {**decode_params, "do_remote_decode": True, "do_remote_prefill": False, "remote_num_tokens": 0}
+    kv.pop("prompt_token_ids", None)
+    return _one_token(model, kv, _RELEASE_PROMPT)
+
+
+def _one_token(model: Any, kv: dict[str, Any], prompt: str | list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {"prompt": prompt, "max_tokens": 1, "stream": False, "kv_transfer_params": kv}
+    if isinstance(model, str):
+        out["model"] = model
+    return out
