@@ -424,7 +424,12 @@ class ControlPlane:
         )
         revision, replaced = await self.store.put_retention(tenant, reg.conversation_id, retention, now)
         metrics.REGISTRATIONS.labels("replaced" if replaced else "new").inc()
-        release = await self._still_held(replaced, retention, now) if replaced is not None else None
+        release = None
+        if replaced is not None:
+            try:
+                release = await self._still_held(replaced, retention, now)
+            except StoreUnavailable as e:  # (the registration is stored: answer it all the same)
+                log.info("lease.replaced.unchecked", conversation_id=reg.conversation_id, error=str(e))
         log.debug(
             "retention.registered", tenant=tenant, conversation_id=reg.conversation_id, tokens=reg.num_tokens
         )
@@ -438,7 +443,8 @@ class ControlPlane:
         node = await self.nodes.get(replaced.engine_id)
         if node is None or not node.alive or node.record.generation != replaced.generation:
             return None
-        if remote_request_of(replaced.params) == remote_request_of(new.params):
+        same_engine = replaced.engine_id == new.engine_id
+        if same_engine and remote_request_of(replaced.params) == remote_request_of(new.params):
             return None
         return replaced.params
 

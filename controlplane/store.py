@@ -141,6 +141,17 @@ class GcLeases:
             del self._leases[b]
 
 
+def _replaced(put: rpc.PutResponse) -> Retention | None:
+    """The retention a put replaced (None: there was none, or it does not decode)."""
+    if not put.HasField("prev_kv"):
+        return None
+    try:
+        return decode_retention(put.prev_kv.value)
+    except (msgspec.DecodeError, ValueError) as e:  # (a record of another version, say)
+        log.warning("retention.replaced.undecodable", error=str(e))
+        return None
+
+
 def _get(key: bytes, range_end: bytes = b"", limit: int = 0) -> rpc.RangeRequest:
     return rpc.RangeRequest(key=key, range_end=range_end, limit=limit)
 
@@ -295,8 +306,7 @@ class EtcdStore:
             txn = rpc.TxnRequest(success=[rpc.RequestOp(request_put=put)])
             resp = await self._batcher.submit("put_retention", txn, (key,))
             previous = resp.responses[0].response_put
-            replaced = decode_retention(previous.prev_kv.value) if previous.HasField("prev_kv") else None
-            return int(resp.header.revision), replaced
+            return int(resp.header.revision), _replaced(previous)
 
         return await self._with_gc_lease(r.expires_at, now, write)
 

@@ -281,8 +281,9 @@ class LeaseSender:
             self._metrics.registrations.labels("sent").inc()
             if res.HasField("release_params") and self._releaser is not None:
                 facts = self._instance.facts
-                model = facts.model if facts is not None else ""
-                self._releaser.release(struct_to_dict(res.release_params), model, draft.conversation_id)
+                model, block_size = (facts.model, facts.block_size) if facts is not None else ("", 0)
+                params = struct_to_dict(res.release_params)
+                self._releaser.release(params, model, block_size, draft.conversation_id)
         finally:
             task = asyncio.current_task()
             if task is not None:

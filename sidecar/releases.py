@@ -12,11 +12,11 @@ to the TTL, as before.
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
-import grpc
 import structlog
 
 from kvferry.releases import claim_release_body
@@ -28,12 +28,16 @@ from sidecar.settings import Settings
 log = structlog.get_logger(__name__)
 
 MAX_IN_FLIGHT = 64
-_TIMEOUT_S = 10.0
+#: A release given up before a busy P schedules it notifies no one: wait as long as a prefill may.
+_TIMEOUT_S = 60.0
+_NODES_FRESH_S = 5.0  # how long a node list serves (releases come in bursts after an outage)
 _PREFILLS = (nodes_pb2.PREFILL, nodes_pb2.BOTH)
 
 
 class Releaser:
-    """Sends each release through an alive prefill node of the same model, in the background."""
+    """Sends each release through an alive prefill node of the same model and block size
+    (one picked at random: they all pin the request's one block until their own timeout),
+    in the background."""
 
     def __init__(
         self, settings: Settings, link: DaemonLink, http: aiohttp.ClientSession, metrics: SidecarMetrics
@@ -43,21 +47,25 @@ class Releaser:
         self._http = http
         self._metrics = metrics
         self._tasks: set[asyncio.Task[None]] = set()
+        self._nodes: list[nodes_pb2.Node] = []
+        self._listed_at = -_NODES_FRESH_S
 
-    def release(self, params: Mapping[str, Any], model: str, conversation_id: str) -> None:
+    def release(self, params: Mapping[str, Any], model: str, block_size: int, conversation_id: str) -> None:
         """Send D `params` (a replaced retention's, remote_num_tokens 0) through a prefill
-        node serving `model`, in the background."""
+        node serving `model` with `block_size`, in the background."""
         if len(self._tasks) >= MAX_IN_FLIGHT:
             self._metrics.replaced_releases.labels("skipped").inc()
             return
-        task = asyncio.get_running_loop().create_task(self._send(dict(params), model, conversation_id))
+        task = asyncio.get_running_loop().create_task(
+            self._send(dict(params), model, block_size, conversation_id)
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, params: dict[str, Any], model: str, conversation_id: str) -> None:
+    async def _send(self, params: dict[str, Any], model: str, block_size: int, conversation_id: str) -> None:
         outcome = "failed"
         try:
-            prefill = await self._prefill(model)
+            prefill = await self._prefill(model, block_size)
             if prefill is None:
                 outcome = "no_prefill"
                 return
@@ -72,23 +80,41 @@ class Releaser:
             ) as r:
                 await r.read()
                 outcome = "released" if r.status == 200 else "refused"
-        except (aiohttp.ClientError, TimeoutError, grpc.aio.AioRpcError) as e:
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except Exception as e:  # best effort: D's TTL frees the blocks all the same
             log.info("lease.release.failed", conversation_id=conversation_id, error=repr(e))
         finally:
             self._metrics.replaced_releases.labels(outcome).inc()
             log.info("lease.release", conversation_id=conversation_id, outcome=outcome)
 
-    async def _prefill(self, model: str) -> tuple[str, str] | None:
-        """(URL, model) of an alive prefill node serving `model` (its engine's own URL when
-        advertised, else its sidecar's); None when there is none."""
-        listed = await self._link.nodes(self._link.channel()).List(
-            nodes_pb2.ListNodesRequest(), timeout=self._s.daemon.rpc_timeout_s
-        )
-        for n in listed.nodes:
-            url = (n.engine_url or n.http_url).rstrip("/")
-            if n.alive and n.role in _PREFILLS and url and (not model or n.model == model):
-                return url, n.model
-        return None
+    async def _prefill(self, model: str, block_size: int) -> tuple[str, str] | None:
+        """(URL, model) of an alive prefill node serving `model` with `block_size` (its
+        engine's own URL when advertised, else its sidecar's); None when there is none."""
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._listed_at > _NODES_FRESH_S:
+            listed = await self._link.nodes(self._link.channel()).List(
+                nodes_pb2.ListNodesRequest(), timeout=self._s.daemon.rpc_timeout_s
+            )
+            self._nodes, self._listed_at = list(listed.nodes), loop.time()
+        fits = [
+            n
+            for n in self._nodes
+            if n.alive
+            and n.role in _PREFILLS
+            and (n.engine_url or n.http_url)
+            and (not model or n.model == model)
+            and (not block_size or n.block_size == block_size)
+        ]
+        if not fits:
+            return None
+        n = random.choice(fits)
+        return (n.engine_url or n.http_url).rstrip("/"), n.model
+
+    async def settled(self) -> None:
+        """Until the releases on their way have ended."""
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def close(self) -> None:
         for task in list(self._tasks):

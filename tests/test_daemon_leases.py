@@ -177,6 +177,11 @@ async def test_a_retention_replaced_unclaimed_comes_back_to_be_released(client: 
     assert release["do_remote_decode"] is True
     pulled = await client.leases.Lookup(lookup_request("conv-u", prompt_tokens=1200))
     assert pulled.decision == leases_pb2.PULL and pulled.reusable_tokens == 900  # the newer one
+    # Claimed (handed out): never handed back for release, whatever comes next.
+    after_claim = await client.leases.Register(
+        lease_request("conv-u", num_tokens=1300, params=d_params("d-1", 1300, "req-e"))
+    )
+    assert not after_claim.replaced and not after_claim.HasField("release_params")
 
     await client.leases.Register(
         lease_request("conv-x", num_tokens=500, params=d_params("d-1", 500, "req-c"), expires_in=0.5)
