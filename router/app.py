@@ -79,7 +79,9 @@ class Router:
                         if directory.ready.is_set():
                             break
                         await asyncio.sleep(0.1)
-            if self.control is not None and s.reuse.enabled:
+            if self.control is not None and s.reuse.enabled and directory.ready.is_set():
+                # (a daemon that did not answer the node list would only add its timeout to
+                # the start: then the first turns set the stream up, and the breaker again)
                 await self.control.open_stream()
             self._refresh = asyncio.create_task(directory.run(), name="router-nodes")
             shared = self._shared = Shared(
