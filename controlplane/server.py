@@ -230,10 +230,13 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
         self, request: nodes_pb2.ScoreRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> nodes_pb2.ScoreResponse:
         scores = await self._cp.score(list(request.block_hashes), int(request.role))
+        answers = []
         if not request.local_only and self._peers is not None:
+            answers = await self._peers.scores(request, context.time_remaining())
+        if answers:  # (a lone replica's scores stand as they are)
             # Each replica indexes the sidecars attached to it: each node's best count.
             best = dict(scores)
-            for answer in await self._peers.scores(request, context.time_remaining()):
+            for answer in answers:
                 for s in answer.scores:
                     if s.cached_blocks > best.get(s.engine_id, s.cached_blocks):
                         best[s.engine_id] = s.cached_blocks
