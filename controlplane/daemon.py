@@ -26,6 +26,7 @@ from controlplane.service import ControlPlane
 from controlplane.settings import Settings
 from controlplane.store import EtcdStore
 from kvferry.tasks import cancel_and_wait
+from kvferry.urls import join_host_port, split_host_port
 
 log = structlog.get_logger(__name__)
 
@@ -151,12 +152,17 @@ class Daemon:
 
 
 def advertised(listen: str, port: int, advertise: str) -> str:
-    """The address other replicas reach this one at: `advertise` if given, else the listen
-    host with the bound port; for a wildcard listen, this host's name resolved (what a
-    container's /etc/hosts maps to its address), or "" when that is loopback. (A listen
-    on loopback is announced as it is: replicas on one host reach each other there.)"""
+    """The address other replicas reach this one at.
+
+    `advertise` as given when it names a port; a bare host (a name, an IPv4 or an IPv6
+    address: what a manifest's ``$(POD_IP)`` gives) gets the bound port, an IPv6 one in
+    brackets. Without it, the listen host with the bound port; for a wildcard listen, this
+    host's name resolved (what a container's /etc/hosts maps to its address), or "" when
+    that is loopback. (A listen on loopback is announced as it is: replicas on one host
+    reach each other there.)"""
     if advertise:
-        return advertise
+        host, named_port = split_host_port(advertise, "advertise")
+        return join_host_port(host, named_port or port)
     host = listen.rpartition(":")[0].strip("[]")
     if host in ("", "0.0.0.0", "::"):
         try:
@@ -165,7 +171,7 @@ def advertised(listen: str, port: int, advertise: str) -> str:
             return ""
         if ipaddress.ip_address(host).is_loopback:
             return ""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return join_host_port(host, port)
 
 
 async def run(settings: Settings) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from controlplane.policy import Policy
 from kvferry.flags import flag_adder
+from kvferry.urls import split_host_port
 
 ENV_PREFIX = "KVFERRY_"
 
@@ -93,6 +94,8 @@ class Settings:
             raise ValueError("GC bucket width and keys per lease must be positive")
         if not self.etcd.prefix.startswith("/"):
             raise ValueError("etcd prefix must start with /")
+        if self.server.advertise:
+            split_host_port(self.server.advertise, "advertise")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,7 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(
         "advertise",
         d.server.advertise,
-        "host:port other daemon replicas reach this one at (default: from --listen)",
+        "address other daemon replicas reach this one at: host:port, or a host (or IPv6 address) "
+        "to take the listen port (default: from --listen)",
     )
     add("metrics-port", d.server.metrics_port, "Prometheus port (0 = pick one, -1 = off)", int)
     add("etcd", "", "external etcd endpoints host:port,...; empty = start an embedded etcd")

@@ -21,11 +21,12 @@ from aiohttp import web
 from kvferry.digests import DigestCache
 from kvferry.hops import KEEPALIVE_S
 from kvferry.tasks import cancel_and_wait
+from kvferry.urls import listen_host_port
 from router.control import ControlPlane
 from router.http_api import build_app
 from router.metrics import RouterMetrics
 from router.nodes import DirectRoutes, Load, NodeDirectory
-from router.settings import Settings, host_port
+from router.settings import Settings
 from router.turn import Shared
 from router.upstream import Engines
 
@@ -50,7 +51,7 @@ class Router:
     @property
     def url(self) -> str:
         """Base URL, e.g. ``http://127.0.0.1:PORT``."""
-        host, _ = host_port(self.settings.server.listen)
+        host, _ = listen_host_port(self.settings.server.listen)
         if host in ("0.0.0.0", "::", ""):
             host = "127.0.0.1"
         return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
@@ -102,7 +103,7 @@ class Router:
                 shutdown_timeout=s.server.shutdown_grace_s,
             )
             await self._runner.setup()
-            host, port = host_port(s.server.listen)
+            host, port = listen_host_port(s.server.listen)
             await web.TCPSite(self._runner, host, port).start()
             self.port = int(self._runner.addresses[0][1])
         except BaseException:

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvferry.flags import flag_adder
-from kvferry.urls import is_http_url
+from kvferry.urls import is_http_url, listen_host_port
 
 ENV_PREFIX = "KVFERRY_ROUTER_"
 
@@ -112,7 +112,7 @@ class Settings:
 
     def validate(self) -> None:
         """Raise ValueError on a setting out of range."""
-        host_port(self.server.listen)
+        listen_host_port(self.server.listen)
         if self.server.max_body_bytes < 1024 or self.server.shutdown_grace_s < 0:
             raise ValueError("max body must be at least 1 KiB and the shutdown grace >= 0")
         d = self.daemon
@@ -139,14 +139,6 @@ class Settings:
             raise ValueError("upstream timeouts must be positive")
         if u.max_releases_in_flight < 1:
             raise ValueError("upstream max_releases_in_flight must be at least 1")
-
-
-def host_port(listen: str) -> tuple[str, int]:
-    """(host, port) of a listen address."""
-    host, _, port = listen.rpartition(":")
-    if not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"listen address {listen!r} must be host:port")
-    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 def _split(value: str, trailing: str = "/") -> tuple[str, ...]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from kvferry.flags import flag_adder
-from kvferry.urls import is_http_url
+from kvferry.urls import is_http_url, listen_host_port
 
 ROLES = ("prefill", "decode", "both")
 ENV_PREFIX = "KVFERRY_SIDECAR_"
@@ -160,7 +160,7 @@ class Settings:
             raise ValueError("liveness TTL must be in 2..3600 s")
         if d.rpc_timeout_s <= 0 or not 0 < d.backoff_initial_s <= d.backoff_max_s:
             raise ValueError("RPC timeout and backoff must be positive, initial <= max")
-        _host_port(self.tap.listen)
+        listen_host_port(self.tap.listen)
         if self.leases.queue_size < 1 or self.leases.max_attempts < 1 or self.leases.max_in_flight < 1:
             raise ValueError("lease queue size, attempts and in-flight limit must be positive")
 
@@ -187,16 +187,9 @@ def default_host() -> str:
         return name
 
 
-def _host_port(listen: str) -> tuple[str, int]:
-    host, _, port = listen.rpartition(":")
-    if not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"listen address {listen!r} must be host:port")
-    return host.strip("[]") or "0.0.0.0", int(port)
-
-
 def listen_address(s: Settings) -> tuple[str, int]:
     """(host, port) the tap binds."""
-    return _host_port(s.tap.listen)
+    return listen_host_port(s.tap.listen)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import sys
 import urllib.request
@@ -105,3 +106,44 @@ def test_the_address_a_replica_advertises_to_the_others(monkeypatch: pytest.Monk
     assert daemon.advertised("0.0.0.0:50051", 50051, "") == "10.9.8.7:50051"  # a container's own address
     monkeypatch.setattr(daemon.socket, "gethostbyname", lambda name: "127.0.1.1")
     assert daemon.advertised("[::]:50051", 50051, "") == ""  # loopback: no one else could reach it
+
+
+@pytest.mark.parametrize(
+    ("given", "announced"),
+    [
+        ("10.1.2.3", "10.1.2.3:50051"),  # a manifest's $(POD_IP): the listen port is added
+        ("fd00::1:3", "[fd00::1:3]:50051"),  # the same on an IPv6 cluster, in brackets
+        ("[fd00::1:3]", "[fd00::1:3]:50051"),
+        ("[fd00::1:3]:7000", "[fd00::1:3]:7000"),
+        ("daemon-0.kvferry-daemon", "daemon-0.kvferry-daemon:50051"),
+        ("daemon-0.kvferry-daemon:7000", "daemon-0.kvferry-daemon:7000"),
+    ],
+)
+def test_an_advertised_host_without_a_port_gets_the_listen_port(given: str, announced: str) -> None:
+    from controlplane import daemon
+
+    assert daemon.advertised("0.0.0.0:50051", 50051, given) == announced
+
+
+@pytest.mark.parametrize(
+    ("given", "problem"),
+    [
+        ("10.1.2.3:http", "port 'http' must be 1..65535"),
+        ("10.1.2.3:0", "port '0' must be 1..65535"),
+        ("[fd00::1:3", "expected [IPV6] or [IPV6]:PORT"),
+        ("[fd00::1:3]7000", "expected [IPV6] or [IPV6]:PORT"),
+        ("[daemon-0]:7000", "'daemon-0' is not an IPv6 address"),
+        ("fd00::zz", "'fd00::zz' is not an IPv6 address"),
+        ("http://daemon-0:7000", "expected HOST or HOST:PORT"),
+        (":7000", "expected HOST or HOST:PORT"),
+    ],
+)
+def test_an_advertised_address_that_is_not_one_is_refused_at_start(given: str, problem: str) -> None:
+    import argparse
+
+    from controlplane import settings
+
+    parser = argparse.ArgumentParser()
+    settings.add_arguments(parser)
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        settings.from_args(parser.parse_args(["--advertise", given]))
