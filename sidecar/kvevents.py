@@ -118,7 +118,8 @@ class _RawBatch(msgspec.Struct, array_like=True):
 
 
 _KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
-_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
+# (RecursionError: msgspec's answer to a payload nested deeper than it recurses)
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 
 
 def hash64(h: int | bytes) -> int:

@@ -116,8 +116,10 @@ class KvIngest:
                 self._tracker.skip_to(seq)
                 verdict = Verdict.APPLY
         if verdict is Verdict.APPLY:
-            self._fold(frames[2], seq)
-            self._tracker.applied(seq)
+            try:
+                self._fold(frames[2], seq)
+            finally:  # a batch that failed to fold is not asked for again (it would fail again)
+                self._tracker.applied(seq)
 
     def _fold(self, payload: bytes, seq: int) -> None:
         try:
@@ -176,7 +178,11 @@ class KvIngest:
                     self._metrics.kv_payloads.labels("replay").inc()
                     seqs.append(seq)
                     if seq >= self._tracker.expected:
-                        self._fold(frames[2], seq)
+                        try:
+                            self._fold(frames[2], seq)
+                        except Exception:  # a bug must not end the replay (nor stall on this batch)
+                            log.exception("kvevents.message.failed", seq=seq)
+                            self._mirror.request_reset()
                         self._tracker.applied(seq)
             if not replay_outcome(start, seqs):
                 outcome = "incomplete"

@@ -127,6 +127,28 @@ def _maps(*events: dict[str, Any]) -> bytes:
     return msgspec.msgpack.encode([1.0, list(events), 0])
 
 
+async def test_a_batch_too_deeply_nested_to_decode_is_skipped_and_the_next_ones_apply(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, fake: FakePublisher
+) -> None:
+    """msgspec gives up on a payload nested thousands deep with RecursionError, not a
+    DecodeError: it must count as malformed like any other, not stall the stream on it
+    (every later batch read as a gap, replayed, and failing on it again)."""
+    d = await start_emulator(role="decode")
+    sc = await start_sidecar(
+        d, kv_events__endpoint=fake.endpoint, kv_events__replay_endpoint=fake.replay_endpoint
+    )
+    await fake.publish(0, _maps({"type": "BlockStored", "block_hashes": [1]}))
+    # an event whose unknown field (skipped, so decoded in full) nests 3,000 arrays deep
+    head = msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [2], "x": 0}]])
+    deep = b"\x93" + head[1:-1] + b"\x91" * 3000 + b"\x90" + msgspec.msgpack.encode(0)
+    await fake.publish(1, deep)
+    for seq in range(2, 6):
+        await fake.publish(seq, _maps({"type": "BlockStored", "block_hashes": [seq + 10]}))
+    await eventually(lambda: index_of(client, sc.settings.node_id, {1, 12, 13, 14, 15}))
+    assert sc.metrics.value("kvferry_sidecar_kv_events_malformed_total") == 1
+    assert fake.replays == [0]  # the start's catch-up only: nothing was missing
+
+
 async def test_encodings_malformed_payloads_gaps_and_restarts(
     client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, fake: FakePublisher
 ) -> None:

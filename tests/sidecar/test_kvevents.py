@@ -110,6 +110,11 @@ def test_the_decoder_follows_an_engine_that_switches_encodings() -> None:
         _pack([0.0, [{"type": "BlockStored"}]]),
         _pack([0.0, [["BlockRemoved", [1.5]]]]),
         _pack([0.0, [42]]),
+        # nested deeper than msgspec recurses (RecursionError): 3 KB an engine bug could send
+        b"\x93" + _pack(1.0) + b"\x91" + b"\x91" * 3000 + b"\x90" + _pack(0),
+        _pack([1.0, [{"type": "BlockStored", "block_hashes": [1], "extra": 0}]])[:-1]
+        + b"\x91" * 3000
+        + b"\x90",
     ],
 )
 def test_malformed_payloads_raise(payload: bytes) -> None:
