@@ -45,6 +45,7 @@ from controlplane.records import (
     encode_bounds,
     prefix_end,
 )
+from kvferry.decoding import UNDECODABLE
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -468,7 +469,7 @@ class EtcdStore:
             return []
         try:
             bounds = decode_bounds(kvs[0].value)
-        except msgspec.DecodeError as e:
+        except UNDECODABLE as e:
             log.warning("scan_bounds.invalid", error=str(e))
             return []
         prefix, end = self.keys.retentions, prefix_end(self.keys.retentions)

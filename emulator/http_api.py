@@ -129,7 +129,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except EngineError as exc:
         status = exc.status
         message = str(exc)
-    except (msgspec.DecodeError, msgspec.ValidationError, TemplateError) as exc:
+    except (msgspec.DecodeError, RecursionError, TemplateError) as exc:  # (Recursion: nested too deep)
         status = HTTPStatus.BAD_REQUEST
         message = str(exc)
     if status >= 500:

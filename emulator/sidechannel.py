@@ -129,7 +129,7 @@ class SideChannelServer:
                     message = await _read_message(reader)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
-                except (msgspec.DecodeError, ValueError) as exc:
+                except (msgspec.DecodeError, RecursionError, ValueError) as exc:  # (Recursion: nested too deep)
                     await _write_message(writer, Reply(ok=False, error=str(exc)))
                     return
                 await _write_message(writer, self._answer(message))
@@ -177,7 +177,7 @@ async def _call(host: str, port: int, message: Message) -> Reply:
                 await writer.wait_closed()
     except (OSError, OverflowError, asyncio.IncompleteReadError) as exc:
         raise TransferError(f"side channel {host}:{port} unreachable: {exc}") from exc
-    except (msgspec.DecodeError, ValueError) as exc:
+    except (msgspec.DecodeError, RecursionError, ValueError) as exc:  # (Recursion: nested too deep)
         raise TransferError(f"side channel {host}:{port} garbled: {exc}") from exc
     if not isinstance(reply, Reply):
         raise TransferError(f"side channel {host}:{port} sent no reply")

@@ -21,6 +21,7 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from kvferry.decoding import UNDECODABLE
 from router.choice import Node, prefill_candidates
 from router.decisions import Failure, FailureKind
 from router.identity import api_key_of
@@ -110,7 +111,7 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
         return error_response(413, e.text or "Request body too large.", "BadRequestError")
     try:
         body = _decode(raw) if raw else None
-    except msgspec.DecodeError as e:
+    except UNDECODABLE as e:
         return bad_request(f"Invalid JSON in the request body: {e}")
     problem = input_problem(path, body)
     if problem is not None:

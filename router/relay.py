@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from kvferry.decoding import UNDECODABLE
 from kvferry.sse import SseEvents, is_error_event
 
 _MARKER = b'"kv_transfer_params"'
@@ -32,7 +33,7 @@ def scrub_json(raw: bytes) -> bytes:
         return raw
     try:
         obj: Any = _decode(raw)
-    except msgspec.DecodeError:
+    except UNDECODABLE:
         return raw
     if not isinstance(obj, dict) or obj.get("kv_transfer_params") is None:
         return raw
@@ -69,7 +70,7 @@ def _data_object(event: bytes, marker: bytes) -> dict[str, Any] | None:
         return None
     try:
         obj: Any = _decode(event[5:].strip())
-    except msgspec.DecodeError:
+    except UNDECODABLE:
         return None
     return obj if isinstance(obj, dict) else None
 

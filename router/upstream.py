@@ -15,6 +15,7 @@ import aiohttp
 import msgspec
 from aiohttp import hdrs
 
+from kvferry.decoding import UNDECODABLE
 from kvferry.hops import NOT_DELIVERED_HEADER, never_delivered
 from router.decisions import Failure, FailureKind
 from router.settings import UpstreamSettings
@@ -59,7 +60,7 @@ class Reply:
         """The body as JSON (None when it is not)."""
         try:
             return _decode(self.body)
-        except msgspec.DecodeError:
+        except UNDECODABLE:
             return None
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from kvferry.decoding import UNDECODABLE
 from kvferry.sse import SseEvents, is_error_event
 
 #: Paths whose requests the tap rewrites and whose answers it reads.
@@ -101,7 +102,7 @@ def plan_request(
         return None
     try:
         head = _head_decode(raw)
-    except msgspec.DecodeError:  # not JSON, or not an object: the engine answers it itself
+    except UNDECODABLE:  # not JSON, or not an object: the engine answers it itself
         return None
     # (an absent field is UNSET, which conversation_of skips like any non-id value)
     conversation = conversation_of(
@@ -113,7 +114,10 @@ def plan_request(
     wants_ids = head.return_token_ids is True
     body = raw
     if in_body or (capture and not wants_ids):
-        body = _rewrite(raw, capture, in_body, head.return_token_ids is msgspec.UNSET)
+        try:
+            body = _rewrite(raw, capture, in_body, head.return_token_ids is msgspec.UNSET)
+        except UNDECODABLE:  # (a number beyond a float, say, which the head skipped over)
+            return None
     return RequestPlan(
         body=body,
         tenant=headers.get(tenant_header, "").strip(),
@@ -238,7 +242,7 @@ class TurnObserver:
         if prompt is None and self.prompt_ids_json is not None:
             try:
                 prompt = _ids_decode(self.prompt_ids_json)
-            except msgspec.DecodeError:
+            except UNDECODABLE:
                 prompt = None  # (cut_prompt_ids checked the bytes; a draft without ids is still valid)
         return FinishedTurn(self.params, prompt, self.output_token_ids, self.finish_reason)
 
@@ -281,7 +285,7 @@ def rewrite_json(raw: bytes, observer: TurnObserver) -> bytes:
     """A JSON answer as the client gets it (unchanged bytes when nothing was stripped)."""
     try:
         obj = _json_decode(raw)
-    except msgspec.DecodeError:
+    except UNDECODABLE:
         observer.failed = True
         return raw
     had_prompt_ids = isinstance(obj, dict) and "prompt_token_ids" in obj
@@ -332,7 +336,7 @@ class SseRewriter:
             payload, ids = cut
         try:
             obj = _json_decode(payload)
-        except msgspec.DecodeError:
+        except UNDECODABLE:
             return event
         if cut is not None:
             observer.prompt_ids_json = ids

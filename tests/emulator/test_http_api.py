@@ -77,8 +77,11 @@ async def test_errors_look_like_vllm(start_emulator: StartEmulator, http: Client
         assert answer.status == 400, bad
         assert set(answer.body["error"]) >= {"message", "type", "code"}
         assert answer.body["error"]["code"] == 400
-    async with http.session.post(emu.http_url + "/v1/completions", data=b"{not json") as response:
-        assert response.status == 400
+    nested = b'{"prompt": "hi", "x": ' + b"[" * 1000 + b"]" * 1000 + b"}"  # too deep to decode
+    for raw in (b"{not json", nested):
+        async with http.session.post(emu.http_url + "/v1/completions", data=raw) as response:
+            assert response.status == 400, raw[:40]
+            assert (await response.json())["error"]["code"] == 400
 
 
 @async_test()

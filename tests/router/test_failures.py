@@ -43,13 +43,15 @@ async def test_bad_client_input_gets_vllms_400(make_stack: MakeStack, http: aioh
         (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}'),
         ("/v1/completions", b'{"max_tokens": 3}'),
         (CHAT, b""),
+        # 2 KB nested deeper than the JSON decoder recurses (RecursionError, not a DecodeError)
+        (CHAT, b'{"messages": [{"role": "user", "content": "hi", "x": ' + b"[" * 1000 + b"]" * 1000 + b"}]}"),
     ]
     for path, raw in cases:
         async with http.post(router.url + path, data=raw, headers={"Content-Type": "application/json"}) as r:
             assert r.status == 400, raw
             err = (await r.json())["error"]
             assert err["type"] == "BadRequestError" and err["code"] == 400 and err["message"], raw
-    assert router.metrics.value("kvferry_router_requests_total", endpoint=CHAT, status="400") == 7
+    assert router.metrics.value("kvferry_router_requests_total", endpoint=CHAT, status="400") == 8
     # aiohttp's own answers are JSON errors too, and a made-up path makes no metric label of its own.
     async with http.get(router.url + CHAT) as r:
         assert r.status == 405 and "POST" in r.headers["Allow"]

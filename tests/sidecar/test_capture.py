@@ -39,6 +39,11 @@ def _plan(body: Any, headers: dict[str, str] | None = None, path: str = "/v1/cha
 def test_requests_without_a_conversation_pass_untouched() -> None:
     assert _plan({"messages": []}) is None
     assert _plan(b"{not json") is None
+    # what the tap cannot decode goes to the engine as it came, for the engine to answer:
+    # nested deeper than the decoder recurses, or a number too big for a float
+    assert _plan(b'{"conversation_id": "c", "x": ' + b"[" * 1000 + b"]" * 1000 + b"}") is None
+    assert _plan(b'{"conversation_id": "c", "x": 1e400}') is None
+    assert _plan(b'{"session_id": "a", "return_token_ids": false, "x": -1e999}') is None
     assert _plan([1, 2]) is None
     assert _plan({"conversation_id": "c"}, path="/tokenize") is None
     assert plan_request("GET", "/v1/chat/completions", {}, b"", TENANT) is None
