@@ -50,6 +50,8 @@ class Reason(enum.StrEnum):
     # The retention was registered by the very request the Lookup is for (it came late):
     # left unclaimed, for the conversation's next turn.
     OWN_TURN = "own_turn"
+    # The caller gave the prompt's digests, and D's retention has none to check them against.
+    UNVERIFIABLE = "unverifiable"
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,9 @@ class Policy:
 @dataclass(frozen=True)
 class Prompt:
     tokens: int
-    digests: bytes = b""
+    digests: bytes | None = None
+    """The digests of the prompt's full blocks. Given (even empty: a prompt shorter than
+    one block), only what they verify is pulled; None: the caller vouches for the prompt."""
 
 
 @dataclass(frozen=True)
@@ -145,15 +149,14 @@ def decide(
     reusable = min(retention.num_tokens, prompt.tokens)
     reason = Reason.PULL
     detail = f"{reusable} of {prompt.tokens} prompt tokens held by {engine}"
-    if retention.digests and prompt.digests:
-        matched = common_prefix_blocks(retention.digests, prompt.digests) * retention.block_size
-        if matched < reusable:
-            if matched == 0:
-                return _recompute(
-                    Reason.PREFIX_MISMATCH, "prompt differs from D's sequence in block 0", release, engine
-                )
-            detail = f"prompt matches D's sequence for {matched} of {reusable} tokens"
-            reusable = matched
+    if prompt.digests is not None:
+        verified = _verified_tokens(retention, prompt)
+        if isinstance(verified, str):
+            why = Reason.UNVERIFIABLE if not retention.digests else Reason.PREFIX_MISMATCH
+            return _recompute(why, verified, release, engine)
+        if verified < reusable:
+            detail = f"prompt matches D's sequence for {verified} of {reusable} tokens"
+            reusable = verified
             reason = Reason.PARTIAL_PULL
     elif reusable < retention.num_tokens:
         reason = Reason.PARTIAL_PULL
@@ -167,6 +170,24 @@ def decide(
         )
     handout = Handout(reusable, math.ceil(reusable / retention.block_size))
     return Decision(True, reason, detail, handout, reusable, None, engine)
+
+
+def _verified_tokens(retention: Retention, prompt: Prompt) -> int | str:
+    """Tokens of D's sequence the prompt's digests verify: the leading full blocks both
+    sides digested alike, no more than the prompt's own full blocks (a caller may send
+    more digests than its tokens cover). -> why nothing is verified, when nothing is."""
+    if not retention.digests:
+        return "D registered no block digests to verify the prompt's against"
+    size = retention.block_size
+    digests = prompt.digests or b""
+    blocks = min(common_prefix_blocks(retention.digests, digests), prompt.tokens // size)
+    if blocks:
+        return blocks * size
+    if prompt.tokens < size:
+        return f"prompt ({prompt.tokens} tokens) is shorter than one block ({size}): nothing to verify"
+    if not digests:
+        return "no digests were given for the prompt's blocks"
+    return "prompt differs from D's sequence in block 0"
 
 
 def _recompute(reason: Reason, detail: str, release: Handout, engine: str) -> Decision:

@@ -293,7 +293,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
                 tenant=request.tenant,
                 conversation_id=request.conversation_id,
                 prompt_tokens=request.prompt_tokens,
-                prompt_digests=request.prompt_digests,
+                prompt_digests=request.prompt_digests if request.HasField("prompt_digests") else None,
                 peek=request.peek,
                 request_id=request.request_id,
             ),
@@ -477,7 +477,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
 
 async def _prompt_of(later: asyncio.Future[leases_pb2.LookupPrompt]) -> Prompt:
     p = await later
-    return Prompt(p.prompt_tokens, p.prompt_digests)
+    return Prompt(p.prompt_tokens, p.prompt_digests if p.HasField("prompt_digests") else None)
 
 
 _INVALID, _EXHAUSTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -71,7 +71,7 @@ class LookupQuery:
     tenant: str
     conversation_id: str
     prompt_tokens: int
-    prompt_digests: bytes
+    prompt_digests: bytes | None  # None: not given (an unverified pull; see policy.Prompt)
     peek: bool
     request_id: str = ""
 
@@ -507,10 +507,10 @@ class ControlPlane:
         )
         return LookupResult(decision, claimed, retention.params if retention else b"")
 
-    def _check_prompt(self, tokens: int, digests: bytes) -> None:
+    def _check_prompt(self, tokens: int, digests: bytes | None) -> None:
         if not 0 <= tokens <= self._limits.max_tokens:
             raise InvalidArgument(f"prompt_tokens {tokens} must be in 0..{self._limits.max_tokens}")
-        problem = digest_problem("prompt_digests", digests)
+        problem = digest_problem("prompt_digests", digests or b"")
         if problem:
             raise InvalidArgument(problem)
 
@@ -558,12 +558,12 @@ class ControlPlane:
                 prompt = await later
         except TimeoutError:
             log.info("lookup.prompt_missing", conversation_id=conversation_id, waited_s=PROMPT_WAIT_S)
-            return Prompt(0, b""), f"no prompt within {PROMPT_WAIT_S:g}s"
+            return Prompt(0), f"no prompt within {PROMPT_WAIT_S:g}s"
         try:
             self._check_prompt(prompt.tokens, prompt.digests)
         except InvalidArgument as e:
             log.warning("lookup.prompt_invalid", conversation_id=conversation_id, error=str(e))
-            return Prompt(0, b""), f"invalid prompt: {e}"
+            return Prompt(0), f"invalid prompt: {e}"
         if not prompt.tokens:
             return prompt, "the caller could not make the prompt"
         return prompt, ""

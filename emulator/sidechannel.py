@@ -129,7 +129,11 @@ class SideChannelServer:
                     message = await _read_message(reader)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
-                except (msgspec.DecodeError, RecursionError, ValueError) as exc:  # (Recursion: nested too deep)
+                except (
+                    msgspec.DecodeError,
+                    RecursionError,
+                    ValueError,
+                ) as exc:  # (Recursion: nested too deep)
                     await _write_message(writer, Reply(ok=False, error=str(exc)))
                     return
                 await _write_message(writer, self._answer(message))

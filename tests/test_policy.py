@@ -35,17 +35,21 @@ def node(generation: int = 1, alive: bool = True) -> NodeState:
 
 
 def retention(
-    num_tokens: int = 1000, expires_in: float = 400, generation: int = 1, seq: list[int] | None = None
+    num_tokens: int = 1000,
+    expires_in: float = 400,
+    generation: int = 1,
+    seq: list[int] | None = None,
+    block_size: int = 16,
 ) -> Retention:
     return Retention(
         engine_id="d-1",
         generation=generation,
         params=b"(opaque: the serialized Struct)",
         num_tokens=num_tokens,
-        block_size=16,
+        block_size=block_size,
         created_at=NOW - 80,
         expires_at=NOW + expires_in,
-        digests=block_digests(seq, 16, SEED) if seq is not None else b"",
+        digests=block_digests(seq, block_size, SEED) if seq is not None else b"",
     )
 
 
@@ -146,22 +150,59 @@ def test_param_problems_name_the_field() -> None:
     num_tokens=st.integers(1, 4000),
     prompt=st.integers(0, 5000),
     cut=st.integers(0, 5000),
+    block_size=st.sampled_from([16, 64, 128, 256]),
+    threshold=st.sampled_from([1, 16, 64, 300]),
+    d_has_digests=st.booleans(),
 )
 def test_handed_params_never_cover_unverified_or_missing_tokens(
-    num_tokens: int, prompt: int, cut: int
+    num_tokens: int, prompt: int, cut: int, block_size: int, threshold: int, d_has_digests: bool
 ) -> None:
+    """With the prompt's digests given, every token P is handed is verified: blocks larger
+    than the threshold, a prompt shorter than one block, D without digests included."""
     d_seq = list(range(num_tokens))
     p_seq = (d_seq[: min(cut, num_tokens)] + [50_000] * prompt)[:prompt]
-    d = decide(
-        retention(num_tokens, seq=d_seq), node(), Prompt(prompt, block_digests(p_seq, 16, SEED)), POLICY, NOW
-    )
+    held = retention(num_tokens, seq=d_seq if d_has_digests else None, block_size=block_size)
+    policy = Policy(recompute_threshold=threshold)
+    d = decide(held, node(), Prompt(prompt, block_digests(p_seq, block_size, SEED)), policy, NOW)
     if d.pull:
-        params = handed(d, num_tokens)
+        assert d_has_digests
+        params = apply_handout(d_params("d-1", num_tokens, block_size=block_size), d.params)  # type: ignore[arg-type]
         n = params["remote_num_tokens"]
-        assert n == d.reusable_tokens >= POLICY.recompute_threshold
-        assert n <= min(num_tokens, prompt) and n % 16 == 0
+        assert n == d.reusable_tokens >= threshold
+        assert n <= min(num_tokens, prompt) and n % block_size == 0
         assert p_seq[:n] == d_seq[:n], "every pulled token is the prompt's own token"
-        assert params["remote_block_ids"] == [list(range(100, 100 + n // 16))]
+        assert params["remote_block_ids"] == [list(range(100, 100 + n // block_size))]
+    else:
+        assert d.release == RELEASE  # a live retention claimed and not pulled is freed
+
+
+def test_a_prompt_shorter_than_one_block_is_never_pulled_unverified() -> None:
+    """Blocks of 128 tokens, the default threshold of 64: a 100-token prompt has no full
+    block to digest, and its digests are empty, not absent: nothing is verified, nothing
+    pulled (it was: 100 tokens of D's first block, whatever the prompt said)."""
+    held = retention(1000, seq=list(range(1000)), block_size=128)
+    d = decide(held, node(), Prompt(100, b""), POLICY, NOW)
+    assert not d.pull and d.reason == Reason.PREFIX_MISMATCH and "shorter than one block" in d.detail
+
+
+def test_digests_given_for_a_retention_without_any_are_not_pulled() -> None:
+    d = decide(retention(1000), node(), Prompt(1200, block_digests(list(range(1200)), 16, SEED)), POLICY, NOW)
+    assert not d.pull and d.reason == Reason.UNVERIFIABLE and d.release == RELEASE
+
+
+def test_digests_beyond_the_prompts_tokens_verify_nothing_more() -> None:
+    """Only the prompt's full blocks count, whatever number of digests a caller sends."""
+    seq = list(range(1000))
+    d = decide(retention(1000, seq=seq), node(), Prompt(500, block_digests(seq, 16, SEED)), POLICY, NOW)
+    assert d.pull and d.reusable_tokens == 496  # 31 full blocks of the 500 tokens
+
+
+def test_without_the_prompts_digests_the_caller_vouches_for_the_prompt() -> None:
+    """No digests given at all (a caller that does not compute them): the pull is
+    unverified, as before, whatever D registered."""
+    seq = list(range(1000))
+    assert decide(retention(1000, seq=seq), node(), Prompt(1200), POLICY, NOW).reusable_tokens == 1000
+    assert decide(retention(1000), node(), Prompt(700), POLICY, NOW).reason == Reason.PARTIAL_PULL
 
 
 @given(st.lists(st.integers(0, 3), max_size=40), st.lists(st.integers(0, 3), max_size=40))

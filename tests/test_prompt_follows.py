@@ -19,7 +19,11 @@ def early(conversation_id: str) -> leases_pb2.LookupRequest:
 
 
 def prompt_of(req: leases_pb2.LookupRequest) -> leases_pb2.LookupPrompt:
-    return leases_pb2.LookupPrompt(prompt_tokens=req.prompt_tokens, prompt_digests=req.prompt_digests)
+    """`req`'s prompt as a LookupPrompt (its digests only if it gave some)."""
+    prompt = leases_pb2.LookupPrompt(prompt_tokens=req.prompt_tokens)
+    if req.HasField("prompt_digests"):
+        prompt.prompt_digests = req.prompt_digests
+    return prompt
 
 
 async def test_the_claim_is_made_before_the_prompt_arrives(client: Client) -> None:

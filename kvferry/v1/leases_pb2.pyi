@@ -224,8 +224,12 @@ class LookupRequest(_message.Message):
     prompt_tokens: _builtins.int
     """Length of the prompt P is about to compute, in tokens."""
     prompt_digests: _builtins.bytes
-    """Chained per-block digests of the prompt (same function as the lease's);
-    when both sides have them, only the common prefix is pulled.
+    """Chained digests of the prompt's full blocks (same function as the lease's).
+    Given (even empty: a prompt shorter than one block), the pull is verified:
+    only the leading blocks both sides digested alike are pulled, and a
+    retention registered without digests is not pulled (reason unverifiable).
+    Not given: the caller vouches for the prompt, and up to all of D's tokens
+    the prompt is long enough for are pulled unverified.
     """
     peek: _builtins.bool
     """Report the decision without claiming the lease."""
@@ -248,16 +252,18 @@ class LookupRequest(_message.Message):
         tenant: _builtins.str = ...,
         conversation_id: _builtins.str = ...,
         prompt_tokens: _builtins.int = ...,
-        prompt_digests: _builtins.bytes = ...,
+        prompt_digests: _builtins.bytes | None = ...,
         peek: _builtins.bool = ...,
         prompt_follows: _builtins.bool = ...,
         request_id: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_prompt_digests", b"_prompt_digests", "prompt_digests", b"prompt_digests"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "peek", b"peek", "prompt_digests", b"prompt_digests", "prompt_follows", b"prompt_follows", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt_digests", b"_prompt_digests", "conversation_id", b"conversation_id", "peek", b"peek", "prompt_digests", b"prompt_digests", "prompt_follows", b"prompt_follows", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__prompt_digests: _TypeAlias = _typing.Literal["prompt_digests"]  # noqa: Y015
+    _WhichOneofArgType__prompt_digests: _TypeAlias = _typing.Literal["_prompt_digests", b"_prompt_digests"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_digests) -> _WhichOneofReturnType__prompt_digests | None: ...
 
 Global___LookupRequest: _TypeAlias = LookupRequest  # noqa: Y015
 
@@ -271,17 +277,20 @@ class LookupPrompt(_message.Message):
     PROMPT_DIGESTS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     prompt_digests: _builtins.bytes
+    """as LookupRequest.prompt_digests"""
     def __init__(
         self,
         *,
         prompt_tokens: _builtins.int = ...,
-        prompt_digests: _builtins.bytes = ...,
+        prompt_digests: _builtins.bytes | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_prompt_digests", b"_prompt_digests", "prompt_digests", b"prompt_digests"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_digests", b"prompt_digests", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt_digests", b"_prompt_digests", "prompt_digests", b"prompt_digests", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__prompt_digests: _TypeAlias = _typing.Literal["prompt_digests"]  # noqa: Y015
+    _WhichOneofArgType__prompt_digests: _TypeAlias = _typing.Literal["_prompt_digests", b"_prompt_digests"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_digests) -> _WhichOneofReturnType__prompt_digests | None: ...
 
 Global___LookupPrompt: _TypeAlias = LookupPrompt  # noqa: Y015
 
