@@ -37,6 +37,7 @@ class Skip(enum.StrEnum):
     LATE = "daemon_timeout"
     ERROR = "daemon_error"
     MULTIPLE = "multiple_sequences"
+    MEDIA = "non_text_content"
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,25 @@ def single_sequence(body: Mapping[str, Any]) -> bool:
     prompt = body.get("prompt")
     # A list of token ids is one prompt; a list of strings or of id lists is a batch.
     return not (isinstance(prompt, list) and len(prompt) > 1 and any(type(t) is not int for t in prompt))
+
+
+def text_only(body: Mapping[str, Any]) -> bool:
+    """Whether every message's content is text (a string, or parts of type "text").
+
+    The prompt's digests cover its token ids alone: two images of one size tokenize to
+    the same placeholder ids, so a turn whose history holds an image (audio, video, a
+    file...) cannot be verified against D's blocks. vLLM's own prefix-cache hashes add
+    each item's hash for that reason; the router has none to add."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return True  # a completion: its prompt is text or token ids
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, list) and any(
+            not isinstance(part, Mapping) or part.get("type") != "text" for part in content
+        ):
+            return False
+    return True
 
 
 def skipped(reason: Skip) -> Reuse:

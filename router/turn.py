@@ -60,6 +60,7 @@ from router.decisions import (
     single_sequence,
     skipped,
     spends_retry,
+    text_only,
 )
 from router.identity import CONVERSATION_HEADER, Identity, identify
 from router.metrics import RouterMetrics
@@ -163,6 +164,8 @@ class Turn:
         decode = choose_decode(nodes, load, tiebreak)
         if prefill is None or decode is None:
             return error_response(503, "no prefill or no decode node available", "ServiceUnavailableError")
+        if not text_only(self.body):
+            return await self._serve_media(prefill, decode)
         scoring = self.s.control is not None and worth_scoring(nodes)
         if conversation or scoring:
             prefill = await self._prepare(prefill, scoring, tiebreak)
@@ -170,6 +173,17 @@ class Turn:
         if isinstance(params, web.Response):
             return params
         return await self._decode(decode, params)
+
+    async def _serve_media(self, prefill: Node, decode: Node) -> web.StreamResponse:
+        """A prompt with images (audio, ...): plain P/D, nothing looked up, scored or retained
+        (see `text_only`). P and D get the request as the client sent it, no token ids."""
+        if self.identity.conversation_id and self.s.settings.reuse.enabled:
+            self.reuse = skipped(Skip.MEDIA)
+            self.s.metrics.lookup(self.reuse)
+        params = await self._prefill(prefill)
+        if isinstance(params, web.Response):
+            return params
+        return await self._decode(decode, params, retain=False)
 
     async def _decode_alone(self, tiebreak: int) -> web.StreamResponse:
         """A request for several sequences: D serves it without P's params (see

@@ -26,6 +26,7 @@ from router.decisions import (
     reuse_of,
     single_sequence,
     spends_retry,
+    text_only,
 )
 from router.identity import MAX_ID_BYTES, conversation_of, identify, safe_id, tenant_of
 from router.nodes import DirectRoutes, base_model_of, static_nodes
@@ -423,3 +424,12 @@ def test_an_unreachable_engine_url_is_avoided_for_a_while() -> None:
     assert not routes.unreachable(p, p.url)  # the sidecar itself failed: a real failure
     now[0] += 61
     assert routes.url(p) == p.engine_url  # tried again later
+
+
+def test_only_text_content_is_verifiable() -> None:
+    text = {"role": "user", "content": "hi"}
+    parts = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    assert text_only({"messages": [text, parts, {"role": "assistant", "content": None}]})
+    assert text_only({"prompt": "hi"}) and text_only({"prompt": [1, 2, 3]})
+    for part in ({"type": "image_url", "image_url": {"url": "x"}}, {"type": "input_audio"}, "raw", {}):
+        assert not text_only({"messages": [text, {"role": "user", "content": [part]}]}), part

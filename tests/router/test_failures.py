@@ -602,6 +602,38 @@ async def test_several_answers_or_prompts_go_to_d_alone_without_params(
     assert d_batch["prompt"] == ["a", "b"] and "kv_transfer_params" not in d_batch
 
 
+async def test_a_prompt_with_an_image_is_served_plain_and_claims_nothing(
+    daemon: Daemon, http: aiohttp.ClientSession
+) -> None:
+    """Two images of one size tokenize to the same placeholder ids, so the prompt's digests
+    cannot tell a turn whose image changed from one whose image did not: such a turn is
+    not looked up, not tokenized, and leaves nothing for D's sidecar to retain."""
+    async with fake_engine() as p, fake_engine() as d, grpc.aio.insecure_channel(daemon.address) as ch:
+        leases = leases_pb2_grpc.LeasesStub(ch)
+        await nodes_pb2_grpc.NodesStub(ch).Register(node_request("d-1"))
+        await leases.Register(lease_request("c"))
+        settings = router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
+        async with Router(settings) as router:
+            image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+            content = [{"type": "text", "text": "what is this?"}, image]
+            chat = {"messages": [{"role": "user", "content": content}], "conversation_id": "c"}
+            async with http.post(router.url + CHAT, json={**chat, "stream": True}) as r:
+                assert r.status == 200 and b"t4" in await r.read()
+                reuse = r.headers.get("X-Kvferry-Reuse"), r.headers.get("X-Kvferry-Reuse-Reason")
+                assert reuse == ("SKIPPED", "non_text_content")
+            value = router.metrics.value
+            assert value("kvferry_router_lookups_total", decision="SKIPPED", reason="non_text_content") == 1
+        peek = await leases.Lookup(leases_pb2.LookupRequest(conversation_id="c", prompt_tokens=10, peek=True))
+        assert peek.reason not in ("already_claimed", "no_lease")  # still there, unclaimed
+    paths = [path for path, _, _ in p.requests]
+    assert paths == [CHAT]  # no /tokenize
+    (_, _, p_chat) = p.requests[0]
+    assert p_chat["messages"][0]["content"][1] == image
+    assert "prompt_token_ids" not in p_chat["kv_transfer_params"]
+    [(_, d_headers, d_chat)] = d.requests
+    assert "x-conversation-id" not in d_headers and "conversation_id" not in d_chat
+
+
 async def test_with_api_keys_only_their_holders_get_in(http: aiohttp.ClientSession) -> None:
     """--api-key, as vLLM's: a bearer key on /v1/ routes, 401 without one; the router's own
     endpoints stay open. Needed most with --engine-api-key, where the engines see only the
