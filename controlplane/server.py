@@ -308,6 +308,8 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         resp.reusable_tokens = d.reusable_tokens
         resp.engine_id = d.engine_id
         resp.claimed = result.claimed
+        if request.peek:  # nothing was handed out: params forwarded would be read twice
+            return resp
         if d.params is not None:
             apply_handout(result.params_blob, d.params, resp.kv_transfer_params)
         if d.release is not None:

@@ -41,7 +41,9 @@ async def test_peek_does_not_claim(client: Client) -> None:
     await client.leases.Register(lease_request("conv-p"))
     for _ in range(3):
         peek = await client.leases.Lookup(lookup_request("conv-p", peek=True))
-        assert peek.decision == leases_pb2.PULL and not peek.claimed
+        assert peek.decision == leases_pb2.PULL and not peek.claimed and peek.reusable_tokens == 1000
+        # nothing was handed out: params a caller forwarded would be read again by the claim's P
+        assert not peek.HasField("kv_transfer_params") and not peek.HasField("release_params")
     real = await client.leases.Lookup(lookup_request("conv-p"))
     assert real.decision == leases_pb2.PULL and real.claimed
 

@@ -232,7 +232,9 @@ class LookupRequest(_message.Message):
     the prompt is long enough for are pulled unverified.
     """
     peek: _builtins.bool
-    """Report the decision without claiming the lease."""
+    """Report the decision without claiming the lease (and without its params:
+    a peek hands nothing out).
+    """
     prompt_follows: _builtins.bool
     """Leases/Stream only: claim now, decide when the prompt arrives. The caller
     is still computing it (tokenizing, digesting); prompt_tokens and
