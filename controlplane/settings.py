@@ -96,6 +96,8 @@ class Settings:
             raise ValueError("etcd prefix must start with /")
         if self.server.advertise:
             split_host_port(self.server.advertise, "advertise")
+        if not self.etcd.timeout_s > 0:
+            raise ValueError(f"etcd timeout must be positive, not {self.etcd.timeout_s}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ import sys
 from emulator.config import KV_LOAD_FAILURE_POLICIES, ROLES, ConfigError, EmulatorConfig
 from emulator.server import serve_forever
 from kvferry import logs
+from kvferry.flags import finite_float
 from kvferry.tasks import run_process
 
 _DEFAULTS = EmulatorConfig()
@@ -61,13 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--decoder-kv-blocks-ttl",
-        type=float,
+        type=finite_float,
         default=_DEFAULTS.decoder_kv_blocks_ttl,
         help="seconds a decoder keeps finished requests' blocks pinned",
     )
     add(
         "--kv-abort-timeout",
-        type=float,
+        type=finite_float,
         default=_DEFAULTS.kv_abort_timeout,
         help="seconds a prefiller holds blocks for its decoder",
     )
@@ -77,9 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=_DEFAULTS.kv_load_failure_policy,
         help="on a failed pull: fail the request or recompute",
     )
-    add("--prefill-ms-per-token", type=float, default=_DEFAULTS.prefill_ms_per_token)
-    add("--decode-ms-per-token", type=float, default=_DEFAULTS.decode_ms_per_token)
-    add("--transfer-ms-per-block", type=float, default=_DEFAULTS.transfer_ms_per_block)
+    add("--prefill-ms-per-token", type=finite_float, default=_DEFAULTS.prefill_ms_per_token)
+    add("--decode-ms-per-token", type=finite_float, default=_DEFAULTS.decode_ms_per_token)
+    add("--transfer-ms-per-block", type=finite_float, default=_DEFAULTS.transfer_ms_per_block)
     add(
         "--no-prefix-caching",
         dest="enable_prefix_caching",

@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from kvferry.flags import finite_float
 from kvferry.structs import json_number
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
@@ -21,7 +22,7 @@ def add_arguments(sub: Any) -> None:
     common.add_argument(
         "--json", action="store_true", help="print JSON (one object per line) instead of a table"
     )
-    common.add_argument("--timeout", type=float, default=5.0)
+    common.add_argument("--timeout", type=finite_float, default=5.0)
 
     leases = sub.add_parser("leases", help="inspect and revoke retention leases")
     lsub = leases.add_subparsers(dest="action", required=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -24,6 +25,15 @@ def env_name(prefix: str, flag: str) -> str:
     return prefix + flag.upper().replace("-", "_")
 
 
+def finite_float(text: str) -> float:
+    """A float flag's value: NaN and the infinities are refused (NaN would pass every range
+    check after, each comparison with it being false)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
+    return value
+
+
 def flag_adder(p: argparse.ArgumentParser, env_prefix: str) -> Callable[..., None]:
     """-> add(flag, default, help, kind=str): one flag whose default comes from its variable
     (argparse applies `kind` to it, so a bad value in the environment is reported like a
@@ -33,7 +43,7 @@ def flag_adder(p: argparse.ArgumentParser, env_prefix: str) -> Callable[..., Non
         env = env_name(env_prefix, flag)
         p.add_argument(
             f"--{flag}",
-            type=kind,
+            type=finite_float if kind is float else kind,
             default=os.environ.get(env, str(default)),
             help=f"{help} [${env}, default {default!s}]",
         )

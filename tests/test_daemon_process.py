@@ -139,11 +139,21 @@ def test_an_advertised_host_without_a_port_gets_the_listen_port(given: str, anno
     ],
 )
 def test_an_advertised_address_that_is_not_one_is_refused_at_start(given: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        _daemon_settings("--advertise", given)
+
+
+def _daemon_settings(*argv: str) -> object:
     import argparse
 
     from controlplane import settings
 
     parser = argparse.ArgumentParser()
     settings.add_arguments(parser)
-    with pytest.raises(ValueError, match=re.escape(problem)):
-        settings.from_args(parser.parse_args(["--advertise", given]))
+    return settings.from_args(parser.parse_args(list(argv)))
+
+
+def test_an_etcd_timeout_that_is_not_positive_is_refused_at_start() -> None:
+    for value in ("0", "-1"):
+        with pytest.raises(ValueError, match="etcd timeout must be positive"):
+            _daemon_settings(f"--etcd-timeout={value}")

@@ -55,3 +55,37 @@ def test_a_process_logs_each_unknown_variable(monkeypatch: pytest.MonkeyPatch) -
             "hint": "did you mean KVFERRY_ROUTER_DAEMON?",
         }
     ]
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    from controlplane import settings as daemon_settings
+    from emulator import cli as emulator_cli
+    from sidecar import cli as sidecar_cli
+
+    daemon = argparse.ArgumentParser()
+    daemon_settings.add_arguments(daemon)
+    return {
+        "daemon": daemon,
+        "sidecar": sidecar_cli.build_parser(),
+        "router": router_cli.build_parser(),
+        "emulator": emulator_cli.build_parser(),
+    }
+
+
+@pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf", "1e999"])
+def test_no_number_flag_takes_a_value_that_is_not_finite(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """NaN fails every range check (each comparison is false): a safety margin, a deadline
+    or a refresh interval of NaN was taken, and broke things later (a PULL 0.5 s before
+    D's expiry, a lookup deadline uvloop refuses, a refresh loop that died)."""
+    checked = 0
+    for name, parser in _parsers().items():
+        for action in parser._actions:
+            if action.type is not float and getattr(action.type, "__name__", "") != "finite_float":
+                continue
+            checked += 1
+            with pytest.raises(SystemExit):
+                parser.parse_args([f"{action.option_strings[0]}={value}"])
+            assert "must be a finite number" in capsys.readouterr().err, (name, action.dest)
+    assert checked >= 19  # (every float flag of the four processes, when this was written)
