@@ -229,7 +229,8 @@ class LeaseSender:
                     continue
                 try:
                     req = self._request(draft)  # now, while the generation is surely this epoch's
-                except (ValueError, TypeError) as e:  # params a Struct cannot hold
+                except (ValueError, TypeError, ArithmeticError) as e:  # params a Struct cannot hold
+                    # (ArithmeticError: an integer beyond a double, which a Struct's numbers are)
                     self._failed(draft, grpc.StatusCode.INVALID_ARGUMENT, str(e), sent=False)
                     continue
                 task = asyncio.create_task(self._send(stream, channel, draft, req), name="sidecar-lease")

@@ -75,3 +75,43 @@ async def test_decode_turn_registers_a_lease_that_prefill_pulls(
     reference = await start_emulator()
     alone = await chat(http, reference.http_url, second, max_tokens=40)
     assert d2.content == alone.content
+
+
+async def test_a_draft_whose_params_a_struct_cannot_hold_is_refused_and_the_sender_goes_on(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    """An integer beyond a double (a protobuf Struct's numbers) in D's params: that one
+    registration fails with a log line; the sender, and the drafts after it, go on."""
+    from dataclasses import replace
+
+    from sidecar.drafts import LeaseDraft
+
+    d = await start_emulator(role="decode")
+    sc = await start_sidecar(d)
+    await eventually(lambda: _node_alive(client, sc.settings.node_id))
+    messages = first_turn()
+    headers = {"X-Conversation-Id": "good", "X-Kvferry-Tenant": "acme"}
+    p1 = await prefill(http, (await start_emulator(role="prefill")).http_url, messages)
+    d1 = await chat(http, sc.url, messages, headers, max_tokens=8, kv_transfer_params=p1.params)
+    assert d1.status == 200 and sc.leases is not None and await sc.leases.wait_idle(5)
+    await client.leases.Revoke(leases_pb2.RevokeLeaseRequest(tenant="acme", conversation_id="good"))
+    sent = sc.metrics.value("kvferry_sidecar_lease_registrations_total", outcome="sent")
+
+    assert d1.params is not None
+    good = LeaseDraft(
+        "acme",
+        "good",
+        d1.params,
+        d1.params["remote_num_tokens"],
+        time.time() + 400,
+        None,
+        "",
+        sc.instance.epoch,
+    )
+    huge = replace(good, conversation_id="huge", params={**good.params, "x": 10**400})
+    sc.leases.submit(huge)
+    sc.leases.submit(good)
+    assert await sc.leases.wait_idle(5)
+    assert sc.metrics.value("kvferry_sidecar_lease_registrations_total", outcome="sent") == sent + 1
+    assert sc.metrics.value("kvferry_sidecar_lease_registrations_total", outcome="failed") == 1
+    await client.leases.Get(leases_pb2.GetLeaseRequest(tenant="acme", conversation_id="good"))
