@@ -243,7 +243,24 @@ def param_problems(params: dict[str, Any], num_tokens: int, block_size: int) -> 
         )
     if params.get("do_remote_decode") is False and params.get("do_remote_prefill") is True:
         problems.append("kv_transfer_params are a prefill node's (do_remote_prefill), not a decode node's")
+    for key, value in params.items():
+        if key != "remote_block_ids":  # (ints, checked above; thousands of them)
+            where = _non_finite(value, f"kv_transfer_params.{key}")
+            if where:  # JSON has no NaN: P would get null in its place
+                problems.append(f"{where} must be a finite number")
     return problems
+
+
+def _non_finite(value: Any, path: str) -> str:
+    """The path of the first NaN or infinity in `value` ("" when there is none)."""
+    if isinstance(value, float):
+        return "" if math.isfinite(value) else path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = _non_finite(v, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]")
+        if found:
+            return found
+    return ""
 
 
 def digest_problem(field_name: str, digests: bytes, max_blocks: int | None = None) -> str | None:

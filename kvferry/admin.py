@@ -80,6 +80,13 @@ def _fail(e: grpc.RpcError) -> int:
     return 1
 
 
+def _bad_input(e: Exception) -> int:
+    """An argument no request can carry (not UTF-8, say), or an answer JSON cannot show
+    (a NaN a daemon stored before it refused them): one line, not a traceback."""
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
 def _leases(a: argparse.Namespace) -> int:
     with grpc.insecure_channel(a.daemon) as ch:
         stub = leases_pb2_grpc.LeasesStub(ch)
@@ -100,6 +107,8 @@ def _leases(a: argparse.Namespace) -> int:
             return _removed(resp, a.json, "revoked", "no such lease")
         except grpc.RpcError as e:
             return _fail(e)
+        except (ValueError, json_format.Error) as e:
+            return _bad_input(e)
 
 
 def _removed(resp: Any, as_json: bool, done: str, missing: str) -> int:
@@ -162,6 +171,8 @@ def _nodes(a: argparse.Namespace) -> int:
             resp = stub.List(nodes_pb2.ListNodesRequest(include_dead=a.all), timeout=a.timeout)
         except grpc.RpcError as e:
             return _fail(e)
+        except ValueError as e:
+            return _bad_input(e)
     if a.json:
         for n in resp.nodes:
             print(json.dumps(_as_dict(n)))

@@ -97,6 +97,11 @@ async def test_cli_tables_and_json(daemon: Daemon, client: Client) -> None:
     assert "d-1" not in out
     code, out, _ = await run(kvferry, "nodes", "rm", "d-1", "--json", "--daemon", daemon.address)
     assert code == 2 and json.loads(out)["found"] is False
+    for action in (("leases", "get"), ("leases", "revoke"), ("nodes", "rm")):  # an id not UTF-8
+        code, _, err = await run(
+            kvferry, *action, b"\xff".decode("utf-8", "surrogateescape"), "--daemon", daemon.address
+        )
+        assert code == 2 and err.startswith("error: ") and "Traceback" not in err, (action, err)
 
 
 def test_global_log_level_reaches_delegated_commands(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -144,6 +144,15 @@ def test_param_problems_name_the_field() -> None:
     for bad in ([[0, 1, -2, 3, 4, 5, 6]], [[0, 1, True, 3, 4, 5, 6]], [[0, 1, 2.5, 3, 4, 5, 6]], [["0"] * 7]):
         wrong = {**d_params("d", 100), "remote_block_ids": bad}
         assert "remote_block_ids[0] must be a list of block ids" in " ".join(param_problems(wrong, 100, 16))
+    nan = float("nan")
+    for extra, where in (
+        ({"tp_size": nan}, "kv_transfer_params.tp_size"),
+        ({"vendor": {"a": [1.5, float("inf")]}}, "kv_transfer_params.vendor.a[1]"),
+        ({"remote_blocks_expiry_time": -float("inf")}, "kv_transfer_params.remote_blocks_expiry_time"),
+    ):
+        assert param_problems({**d_params("d", 100), **extra}, 100, 16) == [
+            f"{where} must be a finite number"
+        ]
 
 
 @given(
