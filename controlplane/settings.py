@@ -96,6 +96,9 @@ class Settings:
             raise ValueError("etcd prefix must start with /")
         if self.server.advertise:
             split_host_port(self.server.advertise, "advertise")
+        for endpoint in self.etcd.endpoints:
+            if split_host_port(endpoint, "etcd endpoint")[1] is None:
+                raise ValueError(f"etcd endpoint {endpoint!r} must be host:port")
         if not self.etcd.timeout_s > 0:
             raise ValueError(f"etcd timeout must be positive, not {self.etcd.timeout_s}")
 

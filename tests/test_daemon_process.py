@@ -153,6 +153,19 @@ def _daemon_settings(*argv: str) -> object:
     return settings.from_args(parser.parse_args(list(argv)))
 
 
+@pytest.mark.parametrize(
+    ("endpoints", "problem"),
+    [
+        ("10.0.0.1:2379,10.0.0.2", "etcd endpoint '10.0.0.2' must be host:port"),
+        ("http://etcd-0:2379", "expected HOST or HOST:PORT, not a URL"),
+        ("etcd-0:client", "port 'client' must be 1..65535"),
+    ],
+)
+def test_etcd_endpoints_that_are_not_host_port_are_refused_at_start(endpoints: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        _daemon_settings("--etcd", endpoints)
+
+
 def test_an_etcd_timeout_that_is_not_positive_is_refused_at_start() -> None:
     for value in ("0", "-1"):
         with pytest.raises(ValueError, match="etcd timeout must be positive"):
