@@ -207,6 +207,7 @@ class ControlPlane:
         if not 0 < reg.side_channel_port < 65536:
             raise InvalidArgument(f"side_channel_port {reg.side_channel_port} is not a port number")
         _check_id("side_channel_host", reg.side_channel_host, self._limits.max_id_bytes)
+        _check_id("model", reg.model, self._limits.max_id_bytes, required=False)
         for name, url in (("http_url", reg.http_url), ("engine_url", reg.engine_url)):
             if len(url.encode()) > MAX_URL_BYTES:
                 raise InvalidArgument(f"{name} is longer than {MAX_URL_BYTES} bytes")

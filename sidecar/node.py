@@ -133,9 +133,18 @@ class NodeSession:
                     log.info("node.refused", code=e.code().name, detail=e.details())
                     await asyncio.sleep(min(backoff.next(), 0.2))
                     continue
-                self._metrics.attaches.labels("failed").inc()
-                log.warning("node.daemon.unreachable", address=self._link.address, code=e.code().name)
-                await self._link.failover(channel)
+                if e.code() is grpc.StatusCode.INVALID_ARGUMENT:  # another replica would say the same
+                    self._metrics.attaches.labels("invalid").inc()
+                    log.error("node.register.invalid", address=self._link.address, detail=e.details())
+                else:
+                    self._metrics.attaches.labels("failed").inc()
+                    log.warning(
+                        "node.daemon.unreachable",
+                        address=self._link.address,
+                        code=e.code().name,
+                        detail=e.details(),
+                    )
+                    await self._link.failover(channel)
             except _LinkLost:
                 self._metrics.attaches.labels("lost").inc()
                 log.warning("node.attach.lost", address=self._link.address)

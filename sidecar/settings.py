@@ -7,6 +7,7 @@ name upper-cased, dashes as underscores), then to the value below.
 from __future__ import annotations
 
 import argparse
+import re
 import socket
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -143,9 +144,16 @@ class Settings:
             raise ValueError("side-channel port must be a port number")
         if e.health_interval_s <= 0 or e.health_timeout_s <= 0 or e.health_failures < 1:
             raise ValueError("health interval and timeout must be positive, failures at least 1")
+        if e.engine_id:  # as the daemon checks it (refused there, the node never registers)
+            if len(e.engine_id.encode()) > MAX_ENGINE_ID_BYTES:
+                raise ValueError(
+                    f"engine id is {len(e.engine_id.encode())} bytes, at most {MAX_ENGINE_ID_BYTES} allowed"
+                )
+            if any(ord(c) < 0x20 or ord(c) == 0x7F for c in e.engine_id):
+                raise ValueError("engine id contains control characters")
         k = self.kv_events
         for endpoint in (k.endpoint, k.replay_endpoint):
-            if endpoint and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            if endpoint and not _ZMQ_ENDPOINT.match(endpoint):
                 raise ValueError(f"KV-event endpoint {endpoint!r} must be a ZMQ endpoint (tcp://host:port)")
         if k.replay_endpoint and not k.endpoint:
             raise ValueError("a KV-event replay endpoint needs the KV-event endpoint")
@@ -185,6 +193,12 @@ def default_host() -> str:
         return socket.gethostbyname(name)
     except OSError:
         return name
+
+
+#: tcp://HOST:PORT (PORT a number or *), ipc://PATH, inproc://NAME: what zmq connects to.
+_ZMQ_ENDPOINT = re.compile(r"^(tcp://[^/\s]+:(\d+|\*)|ipc://\S+|inproc://\S+)$")
+#: The daemon's limit on ids (controlplane Limits.max_id_bytes).
+MAX_ENGINE_ID_BYTES = 256
 
 
 def listen_address(s: Settings) -> tuple[str, int]:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import sys
 
 import aiohttp
+import pytest
 
 from controlplane.daemon import Daemon
 from kvferry.v1 import nodes_pb2
+from sidecar.cli import build_parser
 from tests.conftest import Client, free_port
 from tests.polling import eventually
 from tests.sidecar.conftest import StartEmulator
@@ -52,3 +55,21 @@ async def test_invalid_settings_exit_2() -> None:
     )  # fmt: skip
     _, err = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode == 2 and b"role must be one of" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (["--engine-id", "d" * 257], "engine id is 257 bytes, at most 256"),
+        (["--engine-id", "d\t1"], "engine id contains control characters"),
+        (["--kv-events-endpoint", "tcp://enginehost"], "must be a ZMQ endpoint (tcp://host:port)"),
+        (["--kv-events-endpoint", "tcp://enginehost:port"], "must be a ZMQ endpoint (tcp://host:port)"),
+    ],
+)
+def test_settings_the_daemon_or_zmq_would_refuse_are_refused_at_start(argv: list[str], problem: str) -> None:
+    """Refused later, they looped: the daemon's INVALID_ARGUMENT read as "unreachable" (a
+    failover a second, forever), ZMQ's connect a traceback a second."""
+    from sidecar import settings
+
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        settings.from_args(build_parser().parse_args(argv))

@@ -8,6 +8,7 @@ from typing import Any
 
 import aiohttp
 import grpc
+import structlog.testing
 
 from controlplane.daemon import Daemon
 from emulator import EmulatorServer
@@ -65,6 +66,26 @@ async def test_the_model_is_learned_from_an_engine_that_wants_an_api_key(
     await eventually(lambda: _alive_at(client, sc.settings.node_id, 1))
     node = await _node(client, sc.settings.node_id)
     assert node is not None and node.model == d.config.model
+
+
+async def test_a_node_the_daemon_refuses_is_reported_with_why_and_not_failed_over(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar
+) -> None:
+    """A served model name the daemon refuses (control characters): INVALID_ARGUMENT, which
+    any replica would answer alike. It was logged as "daemon unreachable", without the
+    daemon's reason, and failed over to the next address every second."""
+    d = await start_emulator(role="decode", model="bad\tmodel")
+    with structlog.testing.capture_logs() as logs:
+        sc = await start_sidecar(d)
+        await eventually(lambda: _counted(sc, "kvferry_sidecar_attaches_total", outcome="invalid"))
+    invalid = [e for e in logs if e["event"] == "node.register.invalid"]
+    assert invalid and "model contains control characters" in invalid[0]["detail"]
+    assert sc.metrics.value("kvferry_sidecar_attaches_total", outcome="failed") == 0
+    assert await _node(client, sc.settings.node_id) is None
+
+
+async def _counted(sc: Sidecar, name: str, **labels: str) -> bool:
+    return sc.metrics.value(name, **labels) > 0
 
 
 async def test_engine_restart_seen_by_health_makes_old_leases_node_restarted(
