@@ -118,7 +118,14 @@ class NodeCache:
         self.loaded_at = 0.0
 
     async def refresh(self) -> dict[str, NodeState]:
+        known = dict(self.revisions)
         nodes, revisions = await self._store.load_nodes()
+        # A record this replica wrote or read while that read was on its way (a
+        # re-registration through it, say) may be newer than what the read found: it stays.
+        for engine, revision in self.revisions.items():
+            moved = revision != known.get(engine)
+            if moved and revision > revisions.get(engine, 0) and engine in self._nodes:
+                nodes[engine], revisions[engine] = self._nodes[engine], revision
         now = time.monotonic()
         before, seen = self.revisions, self.dead_since
         # A record that changed since (a registration this replica did not see alive)
@@ -136,15 +143,18 @@ class NodeCache:
     async def get(self, engine_id: str, fresh: bool = False) -> NodeState | None:
         state = self._nodes.get(engine_id)
         if state is None or fresh or time.monotonic() - self.loaded_at > 4 * self._refresh_s:
-            state, _ = await self._store.get_node(engine_id)
+            state, revision = await self._store.get_node(engine_id)
             if state is not None:
-                self._nodes[engine_id] = state
+                self.put(state, revision)
             else:
                 self._nodes.pop(engine_id, None)
         return state
 
-    def put(self, state: NodeState) -> None:
-        self._nodes[state.record.engine_id] = state
+    def put(self, state: NodeState, revision: int) -> None:
+        """A node's state as of its record's mod `revision` (an older one is not taken)."""
+        engine = state.record.engine_id
+        if revision >= self.revisions.get(engine, 0):
+            self._nodes[engine], self.revisions[engine] = state, revision
 
     def snapshot(self) -> dict[str, NodeState]:
         return dict(self._nodes)
@@ -246,7 +256,9 @@ class ControlPlane:
                 engine_url=reg.engine_url,
             )
             try:
-                stored = await self.store.put_node(rec, revision, None if current else floor_revision)
+                stored, stored_revision = await self.store.put_node(
+                    rec, revision, None if current else floor_revision
+                )
             except Conflict:
                 if attempt == 2:
                     raise
@@ -254,7 +266,7 @@ class ControlPlane:
             if current is not None and current.record.lease_id:
                 await self.store.revoke_lease_quietly(current.record.lease_id)
             restarted = current is not None and generation != previous
-            self.nodes.put(NodeState(stored, True))
+            self.nodes.put(NodeState(stored, True), stored_revision)
             metrics.NODE_REGISTRATIONS.labels("restarted" if restarted else "ok").inc()
             log.info("node.registered", engine_id=reg.engine_id, generation=generation, restarted=restarted)
             return stored, restarted

@@ -513,8 +513,9 @@ class EtcdStore:
 
     async def put_node(
         self, rec: NodeRecord, expect_revision: int, floor_revision: int | None = None
-    ) -> NodeRecord:
-        """Store a node record and start a fresh liveness lease for it.
+    ) -> tuple[NodeRecord, int]:
+        """Store a node record and start a fresh liveness lease for it. -> (the record as
+        stored, its mod revision).
 
         `expect_revision` is the node key's mod revision the caller decided on
         (0 = must not exist), `floor_revision` the generation floor's it decided the
@@ -544,7 +545,7 @@ class EtcdStore:
         if not resp.succeeded:
             await self.revoke_lease_quietly(int(grant.ID))
             raise Conflict(f"node {rec.engine_id} changed concurrently")
-        return stored
+        return stored, int(resp.header.revision)
 
     async def keepalive(self, rec: NodeRecord) -> tuple[int, NodeRecord]:
         """Refresh a node's liveness lease. -> (seconds left, the record as it stands now:
@@ -565,7 +566,7 @@ class EtcdStore:
             ttl = await self._refresh(current.record.lease_id)
             if ttl:
                 return ttl, current.record
-        renewed = await self.put_node(current.record, revision)
+        renewed, _ = await self.put_node(current.record, revision)
         log.info("node.liveness.renewed", engine_id=rec.engine_id, lease=renewed.lease_id)
         return rec.liveness_ttl, renewed
 

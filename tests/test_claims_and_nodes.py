@@ -279,3 +279,34 @@ async def test_a_replica_with_a_stale_node_cache_accepts_the_new_generations_lea
     req.generation = 2
     stored = await cb.leases.Register(req)
     assert stored.lease.generation == 2
+
+
+async def test_a_refresh_read_before_a_registration_does_not_put_the_old_generation_back(
+    daemon: Daemon, client: Client
+) -> None:
+    """A node-cache refresh whose read started before the engine re-registered (generation
+    2, through this replica) ends after it: the cache keeps generation 2. It put generation
+    1 back, so lookups handed out the dead process's retentions until the next refresh."""
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("old"))  # generation 1's
+    cache = daemon.control_plane.nodes
+    store = daemon.control_plane.store
+    read_done, let_go = asyncio.Event(), asyncio.Event()
+    load = store.load_nodes
+
+    async def slow_load():  # type: ignore[no-untyped-def]
+        loaded = await load()
+        read_done.set()
+        await let_go.wait()
+        return loaded
+
+    store.load_nodes = slow_load  # type: ignore[method-assign]
+    refresh = asyncio.create_task(cache.refresh())
+    await read_done.wait()  # it has read generation 1
+    assert (await client.nodes.Register(node_request("d-1"))).node.generation == 2
+    let_go.set()
+    await refresh
+    state = await cache.get("d-1")
+    assert state is not None and state.record.generation == 2
+    looked = await client.leases.Lookup(lookup_request("old"))
+    assert looked.reason == "node_restarted"
