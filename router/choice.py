@@ -72,6 +72,13 @@ def choose_decode(
     return _rotate([n for n in candidates if load.get(n.engine_id, 0) == least], tiebreak)
 
 
+def alike(nodes: Sequence[Node], node: Node) -> list[Node]:
+    """The prefill nodes that take what `node` was given: the same model (its tokenizer
+    made the prompt's token ids) and block size (the digests, and D's params that a pull
+    hands over, are in its blocks)."""
+    return [n for n in nodes if n.prefills and n.model == node.model and n.block_size == node.block_size]
+
+
 def prefill_candidates(nodes: Sequence[Node], exclude: Collection[str] = ()) -> list[Node]:
     """Prefill-capable nodes, minus those already tried."""
     return [n for n in nodes if n.prefills and n.engine_id not in exclude]

@@ -39,6 +39,7 @@ from kvferry.digests import DIGEST_SIZE, DigestCache, seed_for
 from kvferry.releases import claim_release_body, release_body
 from router.choice import (
     Node,
+    alike,
     choose_decode,
     choose_prefill,
     prefill_candidates,
@@ -239,9 +240,8 @@ class Turn:
                 self.reuse = Reuse("SKIPPED", Skip.NO_TOKENS.value, reuse.remote)
         if cached:
             load = self.s.load.view
-            prefill = (
-                choose_prefill(self.nodes, load, cached, exclude=unreachable, tiebreak=tiebreak) or prefill
-            )
+            like = alike(self.nodes, prefill) if self.tokens is not None else self.nodes
+            prefill = choose_prefill(like, load, cached, exclude=unreachable, tiebreak=tiebreak) or prefill
         if self.reuse is not None:
             self.s.metrics.lookup(self.reuse)
         return prefill
@@ -301,12 +301,7 @@ class Turn:
 
     def _twin_prefill(self, node: Node) -> Node | None:
         """Another prefill node that tokenizes exactly like `node` (None: there is none)."""
-        same = [
-            n
-            for n in prefill_candidates(self.nodes, exclude={node.engine_id})
-            if n.model == node.model and n.block_size == node.block_size
-        ]
-        return choose_prefill(same, self.s.load.view) if same else None
+        return choose_prefill(alike(self.nodes, node), self.s.load.view, exclude={node.engine_id})
 
     async def _post_prefill_node(
         self, node: Node, path: str, body: bytes, timeout_s: float | None = None, request_id: str = ""
@@ -353,7 +348,8 @@ class Turn:
                 kind = FailureKind.STATUS if reply.status != 200 else FailureKind.PROTOCOL
                 failure = Failure(kind, reply.status)
             self.s.metrics.upstream_error("prefill", failure)
-            spare = prefill_candidates(self.nodes, exclude=tried)
+            # (D's params are for a P of this one's block size)
+            spare = prefill_candidates(alike(self.nodes, node) if remote else self.nodes, exclude=tried)
             retry = retry_after(failure, bool(remote), attempt, bool(spare))
             self.log.info(
                 "router.prefill.failed",

@@ -19,7 +19,9 @@ def test_bad_flags_exit_2(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(logs, "configure", lambda *a, **k: None)  # keep the process's logging as it is
     assert main(["--prefill", "http://p:1"]) == 2  # no decode node, no daemon
     assert main(["--prefill", "p:1", "--decode", "http://d:1"]) == 2
-    assert main(["--daemon", "d:1", "--digest-cache-mb", "inf"]) == 2
+    with pytest.raises(SystemExit) as refused:  # (argparse's own refusal: every float flag)
+        main(["--daemon", "d:1", "--digest-cache-mb", "inf"])
+    assert refused.value.code == 2
     assert main(["--daemon", "d:1", "--digest-cache-mb", "-1"]) == 2
 
 

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvferry.releases import claim_release_body
-from router.choice import Node, choose_decode, choose_prefill, serving, worth_scoring
+from router.choice import Node, alike, choose_decode, choose_prefill, serving, worth_scoring
 from router.decisions import (
     Breaker,
     Failure,
@@ -148,6 +148,23 @@ def test_prefill_prefers_the_cached_prefix_unless_much_busier() -> None:
     assert choose_prefill(nodes, {"p1": 9}, cached, load_slack=4).engine_id == "p2"  # type: ignore[union-attr]
     assert choose_prefill(nodes, {}, exclude={"p1", "p2", "b1"}) is None
     assert choose_prefill(nodes, {}, cached, exclude={"p1"}).engine_id == "p2"  # type: ignore[union-attr]
+
+
+def test_a_p_is_only_traded_for_one_of_the_same_model_and_block_size() -> None:
+    """The prompt's token ids came from one P's tokenizer, its digests (and a pull's params,
+    D's blocks) are in its block size: a P chosen after that must take the same."""
+    tokenized = Node("p1", "prefill", "http://p1", model="m", block_size=16)
+    nodes = [
+        tokenized,
+        Node("p2", "prefill", "http://p2", model="m", block_size=16),
+        Node("p3", "prefill", "http://p3", model="m", block_size=64),
+        Node("p4", "prefill", "http://p4", model="other", block_size=16),
+        Node("p5", "prefill", "http://p5", model="", block_size=16),  # model not known yet
+        Node("d1", "decode", "http://d1", model="m", block_size=16),
+    ]
+    assert [n.engine_id for n in alike(nodes, tokenized)] == ["p1", "p2"]
+    cached = {"p3": 500, "p4": 500, "p5": 500, "p2": 1}
+    assert choose_prefill(alike(nodes, tokenized), {}, cached).engine_id == "p2"  # type: ignore[union-attr]
 
 
 def test_scoring_only_when_it_can_change_the_choice() -> None:
