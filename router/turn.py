@@ -367,8 +367,11 @@ class Turn:
             if spends_retry(retry, bool(remote)):
                 attempt += 1
             if retry is Retry.FRESH:
-                remote = None
-                self.reuse = Reuse("RECOMPUTE", "prefill_failed")
+                # Params P never got (it could not be reached) still go, with nothing to
+                # pull: P then has D free the blocks the daemon claimed for this turn.
+                unseen = failure.kind is FailureKind.CONNECT
+                remote = {**remote, "remote_num_tokens": 0} if unseen and remote else None
+                self.reuse = Reuse("RECOMPUTE", "prefill_failed", remote)
             if retry is Retry.OTHER_NODE:
                 node = choose_prefill(spare, self.s.load.view) or node
 

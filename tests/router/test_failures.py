@@ -466,7 +466,7 @@ class FakeEngine:
         self.models_auth: list[str] = []
         self.answers: list[int] = []
         """Statuses the next generation requests get, in turn (0: no answer until the peer
-        hangs up); then the usual answers."""
+        hangs up, -1: a sidecar's "never delivered" 502); then the usual answers."""
 
     async def tokenize(self, request: web.Request) -> web.Response:
         self.requests.append(("/tokenize", _lower(request.headers), await request.json()))
@@ -482,6 +482,9 @@ class FakeEngine:
             while request.transport is not None and not request.transport.is_closing():  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
             return web.Response()
+        if status == -1:  # what a sidecar answers for a request its engine never got
+            error = {"message": "engine unreachable", "type": "BadGateway", "param": None, "code": 502}
+            return web.json_response({"error": error}, status=502, headers={NOT_DELIVERED_HEADER: "1"})
         if status != 200:
             error = {"message": "refused", "type": "BadRequestError", "param": None, "code": status}
             return web.json_response({"error": error}, status=status)
@@ -600,6 +603,27 @@ async def test_several_answers_or_prompts_go_to_d_alone_without_params(
     assert d_chat["n"] == 2 and "kv_transfer_params" not in d_chat and "conversation_id" not in d_chat
     assert "x-conversation-id" not in d_headers  # D retains nothing of it: its sidecar need not look
     assert d_batch["prompt"] == ["a", "b"] and "kv_transfer_params" not in d_batch
+
+
+async def test_params_a_p_never_got_still_go_with_the_fresh_retry(
+    daemon: Daemon, http: aiohttp.ClientSession
+) -> None:
+    """The only P could not be reached with the daemon's params (never delivered) and the
+    turn is tried again without reuse: the retry still hands P D's params, with nothing
+    to pull, so D frees the claimed blocks now. They were dropped: D held them to its TTL."""
+    async with fake_engine() as p, fake_engine() as d, grpc.aio.insecure_channel(daemon.address) as ch:
+        await nodes_pb2_grpc.NodesStub(ch).Register(node_request("d-1"))
+        await leases_pb2_grpc.LeasesStub(ch).Register(lease_request("c"))  # no digests: a release
+        p.answers = [-1]
+        settings = router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
+        async with Router(settings) as router:
+            chat = {"messages": [{"role": "user", "content": "hi"}], "conversation_id": "c"}
+            async with http.post(router.url + CHAT, json=chat) as r:
+                assert r.status == 200, await r.text()
+            assert router.metrics.value("kvferry_router_prefill_retries_total", how="fresh") == 1
+    first, second = (body["kv_transfer_params"] for path, _, body in p.requests if path == CHAT)
+    assert first["remote_num_tokens"] == 0 and first["remote_request_id"] == "req-1"
+    assert second == first
 
 
 async def test_a_prompt_with_an_image_is_served_plain_and_claims_nothing(
