@@ -54,15 +54,22 @@ class BlockPool:
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.blocks = [Block(block_id=i, kv=bytearray(block_size * SLOT_BYTES)) for i in range(num_blocks)]
-        self._free: OrderedDict[int, Block] = OrderedDict((block.block_id, block) for block in self.blocks)
+        self.blocks = [
+            Block(block_id=i, kv=bytearray(block_size * SLOT_BYTES)) for i in range(num_blocks + 1)
+        ]
+        """Every block, by block id: block 0, vLLM's null block (never allocated; what a
+        sliding-window group's freed positions point at, so no request's params name it),
+        then the `num_blocks` a request can have."""
+        self._free: OrderedDict[int, Block] = OrderedDict(
+            (block.block_id, block) for block in self.blocks[1:]
+        )
         self._cached: dict[bytes, dict[int, Block]] = {}
         self._emit = emit if enable_caching else None
 
     @property
     def num_blocks(self) -> int:
-        """Capacity of the pool."""
-        return len(self.blocks)
+        """Capacity of the pool (the null block aside)."""
+        return len(self.blocks) - 1
 
     @property
     def num_free(self) -> int:
@@ -187,7 +194,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""
-        if len(self._free) != len(self.blocks):
+        if len(self._free) != self.num_blocks:
             return False
         for block in self.blocks:
             block.block_hash = None

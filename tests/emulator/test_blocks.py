@@ -102,3 +102,13 @@ def test_disabled_caching_never_hits_nor_emits() -> None:
     pool.free(blocks)
     assert pool.find_cached_prefix(block_hashes(tokens, BS)) == []
     assert events == []
+
+
+def test_block_0_is_the_null_block_and_never_handed_out() -> None:
+    """As in vLLM: block 0 stands for freed positions (a sliding window's), so a request's
+    block ids, and D's params, never name it."""
+    pool, _ = _pool(4)
+    assert sorted(b.block_id for b in pool.allocate(4)) == [1, 2, 3, 4]
+    assert pool.num_free == 0 and pool.num_blocks == 4
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate(1)
