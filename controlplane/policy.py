@@ -52,6 +52,9 @@ class Reason(enum.StrEnum):
     OWN_TURN = "own_turn"
     # The caller gave the prompt's digests, and D's retention has none to check them against.
     UNVERIFIABLE = "unverifiable"
+    # Only part of D's tokens would be pulled, and D's blocks can only be pulled whole
+    # (a KV-cache group holds freed blocks: see Retention.whole_only).
+    WHOLE_ONLY = "whole_only"
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,14 @@ def decide(
     elif reusable < retention.num_tokens:
         reason = Reason.PARTIAL_PULL
         detail = f"prompt is shorter than D's {retention.num_tokens} tokens; {reusable} unverified"
+    if retention.whole_only and reusable < retention.num_tokens:
+        return _recompute(
+            Reason.WHOLE_ONLY,
+            f"{reusable} of D's {retention.num_tokens} tokens, and a KV-cache group of D's holds "
+            "freed (null) blocks: only a whole pull is safe",
+            release,
+            engine,
+        )
     if reusable < max(policy.recompute_threshold, 1):
         return _recompute(
             Reason.BELOW_THRESHOLD,
@@ -261,6 +272,17 @@ def _non_finite(value: Any, path: str) -> str:
         if found:
             return found
     return ""
+
+
+#: vLLM's null block: what a KV-cache group's freed positions (a sliding window's) point at.
+NULL_BLOCK_ID = 0
+
+
+def holds_null_blocks(params: dict[str, Any]) -> bool:
+    """Whether D's remote_block_ids name the null block in any group (valid params)."""
+    ids = params.get("remote_block_ids") or []
+    groups = ids if ids and isinstance(ids[0], list) else [ids]
+    return any(NULL_BLOCK_ID in group for group in groups)
 
 
 def digest_problem(field_name: str, digests: bytes, max_blocks: int | None = None) -> str | None:

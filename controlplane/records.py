@@ -64,6 +64,10 @@ class Retention(msgspec.Struct, frozen=True):
     digests: bytes = b""
     request_id: str = ""
     """The request whose answer D holds the blocks for (its X-Request-Id); "" = unknown."""
+    whole_only: bool = False
+    """Only a pull of every token is safe: a KV-cache group names vLLM's null block (a
+    sliding window's freed positions), which a pull cut short could hand P where its
+    window needs data."""
 
 
 class HeldSummary(msgspec.Struct, frozen=True):

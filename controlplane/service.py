@@ -20,7 +20,16 @@ from controlplane import metrics
 from controlplane.blockindex import BlockIndex, IndexUpdate
 from controlplane.convert import remote_request_of
 from controlplane.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound, StoreUnavailable
-from controlplane.policy import RELEASE, Decision, Prompt, Reason, decide, digest_problem, param_problems
+from controlplane.policy import (
+    RELEASE,
+    Decision,
+    Prompt,
+    Reason,
+    decide,
+    digest_problem,
+    holds_null_blocks,
+    param_problems,
+)
 from controlplane.records import Claim, NodeRecord, NodeState, Retention, Role
 from controlplane.settings import Settings
 from controlplane.store import ClaimOutcome, EtcdStore
@@ -434,6 +443,7 @@ class ControlPlane:
             expires_at=expires_at,
             digests=reg.digests,
             request_id=reg.request_id,
+            whole_only=holds_null_blocks(reg.params),
         )
         revision, replaced = await self.store.put_retention(tenant, reg.conversation_id, retention, now)
         metrics.REGISTRATIONS.labels("replaced" if replaced else "new").inc()

@@ -226,3 +226,21 @@ async def test_revoke(client: Client) -> None:
     assert after.reason == "no_lease"
     again = await client.leases.Revoke(leases_pb2.RevokeLeaseRequest(conversation_id="conv-rv"))
     assert not again.found
+
+
+async def test_a_retention_holding_freed_blocks_is_only_pulled_whole(client: Client) -> None:
+    """D's params name vLLM's null block in a group (a sliding window's freed positions):
+    the registration says so, and a lookup that would pull part of it recomputes."""
+    from tests.factories import d_params
+
+    await client.nodes.Register(node_request("d-1"))
+    params = d_params("d-1", 1008)
+    full = params["remote_block_ids"][0]
+    params["remote_block_ids"] = [full, [0] * 40 + full[40:]]  # the window: the last 23 blocks
+    for name in ("whole", "part"):
+        await client.leases.Register(lease_request(name, num_tokens=1008, params=dict(params)))
+    whole = await client.leases.Lookup(lookup_request("whole", prompt_tokens=1300))
+    assert whole.decision == leases_pb2.PULL and whole.reusable_tokens == 1008
+    part = await client.leases.Lookup(lookup_request("part", prompt_tokens=700))
+    assert (part.decision, part.reason) == (leases_pb2.RECOMPUTE, "whole_only")
+    assert part.release_params.fields["remote_num_tokens"].number_value == 0

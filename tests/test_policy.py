@@ -18,6 +18,7 @@ from controlplane.policy import (
     Reason,
     apply_handout,
     decide,
+    holds_null_blocks,
     param_problems,
 )
 from controlplane.records import NodeRecord, NodeState, Retention, Role
@@ -40,6 +41,7 @@ def retention(
     generation: int = 1,
     seq: list[int] | None = None,
     block_size: int = 16,
+    whole_only: bool = False,
 ) -> Retention:
     return Retention(
         engine_id="d-1",
@@ -50,6 +52,7 @@ def retention(
         created_at=NOW - 80,
         expires_at=NOW + expires_in,
         digests=block_digests(seq, block_size, SEED) if seq is not None else b"",
+        whole_only=whole_only,
     )
 
 
@@ -204,6 +207,31 @@ def test_digests_beyond_the_prompts_tokens_verify_nothing_more() -> None:
     seq = list(range(1000))
     d = decide(retention(1000, seq=seq), node(), Prompt(500, block_digests(seq, 16, SEED)), POLICY, NOW)
     assert d.pull and d.reusable_tokens == 496  # 31 full blocks of the 500 tokens
+
+
+def test_blocks_a_kv_cache_group_freed_on_d_are_only_pulled_whole() -> None:
+    """A group holding vLLM's null block (a sliding window's freed positions): a pull cut
+    short could hand P null blocks where its window needs data. Whole pulls go on."""
+    seq = list(range(1008))  # 63 full blocks: a verified pull can take every token
+    held = retention(1008, seq=seq, whole_only=True)
+    whole = decide(held, node(), Prompt(1200, block_digests(seq + [7] * 192, 16, SEED)), POLICY, NOW)
+    assert whole.pull and whole.reusable_tokens == 1008
+    edited = seq[:600] + [9] * 600
+    cut = decide(held, node(), Prompt(1200, block_digests(edited, 16, SEED)), POLICY, NOW)
+    assert not cut.pull and cut.reason == Reason.WHOLE_ONLY and cut.release == RELEASE
+    assert not decide(held, node(), Prompt(700), POLICY, NOW).pull  # unverified and short, too
+    # D's last block partly filled: its tokens cannot be verified, so no pull takes all of them
+    partial = retention(1000, seq=seq[:1000], whole_only=True)
+    assert decide(partial, node(), Prompt(1200, block_digests(seq, 16, SEED)), POLICY, NOW).reason == (
+        Reason.WHOLE_ONLY
+    )
+
+
+def test_which_params_hold_freed_blocks() -> None:
+    assert not holds_null_blocks(d_params("d", 100))
+    groups = {**d_params("d", 100), "remote_block_ids": [[5, 6, 7, 8, 9, 10, 11], [0, 0, 0, 0, 0, 3, 4]]}
+    assert holds_null_blocks(groups)
+    assert holds_null_blocks({**d_params("d", 100), "remote_block_ids": [0, 1, 2, 3, 4, 5, 6]})
 
 
 def test_without_the_prompts_digests_the_caller_vouches_for_the_prompt() -> None:
