@@ -391,39 +391,50 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
             prompt_at[op.id] = time.perf_counter()
             waiting.set_result(op.prompt)
 
+        broken: list[InvalidArgument] = []  # a request message that did not decode
+
         async def read() -> None:
             nonlocal reading
             try:
-                async for batch in request_iterator:
-                    while len(ready) >= STREAM_WINDOW:
-                        # The client is not reading its results: stop reading its ops too
-                        # (gRPC flow control then holds the client back), or `ready` grows.
-                        taken.clear()
-                        await taken.wait()
-                    for op in batch.ops:
-                        kind = op.WhichOneof("op")
-                        if kind == "prompt":
-                            prompt_arrived(op)
-                        elif kind == "lookup" and op.lookup.prompt_follows:
-                            # Not counted in the window: the reader must never wait for a slot
-                            # that only a later prompt on this same stream could free.
-                            if op.id in awaiting:
-                                refuse(op.id, _INVALID, f"lookup {op.id} is already waiting for its prompt")
-                                continue
-                            if len(awaiting) >= STREAM_WINDOW:
-                                refuse(op.id, _EXHAUSTED, f"{STREAM_WINDOW} lookups already wait for prompts")
-                                continue
-                            # Registered before the next op is read: its prompt may be in the same batch.
-                            later = awaiting[op.id] = asyncio.get_running_loop().create_future()
-                            start_task(run(op, later))
-                        else:
-                            await window.acquire()
-                            start_task(run(op, None))
+                try:
+                    await read_ops()
+                except InvalidArgument as e:  # stop reading; what runs still answers
+                    broken.append(e)
+                    for waiting in awaiting.values():  # no prompt will come: answer no_prompt
+                        if not waiting.done():
+                            waiting.set_result(leases_pb2.LookupPrompt())
                 while running:
                     await asyncio.wait(set(running))
             finally:
                 reading = False
                 wake.set()
+
+        async def read_ops() -> None:
+            async for batch in request_iterator:
+                while len(ready) >= STREAM_WINDOW:
+                    # The client is not reading its results: stop reading its ops too
+                    # (gRPC flow control then holds the client back), or `ready` grows.
+                    taken.clear()
+                    await taken.wait()
+                for op in batch.ops:
+                    kind = op.WhichOneof("op")
+                    if kind == "prompt":
+                        prompt_arrived(op)
+                    elif kind == "lookup" and op.lookup.prompt_follows:
+                        # Not counted in the window: the reader must never wait for a slot
+                        # that only a later prompt on this same stream could free.
+                        if op.id in awaiting:
+                            refuse(op.id, _INVALID, f"lookup {op.id} is already waiting for its prompt")
+                            continue
+                        if len(awaiting) >= STREAM_WINDOW:
+                            refuse(op.id, _EXHAUSTED, f"{STREAM_WINDOW} lookups already wait for prompts")
+                            continue
+                        # Registered before the next op is read: its prompt may be in the same batch.
+                        later = awaiting[op.id] = asyncio.get_running_loop().create_future()
+                        start_task(run(op, later))
+                    else:
+                        await window.acquire()
+                        start_task(run(op, None))
 
         reader = asyncio.create_task(read())
         try:
@@ -441,6 +452,8 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
                 await wake.wait()
                 wake.clear()
             await reader  # surfaces a broken request stream
+            if broken:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(broken[0]))
         finally:
             reader.cancel()
             for t in list(running):
@@ -499,17 +512,90 @@ SERVICE_NAMES = (
 )
 
 
+class _Undecodable:
+    """A request message that did not parse (what `_DecodeGuard`'s deserializer returns)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.message = f"the request message does not decode: {error}"
+
+
+def _tolerant(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(raw: bytes) -> Any:
+        try:
+            return parse(raw)
+        except Exception as e:  # (protobuf's DecodeError: bad UTF-8, nesting too deep, ...)
+            return _Undecodable(e)
+
+    return deserialize
+
+
+class _DecodeGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """A kvferry request that does not decode gets INVALID_ARGUMENT, not gRPC's UNKNOWN;
+    on a stream, the handler sees InvalidArgument where the message would be (Leases/Stream
+    still answers the ops it is running: a claim etcd applied keeps its answer)."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, Any] = {}  # guarded handlers, by method
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+        details: grpc.HandlerCallDetails,
+    ) -> Any:
+        method = details.method
+        guarded = self._handlers.get(method)
+        if guarded is None:
+            handler = await continuation(details)
+            if handler is None or not method.startswith("/kvferry.v1."):
+                return handler
+            guarded = self._handlers[method] = _guard(handler)
+        return guarded
+
+
+def _guard(handler: Any) -> Any:
+    """`handler` (a grpc.RpcMethodHandler) with the tolerant deserializer."""
+    deserialize = _tolerant(handler.request_deserializer)
+    serialize = handler.response_serializer
+    if handler.unary_unary is not None:
+        unary = handler.unary_unary
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            return await unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, deserialize, serialize)
+    if handler.stream_stream is not None:
+        streaming = handler.stream_stream
+
+        async def checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+            async for request in requests:
+                if isinstance(request, _Undecodable):
+                    raise InvalidArgument(request.message)
+                yield request
+
+        async def stream_stream(
+            requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
+        ) -> AsyncIterator[Any]:
+            async for response in streaming(checked(requests), context):
+                yield response
+
+        return grpc.stream_stream_rpc_method_handler(stream_stream, deserialize, serialize)
+    return handler  # (kvferry.v1 has no other kind)
+
+
 async def start_server(
     cp: ControlPlane, listen: str, max_message_bytes: int, peers: Peers | None = None
 ) -> tuple[grpc.aio.Server, int, HealthServicer]:
     """Build and start the gRPC server (Nodes/Score asks `peers` too). -> (server, bound
     port, health servicer)."""
     server = grpc.aio.server(
+        interceptors=[_DecodeGuard()],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
     nodes_pb2_grpc.add_NodesServicer_to_server(NodesServicer(cp, peers), server)
     leases_pb2_grpc.add_LeasesServicer_to_server(LeasesServicer(cp), server)

@@ -173,3 +173,45 @@ async def test_a_claim_that_etcd_fails_after_still_releases(
     assert resp.release_params.fields["remote_request_id"].string_value
     peek = await client.leases.Lookup(lookup_request("c", peek=True))
     assert peek.reason == "already_claimed"
+
+
+def _undecodable(batch: leases_pb2.LeaseOpBatch) -> bytes:
+    """`batch` on the wire with its conversation id made invalid UTF-8 (which proto3
+    strings must be): what a broken client could send."""
+    raw = batch.SerializeToString()
+    assert raw.count("ÿ".encode()) == 1
+    return raw.replace("ÿ".encode(), b"\xff\xff")
+
+
+async def test_a_message_that_does_not_decode_gets_invalid_argument(daemon: Daemon, client: Client) -> None:
+    """Unary: INVALID_ARGUMENT naming the problem (it was UNKNOWN). Leases/Stream: the ops
+    already running still answer (a claim etcd applied is not lost), then the stream
+    ends with INVALID_ARGUMENT."""
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("claimed"))
+    bad_lookup = lookup_request("ÿ").SerializeToString().replace("ÿ".encode(), b"\xff\xff")
+    raw_lookup = client.channel.unary_unary(
+        "/kvferry.v1.Leases/Lookup",
+        request_serializer=lambda b: b,
+        response_deserializer=leases_pb2.LookupResponse.FromString,
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as unary:
+        await raw_lookup(bad_lookup)
+    assert unary.value.code() is grpc.StatusCode.INVALID_ARGUMENT, unary.value
+    assert "does not decode" in (unary.value.details() or "")
+
+    stream = client.channel.stream_stream(
+        "/kvferry.v1.Leases/Stream",
+        request_serializer=lambda b: b,
+        response_deserializer=leases_pb2.LeaseOpResultBatch.FromString,
+    )()
+    good = leases_pb2.LeaseOpBatch(ops=[leases_pb2.LeaseOp(id=1, lookup=lookup_request("claimed"))])
+    await stream.write(good.SerializeToString())
+    bad = leases_pb2.LeaseOpBatch(ops=[leases_pb2.LeaseOp(id=2, lookup=lookup_request("ÿ"))])
+    await stream.write(_undecodable(bad))
+    results = []
+    with pytest.raises(grpc.aio.AioRpcError) as ended:
+        async for batch in stream:
+            results.extend(batch.results)
+    assert ended.value.code() is grpc.StatusCode.INVALID_ARGUMENT, ended.value
+    assert [(r.id, r.lookup.decision) for r in results] == [(1, leases_pb2.PULL)]
