@@ -47,6 +47,9 @@ class NodeRecord(msgspec.Struct, frozen=True):
     removed_at: float = 0.0
     # The engine's own server behind the sidecar at http_url ("" = none; older records).
     engine_url: str = ""
+    # When the engine process started (Unix seconds; 0 = unknown): the same start time
+    # registered again is the same process (see NodeRegistration.engine_started_at).
+    engine_started_at: float = 0.0
 
 
 class Retention(msgspec.Struct, frozen=True):

@@ -160,6 +160,8 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
                 generation=request.generation,
                 liveness_ttl_s=request.liveness_ttl_seconds,
                 engine_url=request.engine_url,
+                engine_started_at=request.engine_started_at,
+                no_restart_seen=request.no_restart_seen,
             )
         )
         return nodes_pb2.RegisterNodeResponse(node=node_message(NodeState(rec, True)), restarted=restarted)

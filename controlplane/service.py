@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -57,6 +58,11 @@ class NodeRegistration:
     generation: int
     liveness_ttl_s: int
     engine_url: str = ""
+    engine_started_at: float = 0.0
+    """When the engine process started (0 = unknown)."""
+    no_restart_seen: bool = False
+    """The sidecar saw no sign of an engine restart since it started. With generation 0
+    and the start time on record, the node keeps its generation: the same process."""
 
 
 @dataclass(frozen=True)
@@ -185,6 +191,12 @@ class NodeCache:
             await asyncio.sleep(self._refresh_s)
 
 
+def _same_process(current: NodeState | None, started_at: float) -> bool:
+    """Whether a registration is of the engine process `current` records (both know when it
+    started, and agree)."""
+    return current is not None and started_at > 0 and current.record.engine_started_at == started_at
+
+
 def _check_id(name: str, value: str, max_bytes: int, required: bool = True) -> None:
     if not value:
         if required:
@@ -235,6 +247,8 @@ class ControlPlane:
         ttl = reg.liveness_ttl_s or self.settings.nodes.liveness_ttl_s
         if not 2 <= ttl <= 3600:
             raise InvalidArgument(f"liveness_ttl_seconds {ttl} must be in 2..3600")
+        if not (math.isfinite(reg.engine_started_at) and reg.engine_started_at >= 0):
+            raise InvalidArgument(f"engine_started_at {reg.engine_started_at} must be a time (or 0)")
         if reg.generation >= MAX_GENERATION:
             # (the next one, previous + 1, must still fit the API's uint64)
             raise InvalidArgument(f"generation {reg.generation} must be below {MAX_GENERATION}")
@@ -247,6 +261,8 @@ class ControlPlane:
             if current is not None and current.record.removed_at:
                 # Deregistered: whatever it says, what comes back is a new generation.
                 generation = max(generation, previous + 1)
+            elif not reg.generation and reg.no_restart_seen and _same_process(current, reg.engine_started_at):
+                generation = previous  # its sidecar restarted, not the engine: its blocks are good
             if generation < previous:
                 raise FailedPrecondition(
                     f"generation {generation} of {reg.engine_id} is older than the registered {previous}"
@@ -263,6 +279,7 @@ class ControlPlane:
                 registered_at=self._clock(),
                 liveness_ttl=ttl,
                 engine_url=reg.engine_url,
+                engine_started_at=reg.engine_started_at,
             )
             try:
                 stored, stored_revision = await self.store.put_node(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import (
@@ -83,6 +84,13 @@ class EngineMetrics:
             registry=self.registry,
         )
         self.engine_info.labels(model_name=model, engine_id=engine_id).set(1)
+        # What prometheus_client's process collector shows on vLLM's /metrics: when this
+        # engine started (one per emulated engine, not per Python process).
+        Gauge(
+            "process_start_time_seconds",
+            "Start time of the process since unix epoch in seconds.",
+            registry=self.registry,
+        ).set(time.time())
         if cache_config:
             # vLLM's info gauge: how sidecars learn the block size of an engine.
             info = Gauge(

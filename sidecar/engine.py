@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ log = structlog.get_logger(__name__)
 DEFAULT_BLOCK_SIZE = 16
 _DP_SUFFIX = re.compile(r"_dp\d+$")
 _CACHE_INFO_BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
+_PROCESS_START = re.compile(r"^process_start_time_seconds(?:\{[^}]*\})?\s+(\S+)", re.MULTILINE)
 
 
 class Health(enum.Enum):
@@ -85,6 +87,9 @@ class EngineFacts:
 
     model: str
     block_size: int
+    started_at: float = 0.0
+    """When the engine process started (its /metrics process_start_time_seconds; 0 =
+    unknown): the daemon keeps the generation of a process it knows (a sidecar restart)."""
 
 
 class EngineInstance:
@@ -192,6 +197,16 @@ async def watch_health(
         await asyncio.sleep(settings.health_interval_s)
 
 
+def started_at_of(metrics_text: str) -> float:
+    """The engine process's start (Unix seconds) from ``process_start_time_seconds``, 0.0
+    when not exposed (vLLM with several API servers serves multiprocess metrics without it)."""
+    m = _PROCESS_START.search(metrics_text)
+    if m is None:
+        return 0.0
+    value = float(m.group(1))
+    return value if math.isfinite(value) and value > 0 else 0.0
+
+
 def block_size_of(metrics_text: str) -> int | None:
     """Block size from vLLM's ``vllm:cache_config_info`` gauge, if exposed."""
     m = _CACHE_INFO_BLOCK_SIZE.search(metrics_text)
@@ -199,7 +214,8 @@ def block_size_of(metrics_text: str) -> int | None:
 
 
 async def learn_facts(session: aiohttp.ClientSession, settings: EngineSettings) -> EngineFacts:
-    """Model and block size: configured, else asked of the engine; raises aiohttp errors."""
+    """Model and block size (configured, else asked of the engine) and when the engine
+    process started; raises aiohttp errors."""
     timeout = aiohttp.ClientTimeout(total=settings.health_timeout_s)
     model = settings.model
     if not model:
@@ -211,15 +227,15 @@ async def learn_facts(session: aiohttp.ClientSession, settings: EngineSettings) 
         if not data or not isinstance(data[0], dict) or not isinstance(data[0].get("id"), str):
             raise aiohttp.ClientPayloadError("/v1/models lists no model")
         model = data[0]["id"]
+    try:
+        async with session.get(settings.url + "/metrics", timeout=timeout) as r:
+            text = await r.text() if r.status == 200 else ""
+    except (aiohttp.ClientError, TimeoutError):
+        text = ""
     block_size = settings.block_size
     if not block_size:
-        try:
-            async with session.get(settings.url + "/metrics", timeout=timeout) as r:
-                text = await r.text() if r.status == 200 else ""
-        except (aiohttp.ClientError, TimeoutError):
-            text = ""
         learned = block_size_of(text)
         if learned is None:
             log.warning("engine.block_size.unknown", assumed=DEFAULT_BLOCK_SIZE)
         block_size = learned or DEFAULT_BLOCK_SIZE
-    return EngineFacts(model, block_size)
+    return EngineFacts(model, block_size, started_at_of(text))

@@ -178,6 +178,9 @@ class NodeSession:
             side_channel_port=s.engine.side_channel_port,
             generation=generation,
             liveness_ttl_seconds=s.daemon.liveness_ttl_s,
+            engine_started_at=facts.started_at,
+            # (epoch 0: the engine as this sidecar first found it, no restart seen since)
+            no_restart_seen=self._instance.epoch == 0,
         )
 
     async def _ensure_registered(self, channel: grpc.aio.Channel, epoch: int) -> None:

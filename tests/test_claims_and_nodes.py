@@ -310,3 +310,26 @@ async def test_a_refresh_read_before_a_registration_does_not_put_the_old_generat
     assert state is not None and state.record.generation == 2
     looked = await client.leases.Lookup(lookup_request("old"))
     assert looked.reason == "node_restarted"
+
+
+async def test_a_node_keeps_its_generation_only_for_the_same_engine_process(client: Client) -> None:
+    """Generation 0 asks for a new one, unless the sidecar saw no restart and the engine's
+    start time is the one on record (a sidecar restart). A deregistered node never keeps it."""
+
+    def req(started_at: float, no_restart_seen: bool = True) -> nodes_pb2.RegisterNodeRequest:
+        r = node_request("d-1")
+        r.engine_started_at, r.no_restart_seen = started_at, no_restart_seen
+        return r
+
+    assert (await client.nodes.Register(req(1000.5))).node.generation == 1
+    kept = await client.nodes.Register(req(1000.5))
+    assert kept.node.generation == 1 and not kept.restarted
+    assert (await client.nodes.Register(req(1000.5, no_restart_seen=False))).node.generation == 2
+    assert (await client.nodes.Register(req(2000.0))).node.generation == 3  # another process
+    assert (await client.nodes.Register(req(0.0))).node.generation == 4  # start unknown
+    await client.nodes.Register(req(3000.0))
+    await client.nodes.Deregister(nodes_pb2.DeregisterNodeRequest(engine_id="d-1"))
+    assert (await client.nodes.Register(req(3000.0))).node.generation == 6
+    with pytest.raises(grpc.aio.AioRpcError) as bad:
+        await client.nodes.Register(req(float("nan")))
+    assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT

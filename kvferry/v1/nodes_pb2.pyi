@@ -125,6 +125,8 @@ class RegisterNodeRequest(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     LIVENESS_TTL_SECONDS_FIELD_NUMBER: _builtins.int
     ENGINE_URL_FIELD_NUMBER: _builtins.int
+    ENGINE_STARTED_AT_FIELD_NUMBER: _builtins.int
+    NO_RESTART_SEEN_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     role: Global___Role.ValueType
     model: _builtins.str
@@ -138,6 +140,16 @@ class RegisterNodeRequest(_message.Message):
     """Seconds the node stays alive without a heartbeat; 0 = daemon default."""
     engine_url: _builtins.str
     """The engine's own OpenAI server when http_url is a sidecar in front of it; "" = none."""
+    engine_started_at: _builtins.float
+    """When the engine process started (Unix seconds: its /metrics
+    process_start_time_seconds); 0 = unknown.
+    """
+    no_restart_seen: _builtins.bool
+    """The registering sidecar has seen no sign of an engine restart since it started
+    (health lost, KV-event seq reset, a new NIXL engine id). With generation 0 and
+    the engine_started_at on record, the node keeps its generation: the sidecar
+    restarted, not the engine, so the blocks it holds are good.
+    """
     def __init__(
         self,
         *,
@@ -151,10 +163,12 @@ class RegisterNodeRequest(_message.Message):
         generation: _builtins.int = ...,
         liveness_ttl_seconds: _builtins.int = ...,
         engine_url: _builtins.str = ...,
+        engine_started_at: _builtins.float = ...,
+        no_restart_seen: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "engine_id", b"engine_id", "engine_url", b"engine_url", "generation", b"generation", "http_url", b"http_url", "liveness_ttl_seconds", b"liveness_ttl_seconds", "model", b"model", "role", b"role", "side_channel_host", b"side_channel_host", "side_channel_port", b"side_channel_port"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "engine_id", b"engine_id", "engine_started_at", b"engine_started_at", "engine_url", b"engine_url", "generation", b"generation", "http_url", b"http_url", "liveness_ttl_seconds", b"liveness_ttl_seconds", "model", b"model", "no_restart_seen", b"no_restart_seen", "role", b"role", "side_channel_host", b"side_channel_host", "side_channel_port", b"side_channel_port"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -114,6 +114,49 @@ async def test_engine_restart_seen_by_health_makes_old_leases_node_restarted(
     assert (await _lookup(client, "after")).decision == leases_pb2.PULL
 
 
+async def test_a_restarted_sidecar_keeps_its_engines_generation_and_leases(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    """The sidecar restarts (an upgrade, a crash), the engine does not: the engine's start
+    time on its /metrics is the one on record, so the node keeps its generation and D's
+    retentions stay good. Every restart of a sidecar made them node_restarted (no reuse,
+    and D's blocks held to its TTL)."""
+    p = await start_emulator(role="prefill", enable_prefix_caching=False)
+    d = await start_emulator(**_fixed_ports(role="decode"))
+    sc = await start_sidecar(d)
+    node_id = sc.settings.node_id
+    await eventually(lambda: _alive_at(client, node_id, 1))
+    await _d_turn(http, p, sc, "kept")
+    assert sc.leases is not None and await sc.leases.wait_idle(5)
+    await sc.stop()
+
+    again = await start_sidecar(d)
+    await eventually(lambda: _counted(again, "kvferry_sidecar_node_registrations_total", outcome="ok"))
+    assert await _alive_at(client, node_id, 1)
+    assert (await _lookup(client, "kept")).decision == leases_pb2.PULL
+
+
+async def test_an_engine_restarted_while_its_sidecar_was_down_is_a_new_generation(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    p = await start_emulator(role="prefill", enable_prefix_caching=False)
+    ports = _fixed_ports(role="decode")
+    d = await start_emulator(**ports)
+    sc = await start_sidecar(d)
+    node_id = sc.settings.node_id
+    await eventually(lambda: _alive_at(client, node_id, 1))
+    await _d_turn(http, p, sc, "gone")
+    assert sc.leases is not None and await sc.leases.wait_idle(5)
+    await sc.stop()
+    await d.stop()
+    await asyncio.sleep(0.02)  # (a start time apart from the first engine's)
+
+    await start_sidecar(await start_emulator(**ports))
+    await eventually(lambda: _alive_at(client, node_id, 2))
+    old = await _lookup(client, "gone")
+    assert (old.decision, old.reason) == (leases_pb2.RECOMPUTE, "node_restarted")
+
+
 async def _gauge(sc: Sidecar, name: str, value: float) -> bool:
     return sc.metrics.value(name) == value
 
