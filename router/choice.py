@@ -79,6 +79,17 @@ def alike(nodes: Sequence[Node], node: Node) -> list[Node]:
     return [n for n in nodes if n.prefills and n.model == node.model and n.block_size == node.block_size]
 
 
+def fresh_retry_node(
+    node: Node, nodes: Sequence[Node], tried: Collection[str], load: Mapping[str, int], unreachable: bool
+) -> Node:
+    """Where a prefill retried without the daemon's params goes: the same P, unless that P
+    could not be reached; then another, whatever its block size (none of D's blocks ride
+    along), or the same one again when there is none."""
+    if not unreachable:
+        return node
+    return choose_prefill(prefill_candidates(nodes, exclude=tried), load) or node
+
+
 def prefill_candidates(nodes: Sequence[Node], exclude: Collection[str] = ()) -> list[Node]:
     """Prefill-capable nodes, minus those already tried."""
     return [n for n in nodes if n.prefills and n.engine_id not in exclude]

@@ -42,6 +42,7 @@ from router.choice import (
     alike,
     choose_decode,
     choose_prefill,
+    fresh_retry_node,
     prefill_candidates,
     serving,
     worth_scoring,
@@ -367,11 +368,14 @@ class Turn:
             if spends_retry(retry, bool(remote)):
                 attempt += 1
             if retry is Retry.FRESH:
-                # Params P never got (it could not be reached) still go, with nothing to
-                # pull: P then has D free the blocks the daemon claimed for this turn.
                 unseen = failure.kind is FailureKind.CONNECT
-                remote = {**remote, "remote_num_tokens": 0} if unseen and remote else None
+                fresh = fresh_retry_node(node, self.nodes, tried, self.s.load.view, unseen)
+                # Params P never got (it could not be reached) still go, with nothing to pull,
+                # to a P that can take them: P then has D free the blocks claimed for this turn.
+                take = unseen and remote and fresh in alike(self.nodes, node)
+                remote = {**remote, "remote_num_tokens": 0} if take and remote else None
                 self.reuse = Reuse("RECOMPUTE", "prefill_failed", remote)
+                node = fresh
             if retry is Retry.OTHER_NODE:
                 node = choose_prefill(spare, self.s.load.view) or node
 

@@ -11,7 +11,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvferry.releases import claim_release_body
-from router.choice import Node, alike, choose_decode, choose_prefill, serving, worth_scoring
+from router.choice import (
+    Node,
+    alike,
+    choose_decode,
+    choose_prefill,
+    fresh_retry_node,
+    serving,
+    worth_scoring,
+)
 from router.decisions import (
     Breaker,
     Failure,
@@ -165,6 +173,17 @@ def test_a_p_is_only_traded_for_one_of_the_same_model_and_block_size() -> None:
     assert [n.engine_id for n in alike(nodes, tokenized)] == ["p1", "p2"]
     cached = {"p3": 500, "p4": 500, "p5": 500, "p2": 1}
     assert choose_prefill(alike(nodes, tokenized), {}, cached).engine_id == "p2"  # type: ignore[union-attr]
+
+
+def test_a_fresh_retry_leaves_an_unreachable_p_for_any_other() -> None:
+    """Without D's params any P of the model will do: an unreachable P is left for one of
+    another block size rather than tried again (which answered the client 502)."""
+    p1 = Node("p1", "prefill", "http://p1", model="m", block_size=16)
+    p2 = Node("p2", "prefill", "http://p2", model="m", block_size=32)
+    nodes = [p1, p2, Node("d1", "decode", "http://d1", model="m", block_size=16)]
+    assert fresh_retry_node(p1, nodes, {"p1"}, {}, unreachable=True) is p2
+    assert fresh_retry_node(p1, nodes, {"p1"}, {}, unreachable=False) is p1  # it answered: again
+    assert fresh_retry_node(p1, [p1], {"p1"}, {}, unreachable=True) is p1  # no other
 
 
 def test_scoring_only_when_it_can_change_the_choice() -> None:
