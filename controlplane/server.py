@@ -537,21 +537,21 @@ class _DecodeGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     still answers the ops it is running: a claim etcd applied keeps its answer)."""
 
     def __init__(self) -> None:
-        self._handlers: dict[str, Any] = {}  # guarded handlers, by method
+        self._guarded: dict[int, tuple[Any, Any]] = {}  # id(handler) -> (handler, guarded)
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
         details: grpc.HandlerCallDetails,
     ) -> Any:
-        method = details.method
-        guarded = self._handlers.get(method)
-        if guarded is None:
-            handler = await continuation(details)
-            if handler is None or not method.startswith("/kvferry.v1."):
-                return handler
-            guarded = self._handlers[method] = _guard(handler)
-        return guarded
+        # (continuation every time: an interceptor after this one runs on every call)
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith("/kvferry.v1."):
+            return handler
+        known = self._guarded.get(id(handler))
+        if known is None or known[0] is not handler:
+            known = self._guarded[id(handler)] = (handler, _guard(handler))
+        return known[1]
 
 
 def _guard(handler: Any) -> Any:

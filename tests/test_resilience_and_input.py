@@ -9,6 +9,7 @@ import pytest
 import structlog
 
 from controlplane.daemon import Daemon
+from controlplane.service import PROMPT_WAIT_S
 from kvferry.v1 import leases_pb2, nodes_pb2
 from tests.conftest import Client, DaemonFactory, EtcdProcess, daemon_settings
 from tests.factories import d_params, lease_request, lookup_request, node_request
@@ -205,13 +206,22 @@ async def test_a_message_that_does_not_decode_gets_invalid_argument(daemon: Daem
         request_serializer=lambda b: b,
         response_deserializer=leases_pb2.LeaseOpResultBatch.FromString,
     )()
-    good = leases_pb2.LeaseOpBatch(ops=[leases_pb2.LeaseOp(id=1, lookup=lookup_request("claimed"))])
+    await client.leases.Register(lease_request("waits"))
+    early = leases_pb2.LookupRequest(conversation_id="waits", prompt_follows=True)
+    good = leases_pb2.LeaseOpBatch(
+        ops=[
+            leases_pb2.LeaseOp(id=1, lookup=lookup_request("claimed")),
+            leases_pb2.LeaseOp(id=3, lookup=early),
+        ]
+    )
     await stream.write(good.SerializeToString())
     bad = leases_pb2.LeaseOpBatch(ops=[leases_pb2.LeaseOp(id=2, lookup=lookup_request("ÿ"))])
     await stream.write(_undecodable(bad))
     results = []
     with pytest.raises(grpc.aio.AioRpcError) as ended:
-        async for batch in stream:
-            results.extend(batch.results)
+        async with asyncio.timeout(PROMPT_WAIT_S / 2):  # the waiting lookup does not wait it out
+            async for batch in stream:
+                results.extend(batch.results)
     assert ended.value.code() is grpc.StatusCode.INVALID_ARGUMENT, ended.value
-    assert [(r.id, r.lookup.decision) for r in results] == [(1, leases_pb2.PULL)]
+    answers = sorted((r.id, r.lookup.decision, r.lookup.reason) for r in results)
+    assert answers == [(1, leases_pb2.PULL, "pull"), (3, leases_pb2.RECOMPUTE, "no_prompt")]
