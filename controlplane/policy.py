@@ -155,7 +155,12 @@ def decide(
     if prompt.digests is not None:
         verified = _verified_tokens(retention, prompt)
         if isinstance(verified, str):
-            why = Reason.UNVERIFIABLE if not retention.digests else Reason.PREFIX_MISMATCH
+            if not retention.digests:
+                why = Reason.UNVERIFIABLE
+            elif prompt.tokens < retention.block_size:  # nothing of it could be pulled anyway
+                why = Reason.BELOW_THRESHOLD
+            else:
+                why = Reason.PREFIX_MISMATCH
             return _recompute(why, verified, release, engine)
         if verified < reusable:
             detail = f"prompt matches D's sequence for {verified} of {reusable} tokens"

@@ -117,7 +117,7 @@ def tokens_of(raw: bytes) -> list[int] | None:
     this runs on every conversation turn, on prompts of up to hundreds of thousands of tokens."""
     try:
         tokens = _decode_tokenized(raw).tokens
-    except msgspec.DecodeError:  # includes ValidationError
+    except UNDECODABLE:  # (ValidationError too)
         return None
     return tokens or None
 

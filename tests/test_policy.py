@@ -194,7 +194,7 @@ def test_a_prompt_shorter_than_one_block_is_never_pulled_unverified() -> None:
     pulled (it was: 100 tokens of D's first block, whatever the prompt said)."""
     held = retention(1000, seq=list(range(1000)), block_size=128)
     d = decide(held, node(), Prompt(100, b""), POLICY, NOW)
-    assert not d.pull and d.reason == Reason.PREFIX_MISMATCH and "shorter than one block" in d.detail
+    assert not d.pull and d.reason == Reason.BELOW_THRESHOLD and "shorter than one block" in d.detail
 
 
 def test_digests_given_for_a_retention_without_any_are_not_pulled() -> None:

@@ -175,6 +175,10 @@ def test_a_p_is_only_traded_for_one_of_the_same_model_and_block_size() -> None:
     assert choose_prefill(alike(nodes, tokenized), {}, cached).engine_id == "p2"  # type: ignore[union-attr]
 
 
+def test_a_tokenize_answer_nested_too_deep_is_no_answer() -> None:
+    assert tokens_of(b'{"tokens": [1, 2], "x": ' + b"[" * 1000 + b"]" * 1000 + b"}") is None
+
+
 def test_a_fresh_retry_leaves_an_unreachable_p_for_any_other() -> None:
     """Without D's params any P of the model will do: an unreachable P is left for one of
     another block size rather than tried again (which answered the client 502)."""
