@@ -26,6 +26,7 @@ import grpc
 import structlog
 
 from kvferry.tasks import cancel_and_wait
+from kvferry.urls import join_host_port
 from kvferry.v1 import nodes_pb2
 from sidecar.daemon import Backoff, DaemonLink
 from sidecar.drafts import is_loopback
@@ -51,6 +52,14 @@ def batch_message(b: KvBatch) -> nodes_pb2.AttachRequest:
             seq=b.seq, stored=b.stored, removed=b.removed, cleared=b.cleared, reset=b.reset
         )
     )
+
+
+def advertised_url(s: Settings, tap_port: int) -> str:
+    """The tap's URL as the node registers it: --advertise-url, else the side-channel host
+    (the pod's address, say; an IPv6 one in brackets) with the tap's port."""
+    if s.tap.advertise_url:
+        return s.tap.advertise_url
+    return f"http://{join_host_port(s.side_channel_host, tap_port or listen_address(s)[1])}"
 
 
 def advertised_engine_url(s: Settings, http_url: str) -> str:
@@ -166,7 +175,7 @@ class NodeSession:
     def _request(self, facts: EngineFacts, generation: int) -> nodes_pb2.RegisterNodeRequest:
         s = self._s
         host = s.side_channel_host
-        url = s.tap.advertise_url or f"http://{host}:{self.tap_port or listen_address(s)[1]}"
+        url = advertised_url(s, self.tap_port)
         return nodes_pb2.RegisterNodeRequest(
             engine_id=s.node_id,
             role=_ROLES[s.engine.role],

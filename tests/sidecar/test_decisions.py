@@ -19,7 +19,7 @@ from sidecar.engine import (
 )
 from sidecar.leases import RegistrationQueue, dead_reason, retry_decision
 from sidecar.metrics import SidecarMetrics
-from sidecar.node import advertised_engine_url
+from sidecar.node import advertised_engine_url, advertised_url
 from sidecar.settings import EngineSettings, Settings, TapSettings, add_arguments, from_args
 
 
@@ -150,6 +150,16 @@ def test_invalid_settings_are_refused(change: dict[str, dict[str, object]]) -> N
     ((group, fields),) = change.items()
     with pytest.raises(ValueError):
         replace(s, **{group: replace(getattr(s, group), **fields)}).validate()
+
+
+def test_the_taps_url_is_its_side_channel_host_and_port_unless_given() -> None:
+    def url(host: str, given: str = "") -> str:
+        engine = EngineSettings(url="http://127.0.0.1:8000", side_channel_host=host)
+        return advertised_url(Settings(engine=engine, tap=TapSettings(advertise_url=given)), 8100)
+
+    assert url("10.0.0.7") == "http://10.0.0.7:8100"
+    assert url("fd00::7") == "http://[fd00::7]:8100"  # a pod's IPv6 address, as $(POD_IP) gives it
+    assert url("fd00::7", "http://d-0.vllm:8100") == "http://d-0.vllm:8100"
 
 
 @pytest.mark.parametrize(
