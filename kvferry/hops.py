@@ -9,6 +9,10 @@ KEEPALIVE_S = 4.0
 vLLM's 5 s (uvicorn's --timeout-keep-alive). A request sent on a connection the server is
 closing at that moment fails after it left, so it cannot be retried as undelivered."""
 
+NO_RETENTION_HEADER = "X-Kvferry-No-Retention"
+"""Set by the router on a decode request nothing should be retained of (several answers,
+non-text content): D's sidecar captures nothing, even when the body names a session."""
+
 NOT_DELIVERED_HEADER = "X-Kvferry-Not-Delivered"
 """Set on a sidecar's 502 when its engine was never reached: the request was not seen, so
 the router may send it to another node as if the sidecar itself had been unreachable."""

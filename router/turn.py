@@ -36,6 +36,7 @@ from prometheus_client import Counter
 
 from kvferry.blockhash import block_hashes, external_block_hash
 from kvferry.digests import DIGEST_SIZE, DigestCache, seed_for
+from kvferry.hops import NO_RETENTION_HEADER
 from kvferry.releases import claim_release_body, release_body
 from router.choice import (
     Node,
@@ -387,6 +388,8 @@ class Turn:
             extra.append((CONVERSATION_HEADER, ident.conversation_id))
             if ident.tenant:
                 extra.append((SIDECAR_TENANT_HEADER, ident.tenant))
+        elif not retain:  # (a body session_id would still name the conversation to the sidecar)
+            extra.append((NO_RETENTION_HEADER, "1"))
         return self.s.engines.headers(self.request.headers, self.request_id, extra)
 
     def _reuse_headers(self) -> dict[str, str]:

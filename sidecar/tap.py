@@ -20,7 +20,7 @@ import structlog
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
-from kvferry.hops import NOT_DELIVERED_HEADER, never_delivered
+from kvferry.hops import NO_RETENTION_HEADER, NOT_DELIVERED_HEADER, never_delivered
 from sidecar.capture import RequestPlan, SseRewriter, TurnObserver, plan_request, rewrite_json
 from sidecar.drafts import draft_lease
 from sidecar.engine import EngineInstance
@@ -109,8 +109,9 @@ class Tap:
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
+        capture = self._capture and NO_RETENTION_HEADER not in request.headers
         plan = plan_request(
-            request.method, request.path, request.headers, body, self._s.tap.tenant_header, self._capture
+            request.method, request.path, request.headers, body, self._s.tap.tenant_header, capture
         )
         tapped = plan is not None
         self._metrics.proxied.labels("yes" if tapped else "no").inc()

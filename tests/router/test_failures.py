@@ -656,6 +656,7 @@ async def test_a_prompt_with_an_image_is_served_plain_and_claims_nothing(
     assert "prompt_token_ids" not in p_chat["kv_transfer_params"]
     [(_, d_headers, d_chat)] = d.requests
     assert "x-conversation-id" not in d_headers and "conversation_id" not in d_chat
+    assert d_headers["x-kvferry-no-retention"] == "1"  # (a body session_id would name it still)
 
 
 async def test_with_api_keys_only_their_holders_get_in(http: aiohttp.ClientSession) -> None:

@@ -115,3 +115,23 @@ async def test_a_draft_whose_params_a_struct_cannot_hold_is_refused_and_the_send
     assert sc.metrics.value("kvferry_sidecar_lease_registrations_total", outcome="sent") == sent + 1
     assert sc.metrics.value("kvferry_sidecar_lease_registrations_total", outcome="failed") == 1
     await client.leases.Get(leases_pb2.GetLeaseRequest(tenant="acme", conversation_id="good"))
+
+
+async def test_a_turn_the_router_marks_no_retention_registers_nothing(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    """A body session_id names the conversation to the tap whatever the router leaves out:
+    the router's no-retention header (a turn with an image, several answers) wins."""
+    p = await start_emulator(role="prefill", enable_prefix_caching=False)
+    sc = await start_sidecar(await start_emulator(role="decode"))
+    await eventually(lambda: _node_alive(client, sc.settings.node_id))
+    messages = first_turn()
+    for name, extra in (("marked", {"X-Kvferry-No-Retention": "1"}), ("kept", {})):
+        p1 = await prefill(http, p.http_url, messages)
+        d1 = await chat(
+            http, sc.url, messages, extra, max_tokens=8, kv_transfer_params=p1.params, session_id=name
+        )
+        assert d1.status == 200, d1.body
+    assert sc.leases is not None and await sc.leases.wait_idle(5)
+    listed = await client.leases.List(leases_pb2.ListLeasesRequest(all_tenants=True))
+    assert [lease.conversation_id for lease in listed.leases] == ["kept"]
