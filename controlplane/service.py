@@ -34,6 +34,7 @@ from controlplane.policy import (
 from controlplane.records import Claim, NodeRecord, NodeState, Retention, Role
 from controlplane.settings import Settings
 from controlplane.store import ClaimOutcome, EtcdStore
+from kvferry.ids import id_problem
 from kvferry.logs import Outage
 from kvferry.urls import is_http_url
 
@@ -202,10 +203,9 @@ def _check_id(name: str, value: str, max_bytes: int, required: bool = True) -> N
         if required:
             raise InvalidArgument(f"{name} is required")
         return
-    if len(value.encode()) > max_bytes:
-        raise InvalidArgument(f"{name} is {len(value.encode())} bytes, at most {max_bytes} allowed")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
-        raise InvalidArgument(f"{name} contains control characters")
+    problem = id_problem(name, value, max_bytes)
+    if problem:
+        raise InvalidArgument(problem)
 
 
 _Claimed = tuple[ClaimOutcome, bool]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from controlplane.policy import Policy
 from kvferry.flags import flag_adder
+from kvferry.ids import MAX_ID_BYTES
 from kvferry.urls import split_host_port
 
 ENV_PREFIX = "KVFERRY_"
@@ -68,7 +69,7 @@ class GcSettings:
 
 @dataclass(frozen=True)
 class Limits:
-    max_id_bytes: int = 256
+    max_id_bytes: int = MAX_ID_BYTES
     # Largest prompt/lease in tokens (digests are bounded by this / block size).
     max_tokens: int = 4_194_304
     # Largest kv_transfer_params, bytes of the serialized google.protobuf.Struct (11 per block id).

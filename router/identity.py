@@ -22,10 +22,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvferry.ids import MAX_ID_BYTES
+
 CONVERSATION_HEADER = "X-Conversation-Id"
 SESSION_HEADER = "X-Session-ID"
-#: The daemon's limit on tenant and conversation ids, bytes.
-MAX_ID_BYTES = 256
 
 
 @dataclass(frozen=True)

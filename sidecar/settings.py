@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from kvferry.flags import flag_adder
+from kvferry.ids import id_problem
 from kvferry.urls import is_http_url, listen_host_port
 
 ROLES = ("prefill", "decode", "both")
@@ -144,13 +145,9 @@ class Settings:
             raise ValueError("side-channel port must be a port number")
         if e.health_interval_s <= 0 or e.health_timeout_s <= 0 or e.health_failures < 1:
             raise ValueError("health interval and timeout must be positive, failures at least 1")
-        if e.engine_id:  # as the daemon checks it (refused there, the node never registers)
-            if len(e.engine_id.encode()) > MAX_ENGINE_ID_BYTES:
-                raise ValueError(
-                    f"engine id is {len(e.engine_id.encode())} bytes, at most {MAX_ENGINE_ID_BYTES} allowed"
-                )
-            if any(ord(c) < 0x20 or ord(c) == 0x7F for c in e.engine_id):
-                raise ValueError("engine id contains control characters")
+        problem = id_problem("engine id", e.engine_id)  # (refused by the daemon, it never registers)
+        if problem:
+            raise ValueError(problem)
         k = self.kv_events
         for endpoint in (k.endpoint, k.replay_endpoint):
             if endpoint and not _ZMQ_ENDPOINT.match(endpoint):
@@ -197,8 +194,6 @@ def default_host() -> str:
 
 #: tcp://HOST:PORT (PORT a number or *), ipc://PATH, inproc://NAME: what zmq connects to.
 _ZMQ_ENDPOINT = re.compile(r"^(tcp://[^/\s]+:(\d+|\*)|ipc://\S+|inproc://\S+)$")
-#: The daemon's limit on ids (controlplane Limits.max_id_bytes).
-MAX_ENGINE_ID_BYTES = 256
 
 
 def listen_address(s: Settings) -> tuple[str, int]:
