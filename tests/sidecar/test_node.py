@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -88,17 +88,38 @@ async def _counted(sc: Sidecar, name: str, **labels: str) -> bool:
     return sc.metrics.value(name, **labels) > 0
 
 
-async def test_engine_restart_seen_by_health_makes_old_leases_node_restarted(
-    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
-) -> None:
+@dataclass
+class _HeldTurn:
+    """A P, a D at fixed ports with its sidecar, and one conversation's retention on D."""
+
+    p: EmulatorServer
+    d: EmulatorServer
+    ports: dict[str, Any]
+    sc: Sidecar
+
+
+async def _one_turn_held(
+    client: Client,
+    start_emulator: StartEmulator,
+    start_sidecar: StartSidecar,
+    http: aiohttp.ClientSession,
+    conversation: str,
+) -> _HeldTurn:
     p = await start_emulator(role="prefill", enable_prefix_caching=False)
     ports = _fixed_ports(role="decode")
     d = await start_emulator(**ports)
     sc = await start_sidecar(d)
-    node_id = sc.settings.node_id
-    await eventually(lambda: _alive_at(client, node_id, 1))
-    await _d_turn(http, p, sc, "before")
+    await eventually(lambda: _alive_at(client, sc.settings.node_id, 1))
+    await _d_turn(http, p, sc, conversation)
     assert sc.leases is not None and await sc.leases.wait_idle(5)
+    return _HeldTurn(p, d, ports, sc)
+
+
+async def test_engine_restart_seen_by_health_makes_old_leases_node_restarted(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    held = await _one_turn_held(client, start_emulator, start_sidecar, http, "before")
+    p, d, ports, sc, node_id = held.p, held.d, held.ports, held.sc, held.sc.settings.node_id
     assert (await _lookup(client, "before")).decision == leases_pb2.PULL
 
     await d.stop()
@@ -121,16 +142,11 @@ async def test_a_restarted_sidecar_keeps_its_engines_generation_and_leases(
     time on its /metrics is the one on record, so the node keeps its generation and D's
     retentions stay good. Every restart of a sidecar made them node_restarted (no reuse,
     and D's blocks held to its TTL)."""
-    p = await start_emulator(role="prefill", enable_prefix_caching=False)
-    d = await start_emulator(**_fixed_ports(role="decode"))
-    sc = await start_sidecar(d)
-    node_id = sc.settings.node_id
-    await eventually(lambda: _alive_at(client, node_id, 1))
-    await _d_turn(http, p, sc, "kept")
-    assert sc.leases is not None and await sc.leases.wait_idle(5)
-    await sc.stop()
+    held = await _one_turn_held(client, start_emulator, start_sidecar, http, "kept")
+    node_id = held.sc.settings.node_id
+    await held.sc.stop()
 
-    again = await start_sidecar(d)
+    again = await start_sidecar(held.d)
     await eventually(lambda: _counted(again, "kvferry_sidecar_node_registrations_total", outcome="ok"))
     assert await _alive_at(client, node_id, 1)
     assert (await _lookup(client, "kept")).decision == leases_pb2.PULL
@@ -139,19 +155,13 @@ async def test_a_restarted_sidecar_keeps_its_engines_generation_and_leases(
 async def test_an_engine_restarted_while_its_sidecar_was_down_is_a_new_generation(
     client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
 ) -> None:
-    p = await start_emulator(role="prefill", enable_prefix_caching=False)
-    ports = _fixed_ports(role="decode")
-    d = await start_emulator(**ports)
-    sc = await start_sidecar(d)
-    node_id = sc.settings.node_id
-    await eventually(lambda: _alive_at(client, node_id, 1))
-    await _d_turn(http, p, sc, "gone")
-    assert sc.leases is not None and await sc.leases.wait_idle(5)
-    await sc.stop()
-    await d.stop()
+    held = await _one_turn_held(client, start_emulator, start_sidecar, http, "gone")
+    node_id = held.sc.settings.node_id
+    await held.sc.stop()
+    await held.d.stop()
     await asyncio.sleep(0.02)  # (a start time apart from the first engine's)
 
-    await start_sidecar(await start_emulator(**ports))
+    await start_sidecar(await start_emulator(**held.ports))
     await eventually(lambda: _alive_at(client, node_id, 2))
     old = await _lookup(client, "gone")
     assert (old.decision, old.reason) == (leases_pb2.RECOMPUTE, "node_restarted")
