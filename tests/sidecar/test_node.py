@@ -84,10 +84,6 @@ async def test_a_node_the_daemon_refuses_is_reported_with_why_and_not_failed_ove
     assert await _node(client, sc.settings.node_id) is None
 
 
-async def _counted(sc: Sidecar, name: str, **labels: str) -> bool:
-    return sc.metrics.value(name, **labels) > 0
-
-
 @dataclass
 class _HeldTurn:
     """A P, a D at fixed ports with its sidecar, and one conversation's retention on D."""
