@@ -537,6 +537,18 @@ async def fake_engine(
         await runner.cleanup()
 
 
+@contextlib.asynccontextmanager
+async def fakes_with_a_lease(
+    daemon: Daemon,
+) -> AsyncIterator[tuple[FakeEngine, FakeEngine, leases_pb2_grpc.LeasesStub]]:
+    """A fake P and D, and a retention of conversation "c" on node d-1 (no digests)."""
+    async with fake_engine() as p, fake_engine() as d, grpc.aio.insecure_channel(daemon.address) as ch:
+        leases = leases_pb2_grpc.LeasesStub(ch)
+        await nodes_pb2_grpc.NodesStub(ch).Register(node_request("d-1"))
+        await leases.Register(lease_request("c"))
+        yield p, d, leases
+
+
 async def test_what_the_engines_receive(daemon: Daemon, http: aiohttp.ClientSession) -> None:
     async with fake_engine() as p, fake_engine() as d:
         settings = router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
@@ -581,12 +593,10 @@ async def test_several_answers_or_prompts_go_to_d_alone_without_params(
 ) -> None:
     """P's params cover one sequence: a batch or n > 1 through P/D would hand D one prompt's
     blocks for all of them. Those requests are D's alone, and claim no retention."""
-    async with fake_engine() as p, fake_engine() as d, grpc.aio.insecure_channel(daemon.address) as ch:
-        leases = leases_pb2_grpc.LeasesStub(ch)
-        await nodes_pb2_grpc.NodesStub(ch).Register(node_request("d-1"))
-        await leases.Register(lease_request("c"))
-        settings = router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
-        async with Router(settings) as router:
+    async with fakes_with_a_lease(daemon) as (p, d, leases):
+        async with Router(
+            router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
+        ) as router:
             chat = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "conversation_id": "c"}
             batch = {"prompt": ["a", "b"], "kv_transfer_params": {"do_remote_prefill": True}}
             for path, body in ((CHAT, chat), ("/v1/completions", batch)):
@@ -611,12 +621,11 @@ async def test_params_a_p_never_got_still_go_with_the_fresh_retry(
     """The only P could not be reached with the daemon's params (never delivered) and the
     turn is tried again without reuse: the retry still hands P D's params, with nothing
     to pull, so D frees the claimed blocks now. They were dropped: D held them to its TTL."""
-    async with fake_engine() as p, fake_engine() as d, grpc.aio.insecure_channel(daemon.address) as ch:
-        await nodes_pb2_grpc.NodesStub(ch).Register(node_request("d-1"))
-        await leases_pb2_grpc.LeasesStub(ch).Register(lease_request("c"))  # no digests: a release
+    async with fakes_with_a_lease(daemon) as (p, d, _):  # (the lease has no digests: a release)
         p.answers = [-1]
-        settings = router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
-        async with Router(settings) as router:
+        async with Router(
+            router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
+        ) as router:
             chat = {"messages": [{"role": "user", "content": "hi"}], "conversation_id": "c"}
             async with http.post(router.url + CHAT, json=chat) as r:
                 assert r.status == 200, await r.text()
@@ -632,12 +641,10 @@ async def test_a_prompt_with_an_image_is_served_plain_and_claims_nothing(
     """Two images of one size tokenize to the same placeholder ids, so the prompt's digests
     cannot tell a turn whose image changed from one whose image did not: such a turn is
     not looked up, not tokenized, and leaves nothing for D's sidecar to retain."""
-    async with fake_engine() as p, fake_engine() as d, grpc.aio.insecure_channel(daemon.address) as ch:
-        leases = leases_pb2_grpc.LeasesStub(ch)
-        await nodes_pb2_grpc.NodesStub(ch).Register(node_request("d-1"))
-        await leases.Register(lease_request("c"))
-        settings = router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
-        async with Router(settings) as router:
+    async with fakes_with_a_lease(daemon) as (p, d, leases):
+        async with Router(
+            router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
+        ) as router:
             image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
             content = [{"type": "text", "text": "what is this?"}, image]
             chat = {"messages": [{"role": "user", "content": content}], "conversation_id": "c"}
