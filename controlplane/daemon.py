@@ -133,6 +133,8 @@ class Daemon:
             await self._health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(grace)
+        if self.control_plane is not None:
+            await self.control_plane.settle()  # (before the store closes under them)
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
         if self.peers is not None:

@@ -225,6 +225,7 @@ class ControlPlane:
         self.held: dict[str, tuple[int, int]] = {}
         self.index = BlockIndex()
         self._streams: dict[str, object] = {}  # engine id -> the Attach stream its index follows
+        self._putting_back: set[asyncio.Task[None]] = set()  # see _put_back
 
     # -- nodes ----------------------------------------------------------------
 
@@ -516,7 +517,7 @@ class ControlPlane:
                     outcome, own = await claiming
                 else:
                     (outcome, own), prompt, missing = await self._claim_awaiting(
-                        claiming, later, q.conversation_id
+                        claiming, later, tenant, q.conversation_id
                     )
                     now = self._clock()  # decide on the time it is now
                 retention, claim = outcome.taken, outcome.earlier
@@ -577,17 +578,44 @@ class ControlPlane:
         return ClaimOutcome(None), True
 
     async def _claim_awaiting(
-        self, claim: Awaitable[_Claimed], later: Awaitable[Prompt], conversation_id: str
+        self, claim: Awaitable[_Claimed], later: Awaitable[Prompt], tenant: str, conversation_id: str
     ) -> tuple[_Claimed, Prompt, str]:
         """`claim`, run while the caller's prompt is awaited. -> (its result, the prompt,
         why there is no usable prompt or "")."""
         claiming = asyncio.ensure_future(claim)
         try:
             prompt, missing = await self._late_prompt(later, conversation_id)
-        except BaseException:  # the caller went away: no one to answer
-            claiming.cancel()
+        except BaseException:
+            # The caller went away: no answer can reach anyone, so what the claim takes (it
+            # may be applied in etcd already) goes back, for the conversation's next turn.
+            claiming.add_done_callback(lambda done: self._put_back(done, tenant, conversation_id))
             raise
         return await claiming, prompt, missing
+
+    def _put_back(self, claimed: asyncio.Future[_Claimed], tenant: str, conversation_id: str) -> None:
+        if claimed.cancelled() or claimed.exception() is not None:
+            return
+        outcome, own = claimed.result()
+        if own or outcome.taken is None:
+            return
+        taken, marker = outcome.taken, outcome.marker_revision
+
+        async def put_back() -> None:
+            try:
+                back = await self.store.unclaim(tenant, conversation_id, taken, marker, self._clock())
+            except StoreUnavailable as e:  # spent, then: D frees the blocks at its TTL
+                log.warning("lookup.put_back.failed", conversation_id=conversation_id, error=str(e))
+                return
+            log.info("lookup.put_back", conversation_id=conversation_id, back=back)
+
+        task = asyncio.get_running_loop().create_task(put_back(), name="put-back")
+        self._putting_back.add(task)
+        task.add_done_callback(self._putting_back.discard)
+
+    async def settle(self) -> None:
+        """Until the claims of callers that went away are put back (a stop waits for them)."""
+        while self._putting_back:
+            await asyncio.gather(*self._putting_back, return_exceptions=True)
 
     async def _late_prompt(self, later: Awaitable[Prompt], conversation_id: str) -> tuple[Prompt, str]:
         """The prompt of a prompt_follows lookup -> (prompt, "") or (an empty prompt, why

@@ -209,3 +209,27 @@ async def test_prompt_in_the_same_message_as_its_lookup(client: Client) -> None:
     await call.done_writing()
     (res,) = [r async for batch in call for r in batch.results]
     assert res.id == 1 and res.lookup.decision == leases_pb2.PULL
+
+
+async def test_a_claim_whose_caller_went_away_is_put_back_for_the_next_turn(client: Client) -> None:
+    """The caller's stream ends (the router stopped, its connection broke) while the daemon
+    holds a claim and waits for the prompt: no answer can reach anyone, so what the claim
+    took goes back. It was spent: the next turn found already_claimed, D's blocks pinned."""
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("c"))
+    call = client.leases.Stream()
+    await call.write(leases_pb2.LeaseOpBatch(ops=[leases_pb2.LeaseOp(id=1, lookup=early("c"))]))
+    for _ in range(100):  # the retention is taken while the prompt is awaited
+        peek = await client.leases.Lookup(lookup_request("c", peek=True))
+        if peek.reason == "already_claimed":
+            break
+        await asyncio.sleep(0.02)
+    assert peek.reason == "already_claimed"
+    call.cancel()
+    for _ in range(100):
+        peek = await client.leases.Lookup(lookup_request("c", peek=True))
+        if peek.decision == leases_pb2.PULL:
+            break
+        await asyncio.sleep(0.02)
+    assert (peek.decision, peek.reason) == (leases_pb2.PULL, "pull")
+    assert (await client.leases.Lookup(lookup_request("c"))).decision == leases_pb2.PULL
