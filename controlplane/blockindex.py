@@ -26,12 +26,21 @@ class IndexUpdate:
     seq: int = -1
 
 
+#: More cached blocks than any one engine holds (an H100's GPU and a large CPU tier hold a
+#: few hundred thousand): past it, a node's index is a wrong or hostile stream's, and is
+#: emptied rather than grow without bound (~70 MB per million).
+MAX_BLOCKS_PER_NODE = 2_000_000
+
+
 class BlockIndex:
-    def __init__(self) -> None:
+    def __init__(self, max_blocks: int = MAX_BLOCKS_PER_NODE) -> None:
         self._blocks: dict[str, set[int]] = {}
         self.last_seq: dict[str, int] = {}
+        self._max_blocks = max_blocks
 
-    def apply(self, engine_id: str, u: IndexUpdate) -> None:
+    def apply(self, engine_id: str, u: IndexUpdate) -> bool:
+        """Fold `u` into the node's blocks. -> False when that took the node past
+        `max_blocks`: its index is emptied instead (scores 0 until a reset rebuilds it)."""
         blocks = self._blocks.get(engine_id)
         if blocks is None or u.reset or u.cleared:
             blocks = self._blocks[engine_id] = set()
@@ -39,6 +48,10 @@ class BlockIndex:
             blocks.difference_update(u.removed)
         blocks.update(u.stored)
         self.last_seq[engine_id] = u.seq
+        if len(blocks) > self._max_blocks:
+            blocks.clear()
+            return False
+        return True
 
     def drop(self, engine_id: str) -> None:
         self._blocks.pop(engine_id, None)

@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 
 from controlplane import metrics
-from controlplane.blockindex import BlockIndex, IndexUpdate
+from controlplane.blockindex import MAX_BLOCKS_PER_NODE, BlockIndex, IndexUpdate
 from controlplane.convert import remote_request_of
 from controlplane.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound, StoreUnavailable
 from controlplane.policy import (
@@ -325,7 +325,8 @@ class ControlPlane:
         node re-attached past sends none: its deltas would spoil the newer one's snapshot)."""
         if self._streams.get(rec.engine_id) is not stream:
             return
-        self.index.apply(rec.engine_id, update)
+        if not self.index.apply(rec.engine_id, update):
+            log.warning("index.overflow", engine_id=rec.engine_id, max_blocks=MAX_BLOCKS_PER_NODE)
         metrics.INDEXED_HASHES.inc(len(update.stored) + len(update.removed))
 
     def detach(self, rec: NodeRecord, stream: object) -> None:

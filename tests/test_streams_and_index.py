@@ -174,6 +174,17 @@ def test_block_index_applies_net_effect_in_order() -> None:
     assert idx.total() == 0
 
 
+def test_a_node_index_past_any_engines_size_is_emptied_not_grown() -> None:
+    """Hashes beyond what an engine can cache come from a wrong or hostile Attach stream
+    (nothing authenticates one): the index is emptied, the other nodes' left alone."""
+    idx = BlockIndex(max_blocks=100)
+    assert idx.apply("b", IndexUpdate(stored=[1, 2]))
+    assert idx.apply("a", IndexUpdate(stored=list(range(100))))
+    assert not idx.apply("a", IndexUpdate(stored=[1000]))
+    assert idx.count("a") == 0 and idx.count("b") == 2
+    assert idx.apply("a", IndexUpdate(stored=[5], reset=True)) and idx.count("a") == 1
+
+
 async def test_lease_stream_client_batches_under_load_and_survives_timeouts(client: Client) -> None:
     from kvferry.leaseclient import LeaseOpError, LeaseStream
 
