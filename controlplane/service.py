@@ -513,16 +513,24 @@ class ControlPlane:
                 stored, claim = await self.store.read(tenant, q.conversation_id)
                 retention = stored.retention if stored else None
             else:
-                claiming = self._claim(tenant, q.conversation_id, q.request_id, now)
-                if later is None:
-                    outcome, own = await claiming
-                else:
-                    (outcome, own), prompt, missing = await self._claim_awaiting(
-                        claiming, later, tenant, q.conversation_id
-                    )
-                    now = self._clock()  # decide on the time it is now
-                retention, claim = outcome.taken, outcome.earlier
-            decision = _OWN_TURN if own else await self._decide(retention, claim, prompt, now)
+                claiming = asyncio.ensure_future(self._claim(tenant, q.conversation_id, q.request_id, now))
+                try:
+                    if later is None:
+                        outcome, own = await asyncio.shield(claiming)
+                    else:
+                        (outcome, own), prompt, missing = await self._claim_awaiting(
+                            claiming, later, q.conversation_id
+                        )
+                        now = self._clock()  # decide on the time it is now
+                    retention, claim = outcome.taken, outcome.earlier
+                    decision = _OWN_TURN if own else await self._decide(retention, claim, prompt, now)
+                except asyncio.CancelledError:
+                    # The caller went away (its deadline, its stream): no answer reaches anyone,
+                    # so what the claim takes (etcd may apply it yet) goes back, for the next turn.
+                    claiming.add_done_callback(lambda done: self._put_back(done, tenant, q.conversation_id))
+                    raise
+            if q.peek:
+                decision = await self._decide(retention, claim, prompt, now)
             if missing and retention is not None:
                 # Nothing to verify a pull against: RECOMPUTE, releasing what was claimed.
                 decision = replace(decision, reason=Reason.NO_PROMPT, detail=missing)
@@ -579,19 +587,12 @@ class ControlPlane:
         return ClaimOutcome(None), True
 
     async def _claim_awaiting(
-        self, claim: Awaitable[_Claimed], later: Awaitable[Prompt], tenant: str, conversation_id: str
+        self, claiming: asyncio.Future[_Claimed], later: Awaitable[Prompt], conversation_id: str
     ) -> tuple[_Claimed, Prompt, str]:
-        """`claim`, run while the caller's prompt is awaited. -> (its result, the prompt,
-        why there is no usable prompt or "")."""
-        claiming = asyncio.ensure_future(claim)
-        try:
-            prompt, missing = await self._late_prompt(later, conversation_id)
-        except BaseException:
-            # The caller went away: no answer can reach anyone, so what the claim takes (it
-            # may be applied in etcd already) goes back, for the conversation's next turn.
-            claiming.add_done_callback(lambda done: self._put_back(done, tenant, conversation_id))
-            raise
-        return await claiming, prompt, missing
+        """`claiming`, run while the caller's prompt is awaited. -> (its result, the prompt,
+        why there is no usable prompt or ""). (Cancelled, it leaves `claiming` running.)"""
+        prompt, missing = await self._late_prompt(later, conversation_id)
+        return await asyncio.shield(claiming), prompt, missing
 
     def _put_back(self, claimed: asyncio.Future[_Claimed], tenant: str, conversation_id: str) -> None:
         if claimed.cancelled() or claimed.exception() is not None:

@@ -8,6 +8,7 @@ import asyncio
 import grpc
 import pytest
 
+from controlplane.daemon import Daemon
 from kvferry.leaseclient import LeaseStream
 from kvferry.v1 import leases_pb2
 from tests.conftest import Client
@@ -233,3 +234,29 @@ async def test_a_claim_whose_caller_went_away_is_put_back_for_the_next_turn(clie
         await asyncio.sleep(0.02)
     assert (peek.decision, peek.reason) == (leases_pb2.PULL, "pull")
     assert (await client.leases.Lookup(lookup_request("c"))).decision == leases_pb2.PULL
+
+
+async def test_a_claim_applied_after_its_callers_deadline_is_put_back(daemon: Daemon, client: Client) -> None:
+    """A unary Lookup whose deadline passes while etcd applies its claim: the answer is lost
+    on the way, so the claim goes back rather than leave the next turn already_claimed."""
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("c"))
+    store = daemon.control_plane.store
+    claim = store.claim
+
+    async def slow_answer(*args, **kwargs):  # type: ignore[no-untyped-def]
+        taken = await claim(*args, **kwargs)  # applied in etcd...
+        await asyncio.sleep(0.5)  # ...and its answer on the way as the caller gives up
+        return taken
+
+    store.claim = slow_answer  # type: ignore[method-assign]
+    with pytest.raises(grpc.aio.AioRpcError) as late:
+        await client.leases.Lookup(lookup_request("c"), timeout=0.2)
+    assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    store.claim = claim  # type: ignore[method-assign]
+    for _ in range(100):
+        peek = await client.leases.Lookup(lookup_request("c", peek=True))
+        if peek.decision == leases_pb2.PULL:
+            break
+        await asyncio.sleep(0.02)
+    assert (peek.decision, peek.reason) == (leases_pb2.PULL, "pull")
