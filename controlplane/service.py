@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -513,21 +514,30 @@ class ControlPlane:
                 stored, claim = await self.store.read(tenant, q.conversation_id)
                 retention = stored.retention if stored else None
             else:
-                claiming = asyncio.ensure_future(self._claim(tenant, q.conversation_id, q.request_id, now))
+                # The caller may go away (its deadline, its stream) before the answer: then what
+                # the claim took goes back, for the next turn. A claim sent before the prompt
+                # runs in a task of its own, so even one still on its way to etcd is seen to
+                # the end; a plain one is put back once it returned (a plain claim cancelled in
+                # flight may be spent: no task per lookup on the hot path for that).
+                claiming: asyncio.Future[_Claimed] | None = None
+                got: _Claimed | None = None
                 try:
                     if later is None:
-                        outcome, own = await asyncio.shield(claiming)
+                        got = await self._claim(tenant, q.conversation_id, q.request_id, now)
                     else:
-                        (outcome, own), prompt, missing = await self._claim_awaiting(
-                            claiming, later, q.conversation_id
+                        claiming = asyncio.ensure_future(
+                            self._claim(tenant, q.conversation_id, q.request_id, now)
                         )
+                        got, prompt, missing = await self._claim_awaiting(claiming, later, q.conversation_id)
                         now = self._clock()  # decide on the time it is now
+                    outcome, own = got
                     retention, claim = outcome.taken, outcome.earlier
                     decision = _OWN_TURN if own else await self._decide(retention, claim, prompt, now)
                 except asyncio.CancelledError:
-                    # The caller went away (its deadline, its stream): no answer reaches anyone,
-                    # so what the claim takes (etcd may apply it yet) goes back, for the next turn.
-                    claiming.add_done_callback(lambda done: self._put_back(done, tenant, q.conversation_id))
+                    if got is not None:
+                        self._put_back(got, tenant, q.conversation_id)
+                    elif claiming is not None:
+                        claiming.add_done_callback(functools.partial(self._put_back_when_done, tenant, q))
                     raise
             if q.peek:
                 decision = await self._decide(retention, claim, prompt, now)
@@ -594,10 +604,13 @@ class ControlPlane:
         prompt, missing = await self._late_prompt(later, conversation_id)
         return await asyncio.shield(claiming), prompt, missing
 
-    def _put_back(self, claimed: asyncio.Future[_Claimed], tenant: str, conversation_id: str) -> None:
-        if claimed.cancelled() or claimed.exception() is not None:
-            return
-        outcome, own = claimed.result()
+    def _put_back_when_done(self, tenant: str, q: LookupQuery, done: asyncio.Future[_Claimed]) -> None:
+        if not done.cancelled() and done.exception() is None:
+            self._put_back(done.result(), tenant, q.conversation_id)
+
+    def _put_back(self, claimed: _Claimed, tenant: str, conversation_id: str) -> None:
+        """Put what a claim took back, in the background (its caller went away)."""
+        outcome, own = claimed
         if own or outcome.taken is None:
             return
         taken, marker = outcome.taken, outcome.marker_revision

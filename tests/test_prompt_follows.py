@@ -236,24 +236,26 @@ async def test_a_claim_whose_caller_went_away_is_put_back_for_the_next_turn(clie
     assert (await client.leases.Lookup(lookup_request("c"))).decision == leases_pb2.PULL
 
 
-async def test_a_claim_applied_after_its_callers_deadline_is_put_back(daemon: Daemon, client: Client) -> None:
-    """A unary Lookup whose deadline passes while etcd applies its claim: the answer is lost
-    on the way, so the claim goes back rather than leave the next turn already_claimed."""
+async def test_a_claim_whose_caller_gives_up_while_deciding_is_put_back(
+    daemon: Daemon, client: Client
+) -> None:
+    """A unary Lookup whose deadline passes after its claim, while the daemon decides (a
+    node read, say): the answer is lost, so the claim goes back rather than leave the next
+    turn already_claimed."""
     await client.nodes.Register(node_request("d-1"))
     await client.leases.Register(lease_request("c"))
-    store = daemon.control_plane.store
-    claim = store.claim
+    cp = daemon.control_plane
+    decide = cp._decide
 
-    async def slow_answer(*args, **kwargs):  # type: ignore[no-untyped-def]
-        taken = await claim(*args, **kwargs)  # applied in etcd...
-        await asyncio.sleep(0.5)  # ...and its answer on the way as the caller gives up
-        return taken
+    async def slow_decide(*args, **kwargs):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.5)  # the claim is applied; the caller gives up meanwhile
+        return await decide(*args, **kwargs)
 
-    store.claim = slow_answer  # type: ignore[method-assign]
+    cp._decide = slow_decide  # type: ignore[method-assign]
     with pytest.raises(grpc.aio.AioRpcError) as late:
         await client.leases.Lookup(lookup_request("c"), timeout=0.2)
     assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-    store.claim = claim  # type: ignore[method-assign]
+    cp._decide = decide  # type: ignore[method-assign]
     for _ in range(100):
         peek = await client.leases.Lookup(lookup_request("c", peek=True))
         if peek.decision == leases_pb2.PULL:
