@@ -4,6 +4,7 @@ caller tokenizes and digests, and decides when the prompt arrives."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -27,6 +28,18 @@ def prompt_of(req: leases_pb2.LookupRequest) -> leases_pb2.LookupPrompt:
     return prompt
 
 
+async def peek_until(
+    client: Client, conversation: str, done: Callable[[leases_pb2.LookupResponse], bool]
+) -> None:
+    """Peek at the conversation's retention until `done` holds of the answer (2 s at most)."""
+    for _ in range(100):
+        peek = await client.leases.Lookup(lookup_request(conversation, peek=True))
+        if done(peek):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"never so: {peek}")
+
+
 async def test_the_claim_is_made_before_the_prompt_arrives(client: Client) -> None:
     await client.nodes.Register(node_request("d-1"))
     await client.leases.Register(lease_request("c", seq=tokens(1000)))
@@ -42,12 +55,7 @@ async def test_the_claim_is_made_before_the_prompt_arrives(client: Client) -> No
         stream.lookup_with_prompt(leases_pb2.LookupRequest(conversation_id="c"), prompt(), 5)
     )
     try:
-        for _ in range(100):  # the retention is taken while the prompt is awaited
-            peek = await client.leases.Lookup(lookup_request("c", peek=True))
-            if peek.reason == "already_claimed":
-                break
-            await asyncio.sleep(0.02)
-        assert peek.reason == "already_claimed"
+        await peek_until(client, "c", lambda peek: peek.reason == "already_claimed")  # taken meanwhile
         ready.set()
         res = await answer
         assert res.decision == leases_pb2.PULL and res.reusable_tokens == 992  # whole blocks
@@ -220,19 +228,9 @@ async def test_a_claim_whose_caller_went_away_is_put_back_for_the_next_turn(clie
     await client.leases.Register(lease_request("c"))
     call = client.leases.Stream()
     await call.write(leases_pb2.LeaseOpBatch(ops=[leases_pb2.LeaseOp(id=1, lookup=early("c"))]))
-    for _ in range(100):  # the retention is taken while the prompt is awaited
-        peek = await client.leases.Lookup(lookup_request("c", peek=True))
-        if peek.reason == "already_claimed":
-            break
-        await asyncio.sleep(0.02)
-    assert peek.reason == "already_claimed"
+    await peek_until(client, "c", lambda peek: peek.reason == "already_claimed")  # taken meanwhile
     call.cancel()
-    for _ in range(100):
-        peek = await client.leases.Lookup(lookup_request("c", peek=True))
-        if peek.decision == leases_pb2.PULL:
-            break
-        await asyncio.sleep(0.02)
-    assert (peek.decision, peek.reason) == (leases_pb2.PULL, "pull")
+    await peek_until(client, "c", lambda peek: (peek.decision, peek.reason) == (leases_pb2.PULL, "pull"))
     assert (await client.leases.Lookup(lookup_request("c"))).decision == leases_pb2.PULL
 
 
@@ -256,9 +254,4 @@ async def test_a_claim_whose_caller_gives_up_while_deciding_is_put_back(
         await client.leases.Lookup(lookup_request("c"), timeout=0.2)
     assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     cp._decide = decide  # type: ignore[method-assign]
-    for _ in range(100):
-        peek = await client.leases.Lookup(lookup_request("c", peek=True))
-        if peek.decision == leases_pb2.PULL:
-            break
-        await asyncio.sleep(0.02)
-    assert (peek.decision, peek.reason) == (leases_pb2.PULL, "pull")
+    await peek_until(client, "c", lambda peek: (peek.decision, peek.reason) == (leases_pb2.PULL, "pull"))
