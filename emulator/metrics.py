@@ -5,20 +5,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    generate_latest,
-)
+from prometheus_client import Counter, Gauge
+
+from kvferry.metrics import OwnRegistry
 
 
-class EngineMetrics:
+class EngineMetrics(OwnRegistry):
     """Counters and gauges in a registry of their own (one per engine)."""
 
     def __init__(self, model: str, engine_id: str, cache_config: dict[str, str] | None = None) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        super().__init__()
         labels = {"model_name": model, "engine": "0"}
         names = list(labels)
 
@@ -122,7 +118,3 @@ class EngineMetrics:
     def track_kv_cache_usage(self, usage: Callable[[], float]) -> None:
         """Read KV-cache usage at scrape time."""
         self._kv_cache_usage.set_function(usage)
-
-    def render(self) -> tuple[bytes, str]:
-        """Exposition text and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,33 +1,24 @@
-"""Prometheus metrics of one router, in a registry of its own (served at /metrics).
-
-A registry per router, not the global one: tests and benchmarks run several
-routers (replicas) in one process, and each must count only its own traffic.
-"""
+"""Prometheus metrics of one router, in a registry of its own (served at /metrics)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import Counter, Gauge, Histogram
 
+from kvferry.metrics import OwnRegistry
 from router.decisions import Failure, FailureKind, Reuse
 
 _SECONDS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _STAGE_SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 
 
-class RouterMetrics:
+class RouterMetrics(OwnRegistry):
     """Every counter, gauge and histogram of the router."""
 
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry(auto_describe=True)
+        super().__init__()
+        r = self.registry
         self.requests = Counter(
             "kvferry_router_requests",
             "Client requests by endpoint and status",
@@ -121,11 +112,3 @@ class RouterMetrics:
     def track_nodes(self, counts: Callable[[], dict[str, int]]) -> None:
         for role in ("prefill", "decode"):
             self.nodes.labels(role).set_function(lambda role=role: counts().get(role, 0))  # type: ignore[misc]
-
-    def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
-
-    def value(self, name: str, **labels: str) -> float:
-        """A sample's current value (0 when absent), for tests and benchmarks."""
-        v = self.registry.get_sample_value(name, labels)
-        return 0.0 if v is None else v

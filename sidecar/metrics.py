@@ -1,19 +1,18 @@
-"""Prometheus metrics of one sidecar, in a registry of its own (served at /kvferry/metrics).
-
-A registry per sidecar, not the global one: several sidecars run in one test
-or benchmark process and each must count only its own traffic.
-"""
+"""Prometheus metrics of one sidecar, in a registry of its own (served at /kvferry/metrics)."""
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import Counter, Gauge
+
+from kvferry.metrics import OwnRegistry
 
 
-class SidecarMetrics:
+class SidecarMetrics(OwnRegistry):
     """Every counter and gauge of the sidecar."""
 
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry(auto_describe=True)
+        super().__init__()
+        r = self.registry
         self.proxied = Counter(
             "kvferry_sidecar_proxied_requests", "Requests proxied to the engine", ["tapped"], registry=r
         )
@@ -90,12 +89,3 @@ class SidecarMetrics:
         )
         self.engine_up = Gauge("kvferry_sidecar_engine_up", "1 while the engine answers /health", registry=r)
         self.attached = Gauge("kvferry_sidecar_attached", "1 while an Attach stream is open", registry=r)
-
-    def render(self) -> tuple[bytes, str]:
-        """Exposition text and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
-
-    def value(self, name: str, **labels: str) -> float:
-        """Current value of a sample (0 when absent), for tests and benchmarks."""
-        v = self.registry.get_sample_value(name, labels)
-        return 0.0 if v is None else v
