@@ -154,14 +154,8 @@ def decide(
     detail = f"{reusable} of {prompt.tokens} prompt tokens held by {engine}"
     if prompt.digests is not None:
         verified = _verified_tokens(retention, prompt)
-        if isinstance(verified, str):
-            if not retention.digests:
-                why = Reason.UNVERIFIABLE
-            elif prompt.tokens < retention.block_size:  # nothing of it could be pulled anyway
-                why = Reason.BELOW_THRESHOLD
-            else:
-                why = Reason.PREFIX_MISMATCH
-            return _recompute(why, verified, release, engine)
+        if isinstance(verified, tuple):
+            return _recompute(*verified, release, engine)
         if verified < reusable:
             detail = f"prompt matches D's sequence for {verified} of {reusable} tokens"
             reusable = verified
@@ -188,22 +182,25 @@ def decide(
     return Decision(True, reason, detail, handout, reusable, None, engine)
 
 
-def _verified_tokens(retention: Retention, prompt: Prompt) -> int | str:
+def _verified_tokens(retention: Retention, prompt: Prompt) -> int | tuple[Reason, str]:
     """Tokens of D's sequence the prompt's digests verify: the leading full blocks both
     sides digested alike, no more than the prompt's own full blocks (a caller may send
-    more digests than its tokens cover). -> why nothing is verified, when nothing is."""
+    more digests than its tokens cover). -> (reason, detail) when nothing is verified."""
     if not retention.digests:
-        return "D registered no block digests to verify the prompt's against"
+        return Reason.UNVERIFIABLE, "D registered no block digests to verify the prompt's against"
     size = retention.block_size
     digests = prompt.digests or b""
     blocks = min(common_prefix_blocks(retention.digests, digests), prompt.tokens // size)
     if blocks:
         return blocks * size
-    if prompt.tokens < size:
-        return f"prompt ({prompt.tokens} tokens) is shorter than one block ({size}): nothing to verify"
+    if prompt.tokens < size:  # nothing of it could be pulled anyway
+        return (
+            Reason.BELOW_THRESHOLD,
+            f"prompt ({prompt.tokens} tokens) is shorter than one block ({size}): nothing to verify",
+        )
     if not digests:
-        return "no digests were given for the prompt's blocks"
-    return "prompt differs from D's sequence in block 0"
+        return Reason.PREFIX_MISMATCH, "no digests were given for the prompt's blocks"
+    return Reason.PREFIX_MISMATCH, "prompt differs from D's sequence in block 0"
 
 
 def _recompute(reason: Reason, detail: str, release: Handout, engine: str) -> Decision:

@@ -295,7 +295,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
                 tenant=request.tenant,
                 conversation_id=request.conversation_id,
                 prompt_tokens=request.prompt_tokens,
-                prompt_digests=request.prompt_digests if request.HasField("prompt_digests") else None,
+                prompt_digests=_digests_given(request),
                 peek=request.peek,
                 request_id=request.request_id,
             ),
@@ -494,7 +494,12 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
 
 async def _prompt_of(later: asyncio.Future[leases_pb2.LookupPrompt]) -> Prompt:
     p = await later
-    return Prompt(p.prompt_tokens, p.prompt_digests if p.HasField("prompt_digests") else None)
+    return Prompt(p.prompt_tokens, _digests_given(p))
+
+
+def _digests_given(m: leases_pb2.LookupRequest | leases_pb2.LookupPrompt) -> bytes | None:
+    """A lookup's prompt_digests, None when not given (an empty set is given: see Prompt)."""
+    return m.prompt_digests if m.HasField("prompt_digests") else None
 
 
 _INVALID, _EXHAUSTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -509,38 +509,26 @@ class ControlPlane:
         missing = ""  # why a prompt_follows lookup has no usable prompt
         retention: Retention | None = None
         own = False  # the retention claimed was this request's own, and is back
+        # A claim sent before its prompt runs in a task of its own (`claiming`); a plain one
+        # is awaited here (`got`, once it returned): no task per lookup on the hot path.
+        claiming: asyncio.Future[_Claimed] | None = None
+        got: _Claimed | None = None
         try:
             if q.peek:
                 stored, claim = await self.store.read(tenant, q.conversation_id)
                 retention = stored.retention if stored else None
             else:
-                # The caller may go away (its deadline, its stream) before the answer: then what
-                # the claim took goes back, for the next turn. A claim sent before the prompt
-                # runs in a task of its own, so even one still on its way to etcd is seen to
-                # the end; a plain one is put back once it returned (a plain claim cancelled in
-                # flight may be spent: no task per lookup on the hot path for that).
-                claiming: asyncio.Future[_Claimed] | None = None
-                got: _Claimed | None = None
-                try:
-                    if later is None:
-                        got = await self._claim(tenant, q.conversation_id, q.request_id, now)
-                    else:
-                        claiming = asyncio.ensure_future(
-                            self._claim(tenant, q.conversation_id, q.request_id, now)
-                        )
-                        got, prompt, missing = await self._claim_awaiting(claiming, later, q.conversation_id)
-                        now = self._clock()  # decide on the time it is now
-                    outcome, own = got
-                    retention, claim = outcome.taken, outcome.earlier
-                    decision = _OWN_TURN if own else await self._decide(retention, claim, prompt, now)
-                except asyncio.CancelledError:
-                    if got is not None:
-                        self._put_back(got, tenant, q.conversation_id)
-                    elif claiming is not None:
-                        claiming.add_done_callback(functools.partial(self._put_back_when_done, tenant, q))
-                    raise
-            if q.peek:
-                decision = await self._decide(retention, claim, prompt, now)
+                if later is None:
+                    got = await self._claim(tenant, q.conversation_id, q.request_id, now)
+                else:
+                    claiming = asyncio.ensure_future(
+                        self._claim(tenant, q.conversation_id, q.request_id, now)
+                    )
+                    got, prompt, missing = await self._claim_awaiting(claiming, later, q.conversation_id)
+                    now = self._clock()  # decide on the time it is now
+                outcome, own = got
+                retention, claim = outcome.taken, outcome.earlier
+            decision = _OWN_TURN if own else await self._decide(retention, claim, prompt, now)
             if missing and retention is not None:
                 # Nothing to verify a pull against: RECOMPUTE, releasing what was claimed.
                 decision = replace(decision, reason=Reason.NO_PROMPT, detail=missing)
@@ -553,6 +541,17 @@ class ControlPlane:
             release = RELEASE if retention is not None and now < retention.expires_at else None
             engine = retention.engine_id if retention is not None else ""
             decision = Decision(False, Reason.STORE_UNAVAILABLE, str(e), release=release, engine_id=engine)
+        except asyncio.CancelledError:
+            # The caller went away (its deadline, its stream): no answer reaches anyone, so what
+            # the claim took goes back, for the next turn: a claim in its own task once it is
+            # done, a plain one if it returned (one cancelled in flight may be spent).
+            if got is not None:
+                self._put_back(got, tenant, q.conversation_id)
+            elif claiming is not None:
+                claiming.add_done_callback(
+                    functools.partial(self._put_back_when_done, tenant, q.conversation_id)
+                )
+            raise
         claimed = retention is not None and not q.peek
         metrics.lookup(decision.pull, decision.reason.value)
         if claimed:
@@ -604,9 +603,9 @@ class ControlPlane:
         prompt, missing = await self._late_prompt(later, conversation_id)
         return await asyncio.shield(claiming), prompt, missing
 
-    def _put_back_when_done(self, tenant: str, q: LookupQuery, done: asyncio.Future[_Claimed]) -> None:
+    def _put_back_when_done(self, tenant: str, conversation_id: str, done: asyncio.Future[_Claimed]) -> None:
         if not done.cancelled() and done.exception() is None:
-            self._put_back(done.result(), tenant, q.conversation_id)
+            self._put_back(done.result(), tenant, conversation_id)
 
     def _put_back(self, claimed: _Claimed, tenant: str, conversation_id: str) -> None:
         """Put what a claim took back, in the background (its caller went away)."""

@@ -148,7 +148,7 @@ def _replaced(put: rpc.PutResponse) -> Retention | None:
         return None
     try:
         return decode_retention(put.prev_kv.value)
-    except (msgspec.DecodeError, ValueError) as e:  # (a record of another version, say)
+    except UNDECODABLE as e:  # (a record of another version, say)
         log.warning("retention.replaced.undecodable", error=str(e))
         return None
 
