@@ -26,7 +26,7 @@ from controlplane.service import ControlPlane
 from controlplane.settings import Settings
 from controlplane.store import EtcdStore
 from kvferry.tasks import cancel_and_wait
-from kvferry.urls import join_host_port, split_host_port
+from kvferry.urls import join_host_port, listen_host_port, split_host_port
 
 log = structlog.get_logger(__name__)
 
@@ -97,7 +97,7 @@ class Daemon:
                 why="no address other replicas could reach: give --advertise HOST:PORT",
             )
         if s.server.metrics_port >= 0:
-            host = s.server.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
+            host, _ = listen_host_port(s.server.listen)
             try:
                 self._metrics_httpd, _ = start_http_server(s.server.metrics_port, addr=host)
             except OSError as e:
@@ -165,8 +165,8 @@ def advertised(listen: str, port: int, advertise: str) -> str:
     if advertise:
         host, named_port = split_host_port(advertise, "advertise")
         return join_host_port(host, named_port or port)
-    host = listen.rpartition(":")[0].strip("[]")
-    if host in ("", "0.0.0.0", "::"):
+    host, _ = listen_host_port(listen)
+    if host in ("0.0.0.0", "::"):
         try:
             host = socket.gethostbyname(socket.gethostname())
         except OSError:

@@ -180,9 +180,7 @@ class Turn:
     async def _serve_media(self, prefill: Node, decode: Node) -> web.StreamResponse:
         """A prompt with images (audio, ...): plain P/D, nothing looked up, scored or retained
         (see `text_only`). P and D get the request as the client sent it, no token ids."""
-        if self.identity.conversation_id and self.s.settings.reuse.enabled:
-            self.reuse = skipped(Skip.MEDIA)
-            self.s.metrics.lookup(self.reuse)
+        self._skip(Skip.MEDIA)
         params = await self._prefill(prefill)
         if isinstance(params, web.Response):
             return params
@@ -194,10 +192,14 @@ class Turn:
         decode = choose_decode(self.nodes, self.s.load.view, tiebreak)
         if decode is None:
             return error_response(503, "no decode node available", "ServiceUnavailableError")
-        if self.identity.conversation_id and self.s.settings.reuse.enabled:
-            self.reuse = skipped(Skip.MULTIPLE)
-            self.s.metrics.lookup(self.reuse)
+        self._skip(Skip.MULTIPLE)
         return await self._decode(decode, None, retain=False)
+
+    def _skip(self, reason: Skip) -> None:
+        """A turn naming a conversation served without a lookup: counted, and told the client."""
+        if self.identity.conversation_id and self.s.settings.reuse.enabled:
+            self.reuse = skipped(reason)
+            self.s.metrics.lookup(self.reuse)
 
     async def _prepare(self, prefill: Node, scoring: bool, tiebreak: int) -> Node:
         """Tokenize and look up (and score); -> the prefill node to use.
@@ -373,8 +375,8 @@ class Turn:
                 fresh = fresh_retry_node(node, self.nodes, tried, self.s.load.view, unseen)
                 # Params P never got (it could not be reached) still go, with nothing to pull,
                 # to a P that can take them: P then has D free the blocks claimed for this turn.
-                take = unseen and remote and fresh in alike(self.nodes, node)
-                remote = {**remote, "remote_num_tokens": 0} if take and remote else None
+                take = unseen and fresh in alike(self.nodes, node)
+                remote = {**remote, "remote_num_tokens": 0} if remote and take else None
                 self.reuse = Reuse("RECOMPUTE", "prefill_failed", remote)
                 node = fresh
             if retry is Retry.OTHER_NODE:

@@ -201,9 +201,10 @@ def started_at_of(metrics_text: str) -> float:
     """The engine process's start (Unix seconds) from ``process_start_time_seconds``, 0.0
     when not exposed (vLLM with several API servers serves multiprocess metrics without it)."""
     m = _PROCESS_START.search(metrics_text)
-    if m is None:
+    try:
+        value = float(m.group(1)) if m else 0.0
+    except ValueError:  # (not a number: an engine's bug; the generation is then not kept)
         return 0.0
-    value = float(m.group(1))
     return value if math.isfinite(value) and value > 0 else 0.0
 
 

@@ -116,10 +116,17 @@ class KvIngest:
                 self._tracker.skip_to(seq)
                 verdict = Verdict.APPLY
         if verdict is Verdict.APPLY:
-            try:
-                self._fold(frames[2], seq)
-            finally:  # a batch that failed to fold is not asked for again (it would fail again)
-                self._tracker.applied(seq)
+            self._apply(frames[2], seq)
+
+    def _apply(self, payload: bytes, seq: int) -> None:
+        """Fold batch `seq` in, and count it applied even when folding failed: asked for
+        again, it would fail again (every later batch read as a gap, and replayed)."""
+        try:
+            self._fold(payload, seq)
+        except Exception:  # a bug must not stop the stream, nor stall it on this batch
+            log.exception("kvevents.message.failed", seq=seq)
+            self._mirror.request_reset()
+        self._tracker.applied(seq)
 
     def _fold(self, payload: bytes, seq: int) -> None:
         try:
@@ -178,12 +185,7 @@ class KvIngest:
                     self._metrics.kv_payloads.labels("replay").inc()
                     seqs.append(seq)
                     if seq >= self._tracker.expected:
-                        try:
-                            self._fold(frames[2], seq)
-                        except Exception:  # a bug must not end the replay (nor stall on this batch)
-                            log.exception("kvevents.message.failed", seq=seq)
-                            self._mirror.request_reset()
-                        self._tracker.applied(seq)
+                        self._apply(frames[2], seq)
             if not replay_outcome(start, seqs):
                 outcome = "incomplete"
         except TimeoutError:

@@ -16,6 +16,7 @@ from sidecar.engine import (
     Transition,
     block_size_of,
     normalize_engine_id,
+    started_at_of,
 )
 from sidecar.leases import RegistrationQueue, dead_reason, retry_decision
 from sidecar.metrics import SidecarMetrics
@@ -183,3 +184,10 @@ def test_advertised_engine_url(engine: str, advertised: str, http_url: str, expe
     assert advertised_engine_url(both, http_url) == expected
     # A decode node's requests all go through its tap.
     assert advertised_engine_url(replace(s, engine=replace(prefill, role="decode")), http_url) == ""
+
+
+def test_the_engines_start_time_from_its_metrics() -> None:
+    text = "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds 1.7648e+09\n"
+    assert started_at_of(text) == 1.7648e9
+    for bad in ("", "process_start_time_seconds NaN\n", "process_start_time_seconds soon\n"):
+        assert started_at_of(bad) == 0.0  # unknown: the daemon gives a new generation
