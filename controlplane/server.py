@@ -485,10 +485,12 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
     async def Revoke(
         self, request: leases_pb2.RevokeLeaseRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> leases_pb2.RevokeLeaseResponse:
-        retention = await self._cp.revoke_lease(request.tenant, request.conversation_id)
-        resp = leases_pb2.RevokeLeaseResponse(found=retention is not None)
-        if retention is not None and retention.expires_at > time.time():
-            apply_handout(retention.params, RELEASE, resp.release_params)
+        view, releasable = await self._cp.revoke_lease(request.tenant, request.conversation_id)
+        if view is None or view.retention is None:
+            return leases_pb2.RevokeLeaseResponse(found=False)
+        resp = leases_pb2.RevokeLeaseResponse(found=True, lease=lease_message(view))
+        if releasable:
+            apply_handout(view.retention.params, RELEASE, resp.release_params)
         return resp
 
 

@@ -715,14 +715,25 @@ class ControlPlane:
                 break
         return out, base64.urlsafe_b64encode(start).decode() if start else ""
 
-    async def revoke_lease(self, tenant: str, conversation_id: str) -> Retention | None:
+    async def revoke_lease(self, tenant: str, conversation_id: str) -> tuple[LeaseView | None, bool]:
+        """Delete the conversation's retention. -> (what was revoked, None if nothing was;
+        whether its blocks are still D's to free: what a lookup that reuses nothing would
+        release, i.e. not expired, its node alive at the retention's generation)."""
         tenant = self._tenant(tenant)
         _check_id("conversation_id", conversation_id, self._limits.max_id_bytes)
         retention = await self.store.revoke(tenant, conversation_id)
         log.info(
             "retention.revoked", tenant=tenant, conversation_id=conversation_id, found=retention is not None
         )
-        return retention
+        if retention is None:
+            return None, False
+        view = LeaseView(tenant, conversation_id, retention)
+        try:
+            decision = await self._decide(retention, None, Prompt(0), self._clock())
+        except StoreUnavailable as e:  # revoked all the same; D frees the blocks at its TTL
+            log.warning("retention.revoked.node_unknown", conversation_id=conversation_id, error=str(e))
+            return view, False
+        return view, decision.release is not None
 
     # -- background -----------------------------------------------------------
 

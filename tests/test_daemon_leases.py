@@ -222,10 +222,25 @@ async def test_revoke(client: Client) -> None:
     await client.leases.Register(lease_request("conv-rv"))
     resp = await client.leases.Revoke(leases_pb2.RevokeLeaseRequest(conversation_id="conv-rv"))
     assert resp.found and struct_to_dict(resp.release_params)["remote_num_tokens"] == 0
+    assert resp.lease.engine_id == "d-1" and resp.lease.num_tokens == 1000 and resp.lease.block_size == 16
     after = await client.leases.Lookup(lookup_request("conv-rv"))
     assert after.reason == "no_lease"
     again = await client.leases.Revoke(leases_pb2.RevokeLeaseRequest(conversation_id="conv-rv"))
-    assert not again.found
+    assert not again.found and not again.HasField("lease")
+
+
+async def test_revoke_hands_no_release_for_blocks_d_no_longer_holds(client: Client) -> None:
+    """D restarted since (its blocks went with the process), or the lease expired: a
+    release would send a prefill node to notify an engine that holds nothing for it."""
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("conv-restarted"))
+    await client.nodes.Register(node_request("d-1"))  # the engine came back: a new generation
+    await client.leases.Register(lease_request("conv-expired", expires_in=0.5))
+    resp = await client.leases.Revoke(leases_pb2.RevokeLeaseRequest(conversation_id="conv-restarted"))
+    assert resp.found and resp.lease.generation == 1 and not resp.release_params.fields
+    await asyncio.sleep(0.6)
+    resp = await client.leases.Revoke(leases_pb2.RevokeLeaseRequest(conversation_id="conv-expired"))
+    assert resp.found and not resp.release_params.fields
 
 
 async def test_a_retention_holding_freed_blocks_is_only_pulled_whole(client: Client) -> None:

@@ -466,22 +466,30 @@ class RevokeLeaseResponse(_message.Message):
 
     FOUND_FIELD_NUMBER: _builtins.int
     RELEASE_PARAMS_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
     found: _builtins.bool
     @_builtins.property
     def release_params(self) -> _struct_pb2.Struct:
-        """The revoked lease's D params with remote_num_tokens 0 (hand to a P to free
-        D's blocks early); empty when there was nothing live to release.
+        """The revoked lease's D params with remote_num_tokens 0 (hand to a P of D's
+        model and block size to free D's blocks early: `kvferry leases revoke` does);
+        empty when there is nothing to release: the lease expired, or its node is not
+        alive at the generation it was registered under (the blocks went with it).
         """
+
+    @_builtins.property
+    def lease(self) -> Global___Lease:
+        """The lease revoked (when found)."""
 
     def __init__(
         self,
         *,
         found: _builtins.bool = ...,
         release_params: _struct_pb2.Struct | None = ...,
+        lease: Global___Lease | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["release_params", b"release_params"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "release_params", b"release_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found", "release_params", b"release_params"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found", "lease", b"lease", "release_params", b"release_params"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
