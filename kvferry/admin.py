@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +15,8 @@ import grpc
 from google.protobuf import json_format
 
 from kvferry.flags import finite_float
-from kvferry.structs import json_number
+from kvferry.releases import claim_release_body, engine_url, release_prefill
+from kvferry.structs import json_number, struct_to_dict
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
 
@@ -37,6 +41,8 @@ def add_arguments(sub: Any) -> None:
         p = lsub.add_parser(name, parents=[common], help=f"{name} one conversation's lease")
         p.add_argument("conversation_id")
         p.add_argument("--tenant", default="")
+        if name == "revoke":
+            _release_flags(p)
     leases.set_defaults(func=_leases)
 
     nodes = sub.add_parser("nodes", help="inspect registered nodes")
@@ -48,6 +54,25 @@ def add_arguments(sub: Any) -> None:
     )
     nrm.add_argument("engine_id")
     nodes.set_defaults(func=_nodes)
+
+
+def _release_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-release",
+        action="store_true",
+        help="only revoke: D keeps the blocks to its TTL (default: a prefill node tells D to free them)",
+    )
+    p.add_argument(
+        "--engine-api-key",
+        default=os.environ.get("VLLM_API_KEY", ""),
+        help="bearer key for the prefill node's /v1/completions (vLLM --api-key; default: $VLLM_API_KEY)",
+    )
+    p.add_argument(
+        "--release-timeout",
+        type=finite_float,
+        default=60.0,
+        help="seconds to wait for the prefill node to run the release (a busy P queues it)",
+    )
 
 
 def _print_table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> None:
@@ -100,15 +125,68 @@ def _leases(a: argparse.Namespace) -> int:
                 )
                 print(json.dumps(_as_dict(lease), indent=None if a.json else 2))
                 return 0
-            resp = stub.Revoke(
-                leases_pb2.RevokeLeaseRequest(tenant=a.tenant, conversation_id=a.conversation_id),
-                timeout=a.timeout,
-            )
-            return _removed(resp, a.json, "revoked", "no such lease")
+            return _revoke(stub, nodes_pb2_grpc.NodesStub(ch), a)
         except grpc.RpcError as e:
             return _fail(e)
         except (ValueError, json_format.Error) as e:
             return _bad_input(e)
+
+
+def _revoke(stub: leases_pb2_grpc.LeasesStub, nodes: nodes_pb2_grpc.NodesStub, a: argparse.Namespace) -> int:
+    """Revoke the lease, then (unless --no-release) free D's blocks now rather than at
+    D's TTL: a prefill node of D's model and block size is handed the release params
+    with nothing to pull, and its connector only notifies D (as the router and the
+    sidecars release blocks). The release is best effort: the lease is revoked either way."""
+    resp = stub.Revoke(
+        leases_pb2.RevokeLeaseRequest(tenant=a.tenant, conversation_id=a.conversation_id),
+        timeout=a.timeout,
+    )
+    if not resp.found or a.no_release:
+        return _removed(resp, a.json, "revoked", "no such lease")
+    released, how = _release(nodes, resp, a)
+    if a.json:
+        print(json.dumps({**_as_dict(resp), "release": {"sent": released, "detail": how}}))
+    else:
+        print("revoked")
+        print(f"D's blocks released {how}" if released else f"D's blocks not released: {how}")
+    return 0
+
+
+def _release(
+    nodes: nodes_pb2_grpc.NodesStub, resp: leases_pb2.RevokeLeaseResponse, a: argparse.Namespace
+) -> tuple[bool, str]:
+    """Send the revoked lease's release through a prefill node. -> (sent, how or why not)."""
+    lease = resp.lease
+    if not resp.release_params.fields:
+        return False, (
+            "nothing to release (the lease had expired, or its node is not alive at the "
+            "generation it was registered under)"
+        )
+    listed = nodes.List(nodes_pb2.ListNodesRequest(), timeout=a.timeout).nodes
+    d = next((n for n in listed if n.engine_id == lease.engine_id), None)
+    if d is None:
+        return False, f"its node {lease.engine_id} is no longer alive; D frees them at its TTL"
+    p = release_prefill(listed, d.model, lease.block_size)
+    if p is None:
+        return False, (
+            f"no alive prefill node serves {d.model!r} with block size {lease.block_size}; "
+            "D frees them at its TTL"
+        )
+    body = claim_release_body(p.model or None, struct_to_dict(resp.release_params))
+    headers = {"Content-Type": "application/json"}
+    if a.engine_api_key:
+        headers["Authorization"] = f"Bearer {a.engine_api_key}"
+    url = engine_url(p) + "/v1/completions"
+    request = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=a.release_timeout) as r:
+            r.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read()[:300].decode("utf-8", "replace")
+        return False, f"prefill node {p.engine_id} refused the release: HTTP {e.code} {detail}"
+    except (OSError, ValueError) as e:  # unreachable, timed out, a URL urllib cannot use
+        return False, f"prefill node {p.engine_id} ({url}) could not be reached: {e}"
+    return True, f"through prefill node {p.engine_id}"
 
 
 def _removed(resp: Any, as_json: bool, done: str, missing: str) -> int:

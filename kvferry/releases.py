@@ -6,11 +6,15 @@ any turn claimed it)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import random
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+from kvferry.v1 import nodes_pb2
 
 #: The prompt of a release when the router has no token ids (a turn without reuse).
 _RELEASE_PROMPT = "."
+_PREFILLS = (nodes_pb2.PREFILL, nodes_pb2.BOTH)
 
 
 def release_body(
@@ -43,3 +47,26 @@ def _one_token(model: Any, kv: dict[str, Any], prompt: str | list[int]) -> dict[
     if isinstance(model, str):
         out["model"] = model
     return out
+
+
+def release_prefill(nodes: Iterable[nodes_pb2.Node], model: str, block_size: int) -> nodes_pb2.Node | None:
+    """An alive prefill node to send D a release through: one serving `model` with
+    `block_size` (D's params are in D's blocks of that model; "" and 0 match any) and an
+    HTTP address, picked at random (each keeps the release's one block until its own
+    timeout, so they share the cost). None when there is none."""
+    fits = [
+        n
+        for n in nodes
+        if n.alive
+        and n.role in _PREFILLS
+        and (n.engine_url or n.http_url)
+        and (not model or n.model == model)
+        and (not block_size or n.block_size == block_size)
+    ]
+    return random.choice(fits) if fits else None
+
+
+def engine_url(node: nodes_pb2.Node) -> str:
+    """Where a node's engine takes OpenAI requests: its own URL when its sidecar
+    advertises one, else the sidecar's (which relays them)."""
+    return (node.engine_url or node.http_url).rstrip("/")

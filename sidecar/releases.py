@@ -12,14 +12,13 @@ to the TTL, as before.
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
 import structlog
 
-from kvferry.releases import claim_release_body
+from kvferry.releases import claim_release_body, engine_url, release_prefill
 from kvferry.v1 import nodes_pb2
 from sidecar.daemon import DaemonLink
 from sidecar.metrics import SidecarMetrics
@@ -31,7 +30,6 @@ MAX_IN_FLIGHT = 64
 #: A release given up before a busy P schedules it notifies no one: wait as long as a prefill may.
 _TIMEOUT_S = 60.0
 _NODES_FRESH_S = 5.0  # how long a node list serves (releases come in bursts after an outage)
-_PREFILLS = (nodes_pb2.PREFILL, nodes_pb2.BOTH)
 
 
 class Releaser:
@@ -98,19 +96,8 @@ class Releaser:
                 nodes_pb2.ListNodesRequest(), timeout=self._s.daemon.rpc_timeout_s
             )
             self._nodes, self._listed_at = list(listed.nodes), loop.time()
-        fits = [
-            n
-            for n in self._nodes
-            if n.alive
-            and n.role in _PREFILLS
-            and (n.engine_url or n.http_url)
-            and (not model or n.model == model)
-            and (not block_size or n.block_size == block_size)
-        ]
-        if not fits:
-            return None
-        n = random.choice(fits)
-        return (n.engine_url or n.http_url).rstrip("/"), n.model
+        node = release_prefill(self._nodes, model, block_size)
+        return (engine_url(node), node.model) if node is not None else None
 
     async def settled(self) -> None:
         """Until the releases on their way have ended."""

@@ -26,6 +26,7 @@ from sidecar import Sidecar
 from sidecar.settings import DaemonSettings as SidecarDaemonSettings
 from sidecar.settings import EngineSettings, KvEventSettings, TapSettings
 from tests.conftest import Client, DaemonFactory
+from tests.router.helpers import Result, ask, first_turn
 
 MODEL = "kvferry/emulated-model"
 
@@ -179,6 +180,22 @@ async def make_stack(
     yield make
     for s in reversed(stacks):
         await s.close()
+
+
+async def one_turn_held(
+    make_stack: MakeStack, http: aiohttp.ClientSession, topic: str, conversation: str
+) -> tuple[Stack, Any, dict[str, Any], Result, str]:
+    """A deployment with one router, and a first turn of `conversation` whose blocks D holds:
+    -> (the stack, D, the turn's body, its answer, D's request id of the held blocks)."""
+    stack = await make_stack()
+    router = await stack.router()
+    [d] = stack.decodes
+    body = {"messages": first_turn(topic), "max_tokens": 10, "conversation_id": conversation}
+    one = await ask(http, router.url, body)
+    assert one.status == 200
+    await stack.registrations_idle()
+    [first] = d.engine.snapshot()["held_requests"]
+    return stack, d, body, one, first
 
 
 @pytest.fixture

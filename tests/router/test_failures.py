@@ -25,8 +25,8 @@ from sidecar import Sidecar
 from tests.conftest import free_port
 from tests.factories import lease_request, node_request
 from tests.polling import eventually
-from tests.router.conftest import MakeStack, Stack, router_settings, sidecar_for
-from tests.router.helpers import CHAT, COMPLETIONS, Result, ask, first_turn, next_turn, unheld_reads
+from tests.router.conftest import MakeStack, Stack, one_turn_held, router_settings, sidecar_for
+from tests.router.helpers import CHAT, COMPLETIONS, ask, first_turn, next_turn, unheld_reads
 
 Reference = Callable[[str, dict[str, Any]], Awaitable[str]]
 
@@ -318,29 +318,13 @@ async def test_without_a_daemon_turns_are_served_without_reuse(
         assert res.text == await reference(CHAT, body)
 
 
-async def _one_turn_held(
-    make_stack: MakeStack, http: aiohttp.ClientSession, topic: str, conversation: str
-) -> tuple[Stack, Any, dict[str, Any], Result, str]:
-    """A deployment with one router, and a first turn of `conversation` whose blocks D holds:
-    -> (the stack, D, the turn's body, its answer, D's request id of the held blocks)."""
-    stack = await make_stack()
-    router = await stack.router()
-    [d] = stack.decodes
-    body = {"messages": first_turn(topic), "max_tokens": 10, "conversation_id": conversation}
-    one = await ask(http, router.url, body)
-    assert one.status == 200
-    await stack.registrations_idle()
-    [first] = d.engine.snapshot()["held_requests"]
-    return stack, d, body, one, first
-
-
 async def test_a_claim_answered_late_has_ds_blocks_freed_through_p(
     make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
 ) -> None:
     """The lookup's answer came after its deadline: the turn went on without reuse, but the
     daemon claimed the previous turn's blocks on D. Nothing would pull them, so D would keep
     them for its TTL (480 s); the router has P tell D to free them now."""
-    stack, d, body, one, first = await _one_turn_held(make_stack, http, "lateness", "late-claim")
+    stack, d, body, one, first = await one_turn_held(make_stack, http, "lateness", "late-claim")
     messages = body["messages"]
 
     late = await stack.router(daemon__lookup_deadline_s=1e-6)
@@ -380,7 +364,7 @@ async def test_a_claim_reaching_the_daemon_after_its_own_turn_registered_leaves_
     without reuse, has registered its own retention. Claimed and released (as any late
     claim is), those blocks would be lost to turn three; the daemon leaves them to it.
     Turn one's retention, replaced without a claim, has its blocks freed through P."""
-    stack, d, body, one, first = await _one_turn_held(make_stack, http, "own turn", "own-turn")
+    stack, d, body, one, first = await one_turn_held(make_stack, http, "own turn", "own-turn")
     messages = body["messages"]
     [router] = stack.routers
 
