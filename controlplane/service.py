@@ -721,21 +721,22 @@ class ControlPlane:
         release, i.e. not expired, its node alive at the retention's generation)."""
         tenant = self._tenant(tenant)
         _check_id("conversation_id", conversation_id, self._limits.max_id_bytes)
-        retention = await self.store.revoke(tenant, conversation_id)
+        stored = await self.store.revoke(tenant, conversation_id)
         log.info(
-            "retention.revoked", tenant=tenant, conversation_id=conversation_id, found=retention is not None
+            "retention.revoked", tenant=tenant, conversation_id=conversation_id, found=stored is not None
         )
-        if retention is None:
+        if stored is None:
             return None, False
-        view = LeaseView(tenant, conversation_id, retention)
+        retention, now = stored.retention, self._clock()
+        view = LeaseView(tenant, conversation_id, retention, stored.revision)
         try:
-            decision = await self._decide(retention, None, Prompt(0), self._clock())
-        except StoreUnavailable as e:  # revoked all the same; D frees the blocks at its TTL
+            decision = await self._decide(retention, None, Prompt(0), now)
+        except StoreUnavailable as e:
+            # As a lookup's claim when etcd fails after it: hand out the release while the
+            # deadline holds; a D that restarted meanwhile ignores the notification.
             log.warning("retention.revoked.node_unknown", conversation_id=conversation_id, error=str(e))
-            return view, False
+            return view, now < retention.expires_at
         return view, decision.release is not None
-
-    # -- background -----------------------------------------------------------
 
     async def scan_gauges(self) -> None:
         """Set the live-lease and held-token gauges per node from one pass over etcd."""

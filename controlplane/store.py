@@ -369,11 +369,23 @@ class EtcdStore:
         )
         return stored, decode_claim(claim_kvs[0].value) if claim_kvs else None
 
-    async def revoke(self, tenant: str, conversation_id: str) -> Retention | None:
+    async def revoke(self, tenant: str, conversation_id: str) -> Stored | None:
+        """Delete the conversation's retention, and its claim marker in the same
+        transaction: a claim whose caller went away puts its retention back only while
+        its marker is there (`unclaim`), so a revoke meanwhile is not undone.
+        -> the retention deleted, None if there was none."""
         key = self.keys.retention(tenant, conversation_id)
-        req = rpc.DeleteRangeRequest(key=key, prev_kv=True)
-        resp = await timed("revoke", self._client.kvstub.DeleteRange(req, timeout=self._timeout))
-        return decode_retention(resp.prev_kvs[0].value) if resp.prev_kvs else None
+        txn = rpc.TxnRequest(
+            success=[
+                rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key, prev_kv=True)),
+                _delete(self.keys.claim(tenant, conversation_id)),
+            ]
+        )
+        resp = await timed("revoke", self._client.kvstub.Txn(txn, timeout=self._timeout))
+        prev = resp.responses[0].response_delete_range.prev_kvs
+        if not prev:
+            return None
+        return Stored(tenant, conversation_id, decode_retention(prev[0].value), int(prev[0].mod_revision))
 
     async def list_retentions(self, prefix: bytes, start: bytes, limit: int) -> tuple[list[Stored], bytes]:
         """Up to `limit` retentions under `prefix` from key `start`. -> (page, next start or b"").

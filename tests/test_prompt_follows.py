@@ -234,6 +234,23 @@ async def test_a_claim_whose_caller_went_away_is_put_back_for_the_next_turn(clie
     assert (await client.leases.Lookup(lookup_request("c"))).decision == leases_pb2.PULL
 
 
+async def test_a_revoke_is_not_undone_by_a_claim_put_back(daemon: Daemon, client: Client) -> None:
+    """An operator revokes the conversation while a claim that took its retention waits for
+    its prompt; then the claim's caller goes away. The put-back must not bring back what
+    the operator revoked."""
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("c"))
+    call = client.leases.Stream()
+    await call.write(leases_pb2.LeaseOpBatch(ops=[leases_pb2.LeaseOp(id=1, lookup=early("c"))]))
+    await peek_until(client, "c", lambda peek: peek.reason == "already_claimed")  # taken meanwhile
+    revoked = await client.leases.Revoke(leases_pb2.RevokeLeaseRequest(conversation_id="c"))
+    assert not revoked.found  # (the claim holds it)
+    call.cancel()
+    await asyncio.sleep(0.3)  # the daemon sees the stream end and tries the put-back
+    await daemon.control_plane.settle()
+    assert (await client.leases.Lookup(lookup_request("c"))).reason == "no_lease"
+
+
 async def test_a_claim_whose_caller_gives_up_while_deciding_is_put_back(
     daemon: Daemon, client: Client
 ) -> None:
