@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import sys
@@ -136,19 +137,21 @@ def _revoke(stub: leases_pb2_grpc.LeasesStub, nodes: nodes_pb2_grpc.NodesStub, a
     """Revoke the lease, then (unless --no-release) free D's blocks now rather than at
     D's TTL: a prefill node of D's model and block size is handed the release params
     with nothing to pull, and its connector only notifies D (as the router and the
-    sidecars release blocks). The release is best effort: the lease is revoked either way."""
+    sidecars release blocks). The release is best effort: the lease is revoked either
+    way, and the exit status is 0 (`release.sent` in --json says whether it went)."""
     resp = stub.Revoke(
         leases_pb2.RevokeLeaseRequest(tenant=a.tenant, conversation_id=a.conversation_id),
         timeout=a.timeout,
     )
-    if not resp.found or a.no_release:
+    if not resp.found:
         return _removed(resp, a.json, "revoked", "no such lease")
-    released, how = _release(nodes, resp, a)
+    sent, how = (False, "--no-release") if a.no_release else _release(nodes, resp, a)
     if a.json:
-        print(json.dumps({**_as_dict(resp), "release": {"sent": released, "detail": how}}))
+        print(json.dumps({**_as_dict(resp), "release": {"sent": sent, "detail": how}}))
     else:
         print("revoked")
-        print(f"D's blocks released {how}" if released else f"D's blocks not released: {how}")
+        if not a.no_release:
+            print(f"D's blocks released {how}" if sent else f"D's blocks not released: {how}")
     return 0
 
 
@@ -162,31 +165,46 @@ def _release(
             "nothing to release (the lease had expired, or its node is not alive at the "
             "generation it was registered under)"
         )
-    listed = nodes.List(nodes_pb2.ListNodesRequest(), timeout=a.timeout).nodes
+    try:
+        listed = nodes.List(nodes_pb2.ListNodesRequest(), timeout=a.timeout).nodes
+    except grpc.RpcError as e:
+        return False, f"could not list the nodes ({e.code().name}: {e.details()}); D frees them at its TTL"
     d = next((n for n in listed if n.engine_id == lease.engine_id), None)
-    if d is None:
-        return False, f"its node {lease.engine_id} is no longer alive; D frees them at its TTL"
+    if d is None or d.generation != lease.generation:
+        return False, f"its node {lease.engine_id} is gone or restarted since: nothing is held"
     p = release_prefill(listed, d.model, lease.block_size)
     if p is None:
         return False, (
             f"no alive prefill node serves {d.model!r} with block size {lease.block_size}; "
             "D frees them at its TTL"
         )
-    body = claim_release_body(p.model or None, struct_to_dict(resp.release_params))
+    body = json.dumps(claim_release_body(p.model or None, struct_to_dict(resp.release_params))).encode()
     headers = {"Content-Type": "application/json"}
     if a.engine_api_key:
         headers["Authorization"] = f"Bearer {a.engine_api_key}"
-    url = engine_url(p) + "/v1/completions"
-    request = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
+    # The engine's own URL first, then its sidecar's (which relays to it), as the router
+    # falls back when the engine cannot be reached from where it runs.
+    urls = dict.fromkeys(u.rstrip("/") for u in (engine_url(p), p.http_url) if u)
+    problem = ""
+    for url in urls:
+        try:
+            request = urllib.request.Request(url + "/v1/completions", body, headers, method="POST")
+            with urllib.request.urlopen(request, timeout=a.release_timeout) as r:
+                r.read()
+            return True, f"through prefill node {p.engine_id}"
+        except urllib.error.HTTPError as e:  # (before URLError: it is one) P answered: no retry
+            return False, f"prefill node {p.engine_id} refused the release: HTTP {e.code} {_error_text(e)}"
+        except (OSError, ValueError, http.client.HTTPException) as e:  # unreachable, timed out, garbled
+            problem = f"{problem}; " if problem else ""
+            problem += f"{url}: {e}"
+    return False, f"prefill node {p.engine_id} could not be reached ({problem}); D frees them at its TTL"
+
+
+def _error_text(e: urllib.error.HTTPError) -> str:
     try:
-        with urllib.request.urlopen(request, timeout=a.release_timeout) as r:
-            r.read()
-    except urllib.error.HTTPError as e:
-        detail = e.read()[:300].decode("utf-8", "replace")
-        return False, f"prefill node {p.engine_id} refused the release: HTTP {e.code} {detail}"
-    except (OSError, ValueError) as e:  # unreachable, timed out, a URL urllib cannot use
-        return False, f"prefill node {p.engine_id} ({url}) could not be reached: {e}"
-    return True, f"through prefill node {p.engine_id}"
+        return e.read()[:300].decode("utf-8", "replace")
+    except (OSError, http.client.HTTPException):
+        return ""
 
 
 def _removed(resp: Any, as_json: bool, done: str, missing: str) -> int:

@@ -50,6 +50,7 @@ async def test_revoke_without_release_leaves_ds_blocks_held(
     )
     assert code == 0, err
     got = json.loads(out)
-    assert got["found"] is True and got["lease"]["conversation_id"] == "keep-blocks" and "release" not in got
+    assert got["found"] is True and got["lease"]["conversation_id"] == "keep-blocks"
+    assert got["release"] == {"sent": False, "detail": "--no-release"}
     assert got["release_params"]["remote_num_tokens"] == 0  # for whoever sends them
     assert held in d.engine.snapshot()["held_requests"]
