@@ -51,7 +51,8 @@ class DaemonSettings:
 
 @dataclass(frozen=True)
 class NodeSettings:
-    """Engines given on the command line (used when the daemon lists none)."""
+    """Engines given on the command line: given, they replace discovery from the daemon
+    (then asked for lookups only)."""
 
     prefill_urls: tuple[str, ...] = ()
     """Base URLs of prefill nodes (their sidecars when they have one)."""
@@ -161,7 +162,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add("listen", d.server.listen, "host:port of the OpenAI-compatible server")
     add("daemon", ",".join(d.daemon.addresses), "daemon address(es) host:port[,...]; empty = none")
-    add("prefill", "", "prefill node URL(s), comma-separated (when not discovered from the daemon)")
+    add("prefill", "", "prefill node URL(s), comma-separated (given: no discovery from the daemon)")
     add("decode", "", "decode node URL(s) (their sidecars), comma-separated")
     add("model", d.nodes.model, "base model of the static nodes (default: learned from /v1/models)")
     add("block-size", d.nodes.block_size, "tokens per KV block of the static nodes", int)

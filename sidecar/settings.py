@@ -33,8 +33,10 @@ class EngineSettings:
     model: str = ""
     """Base model; "" = learned from the engine's /v1/models."""
     api_key: str = ""
-    """Bearer key for the sidecar's own requests to the engine's /v1 routes (vLLM's
-    --api-key guards them; "" = none). Requests it relays keep their own Authorization."""
+    """Bearer key for the sidecar's own requests to the engines' /v1 routes (vLLM's
+    --api-key guards them; "" = none): its engine's /v1/models, and the releases it sends
+    through a prefill node (so the engines share it). Requests it relays keep their own
+    Authorization."""
     block_size: int = 0
     """Tokens per KV block; 0 = learned from vllm:cache_config_info in /metrics, else 16."""
     side_channel_host: str = ""
@@ -214,7 +216,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("role", e.role, "prefill, decode or both")
     add("engine-id", e.engine_id, "node id at the daemon (default <hostname>-<engine port>)")
     add("model", e.model, "base model (default: learned from /v1/models)")
-    add("engine-api-key", e.api_key, "bearer key for the engine's /v1/models (vLLM --api-key)")
+    add(
+        "engine-api-key", e.api_key, "bearer key for the engines (vLLM --api-key): /v1/models, releases via P"
+    )
     add("block-size", e.block_size, "tokens per KV block (0: learn from /metrics, else 16)", int)
     add("side-channel-host", e.side_channel_host, "NIXL side-channel host prefill nodes reach")
     add("side-channel-port", e.side_channel_port, "NIXL side-channel port", int)
