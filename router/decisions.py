@@ -120,8 +120,12 @@ def reuse_of(answer: LookupAnswer) -> Reuse:
     if answer.pull:
         if answer.reusable_tokens > 0 and _usable_pull(answer.params):
             return Reuse("PULL", answer.reason, answer.params, answer.reusable_tokens)
-        # A PULL we cannot hand over intact is not worth a failed prefill.
-        return Reuse("RECOMPUTE", "unusable_params")
+        # A PULL we cannot hand over intact is not worth a failed prefill; its blocks
+        # were claimed all the same, so they are released when the params allow it.
+        usable = _usable_pull(answer.params)
+        return Reuse(
+            "RECOMPUTE", "unusable_params", {**answer.params, "remote_num_tokens": 0} if usable else None
+        )
     release = answer.release if answer.release and _usable_pull(answer.release) else None
     return Reuse("RECOMPUTE", answer.reason, release)
 

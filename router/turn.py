@@ -222,7 +222,9 @@ class Turn:
                     self.identity.tenant,
                     conversation,
                     prompt,
-                    answered_late=lambda reuse: self._release_claim(self.tokenized_by or prefill, reuse),
+                    answered_late=lambda reuse: self._release_claim(
+                        self.tokenized_by or prefill, reuse.remote
+                    ),
                     request_id=self.request_id,
                 )
             )
@@ -235,7 +237,14 @@ class Turn:
         prefill = self.tokenized_by or prefill
         t0 = time.perf_counter()
         score = self._score(prefill) if scoring and self.tokens is not None else None
-        reuse, cached = await asyncio.gather(_maybe(lookup), _maybe(score))
+        try:
+            reuse, cached = await asyncio.gather(_maybe(lookup), _maybe(score))
+        except asyncio.CancelledError:
+            # The client left while the score was still out: a lookup answered by then has
+            # claimed what no P request will carry (one still out answers its late hook).
+            if lookup is not None and lookup.done() and not lookup.cancelled() and not lookup.exception():
+                self._release_claim(prefill, lookup.result().remote)
+            raise
         if lookup is not None:
             self.s.metrics.stage.labels("lookup").observe(time.perf_counter() - t0)
             self.reuse = reuse
@@ -352,6 +361,11 @@ class Turn:
                 kind = FailureKind.STATUS if reply.status != 200 else FailureKind.PROTOCOL
                 failure = Failure(kind, reply.status)
             self.s.metrics.upstream_error("prefill", failure)
+            if remote and failure.client_error:
+                # A 4xx is P's frontend refusing the request before its engine saw it (a
+                # prompt grown past max_model_len, say): P's connector never got D's params,
+                # so D would hold the claimed blocks to its TTL. (A retry goes without them.)
+                self._release_claim(node, remote)
             # (D's params are for a P of this one's block size)
             spare = prefill_candidates(alike(self.nodes, node) if remote else self.nodes, exclude=tried)
             retry = retry_after(failure, bool(remote), attempt, bool(spare))
@@ -495,6 +509,10 @@ class Turn:
             rest = scrubber.flush()
             if rest:
                 await resp.write(rest)
+        except (
+            ConnectionResetError
+        ):  # the client left (its transport closed under a write): D is aborted below
+            return resp
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as e:
             # D broke off mid-answer: cut the client's connection so it sees a truncated answer.
             self.s.metrics.upstream_error("decode", Failure(FailureKind.PROTOCOL))
@@ -520,15 +538,15 @@ class Turn:
         post = functools.partial(self.s.engines.post, node.url + "/v1/completions", payload, headers)
         self._release(node, "decode", "prefill", post, self.s.metrics.prefill_releases)
 
-    def _release_claim(self, node: Node, reuse: Reuse) -> None:
-        """The lookup's answer came after its deadline, or after its client left: the turn
-        went on without reuse (or is gone), but the daemon had claimed the conversation's
-        blocks on D (`reuse.remote`: a pull's or a release's params; None = none were held).
-        Have D free them now rather than at its TTL: P, handed D's params with nothing to
-        pull (`claim_release_body`), has its connector notify D."""
-        if reuse.remote is None:
+    def _release_claim(self, node: Node, remote: Mapping[str, Any] | None) -> None:
+        """The daemon claimed the conversation's blocks on D for this turn (`remote`: a
+        pull's or a release's params; None = none were held), and no P request will carry
+        them: the lookup answered after its deadline, its client left, or P refused the
+        request that carried them. Have D free them now rather than at its TTL: P, handed
+        D's params with nothing to pull (`claim_release_body`), has its connector notify D."""
+        if remote is None:
             return
-        payload = encode(claim_release_body(node.model or self.body.get("model"), reuse.remote))
+        payload = encode(claim_release_body(node.model or self.body.get("model"), remote))
         request_id = f"{self.request_id}-claim-release"
         post = functools.partial(
             self._post_prefill_node, node, "/v1/completions", payload, request_id=request_id

@@ -257,7 +257,9 @@ def test_a_pull_missing_what_p_needs_is_not_handed_over() -> None:
     broken = {k: v for k, v in D_PARAMS.items() if k != "remote_host"}
     reuse = reuse_of(LookupAnswer(True, "pull", broken, {}, 40))
     assert not reuse.pull and reuse.remote is None and reuse.reason == "unusable_params"
-    assert reuse_of(LookupAnswer(True, "pull", D_PARAMS, {}, 0)).remote is None
+    # Nothing to pull, but the claim took D's blocks: they are released (nothing pulled).
+    empty = reuse_of(LookupAnswer(True, "pull", D_PARAMS, {}, 0))
+    assert not empty.pull and empty.remote == {**D_PARAMS, "remote_num_tokens": 0}
 
 
 def test_prefill_and_decode_bodies() -> None:

@@ -357,6 +357,57 @@ class _SlowWrites:
         return getattr(self._call, name)
 
 
+async def test_a_client_gone_after_its_lookup_answered_has_ds_blocks_freed(
+    make_stack: MakeStack, http: aiohttp.ClientSession
+) -> None:
+    """The client leaves after the lookup claimed D's blocks for its turn, while the router
+    still waits for the prefill scores: no P request will carry the params, so the router
+    has P tell D to free them. They were dropped: D held them to its TTL."""
+    from tests.router.test_prefill_choice import indexed
+
+    stack = await make_stack(prefill=2, p_config={"enable_prefix_caching": True, "kv_events_port": 0})
+    router = await stack.router()
+    [d] = stack.decodes
+    body = {"messages": first_turn("departures", size=30), "max_tokens": 8, "conversation_id": "gone"}
+    one = await ask(http, router.url, body)
+    assert one.status == 200
+    await stack.registrations_idle()
+    [held] = d.engine.snapshot()["held_requests"]
+    for p in stack.prefills:
+        if p.engine.metrics.total("vllm:prompt_tokens"):
+            await indexed(stack, p, 0)
+    await asyncio.sleep(0.5)  # the router's node list sees the index: it will score
+    assert router.control is not None
+    score = router.control.score
+    answered = asyncio.Event()
+
+    async def slow_score(hashes: Any) -> dict[str, int]:
+        answered.set()  # (scoring starts once the prompt is made; the lookup answers meanwhile)
+        await asyncio.sleep(5)
+        return await score(hashes)
+
+    router.control.score = slow_score  # type: ignore[method-assign]
+    second = {**body, "messages": next_turn(body["messages"], one.text)}
+    request = asyncio.create_task(http.post(router.url + CHAT, json=second))
+    await answered.wait()
+
+    async def claimed() -> bool:  # the lookup has its answer
+        peek = leases_pb2.LookupRequest(conversation_id="gone", prompt_tokens=1, peek=True)
+        return (await stack.client.leases.Lookup(peek)).reason == "already_claimed"
+
+    await eventually(claimed)
+    await asyncio.sleep(0.1)
+    request.cancel()  # the client hangs up
+    with contextlib.suppress(asyncio.CancelledError):
+        await request
+
+    async def freed() -> bool:
+        return held not in d.engine.snapshot()["held_requests"]
+
+    await eventually(freed)
+    assert router.metrics.value("kvferry_router_claim_releases_total", outcome="released") == 1
+
+
 async def test_a_claim_reaching_the_daemon_after_its_own_turn_registered_leaves_that_retention(
     make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
 ) -> None:
@@ -617,6 +668,31 @@ async def test_params_a_p_never_got_still_go_with_the_fresh_retry(
     first, second = (body["kv_transfer_params"] for path, _, body in p.requests if path == CHAT)
     assert first["remote_num_tokens"] == 0 and first["remote_request_id"] == "req-1"
     assert second == first
+
+
+async def test_params_p_refused_with_a_4xx_are_released(daemon: Daemon, http: aiohttp.ClientSession) -> None:
+    """P's frontend refuses the turn with a 4xx (a prompt grown past max_model_len, say), the
+    retry without params too: P's engine never saw D's params, so nothing would free the
+    blocks the daemon claimed for the turn. A release through P does; it was not sent."""
+    async with fakes_with_a_lease(daemon) as (p, d, _):  # (the lease has no digests: a release)
+        p.answers = [400, 400]
+        async with Router(
+            router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
+        ) as router:
+            chat = {"messages": [{"role": "user", "content": "hi"}], "conversation_id": "c"}
+            async with http.post(router.url + CHAT, json=chat) as r:
+                assert r.status == 400, await r.text()
+
+            async def released() -> bool:
+                return router.metrics.value("kvferry_router_claim_releases_total", outcome="released") == 1
+
+            await eventually(released)
+    turn, retry = (body["kv_transfer_params"] for path, _, body in p.requests if path == CHAT)
+    assert turn["remote_request_id"] == "req-1" and "remote_request_id" not in retry
+    [(_, _, release)] = [(path, h, body) for path, h, body in p.requests if path == COMPLETIONS]
+    kv = release["kv_transfer_params"]
+    assert release["max_tokens"] == 1 and kv["remote_request_id"] == "req-1" and kv["remote_num_tokens"] == 0
+    assert d.requests == []
 
 
 async def test_a_prompt_with_an_image_is_served_plain_and_claims_nothing(
