@@ -311,7 +311,7 @@ async def bench(args: argparse.Namespace) -> None:
         # 2. Raw aetcd transaction latency, same shape as a claim, from this process straight
         # to etcd: one at a time (the ratio's base), and at 1,000/s (the floor of a claim's
         # p99 at that rate here: the daemon adds its own work to it, never takes any away).
-        raw = _Client(etcd.endpoint, 5.0)
+        raw = _Client((etcd.endpoint,), 5.0)
         await raw.connect()
         raw_lat = await _raw_claims(raw, "seq", 2000)
         raw_p50 = pct(raw_lat, 50)

@@ -103,6 +103,7 @@ class Daemon:
             except OSError as e:
                 raise OSError(f"cannot serve metrics on {host}:{s.server.metrics_port}: {e}") from e
             self.metrics_port = self._metrics_httpd.server_address[1]
+        self._tasks.append(asyncio.create_task(store.follow_dns(s.etcd.dns_refresh_s), name="etcd-dns"))
         self._tasks.append(asyncio.create_task(cp.nodes.run(), name="node-cache"))
         if s.nodes.gc_after_s > 0:
             interval = min(60.0, s.nodes.gc_after_s / 4)

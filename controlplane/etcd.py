@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import aetcd
 import grpc
+import structlog
 from aetcd import rpc
 
 from controlplane import metrics
@@ -24,6 +25,7 @@ from controlplane.errors import StoreUnavailable
 from kvferry.tasks import cancel_and_wait
 
 T = TypeVar("T")
+log = structlog.get_logger(__name__)
 
 
 class LeaseGone(Exception):
@@ -43,22 +45,46 @@ _CHANNEL_OPTIONS = [
 
 
 def channel_target(endpoints: tuple[str, ...]) -> str:
-    """A gRPC target naming every endpoint, so the channel fails over between members."""
+    """A gRPC target naming every endpoint, so the channel fails over between members.
+
+    One endpoint: gRPC resolves a name itself, and again when it reconnects. Several: no
+    gRPC target re-resolves a list of names, so they are resolved here, to a fixed list
+    of addresses (`Client.follow_dns` resolves them again while the daemon runs: a
+    member's pod restarted under a new address). A name that does not resolve is left
+    out while another does (a member not up yet); when none does, the first name is the
+    target, for gRPC to resolve until it does.
+    """
     if len(endpoints) == 1:
         host, _, port = endpoints[0].rpartition(":")
         return endpoints[0] if _is_ip(host) else f"dns:///{host}:{port}"
-    addrs = []
+    addrs: list[tuple[str, str]] = []  # (IP, port)
     for ep in endpoints:
         host, _, port = ep.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"etcd endpoint {ep!r} is not host:port")
-        ip = host.strip("[]") if _is_ip(host.strip("[]")) else socket.gethostbyname(host)
-        addrs.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
-    return (
-        "ipv4:" + ",".join(addrs)
-        if all(":" not in a.split("]")[0] for a in addrs)
-        else "ipv6:" + ",".join(addrs)
-    )
+        try:
+            ip = host.strip("[]") if _is_ip(host.strip("[]")) else _resolve(host)
+        except OSError as e:
+            log.warning("etcd.endpoint.unresolved", endpoint=ep, error=str(e))
+            continue
+        addrs.append((ip, port))
+    if not addrs:
+        host, _, port = endpoints[0].rpartition(":")
+        return f"dns:///{host}:{port}"
+    if all(":" not in ip for ip, _ in addrs):
+        return "ipv4:" + ",".join(f"{ip}:{port}" for ip, port in addrs)
+    # One scheme per target: IPv4 members as IPv4-mapped IPv6 addresses beside IPv6 ones.
+    return "ipv6:" + ",".join(f"[{ip if ':' in ip else '::ffff:' + ip}]:{port}" for ip, port in addrs)
+
+
+def _resolve(host: str) -> str:
+    """The first address `host` resolves to (IPv4 or IPv6, as the resolver orders them)."""
+    return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+
+
+def names_to_follow(endpoints: tuple[str, ...]) -> bool:
+    """Whether `channel_target` resolved names the channel will not resolve again."""
+    return len(endpoints) > 1 and any(not _is_ip(ep.rpartition(":")[0].strip("[]")) for ep in endpoints)
 
 
 def _is_ip(host: str) -> bool:
@@ -72,19 +98,47 @@ def _is_ip(host: str) -> bool:
 class Client(aetcd.Client):  # type: ignore[misc]
     """aetcd's client on a channel that knows all cluster members."""
 
-    def __init__(self, target: str, timeout: float) -> None:
+    def __init__(self, endpoints: tuple[str, ...], timeout: float) -> None:
         super().__init__(timeout=timeout)
-        self._target = target
+        self._endpoints = endpoints
+        self._timeout_s = timeout
+        self.target = ""
+        self._retired: set[asyncio.Task[None]] = set()
 
     async def connect(self) -> None:
         if self._connected.is_set():
             return
-        self.channel = grpc.aio.insecure_channel(self._target, options=_CHANNEL_OPTIONS)
+        self._open(await asyncio.to_thread(channel_target, self._endpoints))
+        self._connected.set()
+
+    def _open(self, target: str) -> None:
+        """Calls from now on go to a channel on `target` (each call takes the stubs anew)."""
+        self.target = target
+        self.channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
         self.kvstub = rpc.KVStub(self.channel)
         self.leasestub = rpc.LeaseStub(self.channel)
         self.clusterstub = rpc.ClusterStub(self.channel)
         self.maintenancestub = rpc.MaintenanceStub(self.channel)
-        self._connected.set()
+
+    async def follow_dns(self, interval_s: float) -> None:
+        """Resolve the endpoints' names every `interval_s`, and move to a new channel when
+        an address changed (see `channel_target`); calls already on the old one finish."""
+        while True:
+            await asyncio.sleep(interval_s)
+            target = await asyncio.to_thread(channel_target, self._endpoints)
+            if target == self.target:
+                continue
+            log.info("etcd.endpoints.moved", before=self.target, after=target)
+            old = self.channel
+            self._open(target)
+            task = asyncio.create_task(old.close(grace=self._timeout_s), name="etcd-old-channel")
+            self._retired.add(task)
+            task.add_done_callback(self._retired.discard)
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close(None)
+        await asyncio.gather(*self._retired, return_exceptions=True)
 
 
 async def timed(op: str, call: Awaitable[T]) -> T:

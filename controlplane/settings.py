@@ -22,6 +22,9 @@ class EtcdSettings:
     prefix: str = "/kvferry"
     # Per-request timeout for etcd calls, seconds.
     timeout_s: float = 2.0
+    # Seconds between lookups of the endpoints' names, when several are names (a member
+    # restarted under a new address is followed; see controlplane.etcd.channel_target).
+    dns_refresh_s: float = 10.0
     # Embedded etcd: where it keeps its data (survives restarts) and its client port.
     data_dir: Path = Path(".kvferry/etcd")
     embedded_client_port: int = 23790
@@ -102,6 +105,8 @@ class Settings:
                 raise ValueError(f"etcd endpoint {endpoint!r} must be host:port")
         if not self.etcd.timeout_s > 0:
             raise ValueError(f"etcd timeout must be positive, not {self.etcd.timeout_s}")
+        if not self.etcd.dns_refresh_s > 0:
+            raise ValueError(f"etcd DNS refresh must be positive, not {self.etcd.dns_refresh_s}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -119,6 +124,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("etcd", "", "external etcd endpoints host:port,...; empty = start an embedded etcd")
     add("etcd-prefix", d.etcd.prefix, "key prefix of all of kvferry's keys")
     add("etcd-timeout", d.etcd.timeout_s, "seconds per etcd request", float)
+    add(
+        "etcd-dns-refresh",
+        d.etcd.dns_refresh_s,
+        "seconds between lookups of the etcd endpoints' names (when several are names)",
+        float,
+    )
     add("data-dir", d.etcd.data_dir, "embedded etcd data (kept across restarts)")
     add("embedded-port", d.etcd.embedded_client_port, "embedded etcd client port (peer: +10)", int)
     add("safety-margin", d.policy.safety_margin_s, "seconds before D's deadline a pull stops", float)
@@ -147,6 +158,7 @@ def from_args(a: argparse.Namespace) -> Settings:
             endpoints=endpoints,
             prefix=a.etcd_prefix,
             timeout_s=a.etcd_timeout,
+            dns_refresh_s=a.etcd_dns_refresh,
             data_dir=Path(a.data_dir),
             embedded_client_port=a.embedded_port,
             embedded_peer_port=a.embedded_port + 10,

@@ -28,7 +28,7 @@ from aetcd import rpc
 
 from controlplane import metrics
 from controlplane.errors import Conflict, StoreUnavailable
-from controlplane.etcd import Client, LeaseGone, TxnBatcher, channel_target, timed
+from controlplane.etcd import Client, LeaseGone, TxnBatcher, names_to_follow, timed
 from controlplane.records import (
     Claim,
     HeldSummary,
@@ -214,8 +214,9 @@ class EtcdStore:
         claim_marker_s: int,
     ) -> None:
         self.keys = keys
+        self._endpoints = endpoints
         self._timeout = timeout_s
-        self._client = Client(channel_target(endpoints), timeout_s)
+        self._client = Client(endpoints, timeout_s)
         self._gc = GcLeases(self._client, bucket_s, max_keys_per_lease, timeout_s)
         self._batcher = TxnBatcher(self._client, timeout_s)
         self._claim_marker_s = claim_marker_s
@@ -233,8 +234,12 @@ class EtcdStore:
 
     async def close(self) -> None:
         await self._batcher.close()
-        if self._client.channel is not None:
-            await self._client.channel.close(None)
+        await self._client.close()
+
+    async def follow_dns(self, interval_s: float) -> None:
+        """Keep resolving the endpoints' names (when gRPC would not): see `channel_target`."""
+        if names_to_follow(self._endpoints):
+            await self._client.follow_dns(interval_s)
 
     async def ready(self, timeout_s: float) -> None:
         """Wait until etcd answers a read, or raise StoreUnavailable."""

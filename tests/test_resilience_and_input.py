@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+from collections.abc import Awaitable
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -13,6 +16,7 @@ from controlplane.service import PROMPT_WAIT_S
 from kvferry.v1 import leases_pb2, nodes_pb2
 from tests.conftest import Client, DaemonFactory, EtcdProcess, daemon_settings
 from tests.factories import d_params, lease_request, lookup_request, node_request
+from tests.polling import eventually
 
 
 async def test_etcd_stopped_and_restarted_under_the_daemon(
@@ -151,6 +155,64 @@ async def test_oversized_messages_are_refused(make_daemon: DaemonFactory, connec
         await c.leases.Lookup(leases_pb2.LookupRequest(conversation_id="c", prompt_digests=b"\0" * 16 * 8192))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert (await c.leases.Lookup(lookup_request("c"))).reason == "no_lease", "the daemon is still serving"
+
+
+async def test_etcd_members_named_by_dns_are_followed_to_new_addresses(
+    etcd_endpoint: str,
+    make_daemon: DaemonFactory,
+    connect,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    """Members given by name (a StatefulSet's pods): gRPC resolves no list of names, so the
+    daemon does, and again while it runs. A name that does not resolve yet is left out
+    (the daemon crashed at start), and a member's pod restarted under a new address is
+    followed (the daemon kept its old addresses until it restarted: etcd unavailable)."""
+    import controlplane.etcd
+
+    port = etcd_endpoint.rpartition(":")[2]
+    table: dict[str, str | None] = {"etcd-0.test": "127.0.0.1", "etcd-1.test": None}
+
+    def resolve(name: str, *_: object, **__: object) -> list[tuple[object, ...]]:
+        ip = table.get(name)
+        if ip is None:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, 0))]
+
+    monkeypatch.setattr(controlplane.etcd.socket, "getaddrinfo", resolve)
+    settings = daemon_settings(etcd_endpoint)
+    etcd = replace(settings.etcd, endpoints=(f"etcd-0.test:{port}", f"etcd-1.test:{port}"), dns_refresh_s=0.1)
+    d = await make_daemon(replace(settings, etcd=etcd))
+    client = connect(d)
+    await client.nodes.Register(node_request("d-1"))
+
+    async def registers() -> bool:
+        try:
+            await client.nodes.Register(node_request("d-1"), timeout=2)
+        except grpc.aio.AioRpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+            return False
+        return True
+
+    table["etcd-0.test"] = "127.0.0.2"  # etcd-0 moved, to where no etcd listens
+    await eventually(lambda: _negated(registers()), within=10)
+    table["etcd-1.test"] = "127.0.0.1"  # etcd-1 is up, where the etcd is
+    await eventually(registers, within=10)
+
+
+def test_several_etcd_endpoints_make_one_valid_grpc_target() -> None:
+    """Several members were joined into "ipv6:1.2.3.4:2379,...", a target gRPC refuses:
+    a daemon given more than one etcd endpoint could reach none of them."""
+    from controlplane.etcd import channel_target
+
+    assert channel_target(("10.0.0.1:2379", "10.0.0.2:2379")) == "ipv4:10.0.0.1:2379,10.0.0.2:2379"
+    assert channel_target(("[fd00::1]:2379", "10.0.0.2:2379")) == "ipv6:[fd00::1]:2379,[::ffff:10.0.0.2]:2379"
+    assert channel_target(("etcd.test.invalid:2379",)) == "dns:///etcd.test.invalid:2379"
+    assert channel_target(("no-such.invalid:2379", "10.0.0.2:2379")) == "ipv4:10.0.0.2:2379"
+    assert channel_target(("no-such.invalid:2379", "nor-this.invalid:2379")) == "dns:///no-such.invalid:2379"
+
+
+async def _negated(check: Awaitable[bool]) -> bool:
+    return not await check
 
 
 async def test_a_claim_that_etcd_fails_after_still_releases(
