@@ -188,6 +188,8 @@ class NodeCache:
                 await self.refresh()
             except StoreUnavailable as e:
                 outage.report(log, False, "nodes.refresh.failed", "nodes.refresh.recovered", error=str(e))
+            except Exception:  # a defect: logged, and the cache keeps being refreshed
+                log.exception("nodes.refresh.error")
             else:
                 outage.report(log, True, "nodes.refresh.failed", "nodes.refresh.recovered")
             await asyncio.sleep(self._refresh_s)
@@ -395,6 +397,8 @@ class ControlPlane:
                 await self.collect_dead_nodes()
             except StoreUnavailable as e:
                 log.warning("nodes.collect.failed", error=str(e))
+            except Exception:  # a defect: logged, and the next pass runs all the same
+                log.exception("nodes.collect.error")
 
     async def deregister_node(self, engine_id: str) -> bool:
         _check_id("engine_id", engine_id, self._limits.max_id_bytes)
@@ -767,5 +771,7 @@ class ControlPlane:
                 await self.scan_gauges()
             except StoreUnavailable as e:
                 log.warning("gauges.scan.failed", error=str(e))
+            except Exception:  # a defect: logged, and the next scan runs all the same
+                log.exception("gauges.scan.error")
             took = time.monotonic() - start
             await asyncio.sleep(max(interval_s, 10 * took) - took)

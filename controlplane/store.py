@@ -181,11 +181,22 @@ def _is_alive(rec: NodeRecord, alive_generation: int | None) -> bool:
 
 def _node_state(node_kvs: Sequence[Any], alive_kvs: Sequence[Any]) -> tuple[NodeState | None, int]:
     """A node record and its liveness key as read -> (state or None, record mod revision)."""
-    if not node_kvs:
+    rec = _decoded(decode_node, node_kvs[0]) if node_kvs else None
+    if rec is None:  # (no record, or none this version reads: the node counts as gone)
         return None, 0
-    rec = decode_node(node_kvs[0].value)
     alive = _is_alive(rec, int(alive_kvs[0].value or b"0") if alive_kvs else None)
     return NodeState(rec, alive), int(node_kvs[0].mod_revision)
+
+
+def _decoded(decode: Callable[[bytes], T], kv: Any) -> T | None:
+    """A record as `decode` reads it; None, with a log line, for one it cannot read (written
+    by another version of kvferry, say): one such record must not fail a whole listing or
+    stop a background loop."""
+    try:
+        return decode(kv.value)
+    except UNDECODABLE as e:
+        log.warning("etcd.record.undecodable", key=bytes(kv.key).decode("utf-8", "replace"), error=str(e))
+        return None
 
 
 def _floor(kvs: Sequence[Any]) -> tuple[int, int]:
@@ -411,7 +422,9 @@ class EtcdStore:
             resp = await timed("list", self._client.kvstub.Range(req, timeout=self._timeout))
             for kv in resp.kvs:
                 tenant, conv = self.keys.split_retention(kv.key)
-                out.append(Stored(tenant, conv, decode_retention(kv.value), int(kv.mod_revision)))
+                retention = _decoded(decode_retention, kv)
+                if retention is not None:
+                    out.append(Stored(tenant, conv, retention, int(kv.mod_revision)))
             if resp.more and resp.kvs:
                 return out, bytes(resp.kvs[-1].key) + b"\0"
             if hi == end:
@@ -463,7 +476,9 @@ class EtcdStore:
                     if seen and seen % page == 0:
                         bounds.append(bytes(kv.key))
                     seen += 1
-                    yield decode_summary(kv.value)
+                    summary = _decoded(decode_summary, kv)
+                    if summary is not None:
+                        yield summary
                 # Paced by what was read: a window that came back (nearly) empty costs
                 # one cheap request, and sampled bounds never slow the scan down.
                 await asyncio.sleep(pause_s * len(resp.kvs) / page)
@@ -507,7 +522,9 @@ class EtcdStore:
         states: dict[str, NodeState] = {}
         revisions: dict[str, int] = {}
         for kv in records.kvs:
-            rec = decode_node(kv.value)
+            rec = _decoded(decode_node, kv)
+            if rec is None:
+                continue
             states[rec.engine_id] = NodeState(rec, _is_alive(rec, alive.get(rec.engine_id)))
             revisions[rec.engine_id] = int(kv.mod_revision)
         return states, revisions

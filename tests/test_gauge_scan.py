@@ -207,3 +207,22 @@ async def test_stale_bounds_over_an_emptied_store_cost_few_requests(
     store._client.kvstub.Range = counting
     assert await listed(store, store.keys.retentions, 100) == ["t/c199"]
     assert ranges <= 12  # 99 windows, skipped in doubling spans
+
+
+async def test_a_record_this_version_cannot_read_is_skipped_with_a_log_line(store: EtcdStore) -> None:
+    """A record written by another version of kvferry (a field of a type this one does not
+    read): a listing, the gauge scan and the node cache skip it. One such record failed a
+    whole listing and stopped the node cache's refresh loop for good."""
+    now = time.time()
+    for i in range(3):
+        await store.put_retention("t", f"c{i}", retention("d-a", 1), now)
+    garbled = b'{"engine_id": 7}'
+    await store._client.kvstub.Put(rpc.PutRequest(key=store.keys.retention("t", "c1x"), value=garbled))
+    await store._client.kvstub.Put(rpc.PutRequest(key=store.keys.node("d-new"), value=garbled))
+    with structlog.testing.capture_logs() as logs:
+        assert await listed(store, store.keys.retentions, 10) == ["t/c0", "t/c1", "t/c2"]
+        assert await held(store) == {"d-a": (3, 3)}
+        states, _ = await store.load_nodes()
+        assert "d-new" not in states
+        assert await store.get_node("d-new") == (None, 0)
+    assert {e["event"] for e in logs} == {"etcd.record.undecodable"}
