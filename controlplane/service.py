@@ -229,6 +229,7 @@ class ControlPlane:
         self.index = BlockIndex()
         self._streams: dict[str, object] = {}  # engine id -> the Attach stream its index follows
         self._putting_back: set[asyncio.Task[None]] = set()  # see _put_back
+        self._claiming: set[asyncio.Future[_Claimed]] = set()  # claims sent before their prompt
 
     # -- nodes ----------------------------------------------------------------
 
@@ -524,10 +525,13 @@ class ControlPlane:
             else:
                 if later is None:
                     got = await self._claim(tenant, q.conversation_id, q.request_id, now)
+                    now = self._clock()  # decide on the time it is now (the claim may have been slow)
                 else:
                     claiming = asyncio.ensure_future(
                         self._claim(tenant, q.conversation_id, q.request_id, now)
                     )
+                    self._claiming.add(claiming)
+                    claiming.add_done_callback(self._claiming.discard)
                     got, prompt, missing = await self._claim_awaiting(claiming, later, q.conversation_id)
                     now = self._clock()  # decide on the time it is now
                 outcome, own = got
@@ -632,8 +636,9 @@ class ControlPlane:
 
     async def settle(self) -> None:
         """Until the claims of callers that went away are put back (a stop waits for them)."""
-        while self._putting_back:
-            await asyncio.gather(*self._putting_back, return_exceptions=True)
+        # (a claim still at etcd when its caller went away makes its put-back once done)
+        while self._claiming or self._putting_back:
+            await asyncio.gather(*self._claiming, *self._putting_back, return_exceptions=True)
 
     async def _late_prompt(self, later: Awaitable[Prompt], conversation_id: str) -> tuple[Prompt, str]:
         """The prompt of a prompt_follows lookup -> (prompt, "") or (an empty prompt, why

@@ -358,7 +358,12 @@ class EtcdStore:
         self, tenant: str, conversation_id: str, r: Retention, marker_revision: int, now: float
     ) -> bool:
         """Put back a retention `claim` took and remove its marker, unless the conversation
-        has a newer retention or another marker by now. -> whether it was put back."""
+        has a newer retention or another marker by now. -> whether it was put back.
+
+        One past its deadline is not (D has freed its blocks): its deadline's GC lease may
+        be gone, and a write naming a lease etcd no longer knows fails its whole batch."""
+        if r.expires_at <= now:
+            return False
         key = self.keys.retention(tenant, conversation_id)
         ckey = self.keys.claim(tenant, conversation_id)
         value = encode(r)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
 
 from controlplane.convert import struct_to_dict
+from controlplane.daemon import Daemon
 from kvferry.v1 import leases_pb2
 from tests.conftest import Client
 from tests.factories import d_params, lease_request, lookup_request, node_request, tokens
@@ -259,3 +261,34 @@ async def test_a_retention_holding_freed_blocks_is_only_pulled_whole(client: Cli
     part = await client.leases.Lookup(lookup_request("part", prompt_tokens=700))
     assert (part.decision, part.reason) == (leases_pb2.RECOMPUTE, "whole_only")
     assert part.release_params.fields["remote_num_tokens"].number_value == 0
+
+
+async def test_a_slow_claim_is_decided_on_the_time_it_ended(daemon: Daemon, client: Client) -> None:
+    """The claim's etcd round trip took long (etcd loaded): D's deadline is nearer when the
+    answer leaves than when the lookup arrived, and the safety margin counts from then."""
+    await client.nodes.Register(node_request("d-1"))
+    margin = daemon.settings.policy.safety_margin_s
+    await client.leases.Register(lease_request("conv-slow", expires_in=margin + 0.3))
+    store = daemon.control_plane.store
+    claim = store.claim
+
+    async def slow_claim(*args, **kwargs):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.5)
+        return await claim(*args, **kwargs)
+
+    store.claim = slow_claim  # type: ignore[method-assign]
+    res = await client.leases.Lookup(lookup_request("conv-slow"))
+    assert (res.decision, res.reason) == (leases_pb2.RECOMPUTE, "expired"), res
+    assert res.release_params.fields  # still held by D: released
+
+
+async def test_a_retention_past_its_deadline_is_not_put_back(daemon: Daemon, client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("conv-late", expires_in=0.3))
+    store = daemon.control_plane.store
+    now = time.time()
+    taken = await store.claim("default", "conv-late", now)
+    assert taken.taken is not None
+    assert not await store.unclaim("default", "conv-late", taken.taken, taken.marker_revision, now + 1)
+    stored, marker = await store.read("default", "conv-late")
+    assert stored is None and marker is not None

@@ -251,6 +251,39 @@ async def test_a_revoke_is_not_undone_by_a_claim_put_back(daemon: Daemon, client
     assert (await client.leases.Lookup(lookup_request("c"))).reason == "no_lease"
 
 
+async def test_settling_waits_for_a_claim_still_at_etcd_when_its_caller_left(
+    daemon: Daemon, client: Client
+) -> None:
+    """A stop settles the claims of callers that went away before the store closes. One
+    still at etcd when its caller left made its put-back only once done, after the
+    settling had returned: the store then closed under it, and the retention was spent."""
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("c"))
+    store = daemon.control_plane.store
+    claim = store.claim
+    reached, claimed = asyncio.Event(), asyncio.Event()
+
+    async def slow_claim(*args, **kwargs):  # type: ignore[no-untyped-def]
+        reached.set()
+        await asyncio.sleep(0.5)
+        try:
+            return await claim(*args, **kwargs)
+        finally:
+            claimed.set()
+
+    store.claim = slow_claim  # type: ignore[method-assign]
+    call = client.leases.Stream()
+    await call.write(leases_pb2.LeaseOpBatch(ops=[leases_pb2.LeaseOp(id=1, lookup=early("c"))]))
+    await reached.wait()
+    call.cancel()
+    await asyncio.sleep(0.1)  # the daemon sees the stream end while the claim is at etcd
+    await daemon.control_plane.settle()
+    assert claimed.is_set()  # settled: the claim is done, and what it took is back
+    store.claim = claim  # type: ignore[method-assign]
+    peek = await client.leases.Lookup(lookup_request("c", peek=True))
+    assert (peek.decision, peek.reason) == (leases_pb2.PULL, "pull")
+
+
 async def test_a_claim_whose_caller_gives_up_while_deciding_is_put_back(
     daemon: Daemon, client: Client
 ) -> None:
