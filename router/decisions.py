@@ -38,6 +38,7 @@ class Skip(enum.StrEnum):
     ERROR = "daemon_error"
     MULTIPLE = "multiple_sequences"
     MEDIA = "non_text_content"
+    UNRENDERABLE = "prompt_not_reproducible"
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,19 @@ def single_sequence(body: Mapping[str, Any]) -> bool:
     prompt = body.get("prompt")
     # A list of token ids is one prompt; a list of strings or of id lists is a batch.
     return not (isinstance(prompt, list) and len(prompt) > 1 and any(type(t) is not int for t in prompt))
+
+
+def reproducible(body: Mapping[str, Any]) -> bool:
+    """Whether P's /tokenize renders the prompt the request itself would get, so that the
+    token ids sent to P and D (which then skip their own rendering) are the request's.
+
+    Not when the prompt depends on what /tokenize is not told: `truncate_prompt_tokens`
+    (the request's prompt is cut; the tokenized one is not), or `tool_choice: "none"`
+    with tools (an engine started with --exclude-tools-when-tool-choice-none renders the
+    request without the tools; /tokenize, which has no tool_choice, with them)."""
+    if body.get("truncate_prompt_tokens") is not None:
+        return False
+    return not (body.get("tool_choice") == "none" and body.get("tools"))
 
 
 def text_only(body: Mapping[str, Any]) -> bool:

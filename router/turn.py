@@ -58,6 +58,7 @@ from router.decisions import (
     decode_body,
     prefill_body,
     prefill_kv_params,
+    reproducible,
     retry_after,
     retry_decode_elsewhere,
     single_sequence,
@@ -168,7 +169,9 @@ class Turn:
         if prefill is None or decode is None:
             return error_response(503, "no prefill or no decode node available", "ServiceUnavailableError")
         if not text_only(self.body):
-            return await self._serve_media(prefill, decode)
+            return await self._serve_plain(prefill, decode, Skip.MEDIA)
+        if not reproducible(self.body):
+            return await self._serve_plain(prefill, decode, Skip.UNRENDERABLE)
         scoring = self.s.control is not None and worth_scoring(nodes)
         if conversation or scoring:
             prefill = await self._prepare(prefill, scoring, tiebreak)
@@ -177,10 +180,11 @@ class Turn:
             return params
         return await self._decode(decode, params)
 
-    async def _serve_media(self, prefill: Node, decode: Node) -> web.StreamResponse:
-        """A prompt with images (audio, ...): plain P/D, nothing looked up, scored or retained
-        (see `text_only`). P and D get the request as the client sent it, no token ids."""
-        self._skip(Skip.MEDIA)
+    async def _serve_plain(self, prefill: Node, decode: Node, why: Skip) -> web.StreamResponse:
+        """A prompt with images (audio, ...; see `text_only`), or one the router cannot
+        render as the engines would (see `reproducible`): plain P/D, nothing looked up,
+        scored or retained. P and D get the request as the client sent it, no token ids."""
+        self._skip(why)
         params = await self._prefill(prefill)
         if isinstance(params, web.Response):
             return params

@@ -695,31 +695,53 @@ async def test_params_p_refused_with_a_4xx_are_released(daemon: Daemon, http: ai
     assert d.requests == []
 
 
-async def test_a_prompt_with_an_image_is_served_plain_and_claims_nothing(
-    daemon: Daemon, http: aiohttp.ClientSession
+_IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+_TOOL = {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, _IMAGE]}]},
+            "non_text_content",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [_TOOL], "tool_choice": "none"},
+            "prompt_not_reproducible",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "truncate_prompt_tokens": 100},
+            "prompt_not_reproducible",
+        ),
+    ],
+)
+async def test_a_prompt_the_router_cannot_verify_is_served_plain_and_claims_nothing(
+    daemon: Daemon, http: aiohttp.ClientSession, fields: dict[str, Any], reason: str
 ) -> None:
     """Two images of one size tokenize to the same placeholder ids, so the prompt's digests
-    cannot tell a turn whose image changed from one whose image did not: such a turn is
-    not looked up, not tokenized, and leaves nothing for D's sidecar to retain."""
+    cannot tell a turn whose image changed from one whose image did not; and /tokenize
+    does not render the prompt of a request with tool_choice "none" (an engine may leave
+    the tools out) or truncate_prompt_tokens as the request gets it, so P and D would
+    compute other token ids than the request's. Such a turn is not looked up, not
+    tokenized, and leaves nothing for D's sidecar to retain."""
     async with fakes_with_a_lease(daemon) as (p, d, leases):
         async with Router(
             router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
         ) as router:
-            image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-            content = [{"type": "text", "text": "what is this?"}, image]
-            chat = {"messages": [{"role": "user", "content": content}], "conversation_id": "c"}
+            chat = {**fields, "conversation_id": "c"}
             async with http.post(router.url + CHAT, json={**chat, "stream": True}) as r:
                 assert r.status == 200 and b"t4" in await r.read()
                 reuse = r.headers.get("X-Kvferry-Reuse"), r.headers.get("X-Kvferry-Reuse-Reason")
-                assert reuse == ("SKIPPED", "non_text_content")
+                assert reuse == ("SKIPPED", reason)
             value = router.metrics.value
-            assert value("kvferry_router_lookups_total", decision="SKIPPED", reason="non_text_content") == 1
+            assert value("kvferry_router_lookups_total", decision="SKIPPED", reason=reason) == 1
         peek = await leases.Lookup(leases_pb2.LookupRequest(conversation_id="c", prompt_tokens=10, peek=True))
         assert peek.reason not in ("already_claimed", "no_lease")  # still there, unclaimed
     paths = [path for path, _, _ in p.requests]
     assert paths == [CHAT]  # no /tokenize
     (_, _, p_chat) = p.requests[0]
-    assert p_chat["messages"][0]["content"][1] == image
+    assert p_chat["messages"] == fields["messages"]
     assert "prompt_token_ids" not in p_chat["kv_transfer_params"]
     [(_, d_headers, d_chat)] = d.requests
     assert "x-conversation-id" not in d_headers and "conversation_id" not in d_chat
