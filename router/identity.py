@@ -25,6 +25,7 @@ from typing import Any
 from kvferry.ids import MAX_ID_BYTES
 
 CONVERSATION_HEADER = "X-Conversation-Id"
+_KEY_TENANT = "key-"  # the tenants named after an API key
 SESSION_HEADER = "X-Session-ID"
 
 
@@ -84,9 +85,12 @@ def tenant_of(headers: Mapping[str, str], tenant_header: str) -> str:
     key = api_key_of(headers)
     if key:
         raw = key.encode(errors="surrogatepass")
-        return "key-" + hashlib.blake2b(raw, digest_size=12, person=b"kvferry-tenant").hexdigest()
+        return _KEY_TENANT + hashlib.blake2b(raw, digest_size=12, person=b"kvferry-tenant").hexdigest()
     if tenant_header:
-        return safe_id(headers.get(tenant_header, "").strip(), "tenant")
+        named = headers.get(tenant_header, "").strip()
+        if named.startswith(_KEY_TENANT):  # never a key's tenant: a digest of the name instead
+            named = "tenant-" + hashlib.sha256(named.encode(errors="surrogatepass")).hexdigest()[:32]
+        return safe_id(named, "tenant")
     return ""
 
 

@@ -118,6 +118,9 @@ def test_tenant_is_a_hash_of_the_api_key_never_the_key() -> None:
         == alice
     )
     assert tenant_of({"X-Kvferry-Tenant": "acme"}, "X-Kvferry-Tenant") == "acme"
+    # Nor can a header name a key's tenant (its hash shows in lease listings and logs).
+    posing = tenant_of({"X-Kvferry-Tenant": alice}, "X-Kvferry-Tenant")
+    assert posing != alice and posing.startswith("tenant-")
     assert tenant_of({"X-Kvferry-Tenant": "acme"}, "") == ""
     assert tenant_of({"Authorization": "Basic abc"}, "") == ""
 
