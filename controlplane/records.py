@@ -83,10 +83,11 @@ class HeldSummary(msgspec.Struct, frozen=True):
 
 
 class Claim(msgspec.Struct, frozen=True):
-    """Left behind when a retention was handed out, so later lookups can say why."""
+    """Left behind when a retention was handed out, so later lookups can say why. (The
+    claim transaction writes it without reading the retention first: it does not know the
+    engine; a marker an older version wrote with one decodes all the same.)"""
 
     claimed_at: float
-    engine_id: str = ""
 
 
 class NodeState(msgspec.Struct, frozen=True):

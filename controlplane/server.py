@@ -135,7 +135,6 @@ def lease_message(v: LeaseView, summary: bool = False) -> leases_pb2.Lease:
     if v.claim is not None:
         m.claimed = True
         m.claimed_at.CopyFrom(_ts(v.claim.claimed_at))
-        m.engine_id = v.claim.engine_id
     return m
 
 
