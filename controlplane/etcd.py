@@ -44,30 +44,33 @@ _CHANNEL_OPTIONS = [
 ]
 
 
-def channel_target(endpoints: tuple[str, ...]) -> str:
+def channel_target(endpoints: tuple[str, ...], known: dict[str, list[str]] | None = None) -> str:
     """A gRPC target naming every endpoint, so the channel fails over between members.
 
     One endpoint: gRPC resolves a name itself, and again when it reconnects. Several: no
     gRPC target re-resolves a list of names, so they are resolved here, to a fixed list
-    of addresses (`Client.follow_dns` resolves them again while the daemon runs: a
-    member's pod restarted under a new address). A name that does not resolve is left
-    out while another does (a member not up yet); when none does, the first name is the
-    target, for gRPC to resolve until it does.
+    of addresses (every address of each name, in a stable order; `Client.follow_dns`
+    resolves them again while the daemon runs: a member's pod restarted under a new
+    address). `known` (updated here) holds each name's last addresses: a name that does
+    not resolve keeps them (a DNS outage must not cut the daemon off a working etcd), and
+    one never resolved is left out while another name resolves (a member not up yet);
+    when none has any address, the first name is the target, for gRPC to resolve.
     """
     if len(endpoints) == 1:
         host, _, port = endpoints[0].rpartition(":")
         return endpoints[0] if _is_ip(host) else f"dns:///{host}:{port}"
+    known = {} if known is None else known
     addrs: list[tuple[str, str]] = []  # (IP, port)
     for ep in endpoints:
         host, _, port = ep.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"etcd endpoint {ep!r} is not host:port")
+        bare = host.strip("[]")
         try:
-            ip = host.strip("[]") if _is_ip(host.strip("[]")) else _resolve(host)
+            known[ep] = [bare] if _is_ip(bare) else _resolve(host)
         except OSError as e:
-            log.warning("etcd.endpoint.unresolved", endpoint=ep, error=str(e))
-            continue
-        addrs.append((ip, port))
+            log.warning("etcd.endpoint.unresolved", endpoint=ep, error=str(e), kept=known.get(ep, []))
+        addrs += [(ip, port) for ip in known.get(ep, [])]
     if not addrs:
         host, _, port = endpoints[0].rpartition(":")
         return f"dns:///{host}:{port}"
@@ -77,9 +80,10 @@ def channel_target(endpoints: tuple[str, ...]) -> str:
     return "ipv6:" + ",".join(f"[{ip if ':' in ip else '::ffff:' + ip}]:{port}" for ip, port in addrs)
 
 
-def _resolve(host: str) -> str:
-    """The first address `host` resolves to (IPv4 or IPv6, as the resolver orders them)."""
-    return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+def _resolve(host: str) -> list[str]:
+    """Every address `host` resolves to (IPv4 and IPv6), sorted: the same list for the same
+    records, whatever order the resolver gives them in."""
+    return sorted({str(ai[4][0]) for ai in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
 
 
 def names_to_follow(endpoints: tuple[str, ...]) -> bool:
@@ -101,6 +105,7 @@ class Client(aetcd.Client):  # type: ignore[misc]
     def __init__(self, endpoints: tuple[str, ...], timeout: float) -> None:
         super().__init__(timeout=timeout)
         self._endpoints = endpoints
+        self._known: dict[str, list[str]] = {}  # each endpoint's last addresses
         self._timeout_s = timeout
         self.target = ""
         self._retired: set[asyncio.Task[None]] = set()
@@ -108,7 +113,7 @@ class Client(aetcd.Client):  # type: ignore[misc]
     async def connect(self) -> None:
         if self._connected.is_set():
             return
-        self._open(await asyncio.to_thread(channel_target, self._endpoints))
+        self._open(await asyncio.to_thread(channel_target, self._endpoints, self._known))
         self._connected.set()
 
     def _open(self, target: str) -> None:
@@ -125,7 +130,7 @@ class Client(aetcd.Client):  # type: ignore[misc]
         an address changed (see `channel_target`); calls already on the old one finish."""
         while True:
             await asyncio.sleep(interval_s)
-            target = await asyncio.to_thread(channel_target, self._endpoints)
+            target = await asyncio.to_thread(channel_target, self._endpoints, self._known)
             if target == self.target:
                 continue
             log.info("etcd.endpoints.moved", before=self.target, after=target)

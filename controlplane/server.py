@@ -485,10 +485,10 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         self, request: leases_pb2.RevokeLeaseRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> leases_pb2.RevokeLeaseResponse:
         view, releasable = await self._cp.revoke_lease(request.tenant, request.conversation_id)
-        if view is None or view.retention is None:
+        if view is None:
             return leases_pb2.RevokeLeaseResponse(found=False)
         resp = leases_pb2.RevokeLeaseResponse(found=True, lease=lease_message(view))
-        if releasable:
+        if releasable and view.retention is not None:
             apply_handout(view.retention.params, RELEASE, resp.release_params)
         return resp
 

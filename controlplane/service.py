@@ -598,7 +598,7 @@ class ControlPlane:
             # would free blocks the next turn may be handed. At worst D keeps them to its TTL.
             log.warning("lookup.own_turn.unknown", conversation_id=conversation_id, error=str(e))
             return ClaimOutcome(None), True
-        if not back:  # a newer retention replaced it meanwhile: this one is spent, and released
+        if not back:  # replaced meanwhile, past its deadline, or revoked: this one is spent
             return outcome, False
         log.info("lookup.own_turn", conversation_id=conversation_id, request_id=request_id)
         return ClaimOutcome(None), True

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import http.client
 import json
 import os
+import socket
 import sys
 import urllib.error
 import urllib.request
@@ -182,22 +184,31 @@ def _release(
     headers = {"Content-Type": "application/json"}
     if a.engine_api_key:
         headers["Authorization"] = f"Bearer {a.engine_api_key}"
-    # The engine's own URL first, then its sidecar's (which relays to it), as the router
-    # falls back when the engine cannot be reached from where it runs.
-    urls = dict.fromkeys(u.rstrip("/") for u in (engine_url(p), p.http_url) if u)
-    problem = ""
-    for url in urls:
+    # The engine's own URL first, then its sidecar's (which relays to it) when the engine
+    # could not be connected to from here (as the router falls back): only then did it
+    # surely not get the release.
+    urls = list(dict.fromkeys(u.rstrip("/") for u in (engine_url(p), p.http_url) if u))
+    for i, url in enumerate(urls):
         try:
             request = urllib.request.Request(url + "/v1/completions", body, headers, method="POST")
             with urllib.request.urlopen(request, timeout=a.release_timeout) as r:
                 r.read()
             return True, f"through prefill node {p.engine_id}"
-        except urllib.error.HTTPError as e:  # (before URLError: it is one) P answered: no retry
+        except urllib.error.HTTPError as e:  # (before URLError: it is one) P answered
             return False, f"prefill node {p.engine_id} refused the release: HTTP {e.code} {_error_text(e)}"
         except (OSError, ValueError, http.client.HTTPException) as e:  # unreachable, timed out, garbled
-            problem = f"{problem}; " if problem else ""
-            problem += f"{url}: {e}"
-    return False, f"prefill node {p.engine_id} could not be reached ({problem}); D frees them at its TTL"
+            if i + 1 < len(urls) and _not_connected(e):
+                continue
+            return False, f"prefill node {p.engine_id} ({url}) did not take it: {e}; D frees them at its TTL"
+    raise AssertionError("unreachable: a node to release through has a URL")
+
+
+def _not_connected(e: Exception) -> bool:
+    """Whether a request failed before any of it reached the server (no connection)."""
+    reason = e.reason if isinstance(e, urllib.error.URLError) else e
+    return isinstance(reason, ConnectionRefusedError | socket.gaierror) or (
+        isinstance(reason, OSError) and reason.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH)
+    )
 
 
 def _error_text(e: urllib.error.HTTPError) -> str:

@@ -132,11 +132,11 @@ def _usable_pull(params: Mapping[str, Any]) -> bool:
 def reuse_of(answer: LookupAnswer) -> Reuse:
     """The daemon's answer as the prefill node's instructions."""
     if answer.pull:
-        if answer.reusable_tokens > 0 and _usable_pull(answer.params):
+        usable = _usable_pull(answer.params)
+        if answer.reusable_tokens > 0 and usable:
             return Reuse("PULL", answer.reason, answer.params, answer.reusable_tokens)
         # A PULL we cannot hand over intact is not worth a failed prefill; its blocks
         # were claimed all the same, so they are released when the params allow it.
-        usable = _usable_pull(answer.params)
         return Reuse(
             "RECOMPUTE", "unusable_params", {**answer.params, "remote_num_tokens": 0} if usable else None
         )

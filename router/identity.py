@@ -25,8 +25,8 @@ from typing import Any
 from kvferry.ids import MAX_ID_BYTES
 
 CONVERSATION_HEADER = "X-Conversation-Id"
-_KEY_TENANT = "key-"  # the tenants named after an API key
 SESSION_HEADER = "X-Session-ID"
+_KEY_TENANT = "key-"  # the tenants named after an API key
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,11 @@ def _unprintable(c: str) -> bool:
     return ord(c) < 0x20 or ord(c) == 0x7F or 0xD800 <= ord(c) <= 0xDFFF
 
 
-def safe_id(value: str, kind: str) -> str:
-    """`value` as the daemon accepts it: itself, or a digest when too long or unprintable."""
+def safe_id(value: str, kind: str, digest: bool = False) -> str:
+    """`value` as the daemon accepts it: itself, or (`digest`, or when too long or
+    unprintable) a digest of it."""
     raw = value.encode(errors="surrogatepass")
-    if len(raw) <= MAX_ID_BYTES and not any(map(_unprintable, value)):
+    if not digest and len(raw) <= MAX_ID_BYTES and not any(map(_unprintable, value)):
         return value
     return f"{kind}-{hashlib.sha256(raw).hexdigest()[:32]}"
 
@@ -88,9 +89,8 @@ def tenant_of(headers: Mapping[str, str], tenant_header: str) -> str:
         return _KEY_TENANT + hashlib.blake2b(raw, digest_size=12, person=b"kvferry-tenant").hexdigest()
     if tenant_header:
         named = headers.get(tenant_header, "").strip()
-        if named.startswith(_KEY_TENANT):  # never a key's tenant: a digest of the name instead
-            named = "tenant-" + hashlib.sha256(named.encode(errors="surrogatepass")).hexdigest()[:32]
-        return safe_id(named, "tenant")
+        # (never a key's tenant: a name like one is taken as a digest of itself)
+        return safe_id(named, "tenant", digest=named.startswith(_KEY_TENANT))
     return ""
 
 

@@ -366,10 +366,14 @@ class Turn:
                 failure = Failure(kind, reply.status)
             self.s.metrics.upstream_error("prefill", failure)
             if remote and failure.client_error:
-                # A 4xx is P's frontend refusing the request before its engine saw it (a
-                # prompt grown past max_model_len, say): P's connector never got D's params,
-                # so D would hold the claimed blocks to its TTL. (A retry goes without them.)
-                self._release_claim(node, remote)
+                # A 4xx is mostly P's frontend refusing the request before its engine saw
+                # it (a prompt grown past max_model_len, say): P's connector never got D's
+                # params, so D would hold the claimed blocks to its TTL. (One refused later,
+                # after its pull, has D ignore the second notification.) The release goes
+                # to the least loaded P of this one's kind: this one may refuse anything
+                # now (a 429). A retry goes without the params.
+                twin = choose_prefill(alike(self.nodes, node), self.s.load.view) or node
+                self._release_claim(twin, remote)
             # (D's params are for a P of this one's block size)
             spare = prefill_candidates(alike(self.nodes, node) if remote else self.nodes, exclude=tried)
             retry = retry_after(failure, bool(remote), attempt, bool(spare))
@@ -513,10 +517,9 @@ class Turn:
             rest = scrubber.flush()
             if rest:
                 await resp.write(rest)
-        except (
-            ConnectionResetError
-        ):  # the client left (its transport closed under a write): D is aborted below
-            return resp
+            await resp.write_eof()
+        except ConnectionResetError:  # the client left (a write found its transport closed)
+            return resp  # (D is aborted as the upstream closes)
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as e:
             # D broke off mid-answer: cut the client's connection so it sees a truncated answer.
             self.s.metrics.upstream_error("decode", Failure(FailureKind.PROTOCOL))
@@ -524,7 +527,6 @@ class Turn:
             if self.request.transport is not None:
                 self.request.transport.close()
             return resp
-        await resp.write_eof()
         if scrubber.error is None:
             self._observe_end()
         else:  # relayed as D sent it; not a completed answer

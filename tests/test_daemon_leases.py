@@ -284,11 +284,11 @@ async def test_a_slow_claim_is_decided_on_the_time_it_ended(daemon: Daemon, clie
 
 async def test_a_retention_past_its_deadline_is_not_put_back(daemon: Daemon, client: Client) -> None:
     await client.nodes.Register(node_request("d-1"))
-    await client.leases.Register(lease_request("conv-late", expires_in=0.3))
+    await client.leases.Register(lease_request("conv-late", expires_in=5))
     store = daemon.control_plane.store
     now = time.time()
     taken = await store.claim("default", "conv-late", now)
     assert taken.taken is not None
-    assert not await store.unclaim("default", "conv-late", taken.taken, taken.marker_revision, now + 1)
+    assert not await store.unclaim("default", "conv-late", taken.taken, taken.marker_revision, now + 6)
     stored, marker = await store.read("default", "conv-late")
     assert stored is None and marker is not None

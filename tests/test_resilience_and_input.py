@@ -172,13 +172,13 @@ async def test_etcd_members_named_by_dns_are_followed_to_new_addresses(
     port = etcd_endpoint.rpartition(":")[2]
     table: dict[str, str | None] = {"etcd-0.test": "127.0.0.1", "etcd-1.test": None}
 
-    def resolve(name: str, *_: object, **__: object) -> list[tuple[object, ...]]:
+    def resolve(name: str) -> list[str]:
         ip = table.get(name)
         if ip is None:
             raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
-        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, 0))]
+        return [ip]
 
-    monkeypatch.setattr(controlplane.etcd.socket, "getaddrinfo", resolve)
+    monkeypatch.setattr(controlplane.etcd, "_resolve", resolve)
     settings = daemon_settings(etcd_endpoint)
     etcd = replace(settings.etcd, endpoints=(f"etcd-0.test:{port}", f"etcd-1.test:{port}"), dns_refresh_s=0.1)
     d = await make_daemon(replace(settings, etcd=etcd))
@@ -197,18 +197,35 @@ async def test_etcd_members_named_by_dns_are_followed_to_new_addresses(
     await eventually(lambda: _negated(registers()), within=10)
     table["etcd-1.test"] = "127.0.0.1"  # etcd-1 is up, where the etcd is
     await eventually(registers, within=10)
+    table.clear()  # DNS is down: the addresses last known stay in use
+    await asyncio.sleep(0.3)
+    assert await registers()
 
 
-def test_several_etcd_endpoints_make_one_valid_grpc_target() -> None:
+def test_several_etcd_endpoints_make_one_valid_grpc_target(monkeypatch: pytest.MonkeyPatch) -> None:
     """Several members were joined into "ipv6:1.2.3.4:2379,...", a target gRPC refuses:
     a daemon given more than one etcd endpoint could reach none of them."""
+    import controlplane.etcd
     from controlplane.etcd import channel_target
 
+    table = {"two.test": ["10.0.0.4", "10.0.0.3"]}
+
+    def resolve(name: str) -> list[str]:
+        if name not in table:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return sorted(table[name])
+
+    monkeypatch.setattr(controlplane.etcd, "_resolve", resolve)
     assert channel_target(("10.0.0.1:2379", "10.0.0.2:2379")) == "ipv4:10.0.0.1:2379,10.0.0.2:2379"
     assert channel_target(("[fd00::1]:2379", "10.0.0.2:2379")) == "ipv6:[fd00::1]:2379,[::ffff:10.0.0.2]:2379"
-    assert channel_target(("etcd.test.invalid:2379",)) == "dns:///etcd.test.invalid:2379"
-    assert channel_target(("no-such.invalid:2379", "10.0.0.2:2379")) == "ipv4:10.0.0.2:2379"
-    assert channel_target(("no-such.invalid:2379", "nor-this.invalid:2379")) == "dns:///no-such.invalid:2379"
+    assert channel_target(("etcd.test:2379",)) == "dns:///etcd.test:2379"  # (gRPC resolves one name)
+    assert channel_target(("none.test:2379", "10.0.0.2:2379")) == "ipv4:10.0.0.2:2379"
+    assert channel_target(("none.test:2379", "nor.test:2379")) == "dns:///none.test:2379"
+    known: dict[str, list[str]] = {}
+    both = "ipv4:10.0.0.1:2379,10.0.0.3:2379,10.0.0.4:2379"
+    assert channel_target(("10.0.0.1:2379", "two.test:2379"), known) == both  # every address
+    table.clear()  # a DNS outage: the last addresses stay
+    assert channel_target(("10.0.0.1:2379", "two.test:2379"), known) == both
 
 
 async def _negated(check: Awaitable[bool]) -> bool:

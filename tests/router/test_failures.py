@@ -21,6 +21,7 @@ from kvferry.hops import NOT_DELIVERED_HEADER
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2_grpc
 from router import Router
 from router import Settings as RouterSettings
+from router.choice import worth_scoring
 from sidecar import Sidecar
 from tests.conftest import free_port
 from tests.factories import lease_request, node_request
@@ -376,27 +377,35 @@ async def test_a_client_gone_after_its_lookup_answered_has_ds_blocks_freed(
     for p in stack.prefills:
         if p.engine.metrics.total("vllm:prompt_tokens"):
             await indexed(stack, p, 0)
-    await asyncio.sleep(0.5)  # the router's node list sees the index: it will score
-    assert router.control is not None
-    score = router.control.score
-    answered = asyncio.Event()
+    directory = router.directory
+    assert directory is not None and router.control is not None
+
+    async def will_score() -> bool:  # the router's node list shows the index
+        return worth_scoring(directory.nodes)
+
+    await eventually(will_score)
+    control = router.control
+    score, lookup_early = control.score, control.lookup_early
+    scoring, answered = asyncio.Event(), asyncio.Event()
 
     async def slow_score(hashes: Any) -> dict[str, int]:
-        answered.set()  # (scoring starts once the prompt is made; the lookup answers meanwhile)
-        await asyncio.sleep(5)
+        scoring.set()
+        await asyncio.sleep(10)
         return await score(hashes)
 
-    router.control.score = slow_score  # type: ignore[method-assign]
+    async def lookup(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await lookup_early(*args, **kwargs)
+        finally:
+            answered.set()
+
+    control.score, control.lookup_early = slow_score, lookup  # type: ignore[method-assign]
     second = {**body, "messages": next_turn(body["messages"], one.text)}
     request = asyncio.create_task(http.post(router.url + CHAT, json=second))
-    await answered.wait()
-
-    async def claimed() -> bool:  # the lookup has its answer
-        peek = leases_pb2.LookupRequest(conversation_id="gone", prompt_tokens=1, peek=True)
-        return (await stack.client.leases.Lookup(peek)).reason == "already_claimed"
-
-    await eventually(claimed)
-    await asyncio.sleep(0.1)
+    async with asyncio.timeout(10):
+        await scoring.wait()
+        await answered.wait()  # the lookup has its answer (in time), the score is still out
+    await asyncio.sleep(0.05)
     request.cancel()  # the client hangs up
     with contextlib.suppress(asyncio.CancelledError):
         await request
