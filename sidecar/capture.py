@@ -13,6 +13,7 @@ complete event. The lease itself is built from the finished turn in
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -164,6 +165,9 @@ class FinishedTurn:
     prompt_token_ids: list[int] | None
     output_token_ids: list[int] | None
     finish_reason: str
+    params_seen_at: float = field(default=0.0, compare=False)
+    """Wall-clock time D's params came (D had finished: its blocks' TTL runs from about
+    then), however long the client then took to read the rest."""
 
 
 @dataclass
@@ -175,6 +179,7 @@ class TurnObserver:
     output_token_ids: list[int] | None = None
     finish_reason: str | None = None
     params: dict[str, Any] | None = None
+    params_seen_at: float = 0.0
     failed: bool = False
     choices: set[int] = field(default_factory=set)
     prompt_ids_json: bytes | None = None
@@ -198,6 +203,7 @@ class TurnObserver:
         params = obj.get("kv_transfer_params")
         if isinstance(params, dict):
             self.params = params
+            self.params_seen_at = time.time()
         choices = obj.get("choices")
         if isinstance(choices, list):
             for choice in choices:
@@ -214,8 +220,10 @@ class TurnObserver:
             if isinstance(prompt, list) and self.prompt_token_ids is None:
                 self.prompt_token_ids = prompt
             tokens = choice.get("token_ids")
-            if isinstance(tokens, list):
-                self.output_token_ids = (self.output_token_ids or []) + tokens
+            if isinstance(tokens, list):  # (in place: a long answer comes in thousands of chunks)
+                if self.output_token_ids is None:
+                    self.output_token_ids = []
+                self.output_token_ids.extend(tokens)
             reason = choice.get("finish_reason")
             if isinstance(reason, str):
                 self.finish_reason = reason
@@ -244,7 +252,9 @@ class TurnObserver:
                 prompt = _ids_decode(self.prompt_ids_json)
             except UNDECODABLE:
                 prompt = None  # (cut_prompt_ids checked the bytes; a draft without ids is still valid)
-        return FinishedTurn(self.params, prompt, self.output_token_ids, self.finish_reason)
+        return FinishedTurn(
+            self.params, prompt, self.output_token_ids, self.finish_reason, self.params_seen_at
+        )
 
 
 _PROMPT_IDS = b'"prompt_token_ids":['

@@ -108,16 +108,18 @@ def draft_lease(
     """The retention a finished D turn leaves behind, or why there is none (a metrics label).
 
     Without D's own deadline (remote_blocks_expiry_time, absent before vLLM sent it) the
-    blocks are held `blocks_ttl_s` from now: stamped here, so a registration that waits
-    (daemon down, retries) cannot outlive them."""
+    blocks are held `blocks_ttl_s` from when D's params came (D had finished), stamped
+    here so that a registration that waits (daemon down, retries) cannot outlive them.
+    No deadline is later than that either: D frees the blocks by then whatever its
+    clock says (one on another host, or in another time namespace, is not ours)."""
     params = turn.params
     num_tokens = _int(params.get("remote_num_tokens"))
     if num_tokens is None or num_tokens <= 0:
         return "no_tokens"
+    latest = (turn.params_seen_at or now_wall) + blocks_ttl_s
     expires_at = wall_deadline(params.get("remote_blocks_expiry_time"), now_mono, now_wall)
-    if expires_at is None:
-        expires_at = now_wall + blocks_ttl_s
-    elif expires_at <= now_wall:
+    expires_at = latest if expires_at is None else min(expires_at, latest)
+    if expires_at <= now_wall:
         return "expired"
     tokens: list[int] | None = None
     if turn.prompt_token_ids is not None:

@@ -301,6 +301,17 @@ def test_a_draft_without_ds_deadline_gets_one_at_capture() -> None:
     draft's deadline is stamped here, not left to the daemon at (maybe much later) registration."""
     draft = _draft(_turn(remote_num_tokens=32), blocks_ttl_s=300.0)
     assert isinstance(draft, LeaseDraft) and draft.expires_at == 2300.0
+    # From when D's params came, not from the end of a stream a slow client read long after.
+    seen = FinishedTurn(D_PARAMS, None, None, "stop", params_seen_at=1900.0)
+    draft = _draft(seen, blocks_ttl_s=300.0)
+    assert isinstance(draft, LeaseDraft) and draft.expires_at == 2200.0
+
+
+def test_no_deadline_beyond_ds_blocks_ttl() -> None:
+    """D frees the blocks its TTL after finishing, whatever its clock says: a deadline
+    further off (an engine whose perf_counter is not this host's) is not believed."""
+    draft = _draft(_turn(remote_num_tokens=32, remote_blocks_expiry_time=1000.0 + 3000))
+    assert isinstance(draft, LeaseDraft) and draft.expires_at == 2000.0 + 480
 
 
 @pytest.mark.parametrize(
