@@ -228,12 +228,18 @@ async def learn_facts(session: aiohttp.ClientSession, settings: EngineSettings) 
         if not data or not isinstance(data[0], dict) or not isinstance(data[0].get("id"), str):
             raise aiohttp.ClientPayloadError("/v1/models lists no model")
         model = data[0]["id"]
+    block_size = settings.block_size
     try:
         async with session.get(settings.url + "/metrics", timeout=timeout) as r:
             text = await r.text() if r.status == 200 else ""
+            if r.status != 200 and not block_size:
+                raise aiohttp.ClientPayloadError(f"/metrics answered {r.status}: the block size is unknown")
     except (aiohttp.ClientError, TimeoutError):
+        # Without its block size the node would register with a guess: every retention
+        # refused by the daemon (too few block ids), or P handed too few. Learned again.
+        if not block_size:
+            raise
         text = ""
-    block_size = settings.block_size
     if not block_size:
         learned = block_size_of(text)
         if learned is None:

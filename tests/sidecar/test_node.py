@@ -301,3 +301,39 @@ async def test_failover_to_the_next_daemon_address(
     s = replace(s, daemon=replace(s.daemon, addresses=(f"127.0.0.1:{free_port()}", daemon.address)))
     async with Sidecar(s) as sc:
         await eventually(lambda: _alive_at(client, sc.settings.node_id, 1))
+
+
+async def test_a_block_size_the_engine_did_not_say_is_asked_again_not_guessed() -> None:
+    """/metrics failing once (a timeout, a 500) made the block size 16 for the engine's
+    life: with larger blocks every retention was refused (too few block ids for its
+    tokens). Now learning the facts fails, and is tried again; a configured size needs
+    no /metrics."""
+    from aiohttp import web
+
+    from sidecar.engine import learn_facts
+    from sidecar.settings import EngineSettings
+
+    status = [500]
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text='vllm:cache_config_info{block_size="32"} 1.0\n', status=status[0])
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    engine = EngineSettings(url=f"http://127.0.0.1:{port}", model="m")
+    try:
+        async with aiohttp.ClientSession() as http:
+            try:
+                await learn_facts(http, engine)
+                raise AssertionError("a block size was guessed")
+            except aiohttp.ClientError:
+                pass
+            assert (await learn_facts(http, replace(engine, block_size=64))).block_size == 64
+            status[0] = 200
+            assert (await learn_facts(http, engine)).block_size == 32
+    finally:
+        await runner.cleanup()
