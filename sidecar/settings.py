@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 from kvferry.flags import flag_adder
 from kvferry.ids import id_problem
 from kvferry.urls import is_http_url, listen_host_port
+from sidecar.drafts import is_loopback
 
 ROLES = ("prefill", "decode", "both")
 ENV_PREFIX = "KVFERRY_SIDECAR_"
@@ -186,12 +187,26 @@ class Settings:
 
 
 def default_host() -> str:
-    """This host's address as other hosts see it (best effort), else its name."""
+    """This host's address as other hosts see it (best effort), else its name.
+
+    The host name's address first; when that is a loopback one (Debian and Ubuntu map the
+    host name to 127.0.1.1), the address this host sends from on its default route (a UDP
+    socket "connected" to a documentation address: no packet leaves). Only a host with no
+    route keeps the loopback address, which serves nodes on this host alone."""
     name = socket.gethostname()
     try:
-        return socket.gethostbyname(name)
+        address = socket.gethostbyname(name)
     except OSError:
-        return name
+        address = name
+    if not is_loopback(address):
+        return address
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))
+            routed = str(probe.getsockname()[0])
+    except OSError:
+        return address
+    return address if is_loopback(routed) else routed
 
 
 #: tcp://HOST:PORT (PORT a number or *), ipc://PATH, inproc://NAME: what zmq connects to.

@@ -191,3 +191,37 @@ def test_the_engines_start_time_from_its_metrics() -> None:
     assert started_at_of(text) == 1.7648e9
     for bad in ("", "process_start_time_seconds NaN\n", "process_start_time_seconds soon\n"):
         assert started_at_of(bad) == 0.0  # unknown: the daemon gives a new generation
+
+
+def test_the_default_side_channel_host_is_not_a_loopback_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Debian and Ubuntu map the host name to 127.0.1.1: told to prefill nodes on other
+    hosts, every pull failed. The address this host sends from on its default route is
+    taken instead; a host with no route keeps its loopback address."""
+    import sidecar.settings
+
+    class Probe:
+        routed = "10.1.2.3"
+
+        def __init__(self, *_: object) -> None:
+            pass
+
+        def __enter__(self) -> Probe:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            pass
+
+        def connect(self, _: object) -> None:
+            if not self.routed:
+                raise OSError("Network is unreachable")
+
+        def getsockname(self) -> tuple[str, int]:
+            return self.routed, 40000
+
+    monkeypatch.setattr(sidecar.settings.socket, "gethostbyname", lambda _: "127.0.1.1")
+    monkeypatch.setattr(sidecar.settings.socket, "socket", Probe)
+    assert sidecar.settings.default_host() == "10.1.2.3"
+    Probe.routed = ""
+    assert sidecar.settings.default_host() == "127.0.1.1"
+    monkeypatch.setattr(sidecar.settings.socket, "gethostbyname", lambda _: "10.9.9.9")
+    assert sidecar.settings.default_host() == "10.9.9.9"
