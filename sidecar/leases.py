@@ -223,6 +223,7 @@ class LeaseSender:
                     await stream.close()
                     channel = self._link.channel()
                     stream = LeaseStream(channel)
+                    continue  # (ready again: the engine may have restarted meanwhile)
                 draft = self._next()
                 if draft is None:
                     self._changed()

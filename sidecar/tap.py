@@ -160,9 +160,13 @@ class Tap:
         return resp
 
     def _broken(self, request: web.Request, resp: web.StreamResponse, e: BaseException) -> web.StreamResponse:
-        """The engine failed mid-answer: cut the client's connection so it sees a truncated answer."""
-        self._metrics.upstream_errors.labels("mid_answer").inc()
-        log.warning("tap.engine.failed_mid_answer", path=request.path, error=str(e) or type(e).__name__)
+        """The engine failed mid-answer: cut the client's connection so it sees a truncated
+        answer. (Or the client left: a write found its connection closed; no engine error.)"""
+        if isinstance(e, ConnectionResetError):  # (aiohttp's ClientConnectionResetError is one)
+            log.info("tap.client.left", path=request.path)
+        else:
+            self._metrics.upstream_errors.labels("mid_answer").inc()
+            log.warning("tap.engine.failed_mid_answer", path=request.path, error=str(e) or type(e).__name__)
         request.protocol.force_close()
         return resp
 
