@@ -35,6 +35,7 @@ from controlplane.policy import (
 from controlplane.records import Claim, NodeRecord, NodeState, Retention, Role
 from controlplane.settings import Settings
 from controlplane.store import ClaimOutcome, EtcdStore
+from kvferry.framing import MESSAGE_BUDGET
 from kvferry.ids import id_problem
 from kvferry.logs import Outage
 from kvferry.urls import is_http_url
@@ -111,6 +112,9 @@ class LeaseView:
     revision: int = 0
     claim: Claim | None = None
 
+
+#: A listed lease's encoded bytes beyond its params and digests (ids, times, numbers).
+_LEASE_OVERHEAD = 256
 
 #: How long a Lookup sent with prompt_follows waits for its prompt.
 PROMPT_WAIT_S = 10.0
@@ -712,14 +716,19 @@ class ControlPlane:
                 raise InvalidArgument("page_token belongs to another listing")
         now = self._clock()
         out: list[LeaseView] = []
-        while len(out) < page_size:
+        size = 0  # about the page's encoded bytes: it must fit a client's message limit
+        full = False
+        while len(out) < page_size and not full:
             batch, start = await self.store.list_retentions(prefix, start, page_size - len(out))
-            out.extend(
-                LeaseView(s.tenant, s.conversation_id, s.retention, s.revision)
-                for s in batch
-                if (not engine_id or s.retention.engine_id == engine_id)
-                and (include_inactive or s.retention.expires_at > now)
-            )
+            for s in batch:
+                r = s.retention
+                if (engine_id and r.engine_id != engine_id) or not (include_inactive or r.expires_at > now):
+                    continue
+                size += len(r.params) + len(r.digests) + _LEASE_OVERHEAD
+                if out and size > MESSAGE_BUDGET:  # this lease and the rest: the next page
+                    start, full = keys.retention(s.tenant, s.conversation_id), True
+                    break
+                out.append(LeaseView(s.tenant, s.conversation_id, r, s.revision))
             if not start:
                 break
         return out, base64.urlsafe_b64encode(start).decode() if start else ""

@@ -292,3 +292,26 @@ async def test_a_retention_past_its_deadline_is_not_put_back(daemon: Daemon, cli
     assert not await store.unclaim("default", "conv-late", taken.taken, taken.marker_revision, now + 6)
     stored, marker = await store.read("default", "conv-late")
     assert stored is None and marker is not None
+
+
+async def test_a_listing_page_fits_a_clients_message_limit(client: Client) -> None:
+    """A page was cut by count alone: 500 leases of long conversations (the CLI's page) made
+    a reply of tens of MiB, over a client's 4 MiB receive limit, and `leases ls` failed.
+    A page now ends before ~1 MiB; the next one starts at the lease that did not fit."""
+    await client.nodes.Register(node_request("d-1"))
+    n, tokens = 24, 32768
+    for i in range(n):
+        await client.leases.Register(
+            lease_request(f"long/{i:02d}", num_tokens=tokens, seq=list(range(tokens)))
+        )
+    seen: list[str] = []
+    token, pages = "", 0
+    while True:
+        page = await client.leases.List(leases_pb2.ListLeasesRequest(page_size=500, page_token=token))
+        assert page.leases and page.ByteSize() <= 1_200_000, page.ByteSize()
+        seen += [lease.conversation_id for lease in page.leases]
+        pages += 1
+        token = page.next_page_token
+        if not token:
+            break
+    assert seen == [f"long/{i:02d}" for i in range(n)] and pages > 1
