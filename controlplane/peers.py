@@ -25,6 +25,7 @@ from kvferry.v1 import nodes_pb2, nodes_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
+_LEAST_DEADLINE_S = 0.001  # a Score to the peers shorter than this is not asked
 _STOP_TIMEOUT_S = 1.0  # the announcement's revoke at stop (it lapses by itself anyway)
 
 
@@ -96,6 +97,8 @@ class Peers:
         if not asked:
             return []
         deadline = self._deadline if time_left_s is None else min(self._deadline, time_left_s / 2)
+        if deadline < _LEAST_DEADLINE_S:  # no time to ask anyone
+            return []
         local = nodes_pb2.ScoreRequest(block_hashes=request.block_hashes, role=request.role, local_only=True)
         answers = await asyncio.gather(
             *(p.stub.Score(local, timeout=deadline) for p in asked), return_exceptions=True
@@ -105,8 +108,13 @@ class Peers:
             if isinstance(answer, nodes_pb2.ScoreResponse):
                 out.append(answer)
             elif isinstance(answer, grpc.aio.AioRpcError):
-                peer.skip_until = time.monotonic() + self._backoff
-                log.info("peers.score_failed", address=peer.address, code=answer.code().name)
+                code = answer.code()
+                # Late within a deadline the caller's own shortened is this call's loss, not
+                # the peer's failure: only one that failed otherwise, or missed the whole
+                # deadline, is left out for a while.
+                if code is not grpc.StatusCode.DEADLINE_EXCEEDED or deadline >= self._deadline:
+                    peer.skip_until = time.monotonic() + self._backoff
+                log.info("peers.score_failed", address=peer.address, code=code.name)
         return out
 
     async def close(self) -> None:

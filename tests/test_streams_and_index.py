@@ -133,6 +133,36 @@ async def test_a_peer_that_does_not_answer_is_left_alone_for_a_while() -> None:
     await peers.close()
 
 
+async def test_a_peer_late_only_for_a_callers_short_deadline_is_asked_again() -> None:
+    """A caller with little time left shortens the peers' deadline: a peer that misses only
+    that shortened deadline is not left out for the backoff (every Score would then miss
+    its sidecars' blocks for 5 s after one slow moment), and with no time left none is asked."""
+
+    from controlplane.peers import Peers
+
+    accepted: list[asyncio.StreamWriter] = []
+    server = await asyncio.start_server(lambda _, w: accepted.append(w), "127.0.0.1", 0)  # never answers
+    port = server.sockets[0].getsockname()[1]
+    peers = Peers(None, deadline_s=0.05, backoff_s=30.0)  # type: ignore[arg-type]
+    try:
+        await peers._follow({"slow": f"127.0.0.1:{port}"})
+        [slow] = peers._peers.values()
+        ask = nodes_pb2.ScoreRequest(block_hashes=[1])
+        assert await peers.scores(ask, 0.01) == []  # (5 ms for the peer: missed)
+        assert slow.skip_until == 0  # asked again next time
+        started = asyncio.get_running_loop().time()
+        assert await peers.scores(ask, 0.001) == []  # no time: not asked at all
+        assert asyncio.get_running_loop().time() - started < 0.004
+        assert await peers.scores(ask, 1.0) == []  # the whole deadline missed: left alone
+        assert slow.skip_until > 0
+    finally:
+        await peers.close()
+        for writer in accepted:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+
 async def test_a_replica_whose_announcement_lapsed_announces_itself_again(make_daemon) -> None:  # type: ignore[no-untyped-def]
     """Its lease gone (an etcd outage longer than the TTL, a restore), a replica puts its
     key back with a new lease at the next refresh, and the others find it again."""
