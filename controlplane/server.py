@@ -35,6 +35,7 @@ from controlplane.peers import Peers
 from controlplane.policy import RELEASE, Prompt
 from controlplane.records import NodeRecord, NodeState
 from controlplane.service import ControlPlane, LeaseRegistration, LeaseView, LookupQuery, NodeRegistration
+from kvferry.channels import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 from kvferry.framing import by_size
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
@@ -603,6 +604,14 @@ async def start_server(
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),
+            # Clients' keepalive pings are welcome (kvferry.channels), and the daemon pings
+            # them: a sidecar or router gone without closing its connection ends its
+            # streams (an Attach: the node's index and liveness) within seconds.
+            ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+            ("grpc.http2.max_pings_without_data", 0),
         ],
     )
     nodes_pb2_grpc.add_NodesServicer_to_server(NodesServicer(cp, peers), server)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import grpc
 import structlog
 
+from kvferry.channels import daemon_channel_options
 from kvferry.leaseclient import LeaseOpError, LeaseStream
 from kvferry.structs import struct_to_dict
 from kvferry.tasks import cancel_and_wait
@@ -27,13 +28,7 @@ from router.settings import DaemonSettings
 
 log = structlog.get_logger(__name__)
 
-_CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-    ("grpc.max_send_message_length", 16 * 1024 * 1024),
-]
+_CHANNEL_OPTIONS = daemon_channel_options(max_backoff_ms=1000)
 _ROLES = {nodes_pb2.PREFILL: "prefill", nodes_pb2.DECODE: "decode", nodes_pb2.BOTH: "both"}
 _UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 _STREAM_PROBE = "kvferry-router-stream-probe"

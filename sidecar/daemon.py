@@ -8,17 +8,12 @@ from collections.abc import Sequence
 import grpc
 import structlog
 
+from kvferry.channels import daemon_channel_options
 from kvferry.v1 import leases_pb2_grpc, nodes_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
-_CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-    ("grpc.max_send_message_length", 16 * 1024 * 1024),
-]
+_CHANNEL_OPTIONS = daemon_channel_options(max_backoff_ms=2000)
 
 #: Codes after which a call is worth repeating on the same or another replica.
 TRANSIENT = frozenset(
