@@ -405,6 +405,9 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
                     for waiting in awaiting.values():  # no prompt will come: answer no_prompt
                         if not waiting.done():
                             waiting.set_result(leases_pb2.LookupPrompt())
+                # (The request stream also ends this way when the client cancels the call:
+                # lookups still waiting for a prompt then wait on, to be cancelled with the
+                # call and have their claims put back, rather than answer and spend them.)
                 while running:
                     await asyncio.wait(set(running))
             finally:
@@ -460,6 +463,9 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
             reader.cancel()
             for t in list(running):
                 t.cancel()
+            # Until each has taken its cancellation in (a claim then arranges its put-back,
+            # which a daemon's stop waits for: see ControlPlane.settle).
+            await asyncio.gather(reader, *running, return_exceptions=True)
 
     @_rpc("Leases/Get")
     async def Get(

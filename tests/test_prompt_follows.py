@@ -12,7 +12,7 @@ import pytest
 from controlplane.daemon import Daemon
 from kvferry.leaseclient import LeaseStream
 from kvferry.v1 import leases_pb2
-from tests.conftest import Client
+from tests.conftest import Client, DaemonFactory, daemon_settings
 from tests.factories import lease_request, lookup_request, node_request, tokens
 
 
@@ -305,3 +305,30 @@ async def test_a_claim_whose_caller_gives_up_while_deciding_is_put_back(
     assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     cp._decide = decide  # type: ignore[method-assign]
     await peek_until(client, "c", lambda peek: (peek.decision, peek.reason) == (leases_pb2.PULL, "pull"))
+
+
+async def test_a_daemon_stopping_puts_back_the_claims_of_lookups_still_waiting(
+    make_daemon: DaemonFactory, etcd_endpoint: str
+) -> None:
+    """A stop ends every stream; a lookup still waiting for its prompt is cancelled, and the
+    claim it made goes back before the store closes (else the next turn, on another
+    replica, found already_claimed and D's blocks stayed pinned)."""
+    first = await make_daemon()
+    client = Client(first.address)
+    try:
+        await client.nodes.Register(node_request("d-1"))
+        await client.leases.Register(lease_request("c"))
+        call = client.leases.Stream()
+        await call.write(leases_pb2.LeaseOpBatch(ops=[leases_pb2.LeaseOp(id=1, lookup=early("c"))]))
+        await peek_until(client, "c", lambda peek: peek.reason == "already_claimed")
+        await first.stop()
+        call.cancel()
+    finally:
+        await client.close()
+    second = await make_daemon(daemon_settings(etcd_endpoint, prefix=first.settings.etcd.prefix))
+    other = Client(second.address)
+    try:
+        peek = await other.leases.Lookup(lookup_request("c", peek=True))
+        assert (peek.decision, peek.reason) == (leases_pb2.PULL, "pull"), peek
+    finally:
+        await other.close()
