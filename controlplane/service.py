@@ -318,6 +318,10 @@ class ControlPlane:
             raise FailedPrecondition(
                 f"node {engine_id} is registered at generation {state.record.generation}, not {generation}"
             )
+        if self._streams.get(engine_id) is not stream:
+            # What the previous stream indexed is its sidecar's view: the new one starts
+            # from its own reset (or sends no KV events at all).
+            self.index.drop(engine_id)
         self._streams[engine_id] = stream
         return state.record
 

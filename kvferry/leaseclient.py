@@ -284,11 +284,11 @@ class LeaseStream:
         self._fail_pending(LeaseOpError(grpc.StatusCode.UNAVAILABLE, "lease stream reset", True))
 
     async def close(self) -> None:
-        call, reader = self._call, self._reader
+        call, reader, writer = self._call, self._reader, self._writer  # (an `_open` meanwhile makes new ones)
         self._call = None
         if call is not None:
             with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
                 await call.done_writing()
             call.cancel()
-        await cancel_and_wait([self._writer, reader])
+        await cancel_and_wait([writer, reader])
         self._fail_pending(LeaseOpError(grpc.StatusCode.CANCELLED, "lease stream closed"))

@@ -89,6 +89,35 @@ async def test_kv_events_feed_the_index_and_score(client: Client) -> None:
     assert listed["p-1"].indexed_blocks == 0, "a detached node's index would go stale: dropped"
 
 
+async def test_a_new_attach_stream_starts_the_nodes_index_afresh(client: Client) -> None:
+    """A second Attach for the node (its sidecar restarted, or failed over back here):
+    what the first stream indexed is not the new one's view, and went on scoring until the
+    new one's first batch (for good when it sends no KV events)."""
+    queue, call = await _two_prefills_p1_attached(client)
+    queue.put_nowait(nodes_pb2.AttachRequest(kv_events=nodes_pb2.KvEventBatch(seq=0, stored=[1, 2, 3])))
+    queue.put_nowait(nodes_pb2.AttachRequest(heartbeat=nodes_pb2.Heartbeat(seq=1)))
+    await call.read()
+
+    async def indexed() -> int:
+        listed = {n.engine_id: n for n in (await client.nodes.List(nodes_pb2.ListNodesRequest())).nodes}
+        return listed["p-1"].indexed_blocks
+
+    assert await indexed() == 3
+    second: asyncio.Queue[nodes_pb2.AttachRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[nodes_pb2.AttachRequest]:
+        while (item := await second.get()) is not None:
+            yield item
+
+    new = client.nodes.Attach(requests())
+    second.put_nowait(nodes_pb2.AttachRequest(hello=nodes_pb2.AttachHello(engine_id="p-1", generation=1)))
+    await new.read()
+    assert await indexed() == 0
+    for q, c in ((queue, call), (second, new)):
+        q.put_nowait(None)
+        c.cancel()
+
+
 async def test_score_on_any_replica_sees_every_replicas_sidecars(make_daemon, connect) -> None:  # type: ignore[no-untyped-def]
     """A sidecar's KV events reach the replica it attached to; a router asking another
     replica still scores that node by them (the replicas ask each other)."""
