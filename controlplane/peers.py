@@ -26,6 +26,7 @@ from kvferry.v1 import nodes_pb2, nodes_pb2_grpc
 log = structlog.get_logger(__name__)
 
 _LEAST_DEADLINE_S = 0.001  # a Score to the peers shorter than this is not asked
+_LATE_IN_A_ROW = 3  # shortened deadlines missed in a row that leave a peer out as a failed one
 _STOP_TIMEOUT_S = 1.0  # the announcement's revoke at stop (it lapses by itself anyway)
 
 
@@ -35,6 +36,7 @@ class _Peer:
         self.channel = grpc.aio.insecure_channel(address)
         self.stub: nodes_pb2_grpc.NodesAsyncStub = nodes_pb2_grpc.NodesStub(self.channel)
         self.skip_until = 0.0
+        self.late = 0  # Scores in a row it answered too late for a shortened deadline
 
 
 class Peers:
@@ -107,13 +109,16 @@ class Peers:
         for peer, answer in zip(asked, answers, strict=True):
             if isinstance(answer, nodes_pb2.ScoreResponse):
                 out.append(answer)
+                peer.late = 0
             elif isinstance(answer, grpc.aio.AioRpcError):
                 code = answer.code()
                 # Late within a deadline the caller's own shortened is this call's loss, not
-                # the peer's failure: only one that failed otherwise, or missed the whole
-                # deadline, is left out for a while.
-                if code is not grpc.StatusCode.DEADLINE_EXCEEDED or deadline >= self._deadline:
-                    peer.skip_until = time.monotonic() + self._backoff
+                # the peer's failure: only one that failed otherwise, missed the whole
+                # deadline, or was late every time lately (a hung one) is left out a while.
+                shortened = code is grpc.StatusCode.DEADLINE_EXCEEDED and deadline < self._deadline
+                peer.late = peer.late + 1 if shortened else 0
+                if not shortened or peer.late >= _LATE_IN_A_ROW:
+                    peer.skip_until, peer.late = time.monotonic() + self._backoff, 0
                 log.info("peers.score_failed", address=peer.address, code=code.name)
         return out
 

@@ -62,3 +62,15 @@ def _port(text: str, what: str, value: str) -> int:
     if not text.isdigit() or not 0 < int(text) < 65536:
         raise ValueError(f"{what} {value!r}: port {text!r} must be 1..65535")
     return int(text)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` means "this machine" and so cannot be handed to another one."""
+    h = host.strip().strip("[]").lower()
+    if h in ("", "localhost", "localhost.localdomain") or h.endswith(".localhost"):
+        return True
+    try:
+        ip = ipaddress.ip_address(h)
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_unspecified

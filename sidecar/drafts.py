@@ -15,11 +15,11 @@
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
 from kvferry.digests import block_digests, seed_for
+from kvferry.urls import is_loopback
 from sidecar.capture import FinishedTurn
 
 #: Longest time ahead a deadline may lie; further means the clocks are not shared.
@@ -46,18 +46,6 @@ class LeaseDraft:
     request_id: str = ""
     """The request the blocks are held for (its X-Request-Id; "" = none came)."""
     attempts: int = 0
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` means "this machine" and so cannot be handed to another one."""
-    h = host.strip().strip("[]").lower()
-    if h in ("", "localhost", "localhost.localdomain") or h.endswith(".localhost"):
-        return True
-    try:
-        ip = ipaddress.ip_address(h)
-    except ValueError:
-        return False
-    return ip.is_loopback or ip.is_unspecified
 
 
 def rewrite_remote_host(params: dict[str, Any], side_channel_host: str) -> dict[str, Any]:

@@ -26,10 +26,9 @@ import grpc
 import structlog
 
 from kvferry.tasks import cancel_and_wait
-from kvferry.urls import join_host_port
+from kvferry.urls import is_loopback, join_host_port
 from kvferry.v1 import nodes_pb2
 from sidecar.daemon import Backoff, DaemonLink
-from sidecar.drafts import is_loopback
 from sidecar.engine import EngineFacts, EngineInstance, learn_facts
 from sidecar.kvindex import KvBatch, KvMirror
 from sidecar.metrics import SidecarMetrics

@@ -14,8 +14,7 @@ from urllib.parse import urlsplit
 
 from kvferry.flags import flag_adder
 from kvferry.ids import id_problem
-from kvferry.urls import is_http_url, listen_host_port
-from sidecar.drafts import is_loopback
+from kvferry.urls import is_http_url, is_loopback, listen_host_port
 
 ROLES = ("prefill", "decode", "both")
 ENV_PREFIX = "KVFERRY_SIDECAR_"
@@ -51,8 +50,10 @@ class EngineSettings:
     health_failures: int = 3
     """Consecutive failed probes after which the engine counts as down (and, once back, restarted)."""
     blocks_ttl_s: float = 480.0
-    """The engine's decoder_kv_blocks_ttl: a retention's deadline, counted from its capture,
-    when vLLM does not send remote_blocks_expiry_time (releases before it did)."""
+    """The engine's decoder_kv_blocks_ttl: no retention outlives D's params by more (D has
+    freed the blocks by then, whatever deadline it sent), and one without D's own deadline
+    (remote_blocks_expiry_time: releases before vLLM sent it) gets exactly that. Set it to
+    vLLM's: a smaller one cuts retentions short, a larger one does not lengthen them."""
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(
         "blocks-ttl",
         e.blocks_ttl_s,
-        "the engine's decoder_kv_blocks_ttl, for releases that send no remote_blocks_expiry_time",
+        "the engine's decoder_kv_blocks_ttl: the longest a retention lives after D's answer",
         float,
     )
     add("lease-queue-size", ls.queue_size, "registrations kept while the daemon is unreachable", int)

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from controlplane.blockindex import BlockIndex, IndexUpdate
-from kvferry.v1 import leases_pb2, nodes_pb2
+from kvferry.v1 import leases_pb2, nodes_pb2, nodes_pb2_grpc
 from tests.conftest import Client, free_port
 from tests.factories import lease_request, lookup_request, node_request, tokens
 from tests.polling import eventually
@@ -177,13 +177,22 @@ async def test_a_peer_late_only_for_a_callers_short_deadline_is_asked_again() ->
         await peers._follow({"slow": f"127.0.0.1:{port}"})
         [slow] = peers._peers.values()
         ask = nodes_pb2.ScoreRequest(block_hashes=[1])
-        assert await peers.scores(ask, 0.01) == []  # (5 ms for the peer: missed)
-        assert slow.skip_until == 0  # asked again next time
-        started = asyncio.get_running_loop().time()
-        assert await peers.scores(ask, 0.001) == []  # no time: not asked at all
-        assert asyncio.get_running_loop().time() - started < 0.004
-        assert await peers.scores(ask, 1.0) == []  # the whole deadline missed: left alone
-        assert slow.skip_until > 0
+        asked = 0
+        score = slow.stub.Score
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal asked
+            asked += 1
+            return score(*args, **kwargs)
+
+        slow.stub.Score = counted  # type: ignore[method-assign]
+        assert await peers.scores(ask, 0.001) == [] and asked == 0  # no time: not asked at all
+        for _ in range(2):  # (5 ms for the peer: missed; asked again next time)...
+            assert await peers.scores(ask, 0.01) == [] and slow.skip_until == 0
+        assert await peers.scores(ask, 0.01) == [] and slow.skip_until > 0  # ...but late 3 in a row: hung
+        slow.skip_until = 0
+        assert await peers.scores(ask, 1.0) == []  # the whole deadline missed: left alone at once
+        assert slow.skip_until > 0 and asked == 4
     finally:
         await peers.close()
         for writer in accepted:
@@ -515,3 +524,28 @@ async def test_a_stream_whose_results_are_not_read_stops_reading_its_ops(
     async for batch in results:  # reading again lets the rest through
         got += len(batch.results)
     assert got == 50 and pulled == 50
+
+
+async def test_the_daemon_allows_its_clients_keepalive_pings(
+    make_daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """Routers and sidecars ping the daemon on idle connections (kvferry.channels). A server
+    that allows fewer pings answers the third with GOAWAY too_many_pings, ending every
+    stream on the connection, and the client then pings half as often. Here every second
+    (the fewest gRPC clients send) instead of every 10 s."""
+    import controlplane.server
+    import kvferry.channels
+
+    monkeypatch.setattr(kvferry.channels, "KEEPALIVE_TIME_MS", 1000)
+    monkeypatch.setattr(controlplane.server, "KEEPALIVE_TIME_MS", 1000)
+    daemon = await make_daemon()
+    channel = grpc.aio.insecure_channel(daemon.address, options=kvferry.channels.daemon_channel_options(1000))
+    try:
+        await nodes_pb2_grpc.NodesStub(channel).List(nodes_pb2.ListNodesRequest())
+        states = set()
+        for _ in range(40):  # idle, pinging
+            states.add(channel.get_state())
+            await asyncio.sleep(0.1)
+        assert states == {grpc.ChannelConnectivity.READY}, states  # (a GOAWAY leaves it IDLE)
+    finally:
+        await channel.close(None)

@@ -218,10 +218,20 @@ def test_the_default_side_channel_host_is_not_a_loopback_address(monkeypatch: py
         def getsockname(self) -> tuple[str, int]:
             return self.routed, 40000
 
-    monkeypatch.setattr(sidecar.settings.socket, "gethostbyname", lambda _: "127.0.1.1")
-    monkeypatch.setattr(sidecar.settings.socket, "socket", Probe)
+    import socket
+    import types
+
+    names = {"address": "127.0.1.1"}
+    stub = types.SimpleNamespace(
+        gethostname=lambda: "host",
+        gethostbyname=lambda _: names["address"],
+        socket=Probe,
+        AF_INET=socket.AF_INET,
+        SOCK_DGRAM=socket.SOCK_DGRAM,
+    )
+    monkeypatch.setattr(sidecar.settings, "socket", stub)  # (this module's only, not the process's)
     assert sidecar.settings.default_host() == "10.1.2.3"
     Probe.routed = ""
     assert sidecar.settings.default_host() == "127.0.1.1"
-    monkeypatch.setattr(sidecar.settings.socket, "gethostbyname", lambda _: "10.9.9.9")
+    names["address"] = "10.9.9.9"
     assert sidecar.settings.default_host() == "10.9.9.9"

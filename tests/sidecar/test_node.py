@@ -322,9 +322,8 @@ async def test_a_block_size_the_engine_did_not_say_is_asked_again_not_guessed() 
     app.router.add_get("/metrics", metrics)
     runner = web.AppRunner(app)
     await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    engine = EngineSettings(url=f"http://127.0.0.1:{port}", model="m")
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    engine = EngineSettings(url=f"http://127.0.0.1:{runner.addresses[0][1]}", model="m")
     try:
         async with aiohttp.ClientSession() as http:
             try:
