@@ -4,6 +4,7 @@ daemons on port 0, real gRPC channels. Every test gets its own key prefix."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -200,3 +201,45 @@ async def no_leaked_tasks() -> AsyncIterator[None]:
             return
         await asyncio.sleep(0.02)
     assert not leftovers(), f"leaked tasks: {leftovers()}"
+
+
+class FakeCompletions:
+    """An HTTP server answering /v1/completions with `status` (an engine taking releases);
+    `got` holds each request's JSON body and Authorization header."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[dict[str, Any], str | None]] = []
+        self.status = 200
+        self.url = ""
+
+
+@contextlib.asynccontextmanager
+async def fake_completions() -> AsyncIterator[FakeCompletions]:
+    from aiohttp import web
+
+    fake = FakeCompletions()
+
+    async def completions(request: web.Request) -> web.Response:
+        fake.got.append((await request.json(), request.headers.get("Authorization")))
+        return web.json_response(
+            {} if fake.status == 200 else {"error": {"message": "no"}}, status=fake.status
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    async with serve_app(app) as fake.url:
+        yield fake
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app: Any) -> AsyncIterator[str]:
+    """An aiohttp application served on a loopback port picked by the kernel. -> its URL."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()

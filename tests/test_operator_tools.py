@@ -6,14 +6,12 @@ import asyncio
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import structlog
-from aiohttp import web
 
 from controlplane.daemon import Daemon
 from kvferry.v1 import leases_pb2, nodes_pb2
-from tests.conftest import Client, free_port
+from tests.conftest import Client, fake_completions, free_port
 from tests.factories import lease_request, node_request
 
 BIN = Path(sys.executable).parent
@@ -112,20 +110,6 @@ async def test_cli_revoke_sends_the_release_through_a_fitting_prefill_node(
 ) -> None:
     """Which prefill node a revoke's release goes to, what it is sent, and what the CLI says
     when it cannot be sent (the lease is revoked all the same: exit 0)."""
-    got: list[tuple[dict[str, Any], str | None]] = []
-    status = [200]
-
-    async def completions(request: web.Request) -> web.Response:
-        got.append((await request.json(), request.headers.get("Authorization")))
-        return web.json_response({"error": {"message": "busy"}}, status=status[0])
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    p_url = f"http://127.0.0.1:{port}"
     kvferry = str(BIN / "kvferry")
 
     async def revoke(conv: str, *flags: str) -> tuple[int, list[str]]:
@@ -133,7 +117,8 @@ async def test_cli_revoke_sends_the_release_through_a_fitting_prefill_node(
         assert "Traceback" not in err, err
         return code, out.splitlines()
 
-    try:
+    async with fake_completions() as fake:
+        p_url = fake.url
         await client.nodes.Register(node_request("d-1"))
         await client.nodes.Register(
             node_request("p-other", role=nodes_pb2.PREFILL, model="other", http_url=p_url)
@@ -142,7 +127,7 @@ async def test_cli_revoke_sends_the_release_through_a_fitting_prefill_node(
             await client.leases.Register(lease_request(conv))
         code, lines = await revoke("c-none")
         assert code == 0 and lines[0] == "revoked" and "no alive prefill node serves 'test-model'" in lines[1]
-        assert not got
+        assert not fake.got
 
         # The engine's own URL refuses connections: the release goes through its sidecar's.
         await client.nodes.Register(
@@ -152,22 +137,20 @@ async def test_cli_revoke_sends_the_release_through_a_fitting_prefill_node(
         )
         code, lines = await revoke("c-sent", "--engine-api-key", "k1")
         assert (code, lines) == (0, ["revoked", "D's blocks released through prefill node p-1"])
-        [(body, auth)] = got
+        [(body, auth)] = fake.got
         kv = body["kv_transfer_params"]
         assert auth == "Bearer k1" and body["model"] == "test-model" and body["max_tokens"] == 1
         assert kv["remote_num_tokens"] == 0 and kv["remote_engine_id"] == "d-1"
         assert kv["remote_block_ids"] == [list(range(100, 163))]  # D's blocks, every one
         assert all(type(i) is int for i in kv["remote_block_ids"][0])  # as ints, not 100.0
 
-        status[0] = 503
+        fake.status = 503
         code, out, _ = await run(
             kvferry, "leases", "revoke", "c-refused", "--json", "--daemon", daemon.address
         )
         release = json.loads(out)["release"]
         assert code == 0 and release["sent"] is False and "HTTP 503" in release["detail"]
         assert not (await client.leases.List(leases_pb2.ListLeasesRequest())).leases
-    finally:
-        await runner.cleanup()
 
 
 def test_global_log_level_reaches_delegated_commands(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -23,7 +23,7 @@ from router import Router
 from router import Settings as RouterSettings
 from router.choice import worth_scoring
 from sidecar import Sidecar
-from tests.conftest import free_port
+from tests.conftest import free_port, serve_app
 from tests.factories import lease_request, node_request
 from tests.polling import eventually
 from tests.router.conftest import MakeStack, Stack, one_turn_held, router_settings, sidecar_for
@@ -571,14 +571,8 @@ async def fake_engine(
     app.router.add_post("/v1/chat/completions", fake.generate)
     app.router.add_post("/v1/completions", fake.generate)
     app.router.add_get("/v1/models", fake.models)
-    runner = web.AppRunner(app, shutdown_timeout=0.5)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    fake.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
+    async with serve_app(app) as fake.url:
         yield fake
-    finally:
-        await runner.cleanup()
 
 
 @contextlib.asynccontextmanager

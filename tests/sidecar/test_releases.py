@@ -5,13 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
 from kvferry.v1 import nodes_pb2
 from sidecar.metrics import SidecarMetrics
 from sidecar.releases import Releaser
 from sidecar.settings import DaemonSettings, EngineSettings, Settings
-from tests.conftest import free_port
+from tests.conftest import fake_completions
 
 
 class _Link:
@@ -43,48 +42,36 @@ def _count(metrics: SidecarMetrics, outcome: str) -> float:
 
 
 async def test_a_release_goes_to_a_prefill_node_of_the_model_and_block_size() -> None:
-    got: list[tuple[dict[str, Any], str | None]] = []
-    status = [200]
-
-    async def completions(request: web.Request) -> web.Response:
-        got.append((await request.json(), request.headers.get("Authorization")))
-        return web.json_response({}, status=status[0])
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    url = f"http://127.0.0.1:{port}"
-
-    def node(engine_id: str, role: int = nodes_pb2.PREFILL, **kw: Any) -> nodes_pb2.Node:
+    def node(engine_id: str, url: str, role: int = nodes_pb2.PREFILL, **kw: Any) -> nodes_pb2.Node:
         return nodes_pb2.Node(
             engine_id=engine_id, role=role, **{"model": "m", "block_size": 16, "alive": True, **kw}
         )
 
-    nodes = [
-        node("p-other", model="other", http_url=url),
-        node("p-32", block_size=32, http_url=url),
-        node("d", role=nodes_pb2.DECODE, http_url=url),
-        node("p-dead", alive=False, http_url=url),
-        node("p", engine_url=url),  # the only one that fits
-    ]
-    link = _Link(nodes)
-    metrics = SidecarMetrics()
-    settings = Settings(engine=EngineSettings(url="http://127.0.0.1:1", api_key="k"), daemon=DaemonSettings())
-    params = {"remote_request_id": "req-a", "remote_num_tokens": 0, "remote_block_ids": [[1, 2]]}
-    async with aiohttp.ClientSession() as http:
+    async with fake_completions() as fake, aiohttp.ClientSession() as http:
+        url = fake.url
+        nodes = [
+            node("p-other", url, model="other", http_url=url),
+            node("p-32", url, block_size=32, http_url=url),
+            node("d", url, role=nodes_pb2.DECODE, http_url=url),
+            node("p-dead", url, alive=False, http_url=url),
+            node("p", url, engine_url=url),  # the only one that fits
+        ]
+        link = _Link(nodes)
+        metrics = SidecarMetrics()
+        settings = Settings(
+            engine=EngineSettings(url="http://127.0.0.1:1", api_key="k"), daemon=DaemonSettings()
+        )
+        params = {"remote_request_id": "req-a", "remote_num_tokens": 0, "remote_block_ids": [[1, 2]]}
         releaser = Releaser(settings, link, http, metrics)  # type: ignore[arg-type]
         releaser.release(params, "m", 16, "c")
         await releaser.settled()
-        [(body, auth)] = got
+        [(body, auth)] = fake.got
         assert body["model"] == "m" and body["max_tokens"] == 1 and auth == "Bearer k"
         assert body["kv_transfer_params"]["remote_request_id"] == "req-a"
         assert body["kv_transfer_params"]["remote_num_tokens"] == 0
         assert _count(metrics, "released") == 1
 
-        status[0] = 500
+        fake.status = 500
         releaser.release(params, "m", 16, "c")
         await releaser.settled()
         assert _count(metrics, "refused") == 1
@@ -92,4 +79,3 @@ async def test_a_release_goes_to_a_prefill_node_of_the_model_and_block_size() ->
         await releaser.settled()
         assert _count(metrics, "no_prefill") == 1
         assert link.listed == 1  # one node list served all three (fresh for a few seconds)
-    await runner.cleanup()
