@@ -45,6 +45,7 @@ from emulator.sidechannel import (
 )
 from emulator.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
 from emulator.transfer import (
+    TOO_FEW_REMOTE_BLOCKS,
     HeldBlocks,
     PullAction,
     PullDirection,
@@ -306,6 +307,10 @@ class Engine:
 
     async def _apply_plan(self, plan: PullPlan, seq: _Sequence, stats: PrefillStats) -> None:
         failure = plan.reason if plan.action is PullAction.FAIL else None
+        if failure == TOO_FEW_REMOTE_BLOCKS:  # vLLM: an assert in the worker; the engine dies
+            self.metrics.connector_faults.inc()
+            source = plan.source
+            log.error("engine.connector_fault", reason=failure, remote=source.request_id if source else None)
         if plan.action is PullAction.PULL:
             try:
                 await self._pull(plan, seq)

@@ -69,6 +69,11 @@ class EngineMetrics(OwnRegistry):
             "Side-channel reads of blocks not held for the request named: a stale or wrong "
             "handout, read silently (as NIXL does), with whatever KV the blocks hold now.",
         ).labels(**labels)
+        self.connector_faults = counter(
+            "kvferry_emulator:connector_faults",
+            "Handouts vLLM's connector would have died on (an assert in the engine process): "
+            "remote blocks fewer than the tokens to pull need. Here the request fails alone.",
+        ).labels(**labels)
         self.held_requests = gauge(
             "kvferry_emulator:held_requests",
             "Requests whose blocks are held for a remote reader.",

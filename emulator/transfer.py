@@ -108,9 +108,8 @@ def parse_remote(params: Mapping[str, Any] | None, direction: PullDirection) -> 
         return None
     if not isinstance(raw_ids, list) or not all(isinstance(g, list) for g in raw_ids):
         raise ValueError("remote_block_ids must be a list of lists of block ids")
+    # (``[[]]`` counts as blocks given, as in vLLM: a pull then finds too few of them)
     groups = tuple(tuple(map(int, group)) for group in raw_ids)
-    if not any(groups):
-        return None
     if any(group and (min(group) < 0 or max(group) >= 2**63) for group in groups):  # C-level passes
         raise ValueError("remote_block_ids must be block ids (non-negative 64-bit integers)")
     port = _int_or_none(params["remote_port"])
@@ -132,6 +131,12 @@ def parse_remote(params: Mapping[str, Any] | None, direction: PullDirection) -> 
         expiry_time=None if expiry is None else float(expiry),
         registration_generation=_int_or_none(params.get("remote_registration_generation")),
     )
+
+
+TOO_FEW_REMOTE_BLOCKS = "too_few_remote_blocks"
+"""A pull whose remote block list is shorter than its tokens need: vLLM's worker asserts
+(`_apply_prefix_caching`) and its engine process dies; the emulator counts it
+(kvferry_emulator:connector_faults) and fails the request."""
 
 
 def plan_pull(
@@ -160,7 +165,7 @@ def plan_pull(
     num_blocks = math.ceil(count / block_size)
     remote_ids = source.block_ids[0]
     if len(remote_ids) < num_blocks:
-        return PullPlan(PullAction.FAIL, "too_few_remote_blocks", source)
+        return PullPlan(PullAction.FAIL, TOO_FEW_REMOTE_BLOCKS, source)
     return PullPlan(
         PullAction.PULL,
         "pull",

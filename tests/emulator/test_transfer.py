@@ -53,7 +53,9 @@ def test_parse_needs_flag_ids_and_address() -> None:
     assert _source().block_ids == (tuple(range(100, 110)),)
     assert parse_remote(_decoder_params(), PullDirection.FROM_PREFILLER) is None
     assert parse_remote(_decoder_params(remote_block_ids=[]), PullDirection.FROM_DECODER) is None
-    assert parse_remote(_decoder_params(remote_block_ids=[[]]), PullDirection.FROM_DECODER) is None
+    # ``[[]]`` is blocks given, as vLLM reads it (a truthy list): a pull then has too few.
+    empty = parse_remote(_decoder_params(remote_block_ids=[[]]), PullDirection.FROM_DECODER)
+    assert empty is not None and empty.block_ids == ((),)
     for key in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port"):
         assert parse_remote(_decoder_params(**{key: None}), PullDirection.FROM_DECODER) is None
     with pytest.raises(ValueError):
@@ -124,8 +126,11 @@ def test_refuses_within_five_seconds_of_expiry() -> None:
 
 
 def test_too_short_a_list_fails() -> None:
-    plan = _plan(_source(remote_block_ids=[[1, 2, 3]]))
-    assert (plan.action, plan.reason) == (PullAction.FAIL, "too_few_remote_blocks")
+    """vLLM's worker asserts on it and its engine dies: the emulator fails the request and
+    counts a connector fault, which the end-to-end tests require to stay at zero."""
+    for ids in ([[1, 2, 3]], [[]]):
+        plan = _plan(_source(remote_block_ids=ids))
+        assert (plan.action, plan.reason) == (PullAction.FAIL, "too_few_remote_blocks")
 
 
 def test_described_params_round_trip_through_parse() -> None:
