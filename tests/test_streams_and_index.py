@@ -53,6 +53,14 @@ async def _two_prefills_p1_attached(
     requests are put in, None to end it; the call)."""
     await client.nodes.Register(node_request("p-1", role=nodes_pb2.PREFILL))
     await client.nodes.Register(node_request("p-2", role=nodes_pb2.PREFILL, side_channel_port=5601))
+    return await _attached(client, "p-1")
+
+
+async def _attached(
+    client: Client, engine_id: str
+) -> tuple[asyncio.Queue[nodes_pb2.AttachRequest | None], Any]:
+    """An Attach stream for `engine_id` at generation 1, greeted: -> (the queue its requests
+    are put in, None to end it; the call)."""
     queue: asyncio.Queue[nodes_pb2.AttachRequest | None] = asyncio.Queue()
 
     async def requests() -> AsyncIterator[nodes_pb2.AttachRequest]:
@@ -60,7 +68,7 @@ async def _two_prefills_p1_attached(
             yield item
 
     call = client.nodes.Attach(requests())
-    queue.put_nowait(nodes_pb2.AttachRequest(hello=nodes_pb2.AttachHello(engine_id="p-1", generation=1)))
+    queue.put_nowait(nodes_pb2.AttachRequest(hello=nodes_pb2.AttachHello(engine_id=engine_id, generation=1)))
     await call.read()
     return queue, call
 
@@ -103,15 +111,7 @@ async def test_a_new_attach_stream_starts_the_nodes_index_afresh(client: Client)
         return listed["p-1"].indexed_blocks
 
     assert await indexed() == 3
-    second: asyncio.Queue[nodes_pb2.AttachRequest | None] = asyncio.Queue()
-
-    async def requests() -> AsyncIterator[nodes_pb2.AttachRequest]:
-        while (item := await second.get()) is not None:
-            yield item
-
-    new = client.nodes.Attach(requests())
-    second.put_nowait(nodes_pb2.AttachRequest(hello=nodes_pb2.AttachHello(engine_id="p-1", generation=1)))
-    await new.read()
+    second, new = await _attached(client, "p-1")
     assert await indexed() == 0
     for q, c in ((queue, call), (second, new)):
         q.put_nowait(None)

@@ -575,6 +575,15 @@ async def fake_engine(
         yield fake
 
 
+def on_fakes(daemon: Daemon, p: FakeEngine, d: FakeEngine, **changes: Any) -> RouterSettings:
+    """A router's settings with `p` and `d` as its nodes (given: not discovered)."""
+    return router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,), **changes)
+
+
+HI_C = {"messages": [{"role": "user", "content": "hi"}], "conversation_id": "c"}
+"""A turn of conversation "c" (the one `fakes_with_a_lease` holds a retention for)."""
+
+
 @contextlib.asynccontextmanager
 async def fakes_with_a_lease(
     daemon: Daemon,
@@ -589,7 +598,7 @@ async def fakes_with_a_lease(
 
 async def test_what_the_engines_receive(daemon: Daemon, http: aiohttp.ClientSession) -> None:
     async with fake_engine() as p, fake_engine() as d:
-        settings = router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
+        settings = on_fakes(daemon, p, d)
         async with Router(settings) as router:
             body = {
                 "model": "fake",
@@ -632,9 +641,7 @@ async def test_several_answers_or_prompts_go_to_d_alone_without_params(
     """P's params cover one sequence: a batch or n > 1 through P/D would hand D one prompt's
     blocks for all of them. Those requests are D's alone, and claim no retention."""
     async with fakes_with_a_lease(daemon) as (p, d, leases):
-        async with Router(
-            router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
-        ) as router:
+        async with Router(on_fakes(daemon, p, d)) as router:
             chat = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "conversation_id": "c"}
             batch = {"prompt": ["a", "b"], "kv_transfer_params": {"do_remote_prefill": True}}
             for path, body in ((CHAT, chat), ("/v1/completions", batch)):
@@ -661,11 +668,8 @@ async def test_params_a_p_never_got_still_go_with_the_fresh_retry(
     to pull, so D frees the claimed blocks now. They were dropped: D held them to its TTL."""
     async with fakes_with_a_lease(daemon) as (p, d, _):  # (the lease has no digests: a release)
         p.answers = [-1]
-        async with Router(
-            router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
-        ) as router:
-            chat = {"messages": [{"role": "user", "content": "hi"}], "conversation_id": "c"}
-            async with http.post(router.url + CHAT, json=chat) as r:
+        async with Router(on_fakes(daemon, p, d)) as router:
+            async with http.post(router.url + CHAT, json=HI_C) as r:
                 assert r.status == 200, await r.text()
             assert router.metrics.value("kvferry_router_prefill_retries_total", how="fresh") == 1
     first, second = (body["kv_transfer_params"] for path, _, body in p.requests if path == CHAT)
@@ -679,11 +683,8 @@ async def test_params_p_refused_with_a_4xx_are_released(daemon: Daemon, http: ai
     blocks the daemon claimed for the turn. A release through P does; it was not sent."""
     async with fakes_with_a_lease(daemon) as (p, d, _):  # (the lease has no digests: a release)
         p.answers = [400, 400]
-        async with Router(
-            router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
-        ) as router:
-            chat = {"messages": [{"role": "user", "content": "hi"}], "conversation_id": "c"}
-            async with http.post(router.url + CHAT, json=chat) as r:
+        async with Router(on_fakes(daemon, p, d)) as router:
+            async with http.post(router.url + CHAT, json=HI_C) as r:
                 assert r.status == 400, await r.text()
 
             async def released() -> bool:
@@ -729,9 +730,7 @@ async def test_a_prompt_the_router_cannot_verify_is_served_plain_and_claims_noth
     compute other token ids than the request's. Such a turn is not looked up, not
     tokenized, and leaves nothing for D's sidecar to retain."""
     async with fakes_with_a_lease(daemon) as (p, d, leases):
-        async with Router(
-            router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
-        ) as router:
+        async with Router(on_fakes(daemon, p, d)) as router:
             chat = {**fields, "conversation_id": "c"}
             async with http.post(router.url + CHAT, json={**chat, "stream": True}) as r:
                 assert r.status == 200 and b"t4" in await r.read()
@@ -820,7 +819,7 @@ async def test_a_decode_that_breaks_off_cuts_the_clients_stream(
     daemon: Daemon, http: aiohttp.ClientSession
 ) -> None:
     async with fake_engine() as p, fake_engine(break_after=2) as d:
-        settings = router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
+        settings = on_fakes(daemon, p, d)
         async with Router(settings) as router:
             body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
             received = b""
@@ -842,9 +841,7 @@ async def test_releases_are_counted_and_shutdown_does_not_wait_for_them(
 ) -> None:
     async with fake_engine() as p, fake_engine() as d:
         d.answers = [400, 422, 400, 0]  # turn, its release refused; turn, its release never answered
-        settings = router_settings(
-            daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,), server__shutdown_grace_s=0.2
-        )
+        settings = on_fakes(daemon, p, d, server__shutdown_grace_s=0.2)
         router = Router(settings)
         await router.start()
         try:
@@ -934,7 +931,7 @@ async def test_a_turn_whose_prompt_cannot_be_tokenized_releases_what_the_early_l
         async with grpc.aio.insecure_channel(daemon.address) as ch:
             await nodes_pb2_grpc.NodesStub(ch).Register(node_request("d-1"))
             await leases_pb2_grpc.LeasesStub(ch).Register(lease_request("conv-t"))
-        settings = router_settings(daemon, nodes__prefill_urls=(p.url,), nodes__decode_urls=(d.url,))
+        settings = on_fakes(daemon, p, d)
         async with Router(settings) as router:
             body = {
                 "model": "fake",
