@@ -328,7 +328,7 @@ async def bench(args: argparse.Namespace) -> None:
                 "no daemon: this process straight to etcd, one txn each",
             )
         )
-        await raw.channel.close(None)
+        await raw.close()
 
         # 3. Lookup+claim under offered load (open loop), on both paths.
         for path, claim in (("stream", claim_stream), ("unary", claim_unary)):

@@ -26,7 +26,7 @@ from controlplane.service import ControlPlane
 from controlplane.settings import Settings
 from controlplane.store import EtcdStore
 from kvferry.tasks import cancel_and_wait
-from kvferry.urls import join_host_port, listen_host_port, split_host_port
+from kvferry.urls import join_host_port, listen_host_port, local_address, split_host_port
 
 log = structlog.get_logger(__name__)
 
@@ -50,8 +50,7 @@ class Daemon:
 
     @property
     def address(self) -> str:
-        host = self.settings.server.listen.rpartition(":")[0] or "127.0.0.1"
-        return f"{host}:{self.port}"
+        return local_address(self.settings.server.listen, self.port)
 
     async def start(self) -> None:
         t0 = time.perf_counter()

@@ -22,7 +22,9 @@ from aetcd import rpc
 
 from controlplane import metrics
 from controlplane.errors import StoreUnavailable
+from kvferry.channels import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 from kvferry.tasks import cancel_and_wait
+from kvferry.urls import join_host_port, split_host_port
 
 T = TypeVar("T")
 log = structlog.get_logger(__name__)
@@ -42,8 +44,8 @@ _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 250),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
 ]
 
 
@@ -59,39 +61,41 @@ def channel_target(endpoints: tuple[str, ...], known: dict[str, list[str]] | Non
     one never resolved is left out while another name resolves (a member not up yet);
     when none has any address, the first name is the target, for gRPC to resolve.
     """
-    if len(endpoints) == 1:
-        host, _, port = endpoints[0].rpartition(":")
-        return endpoints[0] if _is_ip(host) else f"dns:///{host}:{port}"
+    members = _members(endpoints)
+    if len(members) == 1:
+        host, port = members[0]
+        return join_host_port(host, port) if _is_ip(host) else f"dns:///{join_host_port(host, port)}"
     known = {} if known is None else known
-    addrs: list[tuple[str, str]] = []  # (IP, port)
-    for ep in endpoints:
-        host, _, port = ep.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"etcd endpoint {ep!r} is not host:port")
-        bare = host.strip("[]")
+    addrs: list[tuple[str, int]] = []  # (IP, port)
+    for ep, (host, port) in zip(endpoints, members, strict=True):
         try:
-            known[ep] = [bare] if _is_ip(bare) else _resolve(host)
+            known[ep] = [host] if _is_ip(host) else _resolve(host)
         except OSError as e:
             log.warning("etcd.endpoint.unresolved", endpoint=ep, error=str(e), kept=known.get(ep, []))
         addrs += [(ip, port) for ip in known.get(ep, [])]
     if not addrs:
-        host, _, port = endpoints[0].rpartition(":")
-        return f"dns:///{host}:{port}"
+        return f"dns:///{join_host_port(*members[0])}"
     if all(":" not in ip for ip, _ in addrs):
-        return "ipv4:" + ",".join(f"{ip}:{port}" for ip, port in addrs)
+        return "ipv4:" + ",".join(join_host_port(ip, port) for ip, port in addrs)
     # One scheme per target: IPv4 members as IPv4-mapped IPv6 addresses beside IPv6 ones.
-    return "ipv6:" + ",".join(f"[{ip if ':' in ip else '::ffff:' + ip}]:{port}" for ip, port in addrs)
+    return "ipv6:" + ",".join(join_host_port(ip if ":" in ip else "::ffff:" + ip, port) for ip, port in addrs)
+
+
+def _members(endpoints: tuple[str, ...]) -> list[tuple[str, int]]:
+    """(host, port) of each endpoint (a bare IPv6 host: no brackets)."""
+    out = []
+    for ep in endpoints:
+        host, port = split_host_port(ep, "etcd endpoint")
+        if port is None:
+            raise ValueError(f"etcd endpoint {ep!r} must be host:port")
+        out.append((host, port))
+    return out
 
 
 def _resolve(host: str) -> list[str]:
     """Every address `host` resolves to (IPv4 and IPv6), sorted: the same list for the same
     records, whatever order the resolver gives them in."""
     return sorted({str(ai[4][0]) for ai in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
-
-
-def names_to_follow(endpoints: tuple[str, ...]) -> bool:
-    """Whether `channel_target` resolved names the channel will not resolve again."""
-    return len(endpoints) > 1 and any(not _is_ip(ep.rpartition(":")[0].strip("[]")) for ep in endpoints)
 
 
 def _is_ip(host: str) -> bool:
@@ -109,7 +113,8 @@ class Client(aetcd.Client):  # type: ignore[misc]
         super().__init__(timeout=timeout)
         self._endpoints = endpoints
         self._known: dict[str, list[str]] = {}  # each endpoint's last addresses
-        self._timeout_s = timeout
+        # Names `channel_target` resolved that the channel will not resolve again (several).
+        self._names = len(endpoints) > 1 and not all(_is_ip(h) for h, _ in _members(endpoints))
         self.target = ""
         self._retired: set[asyncio.Task[None]] = set()
 
@@ -130,8 +135,9 @@ class Client(aetcd.Client):  # type: ignore[misc]
 
     async def follow_dns(self, interval_s: float) -> None:
         """Resolve the endpoints' names every `interval_s`, and move to a new channel when
-        an address changed (see `channel_target`); calls already on the old one finish."""
-        while True:
+        an address changed (see `channel_target`); calls already on the old one finish.
+        Returns at once when there are none to follow."""
+        while self._names:
             await asyncio.sleep(interval_s)
             target = await asyncio.to_thread(channel_target, self._endpoints, self._known)
             if target == self.target:
@@ -139,7 +145,7 @@ class Client(aetcd.Client):  # type: ignore[misc]
             log.info("etcd.endpoints.moved", before=self.target, after=target)
             old = self.channel
             self._open(target)
-            task = asyncio.create_task(old.close(grace=self._timeout_s), name="etcd-old-channel")
+            task = asyncio.create_task(old.close(grace=self._timeout), name="etcd-old-channel")
             self._retired.add(task)
             task.add_done_callback(self._retired.discard)
 

@@ -28,7 +28,7 @@ from aetcd import rpc
 
 from controlplane import metrics
 from controlplane.errors import Conflict, StoreUnavailable
-from controlplane.etcd import Client, LeaseGone, TxnBatcher, names_to_follow, timed
+from controlplane.etcd import Client, LeaseGone, TxnBatcher, timed
 from controlplane.records import (
     Claim,
     HeldSummary,
@@ -142,17 +142,6 @@ class GcLeases:
             del self._leases[b]
 
 
-def _replaced(put: rpc.PutResponse) -> Retention | None:
-    """The retention a put replaced (None: there was none, or it does not decode)."""
-    if not put.HasField("prev_kv"):
-        return None
-    try:
-        return decode_retention(put.prev_kv.value)
-    except UNDECODABLE as e:  # (a record of another version, say)
-        log.warning("retention.replaced.undecodable", error=str(e))
-        return None
-
-
 def _get(key: bytes, range_end: bytes = b"", limit: int = 0) -> rpc.RangeRequest:
     return rpc.RangeRequest(key=key, range_end=range_end, limit=limit)
 
@@ -225,7 +214,6 @@ class EtcdStore:
         claim_marker_s: int,
     ) -> None:
         self.keys = keys
-        self._endpoints = endpoints
         self._timeout = timeout_s
         self._client = Client(endpoints, timeout_s)
         self._gc = GcLeases(self._client, bucket_s, max_keys_per_lease, timeout_s)
@@ -249,8 +237,7 @@ class EtcdStore:
 
     async def follow_dns(self, interval_s: float) -> None:
         """Keep resolving the endpoints' names (when gRPC would not): see `channel_target`."""
-        if names_to_follow(self._endpoints):
-            await self._client.follow_dns(interval_s)
+        await self._client.follow_dns(interval_s)
 
     async def ready(self, timeout_s: float) -> None:
         """Wait until etcd answers a read, or raise StoreUnavailable."""
@@ -323,7 +310,9 @@ class EtcdStore:
             txn = rpc.TxnRequest(success=[rpc.RequestOp(request_put=put)])
             resp = await self._batcher.submit("put_retention", txn, (key,))
             previous = resp.responses[0].response_put
-            return int(resp.header.revision), _replaced(previous)
+            # (the retention it replaced: none, or one this version cannot read)
+            replaced = _decoded(decode_retention, previous.prev_kv) if previous.HasField("prev_kv") else None
+            return int(resp.header.revision), replaced
 
         return await self._with_gc_lease(r.expires_at, now, write)
 

@@ -40,6 +40,7 @@ from emulator.tokenizer import (
     decode,
     encode,
 )
+from kvferry.decoding import UNDECODABLE
 
 log = structlog.get_logger(__name__)
 
@@ -48,6 +49,8 @@ _T = TypeVar("_T")
 
 #: Answers are encoded with msgspec: the stdlib encoder takes milliseconds for the token id
 #: lists of long prompts (``/tokenize``, ``return_token_ids``), time no timing model counts.
+_BAD_REQUEST: tuple[type[Exception], ...] = (*UNDECODABLE, TemplateError)
+"""A body that does not decode (or nests too deep), or a chat template that fails on it."""
 _json_encode = msgspec.json.Encoder().encode
 
 
@@ -129,7 +132,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except EngineError as exc:
         status = exc.status
         message = str(exc)
-    except (msgspec.DecodeError, RecursionError, TemplateError) as exc:  # (Recursion: nested too deep)
+    except _BAD_REQUEST as exc:
         status = HTTPStatus.BAD_REQUEST
         message = str(exc)
     if status >= 500:

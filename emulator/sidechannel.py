@@ -21,6 +21,8 @@ from typing import Protocol
 import msgspec
 import structlog
 
+from kvferry.decoding import UNDECODABLE
+
 log = structlog.get_logger(__name__)
 
 _HEADER = struct.Struct(">I")
@@ -54,6 +56,8 @@ class Reply(msgspec.Struct, tag="reply"):
 Message = ReadBlocks | Notify | Reply
 
 _encoder = msgspec.msgpack.Encoder()
+_GARBLED: tuple[type[Exception], ...] = (*UNDECODABLE, ValueError)
+"""A message that does not decode (or nests deeper than msgspec recurses), or bad values."""
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
@@ -129,11 +133,7 @@ class SideChannelServer:
                     message = await _read_message(reader)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
-                except (
-                    msgspec.DecodeError,
-                    RecursionError,
-                    ValueError,
-                ) as exc:  # (Recursion: nested too deep)
+                except _GARBLED as exc:
                     await _write_message(writer, Reply(ok=False, error=str(exc)))
                     return
                 await _write_message(writer, self._answer(message))
@@ -181,7 +181,7 @@ async def _call(host: str, port: int, message: Message) -> Reply:
                 await writer.wait_closed()
     except (OSError, OverflowError, asyncio.IncompleteReadError) as exc:
         raise TransferError(f"side channel {host}:{port} unreachable: {exc}") from exc
-    except (msgspec.DecodeError, RecursionError, ValueError) as exc:  # (Recursion: nested too deep)
+    except _GARBLED as exc:
         raise TransferError(f"side channel {host}:{port} garbled: {exc}") from exc
     if not isinstance(reply, Reply):
         raise TransferError(f"side channel {host}:{port} sent no reply")

@@ -17,6 +17,12 @@ _RELEASE_PROMPT = "."
 _PREFILLS = (nodes_pb2.PREFILL, nodes_pb2.BOTH)
 
 
+def nothing_to_pull(params: Mapping[str, Any]) -> dict[str, Any]:
+    """An engine's params with nothing to pull (``remote_num_tokens: 0``): the other side,
+    handed them, only notifies the holder, which frees the blocks."""
+    return {**params, "remote_num_tokens": 0}
+
+
 def release_body(
     model: Any, prefill_params: Mapping[str, Any], prompt_token_ids: Sequence[int] | None
 ) -> dict[str, Any]:
@@ -26,7 +32,7 @@ def release_body(
     than at its timeout (480 s by default). A bidirectional D keeps this request's one
     block for its own TTL (it keeps every request that came with a prefill's params);
     D's sidecar registers nothing, as no conversation is named."""
-    kv = {**prefill_params, "do_remote_decode": False, "remote_num_tokens": 0}
+    kv = {**nothing_to_pull(prefill_params), "do_remote_decode": False}
     kv.pop("prompt_token_ids", None)  # the prompt is the one token below
     return _one_token(model, kv, list(prompt_token_ids[:1]) if prompt_token_ids else _RELEASE_PROMPT)
 
@@ -37,7 +43,7 @@ def claim_release_body(model: Any, decode_params: Mapping[str, Any]) -> dict[str
     only notifies D, which frees the conversation's blocks now rather than at its TTL
     (480 s by default). P keeps this request's one block until its own timeout, as a
     producer keeps every request's blocks for a D that may read them."""
-    kv = {**decode_params, "do_remote_decode": True, "do_remote_prefill": False, "remote_num_tokens": 0}
+    kv = {**nothing_to_pull(decode_params), "do_remote_decode": True, "do_remote_prefill": False}
     kv.pop("prompt_token_ids", None)
     return _one_token(model, kv, _RELEASE_PROMPT)
 

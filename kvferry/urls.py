@@ -46,6 +46,13 @@ def split_host_port(value: str, what: str) -> tuple[str, int | None]:
     return host, _port(port, what, value) if sep else None
 
 
+def local_address(listen: str, port: int) -> str:
+    """HOST:PORT a client on this host reaches a server listening on `listen` at (its bound
+    `port`): its host, a wildcard one as loopback."""
+    host, _ = listen_host_port(listen)
+    return join_host_port("127.0.0.1" if host in ("0.0.0.0", "::") else host, port)
+
+
 def join_host_port(host: str, port: int) -> str:
     """HOST:PORT, an IPv6 host in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

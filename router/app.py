@@ -21,7 +21,7 @@ from aiohttp import web
 from kvferry.digests import DigestCache
 from kvferry.hops import KEEPALIVE_S
 from kvferry.tasks import cancel_and_wait
-from kvferry.urls import listen_host_port
+from kvferry.urls import listen_host_port, local_address
 from router.control import ControlPlane
 from router.http_api import build_app
 from router.metrics import RouterMetrics
@@ -51,10 +51,7 @@ class Router:
     @property
     def url(self) -> str:
         """Base URL, e.g. ``http://127.0.0.1:PORT``."""
-        host, _ = listen_host_port(self.settings.server.listen)
-        if host in ("0.0.0.0", "::", ""):
-            host = "127.0.0.1"
-        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+        return f"http://{local_address(self.settings.server.listen, self.port)}"
 
     async def start(self, nodes_timeout_s: float = 5.0) -> None:
         """Serve; waits up to `nodes_timeout_s` for a first node list (serving 503 until then)."""

@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvferry.releases import nothing_to_pull
+
 #: kv_transfer_params for a prefill node that computes everything and keeps the KV for D.
 FRESH: Mapping[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
 
@@ -137,9 +139,7 @@ def reuse_of(answer: LookupAnswer) -> Reuse:
             return Reuse("PULL", answer.reason, answer.params, answer.reusable_tokens)
         # A PULL we cannot hand over intact is not worth a failed prefill; its blocks
         # were claimed all the same, so they are released when the params allow it.
-        return Reuse(
-            "RECOMPUTE", "unusable_params", {**answer.params, "remote_num_tokens": 0} if usable else None
-        )
+        return Reuse("RECOMPUTE", "unusable_params", nothing_to_pull(answer.params) if usable else None)
     release = answer.release if answer.release and _usable_pull(answer.release) else None
     return Reuse("RECOMPUTE", answer.reason, release)
 

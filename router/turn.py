@@ -37,7 +37,7 @@ from prometheus_client import Counter
 from kvferry.blockhash import block_hashes, external_block_hash
 from kvferry.digests import DIGEST_SIZE, DigestCache, seed_for
 from kvferry.hops import NO_RETENTION_HEADER
-from kvferry.releases import claim_release_body, release_body
+from kvferry.releases import claim_release_body, nothing_to_pull, release_body
 from router.choice import (
     Node,
     alike,
@@ -365,6 +365,7 @@ class Turn:
                 kind = FailureKind.STATUS if reply.status != 200 else FailureKind.PROTOCOL
                 failure = Failure(kind, reply.status)
             self.s.metrics.upstream_error("prefill", failure)
+            like = alike(self.nodes, node)  # (D's params are for a P of this one's block size)
             if remote and failure.client_error:
                 # A 4xx is mostly P's frontend refusing the request before its engine saw
                 # it (a prompt grown past max_model_len, say): P's connector never got D's
@@ -372,10 +373,9 @@ class Turn:
                 # after its pull, has D ignore the second notification.) The release goes
                 # to the least loaded P of this one's kind: this one may refuse anything
                 # now (a 429). A retry goes without the params.
-                twin = choose_prefill(alike(self.nodes, node), self.s.load.view) or node
+                twin = choose_prefill(like, self.s.load.view) or node
                 self._release_claim(twin, remote)
-            # (D's params are for a P of this one's block size)
-            spare = prefill_candidates(alike(self.nodes, node) if remote else self.nodes, exclude=tried)
+            spare = prefill_candidates(like if remote else self.nodes, exclude=tried)
             retry = retry_after(failure, bool(remote), attempt, bool(spare))
             self.log.info(
                 "router.prefill.failed",
@@ -397,8 +397,8 @@ class Turn:
                 fresh = fresh_retry_node(node, self.nodes, tried, self.s.load.view, unseen)
                 # Params P never got (it could not be reached) still go, with nothing to pull,
                 # to a P that can take them: P then has D free the blocks claimed for this turn.
-                take = unseen and fresh in alike(self.nodes, node)
-                remote = {**remote, "remote_num_tokens": 0} if remote and take else None
+                take = unseen and fresh in like
+                remote = nothing_to_pull(remote) if remote and take else None
                 self.reuse = Reuse("RECOMPUTE", "prefill_failed", remote)
                 node = fresh
             if retry is Retry.OTHER_NODE:

@@ -24,6 +24,8 @@ from typing import Any
 
 import msgspec
 
+from kvferry.decoding import UNDECODABLE
+
 MASK64 = (1 << 64) - 1
 
 _Hash = int | bytes
@@ -119,7 +121,6 @@ class _RawBatch(msgspec.Struct, array_like=True):
 
 _KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
 # (RecursionError: msgspec's answer to a payload nested deeper than it recurses)
-_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 
 
 def hash64(h: int | bytes) -> int:
@@ -163,7 +164,7 @@ class Decoder:
         for decoder in (first, second):
             try:
                 batch = decoder.decode(payload)
-            except _DECODE_ERRORS:
+            except UNDECODABLE:
                 continue
             self._prefer_arrays = decoder is self._arr
             return DecodedBatch([_convert(e) for e in batch.events])
@@ -173,7 +174,7 @@ class Decoder:
         """Event by event: mixed encodings, unknown event types skipped."""
         try:
             batch = self._raw.decode(payload)
-        except _DECODE_ERRORS as e:
+        except UNDECODABLE as e:
             raise MalformedPayload(f"not a KV-event batch: {e}") from e
         events: list[KvEvent] = []
         unknown = 0
@@ -189,11 +190,11 @@ class Decoder:
         for decoder in (self._map_event, self._arr_event):
             try:
                 return _convert(decoder.decode(raw))
-            except _DECODE_ERRORS:
+            except UNDECODABLE:
                 continue
         try:
             value = self._any.decode(raw)
-        except _DECODE_ERRORS as e:
+        except UNDECODABLE as e:
             raise MalformedPayload(f"undecodable event: {e}") from e
         if isinstance(value, dict):
             tag = value.get("type")
