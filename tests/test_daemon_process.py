@@ -15,6 +15,7 @@ import grpc
 import pytest
 import structlog.testing
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.daemon import Daemon
 from kvferry.v1 import leases_pb2_grpc
@@ -65,25 +66,44 @@ async def test_metrics_count_decisions_claims_and_registrations(
         daemon_settings(etcd_endpoint, server=ServerSettings(listen="127.0.0.1:0", metrics_port=0))
     )
     c: Client = connect(d)
+
+    async def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        text = await asyncio.to_thread(
+            lambda: (
+                urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=5)
+                .read()
+                .decode()
+            )
+        )
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    # The counters are process-wide (other daemons of this test run count there too): deltas.
+    counted = (
+        ("kvferry_lookups_total", (("decision", "PULL"), ("reason", "pull"))),
+        ("kvferry_lookups_total", (("decision", "RECOMPUTE"), ("reason", "already_claimed"))),
+        ("kvferry_claims_total", (("kind", "pull"),)),
+        ("kvferry_lease_registrations_total", (("outcome", "new"),)),
+        ("kvferry_etcd_seconds_count", (("op", "claim"),)),
+    )
+    before = await scrape()
     await c.nodes.Register(node_request("d-1"))
     await c.leases.Register(lease_request("m-1"))
+    await c.leases.Register(lease_request("m-2", engine_id="d-1", num_tokens=700))
     await c.leases.Lookup(lookup_request("m-1"))
     await c.leases.Lookup(lookup_request("m-1"))
     assert d.control_plane is not None
     await d.control_plane.scan_gauges()
-    text = await asyncio.to_thread(
-        lambda: (
-            urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=5).read().decode()
-        )
-    )
-    for line in (
-        'kvferry_lookups_total{decision="PULL",reason="pull"}',
-        'kvferry_lookups_total{decision="RECOMPUTE",reason="already_claimed"}',
-        'kvferry_claims_total{kind="pull"}',
-        'kvferry_lease_registrations_total{outcome="new"}',
-        'kvferry_etcd_seconds_count{op="claim"}',
-    ):
-        assert line in text, line
+    after = await scrape()
+    deltas = [after.get(key, 0.0) - before.get(key, 0.0) for key in counted]
+    # (both lookups tried their claim at etcd: the second found it taken)
+    assert deltas == [1, 1, 1, 2, 2], dict(zip(counted, deltas, strict=True))
+    node = (("engine_id", "d-1"),)
+    assert after[("kvferry_live_leases", node)] == 1  # m-2: m-1 was handed out
+    assert after[("kvferry_held_tokens", node)] == 700
 
 
 async def test_logs_are_structured_events(client: Client) -> None:

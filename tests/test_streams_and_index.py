@@ -265,17 +265,15 @@ async def test_lease_stream_client_batches_under_load_and_survives_timeouts(clie
         assert all(r.decision == leases_pb2.PULL for r in looks)
         bad = lease_request("b-bad")
         bad.conversation_id = ""
-        try:
+        with pytest.raises(LeaseOpError) as refused:
             await stream.register(bad, 10)
-            raise AssertionError("expected an error")
-        except LeaseOpError as e:
-            assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "conversation_id" in e.message
-            assert not e.stream_lost  # the daemon's answer to that op: no reason to change replica
+        e = refused.value
+        assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "conversation_id" in e.message
+        assert not e.stream_lost  # the daemon's answer to that op: no reason to change replica
         # A deadline too short to be met fails that call only; the stream goes on.
-        try:
+        with pytest.raises(LeaseOpError) as late:
             await stream.lookup(lookup_request("b-0"), 0.000001)
-        except LeaseOpError as e:
-            assert e.code == grpc.StatusCode.DEADLINE_EXCEEDED and not e.stream_lost
+        assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and not late.value.stream_lost
         again = await stream.lookup(lookup_request("b-1", peek=True), 10)
         assert again.reason == "already_claimed"
     finally:

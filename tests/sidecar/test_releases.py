@@ -44,17 +44,25 @@ def _count(metrics: SidecarMetrics, outcome: str) -> float:
 async def test_a_release_goes_to_a_prefill_node_of_the_model_and_block_size() -> None:
     def node(engine_id: str, url: str, role: int = nodes_pb2.PREFILL, **kw: Any) -> nodes_pb2.Node:
         return nodes_pb2.Node(
-            engine_id=engine_id, role=role, **{"model": "m", "block_size": 16, "alive": True, **kw}
+            engine_id=engine_id,
+            role=role,
+            http_url=url,
+            engine_url=url,
+            **{"model": "m", "block_size": 16, "alive": True, **kw},
         )
 
-    async with fake_completions() as fake, aiohttp.ClientSession() as http:
-        url = fake.url
+    async with (
+        fake_completions() as fake,
+        fake_completions() as unfit,
+        aiohttp.ClientSession() as http,
+    ):
+        url, elsewhere = fake.url, unfit.url
         nodes = [
-            node("p-other", url, model="other", http_url=url),
-            node("p-32", url, block_size=32, http_url=url),
-            node("d", url, role=nodes_pb2.DECODE, http_url=url),
-            node("p-dead", url, alive=False, http_url=url),
-            node("p", url, engine_url=url),  # the only one that fits
+            node("p-other", elsewhere, model="other"),
+            node("p-32", elsewhere, block_size=32),
+            node("d", elsewhere, role=nodes_pb2.DECODE),
+            node("p-dead", elsewhere, alive=False),
+            node("p", url),  # the only one that fits
         ]
         link = _Link(nodes)
         metrics = SidecarMetrics()
@@ -79,3 +87,6 @@ async def test_a_release_goes_to_a_prefill_node_of_the_model_and_block_size() ->
         await releaser.settled()
         assert _count(metrics, "no_prefill") == 1
         assert link.listed == 1  # one node list served all three (fresh for a few seconds)
+        assert (
+            unfit.got == []
+        )  # no release reached a node of another model, block size or role, or a dead one
