@@ -8,12 +8,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from controlplane.daemon import Daemon
 from controlplane.settings import EtcdSettings
 from kvferry.v1 import leases_pb2, nodes_pb2
 from tests.conftest import Client, DaemonFactory, free_port
 from tests.factories import lease_request, lookup_request, node_request
+from tests.polling import eventually
 
 
 async def test_exactly_one_pull_among_100_concurrent_lookups_on_two_replicas(
@@ -83,9 +85,12 @@ async def test_node_stays_alive_while_attached_and_lapses_after(client: Client) 
     assert alive.decision == leases_pb2.PULL
     with pytest.raises(StopAsyncIteration):
         await gen.__anext__()  # stop heartbeating and close the stream
-    await asyncio.sleep(4.0)
-    nodes = await client.nodes.List(nodes_pb2.ListNodesRequest(include_dead=True))
-    assert [n.alive for n in nodes.nodes] == [False]
+
+    async def lapsed() -> bool:  # (etcd expires leases on a 500 ms tick: not at the TTL exactly)
+        nodes = await client.nodes.List(nodes_pb2.ListNodesRequest(include_dead=True))
+        return [n.alive for n in nodes.nodes] == [False]
+
+    await eventually(lapsed, within=15)
     assert not (await client.nodes.List(nodes_pb2.ListNodesRequest())).nodes
     gone = await client.leases.Lookup(lookup_request("conv-b"))
     assert gone.decision == leases_pb2.RECOMPUTE and gone.reason == "node_gone"
@@ -243,10 +248,16 @@ async def test_an_older_attach_stream_ending_keeps_the_newer_ones_index(
             await asyncio.sleep(0.01)
         late = nodes_pb2.KvEventBatch(stored=[9])  # a late delta on the superseded stream: ignored
         await old.send(nodes_pb2.AttachRequest(kv_events=late), answered=False)
-        await asyncio.sleep(0.1)
+        assert await old.send(heartbeat(1)) is not None  # (answered in order: the delta was taken)
         assert index.count("d-1") == 3 and not index.contains("d-1", 9)
+        attached = REGISTRY.get_sample_value("kvferry_attached_streams")
+        assert attached is not None
         await old.close()
-        await asyncio.sleep(0.2)
+
+        async def old_ended() -> bool:
+            return REGISTRY.get_sample_value("kvferry_attached_streams") == attached - 1
+
+        await eventually(old_ended)
         assert index.count("d-1") == 3
         # One stream speaks for one engine.
         await client.nodes.Register(node_request("d-2"))

@@ -12,6 +12,7 @@ from controlplane.settings import NodeSettings
 from kvferry.v1 import leases_pb2, nodes_pb2
 from tests.conftest import Client, DaemonFactory, daemon_settings
 from tests.factories import lease_request, lookup_request, node_request
+from tests.polling import eventually
 
 
 async def gc_daemon(make_daemon: DaemonFactory, etcd_endpoint: str, gc_after_s: float) -> Daemon:
@@ -74,7 +75,12 @@ async def test_lapsed_node_is_collected_and_its_own_process_may_return(
 async def test_collection_loses_to_a_concurrent_registration(client: Client, daemon: Daemon) -> None:
     await client.nodes.Register(node_request("d-1", liveness_ttl_seconds=2))
     store = daemon.control_plane.store  # type: ignore[union-attr]
-    await asyncio.sleep(2.5)
+
+    async def lapsed() -> bool:  # (etcd expires leases on a 500 ms tick: not at the TTL exactly)
+        state, _ = await store.get_node("d-1")
+        return state is not None and not state.alive
+
+    await eventually(lapsed, within=10)
     state, revision = await store.get_node("d-1")
     assert state is not None and not state.alive
     await client.nodes.Register(node_request("d-1"))  # back before the collector acted
