@@ -8,12 +8,14 @@ from collections.abc import Callable
 
 import grpc
 import pytest
+import structlog.testing
 
 from controlplane.daemon import Daemon
 from kvferry.leaseclient import LeaseStream
 from kvferry.v1 import leases_pb2
 from tests.conftest import Client, DaemonFactory, daemon_settings
 from tests.factories import lease_request, lookup_request, node_request, tokens
+from tests.polling import eventually
 
 
 def early(conversation_id: str) -> leases_pb2.LookupRequest:
@@ -156,7 +158,7 @@ async def test_a_cancelled_caller_still_ends_the_daemons_wait(client: Client) ->
         task = asyncio.create_task(
             stream.lookup_with_prompt(leases_pb2.LookupRequest(conversation_id="c"), forever(), 5)
         )
-        await asyncio.sleep(0.3)
+        await peek_until(client, "c", lambda peek: peek.reason == "already_claimed")  # it left
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -189,7 +191,7 @@ async def test_a_cancelled_callers_claim_is_handed_to_its_late_hook(client: Clie
                 leases_pb2.LookupRequest(conversation_id="c"), forever(), 5, late.append
             )
         )
-        await asyncio.sleep(0.3)
+        await peek_until(client, "c", lambda peek: peek.reason == "already_claimed")  # it left
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -245,9 +247,15 @@ async def test_a_revoke_is_not_undone_by_a_claim_put_back(daemon: Daemon, client
     await peek_until(client, "c", lambda peek: peek.reason == "already_claimed")  # taken meanwhile
     revoked = await client.leases.Revoke(leases_pb2.RevokeLeaseRequest(conversation_id="c"))
     assert not revoked.found  # (the claim holds it)
-    call.cancel()
-    await asyncio.sleep(0.3)  # the daemon sees the stream end and tries the put-back
-    await daemon.control_plane.settle()
+    with structlog.testing.capture_logs() as logs:
+        call.cancel()
+
+        async def tried() -> bool:  # the daemon saw the stream end and tried the put-back
+            return any(e["event"].startswith("lookup.put_back") for e in logs)
+
+        await eventually(tried)
+    [put] = [e for e in logs if e["event"].startswith("lookup.put_back")]
+    assert put["event"] == "lookup.put_back" and put["back"] is False, put
     assert (await client.leases.Lookup(lookup_request("c"))).reason == "no_lease"
 
 
