@@ -71,11 +71,14 @@ def free_port() -> int:
 
 
 class DaemonProcess:
-    """``kvferry daemon`` on its embedded etcd, in its own process."""
+    """``kvferry daemon`` in its own process: on its embedded etcd (kept in `data_dir`), or
+    on the external etcd at `etcd` under `prefix`."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path | None, etcd: str = "", prefix: str = "", port: int = 0) -> None:
         self.data_dir = data_dir
-        self.port = free_port()
+        self.etcd = etcd
+        self.prefix = prefix
+        self.port = port or free_port()
         self.proc: asyncio.subprocess.Process | None = None
 
     @property
@@ -83,10 +86,14 @@ class DaemonProcess:
         return f"127.0.0.1:{self.port}"
 
     async def start(self) -> None:
+        if self.etcd:
+            store = ["--etcd", self.etcd, *(["--etcd-prefix", self.prefix] if self.prefix else [])]
+        else:
+            assert self.data_dir is not None
+            store = ["--data-dir", str(self.data_dir / "etcd"), "--embedded-port", str(free_port())]
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvferry.cli", "--log-level", "warning", "daemon",
-            "--listen", self.address, "--metrics-port", "-1",
-            "--data-dir", str(self.data_dir / "etcd"), "--embedded-port", str(free_port()),
+            "--listen", self.address, "--metrics-port", "-1", *store,
             stdin=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         async with grpc.aio.insecure_channel(self.address) as channel, asyncio.timeout(60):
@@ -106,8 +113,13 @@ class DaemonProcess:
             try:
                 await asyncio.wait_for(self.proc.wait(), 15)
             except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
+                await self.kill()
+
+    async def kill(self) -> None:
+        """SIGKILL: no graceful stop, no claims settled, connections reset."""
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
 
 
 def engine_config(role: str, **changes: Any) -> EmulatorConfig:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
+from bench.demo import DaemonProcess
 from router import Router
-from tests.conftest import DaemonFactory
 from tests.router.conftest import MakeStack
 from tests.router.helpers import CHAT, Result, ask, first_turn, next_turn, unheld_reads
 
@@ -78,10 +79,28 @@ async def test_two_replicas_taking_alternate_turns_reuse_as_often_as_one(
     assert unheld_reads(stack.decodes) == 0  # no retention was handed out twice
 
 
-async def test_200_concurrent_conversations_survive_a_daemon_restart(
-    make_daemon: DaemonFactory, make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
+async def test_200_concurrent_conversations_survive_a_daemon_killed_mid_run(
+    etcd_endpoint: str, make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
 ) -> None:
-    daemon = await make_daemon()
+    # A daemon process of its own, to SIGKILL: no graceful stop, no claims put back.
+    prefix = f"/t-{uuid.uuid4().hex[:10]}"
+    daemon = DaemonProcess(None, etcd=etcd_endpoint, prefix=prefix)
+    await daemon.start()
+    back = DaemonProcess(None, etcd=etcd_endpoint, prefix=prefix, port=daemon.port)
+    try:
+        await _survive_a_kill(daemon, back, make_stack, http, reference)
+    finally:
+        await daemon.kill()
+        await back.stop()
+
+
+async def _survive_a_kill(
+    daemon: DaemonProcess,
+    back: DaemonProcess,
+    make_stack: MakeStack,
+    http: aiohttp.ClientSession,
+    reference: Reference,
+) -> None:
     stack = await make_stack(d_config={"num_blocks": 65536}, daemon=daemon)
     router = await stack.router(daemon__lookup_deadline_s=2.0)
     convs = [Conversation(f"c{i}", first_turn(f"subject {i}", size=2)) for i in range(200)]
@@ -105,7 +124,7 @@ async def test_200_concurrent_conversations_survive_a_daemon_restart(
     early = asyncio.gather(*(turn_two(c) for c in convs[:100]))
     async with asyncio.timeout(30):
         await midway.wait()
-    await daemon.stop()  # 70 of the first 100 still in flight
+    await daemon.kill()  # 70 of the first 100 still in flight
     late = await asyncio.gather(*(turn_two(c) for c in convs[100:]))
     two = [*await early, *late]
     assert all(r.status == 200 for r in two), [r.body for r in two if r.status != 200][:3]
@@ -116,16 +135,21 @@ async def test_200_concurrent_conversations_survive_a_daemon_restart(
     while_down = await asyncio.gather(*(c.turn(http, router) for c in convs[:20]))
     assert all(r.status == 200 and r.decision == "SKIPPED" for r in while_down)
 
-    # The daemon comes back on the same address and etcd: reuse resumes.
-    s = daemon.settings
-    back = await make_daemon(replace(s, server=replace(s.server, listen=f"127.0.0.1:{daemon.port}")))
-    stack.daemon = back
+    # A daemon comes back on the same address and etcd: reuse resumes.
+    await back.start()
     await stack.wait_nodes(20)
     await stack.registrations_idle(20)
     await asyncio.sleep(1.2)  # the router's breaker lets lookups through again within 1 s
     three = await asyncio.gather(*(c.turn(http, router) for c in convs[20:]))
     assert all(r.status == 200 for r in three)
-    assert sum(r.decision == "PULL" for r in three) >= len(three) // 2
+    pulled = sum(r.decision == "PULL" for r in three)
+    # Only a registration the kill caught at the daemon is lost (sending it again could
+    # hand out D's blocks twice): its conversation recomputes once.
+    [d] = stack.decodes
+    lost = stack.sidecar(d).metrics.value(
+        "kvferry_sidecar_lease_registrations_dropped_total", reason="maybe_stored"
+    )
+    assert pulled >= len(three) - lost, [(r.decision, r.reason) for r in three]
 
     assert await _check_answers(convs, reference) == 200 * 2 + 20 + 180
     assert router.metrics.value("kvferry_router_upstream_errors_total", role="decode", kind="status_5xx") == 0
