@@ -92,9 +92,12 @@ async def test_kv_events_feed_the_index_and_score(client: Client) -> None:
     assert [(s.engine_id, s.cached_blocks) for s in score.scores] == [("p-1", 2), ("p-2", 0)]
     queue.put_nowait(None)
     call.cancel()
-    await asyncio.sleep(0.2)
-    listed = {n.engine_id: n for n in (await client.nodes.List(nodes_pb2.ListNodesRequest())).nodes}
-    assert listed["p-1"].indexed_blocks == 0, "a detached node's index would go stale: dropped"
+
+    async def dropped() -> bool:  # a detached node's index would go stale
+        listed = {n.engine_id: n for n in (await client.nodes.List(nodes_pb2.ListNodesRequest())).nodes}
+        return listed["p-1"].indexed_blocks == 0
+
+    await eventually(dropped)
 
 
 async def test_a_new_attach_stream_starts_the_nodes_index_afresh(client: Client) -> None:

@@ -139,24 +139,24 @@ async def test_notify_does_not_hold_up_the_answer_but_always_arrives(
     second = _next_turn(first, decode.content)
 
     real_notify = engine_module.notify_remote
-    delivered = asyncio.Event()
+    delivered, gate = asyncio.Event(), asyncio.Event()
 
-    async def slow_notify(host: str, port: int, request: Notify) -> None:
-        await asyncio.sleep(0.5)
+    async def held_notify(host: str, port: int, request: Notify) -> None:
+        await gate.wait()  # (the network, slow)
         await real_notify(host, port, request)
         delivered.set()
 
-    monkeypatch.setattr(engine_module, "notify_remote", slow_notify)
-    began = time.perf_counter()
-    prefill = await http.prefill(p, second, params)
-    assert prefill.pull == "pulled"
-    assert time.perf_counter() - began < 0.4  # P answered without waiting for the notify
+    monkeypatch.setattr(engine_module, "notify_remote", held_notify)
+    prefill = await http.prefill(p, second, params)  # answered while its notify is held up
+    assert prefill.pull == "pulled" and not delivered.is_set()
     assert params["remote_request_id"] in (await http.state(d))["held_requests"]
+    gate.set()
     await delivered.wait()
     assert not (await http.state(d))["held_requests"]  # D freed on the notify
 
     # A notify still on its way when P shuts down is delivered before P is gone.
     delivered.clear()
+    gate.clear()
     assert prefill.params is not None
     third = _next_turn(second, "An answer.")
     answer = await http.chat(d, second, max_tokens=64, kv_transfer_params=prefill.params)
@@ -164,6 +164,7 @@ async def test_notify_does_not_hold_up_the_answer_but_always_arrives(
     refused = await http.prefill(p, third, {**answer.params, "remote_num_tokens": 0})
     assert refused.pull == "skipped:no_remote_tokens"
     assert not delivered.is_set()
+    asyncio.get_running_loop().call_later(0.3, gate.set)
     await p.stop()
     assert delivered.is_set()
     assert not (await http.state(d))["held_requests"]

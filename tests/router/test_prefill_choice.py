@@ -14,6 +14,8 @@ import aiohttp
 
 from emulator import EmulatorServer
 from kvferry.v1 import nodes_pb2
+from router.choice import worth_scoring
+from tests.polling import eventually
 from tests.router.conftest import MakeStack, Stack
 from tests.router.helpers import ask, first_turn, next_turn
 
@@ -36,6 +38,12 @@ async def test_a_prompt_goes_to_the_prefill_node_holding_its_prefix(
     stack = await make_stack(prefill=2, p_config={"enable_prefix_caching": True, "kv_events_port": 0})
     router = await stack.router()
     prefills = stack.prefills
+    directory = router.directory
+    assert directory is not None
+
+    async def will_score() -> bool:
+        return worth_scoring(directory.nodes)
+
     known = {id(p): 0 for p in prefills}
     for i in range(4):
         messages = first_turn(f"harbour {i}", size=30)
@@ -48,7 +56,7 @@ async def test_a_prompt_goes_to_the_prefill_node_holding_its_prefix(
             if p.engine.metrics.total("vllm:prompt_tokens") > before
         ]
         known[id(first)] = await indexed(stack, first, known[id(first)])
-        await asyncio.sleep(0.5)  # the router's node list (refreshed every 0.2 s) sees it too
+        await eventually(will_score)  # the router's node list (refreshed every 0.2 s) sees it too
 
         served = [p.engine.metrics.total("vllm:prompt_tokens") for p in prefills]
         hits = first.engine.metrics.total("vllm:prefix_cache_hits")

@@ -216,24 +216,28 @@ async def test_another_replica_rebuilds_the_index_after_failover(
     await eventually(lambda: index_of(connect(other), node_id, engine_cache(d)), within=10)
 
 
-async def test_changes_reach_the_daemon_in_milliseconds_not_heartbeats(
+async def test_changes_reach_the_daemon_without_waiting_for_a_heartbeat(
     client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, fake: FakePublisher
 ) -> None:
     d = await start_emulator(role="decode")
     sc = await start_sidecar(
-        d, kv_events__endpoint=fake.endpoint, kv_events__replay_endpoint=fake.replay_endpoint
-    )  # heartbeats every 10/3 s: a change must not wait for one
+        d,
+        kv_events__endpoint=fake.endpoint,
+        kv_events__replay_endpoint=fake.replay_endpoint,
+        daemon__liveness_ttl_s=30,
+    )  # heartbeats every 10 s: a change must not wait for one (bounds below: far under that,
+    # far over what a loaded 2-core machine takes)
     node_id = sc.settings.node_id
     await eventually(lambda: index_of(client, node_id, set()))
     loop = asyncio.get_running_loop()
     began = loop.time()
     await fake.publish(0, _maps({"type": "BlockStored", "block_hashes": [1]}))
     await eventually(lambda: index_of(client, node_id, {1}))
-    assert loop.time() - began < 0.5
+    assert loop.time() - began < 2.5
     burst = list(range(10, 10 + 60 * 1024))  # several flushes' worth
     began = loop.time()
     for i in range(60):
         chunk = burst[i * 1024 : (i + 1) * 1024]
         await fake.publish(1 + i, _maps({"type": "BlockStored", "block_hashes": chunk}))
-    await eventually(lambda: index_of(client, node_id, {1, *burst}))
-    assert loop.time() - began < 1.0
+    await eventually(lambda: index_of(client, node_id, {1, *burst}), within=8)
+    assert loop.time() - began < 5.0
