@@ -33,7 +33,7 @@ from controlplane.policy import (
     param_problems,
 )
 from controlplane.records import Claim, NodeRecord, NodeState, Retention, Role
-from controlplane.settings import Settings
+from controlplane.settings import MAX_LIVENESS_TTL_S, MIN_LIVENESS_TTL_S, Settings
 from controlplane.store import ClaimOutcome, EtcdStore
 from kvferry.framing import MESSAGE_BUDGET
 from kvferry.ids import id_problem
@@ -254,8 +254,10 @@ class ControlPlane:
             if url and not is_http_url(url):
                 raise InvalidArgument(f"{name} {url!r} must be an http:// or https:// URL with a host")
         ttl = reg.liveness_ttl_s or self.settings.nodes.liveness_ttl_s
-        if not 2 <= ttl <= 3600:
-            raise InvalidArgument(f"liveness_ttl_seconds {ttl} must be in 2..3600")
+        if not MIN_LIVENESS_TTL_S <= ttl <= MAX_LIVENESS_TTL_S:
+            raise InvalidArgument(
+                f"liveness_ttl_seconds {ttl} must be in {MIN_LIVENESS_TTL_S}..{MAX_LIVENESS_TTL_S}"
+            )
         if not (math.isfinite(reg.engine_started_at) and reg.engine_started_at >= 0):
             raise InvalidArgument(f"engine_started_at {reg.engine_started_at} must be a time (or 0)")
         if reg.generation >= MAX_GENERATION:

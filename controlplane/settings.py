@@ -14,6 +14,11 @@ from kvferry.urls import split_host_port
 ENV_PREFIX = "KVFERRY_"
 
 
+#: A node's liveness TTL: heartbeats come every third of it; etcd's lease TTL bounds it.
+MIN_LIVENESS_TTL_S = 2
+MAX_LIVENESS_TTL_S = 3600
+
+
 @dataclass(frozen=True)
 class EtcdSettings:
     # "host:port,host:port"; empty = start the embedded etcd.
@@ -90,8 +95,22 @@ class Settings:
 
     def validate(self) -> None:
         self.policy.validate()
-        if self.nodes.liveness_ttl_s < 2:
-            raise ValueError("liveness TTL must be at least 2 s")
+        if not MIN_LIVENESS_TTL_S <= self.nodes.liveness_ttl_s <= MAX_LIVENESS_TTL_S:
+            bounds = f"{MIN_LIVENESS_TTL_S}..{MAX_LIVENESS_TTL_S}"
+            raise ValueError(f"liveness TTL must be {bounds} s, not {self.nodes.liveness_ttl_s}")
+        if self.gc.gauge_scan_s < 0:
+            raise ValueError("gauge scan interval must be 0 (off) or positive")
+        if not -1 <= self.server.metrics_port <= 65535:
+            raise ValueError(
+                f"metrics port must be -1 (off), 0 (any) or a port, not {self.server.metrics_port}"
+            )
+        if not self.etcd.endpoints:  # the embedded etcd: its client port and peer port (+10)
+            for name, port in (
+                ("client", self.etcd.embedded_client_port),
+                ("peer", self.etcd.embedded_peer_port),
+            ):
+                if not 1 <= port <= 65535:
+                    raise ValueError(f"embedded etcd {name} port {port} is not a port (1..65535)")
         if self.nodes.gc_after_s < 0:
             raise ValueError("node GC delay must be 0 (never) or positive")
         if self.gc.bucket_s < 1 or self.gc.max_keys_per_lease < 1:

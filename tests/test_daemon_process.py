@@ -190,3 +190,22 @@ def test_an_etcd_timeout_that_is_not_positive_is_refused_at_start() -> None:
     for value in ("0", "-1"):
         with pytest.raises(ValueError, match="etcd timeout must be positive"):
             _daemon_settings(f"--etcd-timeout={value}")
+
+
+@pytest.mark.parametrize(
+    ("flags", "problem"),
+    [
+        (["--metrics-port", "70000"], "metrics port must be -1 (off), 0 (any) or a port, not 70000"),
+        (["--metrics-port", "-5"], "metrics port must be -1 (off), 0 (any) or a port, not -5"),
+        (["--embedded-port", "70000"], "embedded etcd client port 70000 is not a port"),
+        (["--embedded-port", "65530"], "embedded etcd peer port 65540 is not a port"),  # (+10)
+        (["--liveness-ttl", "7200"], "liveness TTL must be 2..3600 s, not 7200"),
+        (["--liveness-ttl", "1"], "liveness TTL must be 2..3600 s, not 1"),
+        (["--gauge-scan", "-1"], "gauge scan interval must be 0 (off) or positive"),
+    ],
+)
+def test_settings_that_would_fail_later_are_refused_at_start(flags: list[str], problem: str) -> None:
+    """(A port past 65535 made a traceback at bind, after etcd had started; a TTL past
+    3600 s failed every registration that did not name its own.)"""
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        _daemon_settings(*flags)
