@@ -33,11 +33,15 @@ log = structlog.get_logger(__name__)
 
 
 def _bound_endpoint(socket: zmq.asyncio.Socket, host: str, port: int) -> str:
-    """Bind a socket (port 0 = any free port) and return a connectable endpoint."""
-    if port == 0:
-        socket.bind(f"tcp://{host}:*")
-    else:
-        socket.bind(f"tcp://{host}:{port}")
+    """Bind a socket (port 0 = any free port) and return a connectable endpoint.
+
+    A port in use or a bad host raises OSError, as any other listener's would (ZMQError
+    is not one: the process would end in a traceback instead of one line)."""
+    wanted = f"tcp://{host}:{'*' if port == 0 else port}"
+    try:
+        socket.bind(wanted)
+    except zmq.ZMQError as e:
+        raise OSError(e.errno, f"cannot bind the KV-event socket to {wanted}: {e}") from e
     endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
     if host in ("*", "0.0.0.0"):
         bound_port = endpoint.rsplit(":", 1)[1]
@@ -145,9 +149,9 @@ class KVEventPublisher:
             return
         self._flush()
         self._queue.put_nowait(None)
-        sender = self._tasks[0]
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(sender), timeout=1.0)
+        if self._tasks:  # (none when the start failed at a bind)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._tasks[0]), timeout=1.0)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
