@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="disable local prefix caching (and KV events)",
     )
-    add("--log-level", default=None, help="debug, info, warning (default: $KVFERRY_LOG_LEVEL or info)")
+    logs.add_level_flag(parser)
     return parser
 
 

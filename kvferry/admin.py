@@ -17,44 +17,62 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from kvferry.flags import finite_float
+from kvferry import logs
+from kvferry.flags import non_negative_int, positive_float
 from kvferry.releases import claim_release_body, engine_url, release_prefill
 from kvferry.structs import json_number, struct_to_dict
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
+
+EXIT_CODES = "exit status: 0 done, 1 the daemon failed or is unreachable, 2 not found or bad input"
+_LIST_JSON = "print JSON, one object per line, instead of a table"
+_ANSWER_JSON = "print the daemon's answer as JSON on one line"
 
 
 def add_arguments(sub: Any) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--daemon", default="127.0.0.1:50051", help="daemon address host:port")
     common.add_argument(
-        "--json", action="store_true", help="print JSON (one object per line) instead of a table"
+        "--timeout", type=positive_float, default=5.0, help="seconds to wait for each daemon call"
     )
-    common.add_argument("--timeout", type=finite_float, default=5.0)
+    logs.add_level_flag(common, default=argparse.SUPPRESS)
+
+    def command(parent: Any, name: str, help_text: str, json_help: str) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = parent.add_parser(
+            name, parents=[common], help=help_text, epilog=EXIT_CODES
+        )
+        p.add_argument("--json", action="store_true", help=json_help)
+        return p
 
     leases = sub.add_parser("leases", help="inspect and revoke retention leases")
     lsub = leases.add_subparsers(dest="action", required=True)
-    ls = lsub.add_parser("ls", parents=[common], help="list leases")
+    ls = command(lsub, "ls", "list leases", _LIST_JSON)
     which = ls.add_mutually_exclusive_group()
-    which.add_argument("--tenant", default="", help="the tenant's leases (default: the default tenant's)")
+    which.add_argument(
+        "--tenant",
+        default="",
+        help="the tenant's leases (default: the default tenant's; with --engine, every tenant's)",
+    )
     which.add_argument("--all-tenants", action="store_true", help="every tenant's leases")
-    ls.add_argument("--engine", default="", help="only leases held on this engine id")
+    ls.add_argument(
+        "--engine", default="", help="only leases held on this engine id, of every tenant unless --tenant"
+    )
     ls.add_argument("--inactive", action="store_true", help="include expired leases not yet collected")
-    ls.add_argument("--limit", type=int, default=0, help="stop after this many (0 = all)")
-    for name in ("get", "revoke"):
-        p = lsub.add_parser(name, parents=[common], help=f"{name} one conversation's lease")
+    ls.add_argument("--limit", type=non_negative_int, default=0, help="stop after this many (0 = all)")
+    get = command(
+        lsub, "get", "show one conversation's lease", "print it on one line (default: indented JSON)"
+    )
+    revoke = command(lsub, "revoke", "revoke one conversation's lease and free D's blocks", _ANSWER_JSON)
+    for p in (get, revoke):
         p.add_argument("conversation_id")
         p.add_argument("--tenant", default="")
-        if name == "revoke":
-            _release_flags(p)
+    _release_flags(revoke)
     leases.set_defaults(func=_leases)
 
     nodes = sub.add_parser("nodes", help="inspect registered nodes")
     nsub = nodes.add_subparsers(dest="action", required=True)
-    nls = nsub.add_parser("ls", parents=[common], help="list nodes")
+    nls = command(nsub, "ls", "list nodes", _LIST_JSON)
     nls.add_argument("--all", action="store_true", help="include nodes whose liveness lapsed")
-    nrm = nsub.add_parser(
-        "rm", parents=[common], help="deregister a node: its liveness ends and its leases die with it"
-    )
+    nrm = command(nsub, "rm", "deregister a node: its liveness ends and its leases die with it", _ANSWER_JSON)
     nrm.add_argument("engine_id")
     nodes.set_defaults(func=_nodes)
 
@@ -72,7 +90,7 @@ def _release_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--release-timeout",
-        type=finite_float,
+        type=positive_float,
         default=60.0,
         help="seconds to wait for the prefill node to run the release (a busy P queues it)",
     )
@@ -105,7 +123,7 @@ def _integral(v: Any) -> Any:
 
 def _fail(e: grpc.RpcError) -> int:
     print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-    return 1
+    return 2 if e.code() is grpc.StatusCode.NOT_FOUND else 1
 
 
 def _bad_input(e: Exception) -> int:
@@ -232,7 +250,9 @@ def _leases_ls(stub: leases_pb2_grpc.LeasesStub, a: argparse.Namespace) -> int:
         resp = stub.List(
             leases_pb2.ListLeasesRequest(
                 tenant=a.tenant,
-                all_tenants=a.all_tenants,
+                # (an engine's leases are whosever they are: behind a router with API keys
+                # no tenant is the default one)
+                all_tenants=a.all_tenants or bool(a.engine and not a.tenant),
                 engine_id=a.engine,
                 include_inactive=a.inactive,
                 page_size=500,

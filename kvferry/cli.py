@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -12,15 +13,14 @@ from kvferry.tasks import run_process
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvferry", description=__doc__)
-    parser.add_argument(
-        "--log-level", default=None, help="debug, info, warning (default: $KVFERRY_LOG_LEVEL or info)"
-    )
+    logs.add_level_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
     from controlplane import settings as daemon_settings
 
     daemon = sub.add_parser("daemon", help="run the control-plane daemon")
     daemon_settings.add_arguments(daemon)
+    logs.add_level_flag(daemon, default=argparse.SUPPRESS)
     daemon.set_defaults(func=_daemon)
 
     admin.add_arguments(sub)
@@ -84,7 +84,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return DELEGATED[rest[0]][0]([*global_opts, *rest[1:]] if global_opts else rest[1:])
     args = build_parser().parse_args(args_list)
     logs.configure(args.log_level)
-    code: int = args.func(args)
+    try:
+        code: int = args.func(args)
+    except BrokenPipeError:  # the reader of a long listing went away (`| head`): it has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (and the exit's flush too)
+        return 0
     return code
 
 

@@ -34,6 +34,20 @@ def finite_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
+    return value
+
+
 def flag_adder(p: argparse.ArgumentParser, env_prefix: str) -> Callable[..., None]:
     """-> add(flag, default, help, kind=str): one flag whose default comes from its variable
     (argparse applies `kind` to it, so a bad value in the environment is reported like a

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -10,9 +11,24 @@ from typing import Any
 
 import structlog
 
+LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_level_flag(p: argparse.ArgumentParser, **kw: Any) -> None:
+    """`--log-level` (a parser of a subcommand passes ``default=argparse.SUPPRESS``, so that
+    the flag given before the subcommand stands)."""
+    p.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LEVELS,
+        help="default: $KVFERRY_LOG_LEVEL or info",
+        **{"default": None, **kw},
+    )
+
 
 def configure(level: str | None = None, json: bool | None = None) -> None:
-    level_name = (level or os.environ.get("KVFERRY_LOG_LEVEL", "info")).upper()
+    level_name = (level or os.environ.get("KVFERRY_LOG_LEVEL", "info")).lower()
+    unknown = level_name not in LEVELS
     as_json = (not sys.stderr.isatty()) if json is None else json
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer()
@@ -26,10 +42,16 @@ def configure(level: str | None = None, json: bool | None = None) -> None:
             structlog.processors.format_exc_info,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level_name, logging.INFO)),
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.INFO if unknown else getattr(logging, level_name.upper())
+        ),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+    if unknown:  # (only $KVFERRY_LOG_LEVEL can be: the flags take only LEVELS)
+        structlog.get_logger(__name__).warning(
+            "log.level.unknown", level=level_name, using="info", levels=", ".join(LEVELS)
+        )
 
 
 class Outage:

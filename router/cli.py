@@ -29,9 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvferry router", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
-        "--log-level", default=None, help="debug, info, warning (default: $KVFERRY_LOG_LEVEL or info)"
-    )
+    logs.add_level_flag(p)
     add_arguments(p)
     return p
 

@@ -31,9 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Register a vLLM server with the kvferry daemon, keep it alive, tap its answers "
         "for kv_transfer_params and forward its KV events.",
     )
-    parser.add_argument(
-        "--log-level", default=None, help="debug, info, warning (default: $KVFERRY_LOG_LEVEL)"
-    )
+    logs.add_level_flag(parser)
     add_arguments(parser)
     return parser
 

@@ -77,6 +77,25 @@ async def test_cli_tables_and_json(daemon: Daemon, client: Client) -> None:
     code, out, err = await run(kvferry, "leases", "ls", "--json", "--daemon", daemon.address)
     assert code == 0, err
     assert json.loads(out.splitlines()[0])["conversation_id"] == "conv-cli"
+    # An engine's leases are listed whatever their tenant (behind a router with API keys
+    # none is the default tenant's); --tenant narrows them.
+    await client.leases.Register(lease_request("conv-keyed", tenant="key-1"))
+    code, out, err = await run(
+        kvferry, "leases", "ls", "--engine", "d-1", "--json", "--daemon", daemon.address
+    )
+    assert code == 0, err
+    assert sorted(json.loads(line)["conversation_id"] for line in out.splitlines()) == [
+        "conv-cli",
+        "conv-keyed",
+    ]
+    code, out, _ = await run(
+        kvferry, "leases", "ls", "--engine", "d-1", "--tenant", "key-1", "--json", "--daemon", daemon.address
+    )
+    assert [json.loads(line)["conversation_id"] for line in out.splitlines()] == ["conv-keyed"]
+    code, _, err = await run(kvferry, "leases", "ls", "--limit", "-1", "--daemon", daemon.address)
+    assert code == 2 and "must be 0 or more" in err
+    code, _, err = await run(kvferry, "leases", "ls", "--log-level", "verbose", "--daemon", daemon.address)
+    assert code == 2 and "invalid choice: 'verbose'" in err
     code, out, _ = await run(kvferry, "leases", "get", "conv-cli", "--json", "--daemon", daemon.address)
     got = json.loads(out)
     assert got["num_tokens"] == "1000"
@@ -87,7 +106,7 @@ async def test_cli_tables_and_json(daemon: Daemon, client: Client) -> None:
     code, out, _ = await run(kvferry, "leases", "revoke", "conv-cli", "--json", "--daemon", daemon.address)
     assert code == 2 and json.loads(out)["found"] is False  # every field, false ones too
     code, _, err = await run(kvferry, "leases", "get", "conv-cli", "--daemon", daemon.address)
-    assert code == 1 and "NOT_FOUND" in err
+    assert code == 2 and "NOT_FOUND" in err  # not found: 2, as for revoke and nodes rm
     code, _, err = await run(
         kvferry, "leases", "ls", "--tenant", "t", "--all-tenants", "--daemon", daemon.address
     )
