@@ -7,7 +7,11 @@ STAMP := $(VENV)/.installed
 .PHONY: run test check proto bench demo fmt clean
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@# (a .venv of an older Python, left by an earlier failed bootstrap, is made again)
+	$(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+	  $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
+	    echo "kvferry needs Python >= 3.11: run with PYTHON=python3.11 (or newer)" >&2; exit 1; }; \
+	  rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); }
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,dev]'
 	touch $@
