@@ -325,13 +325,15 @@ class SseRewriter:
         complete = self._events.complete(chunk)
         if not complete:
             return b""
-        return self._events.join([self._event(e) for e in self._events.split(complete)])
+        events = [out for e in self._events.split(complete) if (out := self._event(e)) is not None]
+        return self._events.join(events) if events else b""
 
     def flush(self) -> bytes:
         """Whatever is held back (an unterminated event) at the end of the stream."""
         return self._events.flush()
 
-    def _event(self, event: bytes) -> bytes:
+    def _event(self, event: bytes) -> bytes | None:
+        """The event to forward (None: none)."""
         if not event.startswith(b"data:") or b"\n" in event.rstrip(b"\r"):
             return event  # comments, multi-line or named events: not vLLM's, pass through
         payload = event[5:].strip()
@@ -351,5 +353,25 @@ class SseRewriter:
         if cut is not None:
             observer.prompt_ids_json = ids
         if observer.observe(obj):
+            if only_for_token_ids(obj):
+                return None
             return b"data: " + _json_encode(obj)
         return b"data: " + payload if cut is not None else event
+
+
+def only_for_token_ids(obj: dict[str, Any]) -> bool:
+    """Whether a chat chunk, its token ids stripped, says nothing: vLLM sends a chunk with
+    an empty delta (a token that made no text yet, held back for a stop string, a tool
+    call's parser buffering) only when the request asked for ``return_token_ids``; a
+    client that did not ask would not have got it. One that finishes a choice, or carries
+    usage, is kept."""
+    choices = obj.get("choices")
+    if obj.get("object") != "chat.completion.chunk" or obj.get("usage") or not choices:
+        return False
+    return all(
+        isinstance(c, dict)
+        and c.get("finish_reason") is None
+        and isinstance(delta := c.get("delta"), dict)
+        and not any(delta.values())
+        for c in choices
+    )

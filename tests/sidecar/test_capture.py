@@ -226,6 +226,38 @@ def test_sse_complete_events_are_released_at_once() -> None:
     assert crlf.feed(b'data: {"prompt_token_ids": [1]}\r\n\r\n') == b"data: {}\r\n\r\n"
 
 
+def test_chunks_sent_only_for_token_ids_are_not_forwarded_to_a_client_that_did_not_ask() -> None:
+    """vLLM sends an empty-delta chat chunk (a token that made no text yet) only when the
+    request asked for return_token_ids: stripped of its ids it must go, as it never came."""
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **more: Any) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "token_ids": [5], "finish_reason": finish}
+        return {"object": "chat.completion.chunk", "choices": [choice], **more}
+
+    events = [
+        chunk({"role": "assistant", "content": ""}),  # the first chunk: kept
+        chunk({"content": "a"}),
+        chunk({}),  # a token held back (a stop string's start): only for the ids
+        chunk({"content": ""}),
+        chunk({}, usage={"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}),  # usage: kept
+        chunk({}, finish="stop"),  # the finish: kept
+    ]
+    for strip, forwarded in ((True, [0, 1, 4, 5]), (False, [0, 1, 2, 3, 4, 5])):
+        obs = TurnObserver(strip_token_ids=strip)
+        sse = SseRewriter(obs)
+        out = sse.feed(_sse(events)) + sse.flush()
+        got = [msgspec.json.decode(e[6:]) for e in out.split(b"\n\n") if e and e != b"data: [DONE]"]
+        assert [g["choices"][0]["delta"] for g in got] == [
+            events[i]["choices"][0]["delta"] for i in forwarded
+        ]
+        assert obs.output_token_ids == [5] * 6  # every chunk's ids were taken all the same
+        assert all(("token_ids" in g["choices"][0]) is not strip for g in got)
+    assert (
+        SseRewriter(TurnObserver(strip_token_ids=True)).feed(_sse([chunk({})])[: -len(b"data: [DONE]\n\n")])
+        == b""
+    )
+
+
 @pytest.mark.parametrize(
     ("host", "loopback"),
     [
