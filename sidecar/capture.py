@@ -81,6 +81,7 @@ class _Head(msgspec.Struct):
     session_id: Any = msgspec.UNSET
     return_token_ids: Any = msgspec.UNSET
     model: Any = msgspec.UNSET
+    echo: Any = msgspec.UNSET
 
 
 _head_decode = msgspec.json.Decoder(_Head).decode
@@ -112,11 +113,16 @@ def plan_request(
     in_body = head.conversation_id is not msgspec.UNSET
     if not conversation or (not capture and not in_body):
         return None
-    wants_ids = head.return_token_ids is True
+    # The answer's token ids make the retention's digests, so the engine is asked for them;
+    # but a completion that echoes its prompt would lose the prompt's text (vLLM echoes ""
+    # with return_token_ids): such a turn's retention goes without digests (unverifiable:
+    # the next turn recomputes, never pulls unchecked).
+    echoes = bool(head.echo) and not path.endswith("/chat/completions")
+    ask_ids = capture and head.return_token_ids is not True and not echoes
     body = raw
-    if in_body or (capture and not wants_ids):
+    if in_body or ask_ids:
         try:
-            body = _rewrite(raw, capture, in_body, head.return_token_ids is msgspec.UNSET)
+            body = _rewrite(raw, ask_ids, in_body, head.return_token_ids is msgspec.UNSET)
         except UNDECODABLE:  # (a number beyond a float, say, which the head skipped over)
             return None
     return RequestPlan(
@@ -124,7 +130,7 @@ def plan_request(
         tenant=headers.get(tenant_header, "").strip(),
         conversation_id=conversation,
         model=head.model if isinstance(head.model, str) else "",
-        strip_token_ids=capture and not wants_ids,
+        strip_token_ids=ask_ids,
         capture=capture,
         request_id=_request_id(headers),
     )
@@ -137,22 +143,22 @@ def _request_id(headers: Mapping[str, str]) -> str:
     return value if len(value.encode()) <= _MAX_REQUEST_ID and value.isprintable() else ""
 
 
-def _rewrite(raw: bytes, capture: bool, drop_conversation: bool, ids_absent: bool) -> bytes:
-    """The body without ``conversation_id`` and, with `capture`, with ``return_token_ids: true``.
+def _rewrite(raw: bytes, ask_ids: bool, drop_conversation: bool, ids_absent: bool) -> bytes:
+    """The body without ``conversation_id`` and, with `ask_ids`, with ``return_token_ids: true``.
 
     The common case (the router's requests: the conversation in a header, no
     ``return_token_ids``) only needs the key added: it goes in front of the others,
     byte for byte the rest of the body (a 64k-token body is 300 KB: re-encoding it
     whole cost 1.6 ms). Anything else is decoded and encoded again.
     """
-    if capture and ids_absent and not drop_conversation:
+    if ask_ids and ids_absent and not drop_conversation:
         start = len(raw) - len(raw.lstrip())
         rest = raw[start + 1 :]
         empty = rest.lstrip().startswith(b"}")
         return raw[: start + 1] + _ASK_IDS + (b"" if empty else b",") + rest
     body = _json_decode(raw)
     body.pop("conversation_id", None)
-    if capture:
+    if ask_ids:
         body["return_token_ids"] = True
     return _json_encode(body)
 

@@ -89,6 +89,20 @@ def test_the_engine_gets_the_same_request_asking_for_token_ids(raw: bytes) -> No
     assert json.loads(plan.body) == {**original, "return_token_ids": True}
 
 
+def test_an_echoing_completion_is_not_asked_for_token_ids() -> None:
+    """vLLM echoes an empty prompt when return_token_ids is set: the client's echo wins,
+    and the turn's retention goes without digests (unverifiable: never pulled unchecked)."""
+    body = {"prompt": "Once upon", "echo": True, "max_tokens": 4}
+    plan = _plan(body, {"X-Conversation-Id": "c"}, path="/v1/completions")
+    assert plan is not None and plan.capture and not plan.strip_token_ids
+    assert plan.body == json.dumps(body).encode()  # as it came
+    plan = _plan({**body, "conversation_id": "c"}, path="/v1/completions")
+    assert plan is not None and json.loads(plan.body) == body  # only the conversation id goes
+    for echo_off, path in ((False, "/v1/completions"), (True, "/v1/chat/completions")):
+        asked = _plan({**body, "echo": echo_off}, {"X-Conversation-Id": "c"}, path=path)
+        assert asked is not None and json.loads(asked.body)["return_token_ids"] is True
+
+
 def test_a_prefill_node_only_loses_the_body_conversation_id() -> None:
     plan = _plan({"conversation_id": "c", "x": 1}, capture=False)
     assert plan is not None and json.loads(plan.body) == {"x": 1} and not plan.strip_token_ids
