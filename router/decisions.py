@@ -92,12 +92,18 @@ def reproducible(body: Mapping[str, Any]) -> bool:
     token ids sent to P and D (which then skip their own rendering) are the request's.
 
     Not when the prompt depends on what /tokenize is not told: `truncate_prompt_tokens`
-    (the request's prompt is cut; the tokenized one is not), or `tool_choice: "none"`
+    (the request's prompt is cut; the tokenized one is not), `tool_choice: "none"`
     with tools (an engine started with --exclude-tools-when-tool-choice-none renders the
-    request without the tools; /tokenize, which has no tool_choice, with them)."""
-    if body.get("truncate_prompt_tokens") is not None:
+    request without the tools; /tokenize, which has no tool_choice, with them), or what
+    a chat request hands its template that vLLM's TokenizeChatRequest has no field for:
+    `documents` (RAG documents) and `reasoning_effort` (thinking on or off)."""
+    if any(body.get(name) is not None for name in _UNTOKENIZABLE):
         return False
     return not (body.get("tool_choice") == "none" and body.get("tools"))
+
+
+#: Request fields that change the prompt and that /tokenize cannot be given.
+_UNTOKENIZABLE = ("truncate_prompt_tokens", "documents", "reasoning_effort")
 
 
 def text_only(body: Mapping[str, Any]) -> bool:

@@ -35,7 +35,6 @@ _CHAT_TEMPLATE_FIELDS = (
     "chat_template",
     "chat_template_kwargs",
     "tools",
-    "documents",
     "mm_processor_kwargs",
 )
 

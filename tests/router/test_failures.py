@@ -723,6 +723,14 @@ _TOOL = {"type": "function", "function": {"name": "ls", "parameters": {"type": "
             {"messages": [{"role": "user", "content": "hi"}], "truncate_prompt_tokens": 100},
             "prompt_not_reproducible",
         ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "documents": [{"title": "a", "text": "b"}]},
+            "prompt_not_reproducible",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low"},
+            "prompt_not_reproducible",
+        ),
     ],
 )
 async def test_a_prompt_the_router_cannot_verify_is_served_plain_and_claims_nothing(
@@ -731,7 +739,8 @@ async def test_a_prompt_the_router_cannot_verify_is_served_plain_and_claims_noth
     """Two images of one size tokenize to the same placeholder ids, so the prompt's digests
     cannot tell a turn whose image changed from one whose image did not; and /tokenize
     does not render the prompt of a request with tool_choice "none" (an engine may leave
-    the tools out) or truncate_prompt_tokens as the request gets it, so P and D would
+    the tools out), truncate_prompt_tokens, documents or reasoning_effort (which its
+    chat request has no field for) as the request gets it, so P and D would
     compute other token ids than the request's. Such a turn is not looked up, not
     tokenized, and leaves nothing for D's sidecar to retain."""
     async with fakes_with_a_lease(daemon) as (p, d, leases):
