@@ -46,6 +46,8 @@ class LeaseDraft:
     request_id: str = ""
     """The request the blocks are held for (its X-Request-Id; "" = none came)."""
     attempts: int = 0
+    seq: int = 0
+    """Its place among the conversation's drafts (set by the queue: later = newer turn)."""
 
 
 def rewrite_remote_host(params: dict[str, Any], side_channel_host: str) -> dict[str, Any]:

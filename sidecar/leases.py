@@ -7,7 +7,10 @@ unreachable registrations wait in a capped queue: beyond `queue_size` the
 oldest is dropped, entries past their deadline or from an engine process that
 has since restarted are dropped, and a registration is tried at most
 `max_attempts` times. One that reached the daemon without a clear answer (which
-etcd may have stored) is never sent again (`retry_decision`). Every drop is counted.
+etcd may have stored) is never sent again (`retry_decision`). A conversation's
+draft that a newer turn's draft overtook while it waited (or failed) is not sent:
+registered, it would replace the newer retention; D is told to free its blocks
+instead. Every drop is counted.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ import contextlib
 import time
 from collections import deque
 from dataclasses import replace
+from typing import Any
 
 import grpc
 import structlog
 
 from kvferry.leaseclient import LeaseOpError, LeaseStream
+from kvferry.releases import nothing_to_pull
 from kvferry.structs import dict_to_struct, struct_to_dict
 from kvferry.v1 import leases_pb2
 from sidecar.daemon import TRANSIENT, Backoff, DaemonLink
@@ -35,35 +40,62 @@ log = structlog.get_logger(__name__)
 
 
 class RegistrationQueue:
-    """Drafts waiting to be sent, oldest first, at most `capacity`. Pure."""
+    """Drafts waiting to be sent, oldest first, at most `capacity`. Pure.
+
+    It numbers the drafts pushed and remembers each conversation's newest until that
+    one is `done`: an older one of the same conversation is then "superseded"."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._items: deque[LeaseDraft] = deque()
+        self._pushed = 0
+        self._newest: dict[tuple[str, str], int] = {}
 
     def __len__(self) -> int:
         return len(self._items)
 
     def push(self, draft: LeaseDraft) -> LeaseDraft | None:
         """Add a new draft; -> the oldest one, dropped to make room."""
+        self._pushed += 1
+        draft = replace(draft, seq=self._pushed)
+        self._newest[_key(draft)] = draft.seq
         self._items.append(draft)
         return self._items.popleft() if len(self._items) > self.capacity else None
 
-    def retry(self, draft: LeaseDraft) -> LeaseDraft | None:
-        """Put a failed draft back in front; -> the newest one, dropped to make room."""
+    def retry(self, draft: LeaseDraft) -> tuple[LeaseDraft, str] | None:
+        """Put a failed draft back in front; -> one dropped instead, and why: the draft
+        itself when a newer one of its conversation came meanwhile, else the newest
+        one when there is no room."""
+        if self.superseded(draft):
+            return draft, "superseded"
         self._items.appendleft(draft)
-        return self._items.pop() if len(self._items) > self.capacity else None
+        return (self._items.pop(), "overflow") if len(self._items) > self.capacity else None
 
     def pop(self, now_wall: float, epoch: int) -> tuple[LeaseDraft | None, list[tuple[LeaseDraft, str]]]:
         """The next draft worth sending, and the dead ones skipped on the way (with why)."""
         dead: list[tuple[LeaseDraft, str]] = []
         while self._items:
             draft = self._items.popleft()
-            reason = dead_reason(draft, now_wall, epoch)
+            reason = "superseded" if self.superseded(draft) else dead_reason(draft, now_wall, epoch)
             if reason is None:
                 return draft, dead
             dead.append((draft, reason))
         return None, dead
+
+    def superseded(self, draft: LeaseDraft) -> bool:
+        """Whether a newer draft of the draft's conversation was pushed after it."""
+        return draft.seq < self._newest.get(_key(draft), 0)
+
+    def done(self, draft: LeaseDraft) -> None:
+        """The draft left for good (registered, or dropped): forget it as its
+        conversation's newest."""
+        key = _key(draft)
+        if self._newest.get(key) == draft.seq:
+            del self._newest[key]
+
+
+def _key(draft: LeaseDraft) -> tuple[str, str]:
+    return draft.tenant, draft.conversation_id
 
 
 def dead_reason(draft: LeaseDraft, now_wall: float, epoch: int) -> str | None:
@@ -165,8 +197,19 @@ class LeaseSender:
         self._wakeup.set()
 
     def _drop(self, draft: LeaseDraft, reason: str) -> None:
+        self._queue.done(draft)
         self._metrics.registrations_dropped.labels(reason).inc()
         log.info("lease.register.dropped", reason=reason, conversation_id=draft.conversation_id)
+        if reason == "superseded":  # D holds its blocks for no one: have them freed now
+            self._release(nothing_to_pull(draft.params), draft.conversation_id)
+
+    def _release(self, params: dict[str, Any], conversation_id: str) -> None:
+        """Have D free the blocks `params` (nothing to pull) name, through a prefill node."""
+        if self._releaser is None:
+            return
+        facts = self._instance.facts
+        model, block_size = (facts.model, facts.block_size) if facts is not None else ("", 0)
+        self._releaser.release(params, model, block_size, conversation_id)
 
     def _next(self) -> LeaseDraft | None:
         draft, dead = self._queue.pop(time.time(), self._instance.epoch)
@@ -202,14 +245,17 @@ class LeaseSender:
             self._metrics.registrations.labels(decision).inc()
             dropped = self._queue.retry(draft)
             if dropped is not None:
-                self._drop(dropped, "overflow")
+                self._drop(*dropped)
         elif decision in ("attempts", "maybe_stored"):
             self._drop(draft, decision)
         else:
+            self._queue.done(draft)
             self._metrics.registrations.labels("failed").inc()
             log.warning(
                 "lease.register.failed", code=code.name, detail=detail, conversation_id=draft.conversation_id
             )
+            # Refused for good, so stored nowhere: no turn can pull D's blocks.
+            self._release(nothing_to_pull(draft.params), draft.conversation_id)
 
     # -- the loop -------------------------------------------------------------------
 
@@ -279,13 +325,11 @@ class LeaseSender:
                 await self._link.failover(channel)
             self._failed(draft, e.code, e.message, sent=e.sent)
         else:
+            self._queue.done(draft)
             self._backoff.reset()
             self._metrics.registrations.labels("sent").inc()
-            if res.HasField("release_params") and self._releaser is not None:
-                facts = self._instance.facts
-                model, block_size = (facts.model, facts.block_size) if facts is not None else ("", 0)
-                params = struct_to_dict(res.release_params)
-                self._releaser.release(params, model, block_size, draft.conversation_id)
+            if res.HasField("release_params"):  # the retention it replaced
+                self._release(struct_to_dict(res.release_params), draft.conversation_id)
         finally:
             task = asyncio.current_task()
             if task is not None:

@@ -92,8 +92,10 @@ class Releaser:
         engine's own URL when advertised, else its sidecar's); None when there is none."""
         loop = asyncio.get_running_loop()
         if loop.time() - self._listed_at > _NODES_FRESH_S:
+            # (waiting for the channel: releases come in a burst as the daemon comes back,
+            # while the channel may still be reconnecting)
             listed = await self._link.nodes(self._link.channel()).List(
-                nodes_pb2.ListNodesRequest(), timeout=self._s.daemon.rpc_timeout_s
+                nodes_pb2.ListNodesRequest(), timeout=self._s.daemon.rpc_timeout_s, wait_for_ready=True
             )
             self._nodes, self._listed_at = list(listed.nodes), loop.time()
         node = release_prefill(self._nodes, model, block_size)

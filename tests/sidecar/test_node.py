@@ -224,22 +224,41 @@ async def test_daemon_outage_leaves_traffic_alone_and_registrations_catch_up(
     first = await make_daemon(settings)
     p = await start_emulator(role="prefill", enable_prefix_caching=False)
     d = await start_emulator(role="decode")
-    async with Sidecar(sidecar_settings(d, first)) as sc:
+    async with (
+        Sidecar(sidecar_settings(d, first)) as sc,
+        Sidecar(sidecar_settings(p, first, engine__role="prefill")) as p_sc,
+    ):
         client = connect(first)
         await eventually(lambda: _alive_at(client, sc.settings.node_id, 1))
+        await eventually(lambda: _alive_at(client, p_sc.settings.node_id, 1))
         await first.stop()
 
-        params = await _d_turn(http, p, sc, "during-outage")  # served all the same
+        # Served all the same; and a second turn of the conversation overtakes the first's
+        # registration, still waiting.
+        params = await _d_turn(http, p, sc, "during-outage")
         assert params["do_remote_decode"] is True
         await eventually(lambda: _counted(sc, "kvferry_sidecar_lease_registrations_total", outcome="requeue"))
-        assert sc.leases is not None and sc.leases.pending == 1
+        newer = await _d_turn(http, p, sc, "during-outage", topic="harbours")
+        assert sc.leases is not None and sc.leases.pending == 2
+        held = d.engine.snapshot()["held_requests"]
+        assert params["remote_request_id"] in held and newer["remote_request_id"] in held
 
         second = await make_daemon(settings)  # same address, same etcd and prefix
         client = connect(second)
         assert await sc.leases.wait_idle(10)
-        assert sc.metrics.value("kvferry_sidecar_lease_registrations_total", outcome="sent") == 1
+        value = sc.metrics.value
+        assert value("kvferry_sidecar_lease_registrations_total", outcome="sent") == 1
+        assert value("kvferry_sidecar_lease_registrations_dropped_total", reason="superseded") == 1
         await eventually(lambda: _alive_at(client, sc.settings.node_id, 1))  # re-attached, same generation
         assert (await _lookup(client, "during-outage")).decision == leases_pb2.PULL
+        lease = await client.leases.Get(leases_pb2.GetLeaseRequest(conversation_id="during-outage"))
+        assert lease.kv_transfer_params["remote_request_id"] == newer["remote_request_id"]
+
+        async def freed() -> bool:  # the overtaken turn's blocks, through P
+            return params["remote_request_id"] not in d.engine.snapshot()["held_requests"]
+
+        await eventually(freed, within=10)
+        assert newer["remote_request_id"] in d.engine.snapshot()["held_requests"]
 
 
 async def test_a_registration_the_daemon_may_have_stored_is_not_sent_again(
