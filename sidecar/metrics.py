@@ -42,7 +42,8 @@ class SidecarMetrics(OwnRegistry):
         self.registrations_dropped = Counter(
             "kvferry_sidecar_lease_registrations_dropped",
             "Registrations given up: overflow (queue full), expired, restarted (engine), attempts, "
-            "maybe_stored (the daemon may have stored it: sending it again is not safe)",
+            "maybe_stored (the daemon may have stored it: sending it again is not safe), superseded "
+            "(the conversation's next turn came first: D was told to free its blocks)",
             ["reason"],
             registry=r,
         )
