@@ -76,11 +76,12 @@ def single_sequence(body: Mapping[str, Any]) -> bool:
     KV params describe one sequence's blocks. For a batch of prompts vLLM's P returns
     the params of its first prompt only, which D would apply to every prompt; with
     `n` > 1, D forks the request into several that would all pull, and free, the same
-    blocks of P. Such requests are served by D alone, without params. (`best_of` is
-    gone from vLLM's API: ignored there, and here.)
+    blocks of P. Such requests are served by D alone, without params; so are prompts
+    given as embeddings (`prompt_embeds`: one or several, which no token ids describe).
+    (`best_of` is gone from vLLM's API: ignored there, and here.)
     """
     n = body.get("n")
-    if n is not None and n != 1:
+    if (n is not None and n != 1) or body.get("prompt_embeds") is not None:
         return False
     prompt = body.get("prompt")
     # A list of token ids is one prompt; a list of strings or of id lists is a batch.

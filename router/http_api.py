@@ -52,8 +52,8 @@ def input_problem(path: str, body: Any) -> str | None:
             return "'messages' is required: a non-empty list of messages."
         if not all(isinstance(m, dict) for m in messages):
             return "Each message must be an object."
-    elif "prompt" not in body or body["prompt"] in (None, "", []):
-        return "'prompt' is required."
+    elif body.get("prompt") in (None, "", []) and body.get("prompt_embeds") is None:
+        return "'prompt' (or 'prompt_embeds') is required."
     if body.get("stream") not in (None, True, False):
         return "'stream' must be a boolean."
     return None

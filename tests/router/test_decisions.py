@@ -75,6 +75,8 @@ def test_only_one_answer_to_one_prompt_goes_through_p_and_d() -> None:
     assert not single_sequence({"prompt": ["one", "two"]})
     assert not single_sequence({"prompt": [[1, 2], [3]]})
     assert not single_sequence({"prompt": [1, "two"]})  # not ids: the engine judges it
+    assert not single_sequence({"prompt_embeds": "AAAA"})  # (vLLM's: base64 tensors, one or more)
+    assert not single_sequence({"prompt": "text", "prompt_embeds": ["AAAA"]})
 
 
 def test_conversation_identity_sources_in_order() -> None:
@@ -478,3 +480,12 @@ def test_only_text_content_is_verifiable() -> None:
     assert text_only({"prompt": "hi"}) and text_only({"prompt": [1, 2, 3]})
     for part in ({"type": "image_url", "image_url": {"url": "x"}}, {"type": "input_audio"}, "raw", {}):
         assert not text_only({"messages": [text, {"role": "user", "content": [part]}]}), part
+
+
+def test_a_completion_needs_a_prompt_or_its_embeddings() -> None:
+    from router.http_api import input_problem
+
+    completions = "/v1/completions"
+    assert input_problem(completions, {"prompt_embeds": "AAAA"}) is None  # vLLM takes either
+    assert input_problem(completions, {"prompt": "hi"}) is None
+    assert input_problem(completions, {"prompt": ""}) == "'prompt' (or 'prompt_embeds') is required."
