@@ -433,6 +433,8 @@ class _Shape:
         choice["stop_reason"] = None
         if self.body.return_token_ids:
             choice["token_ids"] = list(tokens)
+        elif not delta:  # (vLLM dumps a whole answer with its unset fields; chunks without)
+            choice["token_ids"] = None
         return choice
 
     def prompt_token_ids(self) -> list[int] | None:

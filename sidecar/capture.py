@@ -234,7 +234,7 @@ class TurnObserver:
             if isinstance(reason, str):
                 self.finish_reason = reason
         if self.strip_token_ids:
-            for key in ("token_ids", "prompt_token_ids"):
+            for key in _CHOICE_IDS:
                 if key in choice:
                     del choice[key]
                     changed = True
@@ -264,6 +264,8 @@ class TurnObserver:
 
 
 _PROMPT_IDS = b'"prompt_token_ids":['
+#: A choice's token ids (a completion's choice has its prompt's too).
+_CHOICE_IDS = ("token_ids", "prompt_token_ids")
 _ids_decode = msgspec.json.Decoder(list[int]).decode
 
 
@@ -304,11 +306,17 @@ def rewrite_json(raw: bytes, observer: TurnObserver) -> bytes:
     except UNDECODABLE:
         observer.failed = True
         return raw
-    had_prompt_ids = isinstance(obj, dict) and "prompt_token_ids" in obj
+    # What vLLM answers when not asked for the ids: the fields, null (a whole response is
+    # dumped with its unset fields; stream chunks leave them out).
+    nulled = [(obj, "prompt_token_ids")] if isinstance(obj, dict) and "prompt_token_ids" in obj else []
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    for choice in choices if isinstance(choices, list) else ():
+        if isinstance(choice, dict):
+            nulled += [(choice, key) for key in _CHOICE_IDS if key in choice]
     if not observer.observe(obj):
         return raw
-    if had_prompt_ids and "prompt_token_ids" not in obj:
-        obj["prompt_token_ids"] = None  # what vLLM answers when not asked for them
+    for holder, key in nulled:
+        holder.setdefault(key, None)
     return _json_encode(obj)
 
 

@@ -199,7 +199,22 @@ def test_json_answers_keep_their_bytes_unless_stripped() -> None:
         {"prompt_token_ids": [1], "choices": [{"index": 0, "token_ids": [2], "finish_reason": "stop"}]}
     ).encode()
     out = json.loads(rewrite_json(with_ids, TurnObserver(strip_token_ids=True)))
-    assert out == {"prompt_token_ids": None, "choices": [{"index": 0, "finish_reason": "stop"}]}
+    # (null, as vLLM answers a client that did not ask for them)
+    assert out == {
+        "prompt_token_ids": None,
+        "choices": [{"index": 0, "token_ids": None, "finish_reason": "stop"}],
+    }
+    completion = json.dumps(
+        {
+            "choices": [
+                {"index": 0, "text": "x", "prompt_token_ids": [1], "token_ids": [2], "finish_reason": "stop"}
+            ]
+        }
+    ).encode()
+    out = json.loads(rewrite_json(completion, TurnObserver(strip_token_ids=True)))
+    assert out["choices"] == [
+        {"index": 0, "text": "x", "prompt_token_ids": None, "token_ids": None, "finish_reason": "stop"}
+    ]
     obs = TurnObserver(strip_token_ids=True)
     assert rewrite_json(b"<html>", obs) == b"<html>" and obs.finished() == "engine_error"
 
