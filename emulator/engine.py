@@ -493,11 +493,18 @@ class Engine:
         """End a request normally; hold its blocks and describe them when asked to."""
         self.metrics.request_finished(reason)
         params = spec.kv_transfer_params or {}
-        if params.get("do_remote_decode") and reason == "length":
-            return self._hold(spec.request_id, seq, self.config.kv_abort_timeout, True)
-        if params.get("do_remote_prefill") and self.config.bidirectional_kv_xfer:
-            ttl = self.config.decoder_kv_blocks_ttl
-            return self._hold(spec.request_id, seq, ttl, False)
+        if params.get("do_remote_decode"):  # a prefill node's request, for D to pull
+            if reason in ("length", "stop"):
+                return self._hold(spec.request_id, seq, self.config.kv_abort_timeout, True)
+        elif params and self.config.bidirectional_kv_xfer:
+            # vLLM's connector: any request with params and no do_remote_decode is a
+            # decode-side one, whose blocks it pins at the finish. It tracks their expiry
+            # (and P's notification) only for one that came with a prefill's params: the
+            # others' blocks are never freed there. Here they expire, and count as a fault.
+            if not params.get("do_remote_prefill"):
+                self.metrics.connector_faults.inc()
+                log.error("engine.connector_fault", reason="untracked_hold", request_id=spec.request_id)
+            return self._hold(spec.request_id, seq, self.config.decoder_kv_blocks_ttl, False)
         self.release(seq)
         return None
 

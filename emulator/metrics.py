@@ -71,8 +71,10 @@ class EngineMetrics(OwnRegistry):
         ).labels(**labels)
         self.connector_faults = counter(
             "kvferry_emulator:connector_faults",
-            "Handouts vLLM's connector would have died on (an assert in the engine process): "
-            "remote blocks fewer than the tokens to pull need. Here the request fails alone.",
+            "What vLLM's connector would have died on (an assert in the engine process: remote "
+            "blocks fewer than the tokens to pull need; here the request fails alone), or leaked "
+            "(a decode-side request with params but no prefill's: its blocks pinned for good; "
+            "here they expire).",
         ).labels(**labels)
         self.held_requests = gauge(
             "kvferry_emulator:held_requests",

@@ -183,15 +183,21 @@ def prefill_body(body: Mapping[str, Any], kv_params: dict[str, Any]) -> dict[str
 def decode_body(
     body: Mapping[str, Any], prefill_params: Mapping[str, Any] | None, prompt_token_ids: Sequence[int] | None
 ) -> dict[str, Any]:
-    """The client's request as the decode node gets it: P's params, the prompt's token ids."""
+    """The client's request as the decode node gets it: P's params, the prompt's token ids.
+
+    Without P's params (none came back, or D serves alone) D gets no kv_transfer_params at
+    all, token ids neither: vLLM's connector takes any request with params and no
+    do_remote_decode for a decode-side one, and pins its blocks when it finishes, but
+    tracks their expiry only for one that came with a prefill's params; those blocks
+    would never be freed. D then renders the prompt itself."""
     out = _engine_body(body)
-    kv: dict[str, Any] = dict(prefill_params) if prefill_params else {}
+    if not prefill_params:
+        out.pop("kv_transfer_params", None)
+        return out
+    kv = dict(prefill_params)
     if prompt_token_ids is not None:
         kv["prompt_token_ids"] = prompt_token_ids
-    if kv:
-        out["kv_transfer_params"] = kv
-    else:
-        out.pop("kv_transfer_params", None)
+    out["kv_transfer_params"] = kv
     return out
 
 

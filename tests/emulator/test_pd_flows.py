@@ -478,3 +478,23 @@ async def test_params_of_a_previous_engine_generation_fail(
     assert restarted.engine_id != d.engine_id
     stale = await http.prefill(p, _next_turn(first, decode.content), decode.params)
     assert stale.status == 500
+
+
+@async_test(timeout=15)
+async def test_decode_side_params_without_a_prefills_pin_the_blocks_and_count_as_a_fault(
+    start_emulator: StartEmulator, http: Client
+) -> None:
+    """vLLM takes any request with params and no do_remote_decode for a decode-side one and
+    pins its blocks at the finish, but frees them (TTL, P's notification) only for one
+    that came with a prefill's params: kvferry must never send such params. The emulator
+    holds them to the TTL and counts the leak vLLM would have."""
+    d = await start_emulator()
+    faults = "kvferry_emulator:connector_faults"
+    plain = await http.chat(d, conversation(), max_tokens=4)
+    assert plain.params is None and d.engine.metrics.total(faults) == 0
+    pinned = await http.chat(d, conversation(), max_tokens=4, kv_transfer_params={"do_remote_prefill": False})
+    assert (
+        pinned.params is not None
+        and pinned.params["remote_request_id"] in (await http.state(d))["held_requests"]
+    )
+    assert d.engine.metrics.total(faults) == 1

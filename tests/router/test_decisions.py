@@ -288,6 +288,8 @@ def test_prefill_and_decode_bodies() -> None:
     assert d["stream"] is True and d["max_tokens"] == 99 and "conversation_id" not in d
     assert d["kv_transfer_params"] == {"do_remote_prefill": True, "prompt_token_ids": [1, 2]}
     assert "kv_transfer_params" not in decode_body(body, None, None)
+    # No P params: no token ids either (params without a prefill's would pin D's blocks for good)
+    assert "kv_transfer_params" not in decode_body(body, None, [1, 2])
     assert body["conversation_id"] == "c"  # the client's body is not changed
 
 
