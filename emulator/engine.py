@@ -323,7 +323,10 @@ class Engine:
                 stats.pull = "pulled"
                 self.metrics.kv_pulled_blocks.inc(stats.pulled_blocks)
                 self.metrics.kv_pulled_tokens.inc(stats.pulled_tokens)
-        if plan.notify:
+        if plan.notify and failure is None:
+            # (vLLM's notification rides on the read itself, or goes alone when there is
+            # nothing to read: a failed read, or one declined as too close to D's expiry,
+            # tells D nothing, and D holds the blocks to its TTL)
             self._notify_later(plan)
         if plan.action is PullAction.SKIP and plan.source is not None:
             stats.pull = f"skipped:{plan.reason}"

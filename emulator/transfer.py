@@ -80,8 +80,9 @@ class PullPlan:
 
     @property
     def notify(self) -> bool:
-        """Whether the remote engine must be told it may free its blocks."""
-        return self.source is not None
+        """Whether the remote engine is told it may free its blocks (once the pull, if
+        any, succeeded: see Engine._apply_plan)."""
+        return self.source is not None and self.action is not PullAction.FAIL
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -366,13 +366,15 @@ class Turn:
                 failure = Failure(kind, reply.status)
             self.s.metrics.upstream_error("prefill", failure)
             like = alike(self.nodes, node)  # (D's params are for a P of this one's block size)
-            if remote and failure.client_error:
-                # A 4xx is mostly P's frontend refusing the request before its engine saw
-                # it (a prompt grown past max_model_len, say): P's connector never got D's
-                # params, so D would hold the claimed blocks to its TTL. (One refused later,
-                # after its pull, has D ignore the second notification.) The release goes
+            if remote and failure.kind is not FailureKind.CONNECT:
+                # The request reached P with D's params, and no retry carries them: D would
+                # hold the claimed blocks to its TTL. A 4xx is mostly P's frontend refusing
+                # the request before its connector saw them (a prompt grown past
+                # max_model_len, say); a failed pull (a 5xx) sends D no notification; a P
+                # gone silent (a timeout) may never. (One that failed after its pull, whose
+                # read notified D, has D ignore the second notification.) The release goes
                 # to the least loaded P of this one's kind: this one may refuse anything
-                # now (a 429). A retry goes without the params.
+                # now (a 429).
                 twin = choose_prefill(like, self.s.load.view) or node
                 self._release_claim(twin, remote)
             spare = prefill_candidates(like if remote else self.nodes, exclude=tried)
