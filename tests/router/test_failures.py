@@ -682,15 +682,19 @@ async def test_params_a_p_never_got_still_go_with_the_fresh_retry(
     assert second == first
 
 
-async def test_params_p_refused_with_a_4xx_are_released(daemon: Daemon, http: aiohttp.ClientSession) -> None:
-    """P's frontend refuses the turn with a 4xx (a prompt grown past max_model_len, say), the
-    retry without params too: P's engine never saw D's params, so nothing would free the
-    blocks the daemon claimed for the turn. A release through P does; it was not sent."""
+@pytest.mark.parametrize("status", [400, 500])
+async def test_params_p_failed_with_are_released(
+    daemon: Daemon, http: aiohttp.ClientSession, status: int
+) -> None:
+    """P's frontend refuses the turn with a 4xx (a prompt grown past max_model_len, say), or
+    its pull fails (a 5xx: vLLM's P then sends D no notification), and the retry without
+    params fails too: nothing would free the blocks the daemon claimed for the turn. A
+    release through P does; it was not sent (after a 5xx, not before this one)."""
     async with fakes_with_a_lease(daemon) as (p, d, _):  # (the lease has no digests: a release)
-        p.answers = [400, 400]
+        p.answers = [status, status]
         async with Router(on_fakes(daemon, p, d)) as router:
             async with http.post(router.url + CHAT, json=HI_C) as r:
-                assert r.status == 400, await r.text()
+                assert r.status == (400 if status == 400 else 502), await r.text()
 
             async def released() -> bool:
                 return router.metrics.value("kvferry_router_claim_releases_total", outcome="released") == 1
