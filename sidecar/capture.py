@@ -374,18 +374,15 @@ class SseRewriter:
 
 
 def only_for_token_ids(obj: dict[str, Any]) -> bool:
-    """Whether a chat chunk, its token ids stripped, says nothing: vLLM sends a chunk with
-    an empty delta (a token that made no text yet, held back for a stop string, a tool
-    call's parser buffering) only when the request asked for ``return_token_ids``; a
-    client that did not ask would not have got it. One that finishes a choice, or carries
-    usage, is kept."""
+    """Whether a chat chunk, its token ids stripped, is one vLLM sends only because the
+    request asked for ``return_token_ids``: a delta with no field at all (a tool-call or
+    reasoning parser held the token back; vLLM sends such a chunk, logprobs and all, only
+    to a request that asked for ids). A client that did not ask would not have got it.
+    (A token that made no text yet streams ``"content": ""`` either way: kept.) One that
+    finishes a choice, or carries usage, is kept too."""
     choices = obj.get("choices")
     if obj.get("object") != "chat.completion.chunk" or obj.get("usage") or not choices:
         return False
     return all(
-        isinstance(c, dict)
-        and c.get("finish_reason") is None
-        and isinstance(delta := c.get("delta"), dict)
-        and not any(delta.values())
-        for c in choices
+        isinstance(c, dict) and c.get("finish_reason") is None and c.get("delta") == {} for c in choices
     )

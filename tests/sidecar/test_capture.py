@@ -266,12 +266,12 @@ def test_chunks_sent_only_for_token_ids_are_not_forwarded_to_a_client_that_did_n
     events = [
         chunk({"role": "assistant", "content": ""}),  # the first chunk: kept
         chunk({"content": "a"}),
-        chunk({}),  # a token held back (a stop string's start): only for the ids
-        chunk({"content": ""}),
+        chunk({}),  # a token a tool parser held back: sent only for the ids
+        chunk({"content": ""}),  # a token that made no text yet: sent either way
         chunk({}, usage={"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}),  # usage: kept
         chunk({}, finish="stop"),  # the finish: kept
     ]
-    for strip, forwarded in ((True, [0, 1, 4, 5]), (False, [0, 1, 2, 3, 4, 5])):
+    for strip, forwarded in ((True, [0, 1, 3, 4, 5]), (False, [0, 1, 2, 3, 4, 5])):
         obs = TurnObserver(strip_token_ids=strip)
         sse = SseRewriter(obs)
         out = sse.feed(_sse(events)) + sse.flush()
