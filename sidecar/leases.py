@@ -42,14 +42,15 @@ log = structlog.get_logger(__name__)
 class RegistrationQueue:
     """Drafts waiting to be sent, oldest first, at most `capacity`. Pure.
 
-    It numbers the drafts pushed and remembers each conversation's newest until that
-    one is `done`: an older one of the same conversation is then "superseded"."""
+    It numbers the drafts pushed and remembers each conversation's newest while any of
+    its drafts is queued or in flight (not yet `done`): an older one is "superseded"."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._items: deque[LeaseDraft] = deque()
         self._pushed = 0
         self._newest: dict[tuple[str, str], int] = {}
+        self._outstanding: dict[tuple[str, str], int] = {}
 
     def __len__(self) -> int:
         return len(self._items)
@@ -58,16 +59,19 @@ class RegistrationQueue:
         """Add a new draft; -> the oldest one, dropped to make room."""
         self._pushed += 1
         draft = replace(draft, seq=self._pushed)
-        self._newest[_key(draft)] = draft.seq
+        key = _key(draft)
+        self._newest[key] = draft.seq
+        self._outstanding[key] = self._outstanding.get(key, 0) + 1
         self._items.append(draft)
         return self._items.popleft() if len(self._items) > self.capacity else None
 
-    def retry(self, draft: LeaseDraft) -> tuple[LeaseDraft, str] | None:
+    def retry(self, draft: LeaseDraft, now_wall: float, epoch: int) -> tuple[LeaseDraft, str] | None:
         """Put a failed draft back in front; -> one dropped instead, and why: the draft
         itself when a newer one of its conversation came meanwhile, else the newest
         one when there is no room."""
-        if self.superseded(draft):
-            return draft, "superseded"
+        reason = self._dead(draft, now_wall, epoch)
+        if reason is not None:
+            return draft, reason
         self._items.appendleft(draft)
         return (self._items.pop(), "overflow") if len(self._items) > self.capacity else None
 
@@ -76,22 +80,34 @@ class RegistrationQueue:
         dead: list[tuple[LeaseDraft, str]] = []
         while self._items:
             draft = self._items.popleft()
-            reason = "superseded" if self.superseded(draft) else dead_reason(draft, now_wall, epoch)
+            reason = self._dead(draft, now_wall, epoch)
             if reason is None:
                 return draft, dead
             dead.append((draft, reason))
         return None, dead
+
+    def _dead(self, draft: LeaseDraft, now_wall: float, epoch: int) -> str | None:
+        """Why not to send the draft (None: send it). Expired or of an earlier engine
+        process before superseded: D no longer holds those blocks, nothing to free."""
+        reason = dead_reason(draft, now_wall, epoch)
+        if reason is None and self.superseded(draft):
+            return "superseded"
+        return reason
 
     def superseded(self, draft: LeaseDraft) -> bool:
         """Whether a newer draft of the draft's conversation was pushed after it."""
         return draft.seq < self._newest.get(_key(draft), 0)
 
     def done(self, draft: LeaseDraft) -> None:
-        """The draft left for good (registered, or dropped): forget it as its
-        conversation's newest."""
+        """The draft left for good (registered, or dropped); a conversation with none left
+        queued or in flight is forgotten."""
         key = _key(draft)
-        if self._newest.get(key) == draft.seq:
-            del self._newest[key]
+        left = self._outstanding.get(key, 0) - 1
+        if left > 0:
+            self._outstanding[key] = left
+        else:
+            self._outstanding.pop(key, None)
+            self._newest.pop(key, None)
 
 
 def _key(draft: LeaseDraft) -> tuple[str, str]:
@@ -243,7 +259,7 @@ class LeaseSender:
             if decision == "retry":
                 draft = replace(draft, attempts=draft.attempts + 1)
             self._metrics.registrations.labels(decision).inc()
-            dropped = self._queue.retry(draft)
+            dropped = self._queue.retry(draft, time.time(), self._instance.epoch)
             if dropped is not None:
                 self._drop(*dropped)
         elif decision in ("attempts", "maybe_stored"):
@@ -254,8 +270,6 @@ class LeaseSender:
             log.warning(
                 "lease.register.failed", code=code.name, detail=detail, conversation_id=draft.conversation_id
             )
-            # Refused for good, so stored nowhere: no turn can pull D's blocks.
-            self._release(nothing_to_pull(draft.params), draft.conversation_id)
 
     # -- the loop -------------------------------------------------------------------
 
@@ -279,6 +293,7 @@ class LeaseSender:
                 except (ValueError, TypeError, ArithmeticError) as e:  # params a Struct cannot hold
                     # (ArithmeticError: an integer beyond a double, which a Struct's numbers are)
                     self._failed(draft, grpc.StatusCode.INVALID_ARGUMENT, str(e), sent=False)
+                    self._changed()
                     continue
                 task = asyncio.create_task(self._send(stream, channel, draft, req), name="sidecar-lease")
                 self._in_flight.add(task)

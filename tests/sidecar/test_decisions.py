@@ -72,7 +72,7 @@ def test_queue_is_capped_and_drops_the_oldest() -> None:
     assert q.push(_draft("a")) is None and q.push(_draft("b")) is None
     dropped = q.push(_draft("c"))
     assert dropped is not None and dropped.conversation_id == "a"
-    retried = q.retry(_draft("b2"))  # a retry goes first; the newest yields
+    retried = q.retry(_draft("b2"), 0.0, 0)  # a retry goes first; the newest yields
     assert retried is not None and (retried[0].conversation_id, retried[1]) == ("c", "overflow")
     got, dead = q.pop(now_wall=0.0, epoch=0)
     assert got is not None and got.conversation_id == "b2" and not dead
@@ -81,26 +81,38 @@ def test_queue_is_capped_and_drops_the_oldest() -> None:
 def test_a_draft_a_newer_turn_overtook_is_not_sent() -> None:
     """Registered after the newer turn's draft, it would replace that retention (and have
     D free the newer blocks): the conversation's older draft is superseded instead,
-    waiting or failed, and its conversation's newest is forgotten once it is done."""
+    waiting or failed, also when the newer one was registered first. (Every draft ends
+    in `done`, as the sender calls it: registered or dropped.)"""
     q = RegistrationQueue(capacity=10)
     q.push(_draft("c"))
     q.push(_draft("other"))
     q.push(_draft("c"))  # the next turn, while the first still waits
     got, dead = q.pop(now_wall=0.0, epoch=0)
     assert [(d.conversation_id, d.seq, why) for d, why in dead] == [("c", 1, "superseded")]
+    q.done(dead[0][0])
     assert got is not None and (got.conversation_id, got.seq) == ("other", 2)
     q.done(got)  # (registered)
-    newest, _ = q.pop(now_wall=0.0, epoch=0)
-    assert newest is not None and (newest.conversation_id, newest.seq) == ("c", 3)
+    second, _ = q.pop(now_wall=0.0, epoch=0)
+    assert second is not None and (second.conversation_id, second.seq) == ("c", 3)
     q.push(_draft("c"))  # the turn after, while the second is in flight
-    assert q.retry(newest) == (newest, "superseded")  # the in-flight one failed: not again
     third, _ = q.pop(now_wall=0.0, epoch=0)
     assert third is not None and third.seq == 4 and not q.superseded(third)
-    assert q.retry(third) is None  # (its own failure: it goes back)
+    q.done(third)  # registered first, while the second's answer is still out
+    assert q.retry(second, 0.0, 0) == (second, "superseded")  # its failure: not sent again
+    q.done(second)
+    assert q._newest == {} and q._outstanding == {}  # nothing kept once none is outstanding
+    q.push(_draft("c"))
+    own, _ = q.pop(now_wall=0.0, epoch=0)
+    assert own is not None and q.retry(own, 0.0, 0) is None  # its own failure: back in line
+    # An expired draft is dropped as expired (D freed those blocks: nothing to release),
+    # not as superseded.
     again, _ = q.pop(now_wall=0.0, epoch=0)
-    assert again is third
-    q.done(third)
-    assert q._newest == {}  # nothing kept for conversations with nothing queued
+    assert again is own
+    q.done(own)
+    q.push(_draft("d", expires_at=5.0))
+    q.push(_draft("d"))
+    _, dead = q.pop(now_wall=10.0, epoch=0)
+    assert [(d.conversation_id, why) for d, why in dead] == [("d", "expired")]
 
 
 def test_queue_skips_dead_drafts() -> None:
