@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
+import grpc
 import structlog
 
 from kvferry.releases import claim_release_body, engine_url, release_prefill
@@ -30,6 +31,10 @@ MAX_IN_FLIGHT = 64
 #: A release given up before a busy P schedules it notifies no one: wait as long as a prefill may.
 _TIMEOUT_S = 60.0
 _NODES_FRESH_S = 5.0  # how long a node list serves (releases come in bursts after an outage)
+#: Tries at the node list, each waiting up to the RPC timeout for the daemon: a release
+#: made while the daemon is away (a registration a newer turn overtook) waits for it a
+#: while; then the last list known serves, however old.
+_LIST_TRIES = 12
 
 
 class Releaser:
@@ -90,16 +95,27 @@ class Releaser:
     async def _prefill(self, model: str, block_size: int) -> tuple[str, str] | None:
         """(URL, model) of an alive prefill node serving `model` with `block_size` (its
         engine's own URL when advertised, else its sidecar's); None when there is none."""
-        loop = asyncio.get_running_loop()
-        if loop.time() - self._listed_at > _NODES_FRESH_S:
-            # (waiting for the channel: releases come in a burst as the daemon comes back,
-            # while the channel may still be reconnecting)
-            listed = await self._link.nodes(self._link.channel()).List(
-                nodes_pb2.ListNodesRequest(), timeout=self._s.daemon.rpc_timeout_s, wait_for_ready=True
-            )
-            self._nodes, self._listed_at = list(listed.nodes), loop.time()
+        if asyncio.get_running_loop().time() - self._listed_at > _NODES_FRESH_S:
+            await self._list_nodes()
         node = release_prefill(self._nodes, model, block_size)
         return (engine_url(node), node.model) if node is not None else None
+
+    async def _list_nodes(self) -> None:
+        """List the nodes again; with the daemon away, the last list known stays (an
+        error when there is none)."""
+        for tried in range(1, _LIST_TRIES + 1):
+            try:
+                # (waiting for the channel: releases come in a burst as the daemon comes
+                # back, while the channel may still be reconnecting)
+                listed = await self._link.nodes(self._link.channel()).List(
+                    nodes_pb2.ListNodesRequest(), timeout=self._s.daemon.rpc_timeout_s, wait_for_ready=True
+                )
+            except grpc.RpcError:
+                if tried == _LIST_TRIES and not self._nodes:
+                    raise
+                continue
+            self._nodes, self._listed_at = list(listed.nodes), asyncio.get_running_loop().time()
+            return
 
     async def settled(self) -> None:
         """Until the releases on their way have ended."""

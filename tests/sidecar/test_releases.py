@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
+import grpc
+import pytest
 
 from kvferry.v1 import nodes_pb2
 from sidecar.metrics import SidecarMetrics
@@ -18,11 +20,17 @@ class _Link:
 
     def __init__(self, nodes: list[nodes_pb2.Node]) -> None:
         self.listed = 0
+        self.down = False
+        """The daemon is away: List fails (as after waiting for it)."""
         link = self
 
         class _Nodes:
             async def List(self, req: Any, **_: Any) -> nodes_pb2.ListNodesResponse:
                 link.listed += 1
+                if link.down:
+                    raise grpc.aio.AioRpcError(
+                        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "daemon away"
+                    )
                 return nodes_pb2.ListNodesResponse(nodes=nodes)
 
         self._nodes = _Nodes()
@@ -90,3 +98,34 @@ async def test_a_release_goes_to_a_prefill_node_of_the_model_and_block_size() ->
         assert (
             unfit.got == []
         )  # no release reached a node of another model, block size or role, or a dead one
+
+
+async def test_a_release_while_the_daemon_is_away_tries_again_then_takes_the_last_node_list(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A registration a newer turn overtook during a daemon outage is released then: the
+    node list is tried again (each try waits for the daemon), and the last one known
+    serves, however old, rather than leave D's blocks to its TTL."""
+    import sidecar.releases as releases
+
+    monkeypatch.setattr(releases, "_NODES_FRESH_S", 0.0)  # (every release lists again)
+    async with fake_completions() as fake, aiohttp.ClientSession() as http:
+        p = nodes_pb2.Node(
+            engine_id="p", role=nodes_pb2.PREFILL, model="m", block_size=16, alive=True, engine_url=fake.url
+        )
+        link = _Link([p])
+        metrics = SidecarMetrics()
+        settings = Settings(engine=EngineSettings(url="http://127.0.0.1:1"), daemon=DaemonSettings())
+        releaser = Releaser(settings, link, http, metrics)  # type: ignore[arg-type]
+        params = {"remote_request_id": "r", "remote_num_tokens": 0, "remote_block_ids": [[1]]}
+        releaser.release(params, "m", 16, "c")
+        await releaser.settled()
+        link.down = True
+        releaser.release(params, "m", 16, "c")
+        await releaser.settled()
+        assert link.listed == 1 + releases._LIST_TRIES  # tried again, each time
+        assert len(fake.got) == 2 and _count(metrics, "released") == 2  # then the old list served
+        fresh = Releaser(settings, link, http, metrics)  # type: ignore[arg-type]
+        fresh.release(params, "m", 16, "c")  # no list ever known: nowhere to send it
+        await fresh.settled()
+        assert _count(metrics, "failed") == 1 and len(fake.got) == 2
