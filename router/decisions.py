@@ -39,6 +39,7 @@ class Skip(enum.StrEnum):
     LATE = "daemon_timeout"
     ERROR = "daemon_error"
     MULTIPLE = "multiple_sequences"
+    EMBEDDINGS = "prompt_embeds"
     MEDIA = "non_text_content"
     UNRENDERABLE = "prompt_not_reproducible"
 

@@ -159,7 +159,8 @@ class Turn:
         tiebreak = next(self.s.tickets)
         conversation = self.identity.conversation_id
         if not single_sequence(self.body):
-            return await self._decode_alone(tiebreak)
+            embeds = self.body.get("prompt_embeds") is not None
+            return await self._decode_alone(tiebreak, Skip.EMBEDDINGS if embeds else Skip.MULTIPLE)
         prefill = choose_prefill(nodes, load, tiebreak=tiebreak)
         if prefill is not None:
             # One model per turn: a model name no node reports (an adapter's) leaves every
@@ -190,13 +191,13 @@ class Turn:
             return params
         return await self._decode(decode, params, retain=False)
 
-    async def _decode_alone(self, tiebreak: int) -> web.StreamResponse:
-        """A request for several sequences: D serves it without P's params (see
-        `single_sequence`), and nothing of it is retained."""
+    async def _decode_alone(self, tiebreak: int, why: Skip) -> web.StreamResponse:
+        """A request for several sequences, or a prompt given as embeddings: D serves it
+        without P's params (see `single_sequence`), and nothing of it is retained."""
         decode = choose_decode(self.nodes, self.s.load.view, tiebreak)
         if decode is None:
             return error_response(503, "no decode node available", "ServiceUnavailableError")
-        self._skip(Skip.MULTIPLE)
+        self._skip(why)
         return await self._decode(decode, None, retain=False)
 
     def _skip(self, reason: Skip) -> None:

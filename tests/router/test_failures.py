@@ -644,22 +644,31 @@ async def test_several_answers_or_prompts_go_to_d_alone_without_params(
     daemon: Daemon, http: aiohttp.ClientSession
 ) -> None:
     """P's params cover one sequence: a batch or n > 1 through P/D would hand D one prompt's
-    blocks for all of them. Those requests are D's alone, and claim no retention."""
+    blocks for all of them; no token ids describe a prompt given as embeddings. Those
+    requests are D's alone, and claim no retention."""
     async with fakes_with_a_lease(daemon) as (p, d, leases):
         async with Router(on_fakes(daemon, p, d)) as router:
             chat = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "conversation_id": "c"}
             batch = {"prompt": ["a", "b"], "kv_transfer_params": {"do_remote_prefill": True}}
-            for path, body in ((CHAT, chat), ("/v1/completions", batch)):
+            embeds = {"prompt_embeds": "AAAA", "conversation_id": "c"}
+            cases = (
+                (CHAT, chat, ("SKIPPED", "multiple_sequences")),
+                ("/v1/completions", batch, (None, None)),
+                ("/v1/completions", embeds, ("SKIPPED", "prompt_embeds")),
+            )
+            for path, body, told in cases:
                 async with http.post(router.url + path, json={**body, "stream": True}) as r:
                     assert r.status == 200 and b"t4" in await r.read()
                     reuse = r.headers.get("X-Kvferry-Reuse"), r.headers.get("X-Kvferry-Reuse-Reason")
-                    assert reuse == (("SKIPPED", "multiple_sequences") if path == CHAT else (None, None))
+                    assert reuse == told
             value = router.metrics.value
             assert value("kvferry_router_lookups_total", decision="SKIPPED", reason="multiple_sequences") == 1
+            assert value("kvferry_router_lookups_total", decision="SKIPPED", reason="prompt_embeds") == 1
         peek = await leases.Lookup(leases_pb2.LookupRequest(conversation_id="c", prompt_tokens=10, peek=True))
         assert peek.reason not in ("already_claimed", "no_lease")  # still there, unclaimed
     assert p.requests == []
-    [(_, d_headers, d_chat), (_, _, d_batch)] = d.requests
+    [(_, d_headers, d_chat), (_, _, d_batch), (_, _, d_embeds)] = d.requests
+    assert d_embeds["prompt_embeds"] == "AAAA" and "kv_transfer_params" not in d_embeds
     assert d_chat["n"] == 2 and "kv_transfer_params" not in d_chat and "conversation_id" not in d_chat
     assert "x-conversation-id" not in d_headers  # D retains nothing of it: its sidecar need not look
     assert d_batch["prompt"] == ["a", "b"] and "kv_transfer_params" not in d_batch
