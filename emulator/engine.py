@@ -53,10 +53,16 @@ from emulator.transfer import (
     describe_held_blocks,
     parse_remote,
     plan_pull,
+    too_close_to_expiry,
 )
 from kvferry.blockhash import none_hash
 
 log = structlog.get_logger(__name__)
+
+
+class ExpiryTooClose(Exception):
+    """A read refused at its start: D's deadline is less than 5 s away."""
+
 
 #: Prompt token ids, type and range checked in C (a 64k-token prompt is checked in well
 #: under a millisecond; per-token Python checks cost several, counted by no timing model).
@@ -302,7 +308,6 @@ class Engine:
             cached_tokens=cached,
             block_size=self.config.block_size,
             threshold=threshold,
-            now=time.perf_counter(),
         )
 
     async def _apply_plan(self, plan: PullPlan, seq: _Sequence, stats: PrefillStats) -> None:
@@ -314,6 +319,8 @@ class Engine:
         if plan.action is PullAction.PULL:
             try:
                 await self._pull(plan, seq)
+            except ExpiryTooClose:
+                failure = "expiry_too_close"
             except TransferError as exc:
                 failure = "transfer_error"
                 log.warning("engine.kv_pull.failed", error=str(exc))
@@ -342,6 +349,8 @@ class Engine:
     async def _pull(self, plan: PullPlan, seq: _Sequence) -> None:
         source = plan.source
         assert source is not None
+        if too_close_to_expiry(source, time.perf_counter()):  # (at the read, as vLLM's worker)
+            raise ExpiryTooClose
         first = plan.first_local_block
         local = seq.blocks[first : first + len(plan.remote_block_ids)]
         request = ReadBlocks(

@@ -147,10 +147,10 @@ def plan_pull(
     cached_tokens: int,
     block_size: int,
     threshold: int,
-    now: float,
-    safety_margin: float = EXPIRY_SAFETY_MARGIN_S,
 ) -> PullPlan:
-    """Decide whether and what to pull (see the module doc for the block mapping)."""
+    """Decide whether and what to pull (see the module doc for the block mapping). The
+    source's expiry is not looked at here: vLLM's worker checks it at the read, after the
+    scheduler admitted the request and its blocks were allocated (`too_close_to_expiry`)."""
     if source is None:
         return PullPlan(PullAction.SKIP, "no_remote_blocks")
     remote_tokens = prompt_len if source.num_tokens is None else source.num_tokens
@@ -161,8 +161,6 @@ def plan_pull(
         return PullPlan(PullAction.SKIP, "full_local_hit", source)
     if count < threshold:
         return PullPlan(PullAction.SKIP, "below_threshold", source)
-    if source.expiry_time is not None and now >= source.expiry_time - safety_margin:
-        return PullPlan(PullAction.FAIL, "expiry_too_close", source)
     num_blocks = math.ceil(count / block_size)
     remote_ids = source.block_ids[0]
     if len(remote_ids) < num_blocks:
@@ -175,6 +173,14 @@ def plan_pull(
         first_local_block=cached_tokens // block_size,
         remote_block_ids=remote_ids[len(remote_ids) - num_blocks :],
     )
+
+
+def too_close_to_expiry(
+    source: RemoteBlocks, now: float, safety_margin: float = EXPIRY_SAFETY_MARGIN_S
+) -> bool:
+    """Whether a read of `source` at `now` (time.perf_counter) is refused, as vLLM's P
+    refuses one within 5 s of D's deadline (a failed transfer: D is not notified)."""
+    return source.expiry_time is not None and now >= source.expiry_time - safety_margin
 
 
 @dataclass(frozen=True)

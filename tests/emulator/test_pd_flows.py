@@ -201,7 +201,8 @@ async def test_reads_close_to_expiry_are_refused(start_emulator: StartEmulator, 
 
     refused = await http.prefill(strict, second, decode.params)
     assert refused.status == 500
-    assert await wait_until_free(http, d)  # refused, but D was told and freed the blocks
+    # Refused at the read: vLLM's P tells D nothing, and D holds the blocks to its deadline.
+    assert decode.params["remote_request_id"] in (await http.state(d))["held_requests"]
 
     # Streamed, the failed load ends a stream already begun (vLLM finishes the request with
     # an error): an error event, then the end of the stream.
@@ -221,14 +222,14 @@ async def test_reads_close_to_expiry_are_refused(start_emulator: StartEmulator, 
     assert role["prompt_token_ids"] == prompt
     assert done == "[DONE]" and error["error"]["code"] == 500
     assert "KV load failed (expiry_too_close)" in error["error"]["message"]
-    assert await wait_until_free(http, d)
+    assert decode.params["remote_request_id"] in (await http.state(d))["held_requests"]
 
     _, decode = await _turn(http, strict, d, first)
     recomputed = await http.prefill(lenient, second, decode.params)
     assert recomputed.status == 200
     assert recomputed.pull == "recomputed:expiry_too_close"
     assert recomputed.count("pulled") == 0
-    assert await wait_until_free(http, d)
+    assert await wait_until_free(http, d)  # (at their deadlines, 4 s after each turn)
 
 
 @async_test(timeout=15)
