@@ -94,6 +94,16 @@ class ChatCompletionRequest(_Common, kw_only=True):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # what vLLM's chat request also hands the template, and its /tokenize has no field for
+    documents: list[Any] | None = None
+    reasoning_effort: str | None = None
+
+    def template_context(self) -> dict[str, Any]:
+        extra = {"documents": self.documents, "reasoning_effort": self.reasoning_effort}
+        return {**(self.chat_template_kwargs or {}), "tools": self.tools, **extra}
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -111,7 +121,13 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+
+    def template_context(self) -> dict[str, Any]:
+        return {**(self.chat_template_kwargs or {}), "tools": self.tools}
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -182,7 +198,12 @@ async def tokenize(request: web.Request) -> web.Response:
     body = _decode_body(TokenizeRequest, await request.read())
     _check_model(engine.config, body.model)
     if body.messages is not None:
-        tokens = apply_chat_template(body.messages, add_generation_prompt=body.add_generation_prompt)
+        tokens = apply_chat_template(
+            body.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            context=body.template_context(),
+        )
     elif body.prompt is not None:
         tokens = encode(body.prompt)
     else:
@@ -232,7 +253,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _check_model(engine.config, body.model)
     prompt = _prompt_override(body.kv_transfer_params)
     if prompt is None:
-        prompt = apply_chat_template(body.messages, add_generation_prompt=body.add_generation_prompt)
+        prompt = apply_chat_template(
+            body.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            context=body.template_context(),
+        )
     max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     return await _generate(request, engine, body, [prompt], max_tokens, chat=True)
 

@@ -5,7 +5,12 @@ Byte-level: every UTF-8 byte of a text is one token (ids 0-255), so
 generated re-tokenizes to the very ids it produced. Template markers are special
 ids >= 256 that no text encodes to, laid out like a ChatML template::
 
+    [<|im_start|>context\\nkey=json\\n ...<|im_end|>\\n]
     <|im_start|>role\\ncontent<|im_end|>\\n ... <|im_start|>assistant\\n
+
+The context block renders what a real chat template also sees besides the messages
+(tools, ``chat_template_kwargs``, RAG documents, a reasoning effort), so that a
+prompt rendered without one of them differs, as it would on a real model.
 
 ``<|im_end|>`` doubles as end-of-sequence: an answer that stops generates it,
 and the next turn's template closes the assistant message with it, so the
@@ -14,6 +19,7 @@ decoder's sequence (prompt + answer) is a prefix of the next turn's prompt.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -73,11 +79,30 @@ def message_text(content: Any) -> str:
 
 
 def apply_chat_template(
-    messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    context: Mapping[str, Any] | None = None,
 ) -> list[int]:
-    """Token ids of a conversation rendered with the shared template."""
+    """Token ids of a conversation rendered with the shared template. `context`: what
+    else the template is given (``tools``, ``documents``, ``chat_template_kwargs``
+    entries ...; None values are left out), rendered in a block of its own first.
+    `continue_final_message` leaves the last message open, for the model to go on."""
+    if continue_final_message and add_generation_prompt:
+        raise TemplateError("continue_final_message and add_generation_prompt cannot both be set")
     ids: list[int] = []
-    for message in messages:
+    given = {key: value for key, value in (context or {}).items() if value is not None}
+    if given:
+        ids.append(IM_START)
+        ids.extend(encode("context"))
+        ids.append(_NEWLINE)
+        for key in sorted(given):
+            ids.extend(encode(f"{key}={json.dumps(given[key], sort_keys=True)}"))
+            ids.append(_NEWLINE)
+        ids.append(IM_END)
+        ids.append(_NEWLINE)
+    for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise TemplateError("each message must be an object")
         role = message.get("role")
@@ -87,6 +112,8 @@ def apply_chat_template(
         ids.extend(encode(role))
         ids.append(_NEWLINE)
         ids.extend(encode(message_text(message.get("content"))))
+        if continue_final_message and i == len(messages) - 1:
+            return ids
         ids.append(IM_END)
         ids.append(_NEWLINE)
     if add_generation_prompt:

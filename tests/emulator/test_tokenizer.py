@@ -61,3 +61,17 @@ def test_sampled_tokens_are_printable_or_eos(state: bytes, produced: int) -> Non
     assert kvmodel.sample(state, produced, ignore_eos=True) != EOS_TOKEN_ID
     if produced == 0:
         assert token != ord(" ")
+
+
+def test_the_template_renders_what_it_is_given_besides_the_messages() -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]
+    plain = apply_chat_template(messages)
+    assert apply_chat_template(messages, context={"tools": None}) == plain  # (None: not given)
+    with_tools = apply_chat_template(messages, context={"tools": [{"name": "ls"}]})
+    assert with_tools != plain and with_tools[len(with_tools) - len(plain) :] == plain  # a block first
+    ordered = apply_chat_template(messages, context={"b": 1, "a": 2})
+    assert ordered == apply_chat_template(messages, context={"a": 2, "b": 1})
+    open_end = apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert decode(open_end).endswith("Once") and decode(open_end, skip_special_tokens=False).endswith("Once")
+    with pytest.raises(TemplateError):
+        apply_chat_template(messages, continue_final_message=True)  # (and a generation prompt)

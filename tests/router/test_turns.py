@@ -192,3 +192,39 @@ async def test_reuse_off_serves_every_turn_without_lookups(
     assert (one.decision, two.decision) == ("SKIPPED", "SKIPPED") and two.reason == "reuse_off"
     assert two.text == await reference(CHAT, body)
     assert pulled_tokens(stack.prefills[0]) == 0
+
+
+_TOOL = {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "reused"),
+    [
+        ({"tools": [_TOOL]}, True),  # /tokenize is given them: the turn is verified and pulls
+        ({"chat_template_kwargs": {"enable_thinking": False}}, True),
+        ({"documents": [{"title": "t", "text": "tide tables"}]}, False),  # /tokenize cannot be
+        ({"reasoning_effort": "low"}, False),
+    ],
+)
+async def test_what_the_template_sees_besides_the_messages_never_changes_the_answer(
+    make_stack: MakeStack,
+    http: aiohttp.ClientSession,
+    reference: Reference,
+    fields: dict[str, Any],
+    reused: bool,
+) -> None:
+    """The emulator's template renders tools, chat_template_kwargs, documents and a
+    reasoning effort, and its /tokenize only what vLLM's takes: token ids the router got
+    without documents would be another prompt's, and the answer would differ."""
+    stack = await make_stack()
+    router = await stack.router()
+    body: dict[str, Any] = {"messages": first_turn("harbour tools"), "max_tokens": 24, **fields}
+    one = await ask(http, router.url, {**body, "conversation_id": "tpl"})
+    assert one.status == 200 and one.text == await reference(CHAT, body)
+    await stack.registrations_idle()
+    second = {**body, "messages": next_turn(body["messages"], one.text)}
+    two = await ask(http, router.url, {**second, "conversation_id": "tpl"})
+    assert two.status == 200 and two.text == await reference(CHAT, second)
+    assert (two.decision == "PULL") is reused, (two.decision, two.reason)
+    if not reused:
+        assert (two.decision, two.reason) == ("SKIPPED", "prompt_not_reproducible")
