@@ -70,10 +70,12 @@ class DecodedBatch:
 
 class _MapStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
     block_hashes: list[_Hash]
+    medium: str | None = None
 
 
 class _MapRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
     block_hashes: list[_Hash]
+    medium: str | None = None
 
 
 class _MapCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
@@ -94,10 +96,17 @@ class _MapBatch(msgspec.Struct, array_like=True):
 
 class _ArrStored(msgspec.Struct, array_like=True, tag="BlockStored"):
     block_hashes: list[_Hash]
+    # (skipped over, not built: a block's token ids are the bulk of a payload)
+    parent_block_hash: msgspec.Raw = msgspec.Raw(b"")
+    token_ids: msgspec.Raw = msgspec.Raw(b"")
+    block_size: msgspec.Raw = msgspec.Raw(b"")
+    lora_id: msgspec.Raw = msgspec.Raw(b"")
+    medium: str | None = None
 
 
 class _ArrRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
     block_hashes: list[_Hash]
+    medium: str | None = None
 
 
 class _ArrCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
@@ -138,11 +147,18 @@ def _hashes(raw: list[_Hash]) -> list[int]:
     return [hash64(h) for h in raw]
 
 
-def _convert(event: Any) -> KvEvent:
+#: Where the prefix cache a prefill reuses lives. vLLM's KV offloading connectors put their
+#: own events ("CPU", and storage tiers) in the same batches: blocks a prompt would have
+#: to load first are not a cache hit to steer it by.
+_DEVICE_MEDIA = (None, "GPU")
+
+
+def _convert(event: Any) -> KvEvent | None:
+    """The event for the index (None: one of another medium than the device's)."""
     if isinstance(event, _MapStored | _ArrStored):
-        return Stored(_hashes(event.block_hashes))
+        return Stored(_hashes(event.block_hashes)) if event.medium in _DEVICE_MEDIA else None
     if isinstance(event, _MapRemoved | _ArrRemoved):
-        return Removed(_hashes(event.block_hashes))
+        return Removed(_hashes(event.block_hashes)) if event.medium in _DEVICE_MEDIA else None
     return Cleared()
 
 
@@ -167,7 +183,7 @@ class Decoder:
             except UNDECODABLE:
                 continue
             self._prefer_arrays = decoder is self._arr
-            return DecodedBatch([_convert(e) for e in batch.events])
+            return DecodedBatch([c for e in batch.events if (c := _convert(e)) is not None])
         return self._decode_leniently(payload)
 
     def _decode_leniently(self, payload: bytes) -> DecodedBatch:
@@ -179,19 +195,20 @@ class Decoder:
         events: list[KvEvent] = []
         unknown = 0
         for raw in batch.events:
-            event = self._decode_event(raw)
-            if event is None:
-                unknown += 1
-            else:
+            known, event = self._decode_event(raw)
+            unknown += not known
+            if event is not None:
                 events.append(event)
         return DecodedBatch(events, unknown)
 
-    def _decode_event(self, raw: msgspec.Raw) -> KvEvent | None:
+    def _decode_event(self, raw: msgspec.Raw) -> tuple[bool, KvEvent | None]:
+        """(whether its type is known, the event for the index or None)."""
         for decoder in (self._map_event, self._arr_event):
             try:
-                return _convert(decoder.decode(raw))
+                decoded = decoder.decode(raw)
             except UNDECODABLE:
                 continue
+            return True, _convert(decoded)
         try:
             value = self._any.decode(raw)
         except UNDECODABLE as e:
@@ -203,7 +220,7 @@ class Decoder:
         else:
             tag = None
         if isinstance(tag, str) and tag not in _KNOWN_TAGS:
-            return None  # a newer event type: not ours to understand
+            return False, None  # a newer event type: not ours to understand
         raise MalformedPayload(f"malformed {tag!r} event")
 
 

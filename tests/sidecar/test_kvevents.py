@@ -54,6 +54,40 @@ def test_older_array_encoding() -> None:
     assert batch.events == [Stored([1, 2]), Stored([3]), Removed([1]), Cleared()]
 
 
+def test_events_of_offloaded_blocks_are_not_the_device_cache() -> None:
+    """vLLM's KV offloading connectors put their events ("CPU", storage tiers) in the same
+    batches: a block a prompt would first have to load is no prefix-cache hit."""
+    maps = _pack(
+        [
+            0.0,
+            [
+                {"type": "BlockStored", "block_hashes": [1], "medium": "GPU"},
+                {"type": "BlockStored", "block_hashes": [2], "medium": "CPU"},
+                {"type": "BlockRemoved", "block_hashes": [1], "medium": "CPU"},
+                {"type": "BlockRemoved", "block_hashes": [3]},  # (no medium: the device's)
+            ],
+            0,
+        ]
+    )
+    arrays = _pack(
+        [
+            0.0,
+            [
+                ["BlockStored", [1], None, list(range(16)), 16, None, "GPU"],
+                ["BlockStored", [2], None, list(range(16)), 16, None, "CPU"],
+                ["BlockRemoved", [1], "CPU"],
+                ["BlockRemoved", [3]],
+            ],
+        ]
+    )
+    for payload in (maps, arrays):
+        batch = Decoder().decode(payload)
+        assert batch.events == [Stored([1]), Removed([3])] and batch.unknown == 0
+    mixed = _pack([0.0, [{"type": "BlockStored", "block_hashes": [2], "medium": "CPU"}, ["Future"]], 0])
+    batch = Decoder().decode(mixed)  # (decoded event by event)
+    assert batch.events == [] and batch.unknown == 1
+
+
 def test_python_hash_values_are_masked_to_64_bits() -> None:
     payload = _pack([0.0, [["BlockStored", [-1, -(2**63)], None, [], 16, None]], 0])
     assert Decoder().decode(payload).events == [Stored([MASK64, 2**63])]
