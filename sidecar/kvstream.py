@@ -30,6 +30,8 @@ log = structlog.get_logger(__name__)
 
 #: After a replay that timed out, gaps are not replayed again for this long.
 REPLAY_COOLDOWN_S = 5.0
+#: A replay ends within this many answer timeouts, however much it still sends.
+REPLAY_WHOLE_TIMEOUTS = 30
 #: Messages handled between two yields to the event loop.
 _YIELD_EVERY = 64
 
@@ -168,24 +170,29 @@ class KvIngest:
             return
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        # vLLM sends its whole buffer (up to 10,000 batches) in a tight loop, and its
+        # ROUTER drops what a peer's queue cannot take: take everything as it comes.
+        dealer.setsockopt(zmq.RCVHWM, 0)
         dealer.connect(self._s.replay_endpoint)
         seqs: list[int] = []
         outcome = "complete"
         try:
-            async with asyncio.timeout(self._s.replay_timeout_s):
-                await dealer.send_multipart([b"", encode_seq(start)])
-                while True:
+            await dealer.send_multipart([b"", encode_seq(start)])
+            # A timeout per answer (a full buffer takes long), and a bound on the whole.
+            whole = loop.time() + REPLAY_WHOLE_TIMEOUTS * self._s.replay_timeout_s
+            while True:
+                async with asyncio.timeout_at(min(whole, loop.time() + self._s.replay_timeout_s)):
                     frames = await dealer.recv_multipart()
-                    if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:
-                        self._malformed(None, "replay answer is not [b'', seq, payload]")
-                        continue
-                    seq = decode_seq(frames[1])
-                    if seq == -1:
-                        break
-                    self._metrics.kv_payloads.labels("replay").inc()
-                    seqs.append(seq)
-                    if seq >= self._tracker.expected:
-                        self._apply(frames[2], seq)
+                if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:
+                    self._malformed(None, "replay answer is not [b'', seq, payload]")
+                    continue
+                seq = decode_seq(frames[1])
+                if seq == -1:
+                    break
+                self._metrics.kv_payloads.labels("replay").inc()
+                seqs.append(seq)
+                if seq >= self._tracker.expected:
+                    self._apply(frames[2], seq)
             if not replay_outcome(start, seqs):
                 outcome = "incomplete"
         except TimeoutError:

@@ -91,6 +91,8 @@ class FakePublisher:
         self.topic = topic
         self.kept: list[tuple[int, bytes]] = []
         self.replays: list[int] = []
+        self.replay_pace_s = 0.0
+        """A pause before each replayed message (a long replay)."""
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -103,6 +105,7 @@ class FakePublisher:
             self.replays.append(first)
             for seq, payload in list(self.kept):
                 if seq >= first:
+                    await asyncio.sleep(self.replay_pace_s)
                     await self.router.send_multipart(
                         [client, b"", seq.to_bytes(8, "big", signed=True), payload]
                     )

@@ -149,6 +149,26 @@ async def test_a_batch_too_deeply_nested_to_decode_is_skipped_and_the_next_ones_
     assert fake.replays == [0]  # the start's catch-up only: nothing was missing
 
 
+async def test_a_replay_longer_than_its_answer_timeout_completes(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, fake: FakePublisher
+) -> None:
+    """vLLM replays up to 10,000 batches: the timeout is per answer, not for the whole
+    replay (which then ended as a timeout, reset the index and paused replays for 5 s)."""
+    for seq in range(8):
+        await fake.publish(seq, _maps({"type": "BlockStored", "block_hashes": [seq + 1]}), deliver=False)
+    fake.replay_pace_s = 0.1  # 0.8 s in all, against a 0.4 s answer timeout
+    d = await start_emulator(role="decode")
+    sc = await start_sidecar(
+        d,
+        kv_events__endpoint=fake.endpoint,
+        kv_events__replay_endpoint=fake.replay_endpoint,
+        kv_events__replay_timeout_s=0.4,
+    )
+    await eventually(lambda: index_of(client, sc.settings.node_id, set(range(1, 9))))
+    assert sc.metrics.value("kvferry_sidecar_kv_replays_total", outcome="complete") == 1
+    assert sc.metrics.value("kvferry_sidecar_kv_replays_total", outcome="timeout") == 0
+
+
 async def test_encodings_malformed_payloads_gaps_and_restarts(
     client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, fake: FakePublisher
 ) -> None:
