@@ -67,7 +67,14 @@ class BlockIndex:
         return block_hash in self._blocks.get(engine_id, ())
 
     def leading(self, engine_id: str, hashes: Sequence[int]) -> int:
-        """How many of `hashes`, from the first, the node holds (prefix caching stops at a miss)."""
+        """How many of `hashes`, from the first, the node holds.
+
+        Block hashes are chained, so a block held at position k means the node computed
+        the whole prefix before it, and vLLM evicts a sequence's blocks tail first: the
+        prefix is most likely still there even where the index misses it (events lost
+        before a sidecar (re)started: vLLM announces a block only when it is first
+        cached, and a hot shared prefix never again). So past the leading run held, a
+        few deeper positions are probed too, from the end, ever further apart."""
         blocks = self._blocks.get(engine_id)
         if not blocks:
             return 0
@@ -76,8 +83,14 @@ class BlockIndex:
             if h not in blocks:
                 break
             n += 1
+        i, step = len(hashes) - 1, 1
+        while i > n:
+            if hashes[i] in blocks:
+                return i + 1
+            i -= step
+            step *= 2
         return n
 
     def score(self, engines: Iterable[str], hashes: Sequence[int]) -> list[tuple[str, int]]:
-        """(engine, leading cached blocks), best first, ties by engine id."""
+        """(engine, leading cached blocks: see `leading`), best first, ties by engine id."""
         return sorted(((e, self.leading(e, hashes)) for e in engines), key=lambda x: (-x[1], x[0]))

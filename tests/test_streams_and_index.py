@@ -87,9 +87,15 @@ async def test_kv_events_feed_the_index_and_score(client: Client) -> None:
     listed = {n.engine_id: n for n in (await client.nodes.List(nodes_pb2.ListNodesRequest())).nodes}
     assert listed["p-1"].indexed_blocks == 3 and listed["p-2"].indexed_blocks == 0
     score = await client.nodes.Score(
-        nodes_pb2.ScoreRequest(block_hashes=[1, 2, 9, 3], role=nodes_pb2.PREFILL)
+        nodes_pb2.ScoreRequest(block_hashes=[1, 2, 9, 10], role=nodes_pb2.PREFILL)
     )
     assert [(s.engine_id, s.cached_blocks) for s in score.scores] == [("p-1", 2), ("p-2", 0)]
+    # A block held deeper in a chain means its prefix was computed there: the index may
+    # have missed some of it (see BlockIndex.leading).
+    score = await client.nodes.Score(
+        nodes_pb2.ScoreRequest(block_hashes=[1, 9, 2, 3], role=nodes_pb2.PREFILL)
+    )
+    assert [(s.engine_id, s.cached_blocks) for s in score.scores] == [("p-1", 4), ("p-2", 0)]
     queue.put_nowait(None)
     call.cancel()
 
@@ -230,6 +236,21 @@ async def test_a_replica_whose_announcement_lapsed_announces_itself_again(make_d
 async def _score_of(client: Client, ask: nodes_pb2.ScoreRequest, engine: str, expect: int) -> bool:
     scores = await client.nodes.Score(ask)
     return any(s.engine_id == engine and s.cached_blocks == expect for s in scores.scores)
+
+
+def test_a_deeper_block_held_vouches_for_the_prefix_the_index_missed() -> None:
+    """Chained hashes: a block held at position k was computed after the whole prefix.
+    A sidecar that started late never heard of a hot prefix's first blocks (vLLM
+    announces a block once, when first cached): the node still scores its depth."""
+    idx = BlockIndex()
+    prompt = list(range(100, 164))  # 64 blocks
+    idx.apply("late", IndexUpdate(stored=prompt[40:]))  # the first 40 announced before it joined
+    idx.apply("cold", IndexUpdate(stored=[1, 2, 3]))
+    assert idx.leading("late", prompt) == 64
+    assert idx.leading("late", prompt[:50]) == 50
+    assert idx.leading("late", [*prompt[:41], 999]) == 41  # (probed: position 40 held)
+    assert idx.leading("cold", prompt) == 0
+    assert idx.score(["cold", "late"], prompt) == [("late", 64), ("cold", 0)]
 
 
 def test_block_index_applies_net_effect_in_order() -> None:
