@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 PREFILL_ROLES = frozenset({"prefill", "both"})
 DECODE_ROLES = frozenset({"decode", "both"})
@@ -117,6 +118,19 @@ def choose_prefill(
 
     best_key = min(key(n) for n in eligible)
     return _rotate([n for n in eligible if key(n) == best_key], tiebreak)
+
+
+def cached_under_plain_hashes(body: Mapping[str, Any], nodes: Sequence[Node]) -> bool:
+    """Whether vLLM caches the request's prompt under its plain block hashes (those the
+    router computes and Nodes/Score matches): not with a ``cache_salt`` (its first
+    block's hash carries the salt), nor for a LoRA adapter (a model no node names as its
+    base, a node whose model is not known yet aside: every block's hash carries the
+    adapter). Scoring those would steer them to
+    nodes holding the plain prefix, which vLLM would not reuse for them."""
+    if body.get("cache_salt"):
+        return False
+    model = body.get("model")
+    return not isinstance(model, str) or not model or any(n.model in (model, "") for n in nodes)
 
 
 def worth_scoring(nodes: Sequence[Node], exclude: Collection[str] = ()) -> bool:

@@ -41,6 +41,7 @@ from kvferry.releases import claim_release_body, nothing_to_pull, release_body
 from router.choice import (
     Node,
     alike,
+    cached_under_plain_hashes,
     choose_decode,
     choose_prefill,
     fresh_retry_node,
@@ -173,7 +174,11 @@ class Turn:
             return await self._serve_plain(prefill, decode, Skip.MEDIA)
         if not reproducible(self.body):
             return await self._serve_plain(prefill, decode, Skip.UNRENDERABLE)
-        scoring = self.s.control is not None and worth_scoring(nodes)
+        scoring = (
+            self.s.control is not None
+            and worth_scoring(nodes)
+            and cached_under_plain_hashes(self.body, nodes)
+        )
         if conversation or scoring:
             prefill = await self._prepare(prefill, scoring, tiebreak)
         params = await self._prefill(prefill)
