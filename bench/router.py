@@ -6,8 +6,11 @@
    multi-turn proxy (``examples/disaggregated/disaggregated_serving/
    disagg_proxy_multiturn.py``), all against the same engines in the same run,
    interleaved, one request at a time. Engines with no simulated delays, so
-   the differences are the hops. The reuse path's own work (tokenize, digests,
-   lookup) is reported from the router's stage histograms.
+   the differences are the hops. Then the same as a conversation's first turn
+   through kvferry (the router tokenizes, digests and looks up, nothing is held;
+   D's sidecar captures the answer) and through the stand-in (its cache looked
+   at). The reuse path's own work (tokenize, digests, lookup) is also reported
+   from the router's stage histograms.
 
    The stand-in re-creates that proxy's per-request structure, not its code:
    the body parsed and re-serialized with the stdlib ``json`` for P and again
@@ -173,10 +176,15 @@ async def overhead(requests: int, prompt_tokens: int) -> None:
         rng = random.Random(3)
         try:
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-                paths: dict[str, Callable[[dict[str, Any]], Awaitable[float]]] = {
-                    "direct P then D": lambda b: direct(http, p_url, d_url, b),
-                    "kvferry router": lambda b: through(http, dep.plain.url, b),
-                    "multi-turn proxy stand-in": lambda b: through(http, proxy.url, b),
+                # (name, the path, whether the request names a conversation: a first turn,
+                # nothing held for it, so the turn is the control plane's full work with
+                # nothing to pull: tokenize, digests, lookup, and D's sidecar capturing)
+                paths: dict[str, tuple[Callable[[dict[str, Any]], Awaitable[float]], bool]] = {
+                    "direct P then D": (lambda b: direct(http, p_url, d_url, b), False),
+                    "kvferry router": (lambda b: through(http, dep.plain.url, b), False),
+                    "multi-turn proxy stand-in": (lambda b: through(http, proxy.url, b), False),
+                    "kvferry, conversation turn": (lambda b: through(http, dep.kvferry.url, b), True),
+                    "stand-in, conversation turn": (lambda b: through(http, proxy.url, b), True),
                 }
                 times: dict[str, list[float]] = {name: [] for name in paths}
                 for i in range(requests + 20):
@@ -188,7 +196,8 @@ async def overhead(requests: int, prompt_tokens: int) -> None:
                     order = list(paths)
                     rng.shuffle(order)
                     for name in order:
-                        t = await paths[name](body)
+                        path, named = paths[name]
+                        t = await path({**body, "conversation_id": f"{name}-{i}"} if named else body)
                         if i >= 20:  # warm-up
                             times[name].append(t * 1e3)
                 # The reuse path's own work, on conversation turns through the kvferry router.
@@ -214,6 +223,10 @@ async def overhead(requests: int, prompt_tokens: int) -> None:
             f"   {name:<28} {pct(xs, 50):>6.2f}ms {pct(xs, 90):>6.2f}ms {pct(xs, 99):>6.2f}ms "
             f"{pct(xs, 50) - pct(base, 50):>+13.2f}ms"
         )
+    print(
+        "   (the first three: no conversation id, plain P/D; a conversation turn: a first turn, so\n"
+        "   kvferry tokenizes, digests and looks up (nothing held) and D's sidecar captures the answer)"
+    )
     print(
         f"   edited history (the client drops half of the previous answer), {EDITED} conversations: "
         f"wrong answers: kvferry {wrong['kvferry']}, multi-turn proxy stand-in {wrong['stand-in']}"
