@@ -134,8 +134,14 @@ class Publisher:
         self.ctx.term()
 
 
+def block_hash(i: int) -> int:
+    """The i-th block's hash: 64 bits spread as vLLM's are (a small int is a smaller Python
+    object, and would understate the index's memory per block)."""
+    return (i * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % 2**64
+
+
 def stored_payloads(first: int, n: int, per_event: int, per_batch: int) -> list[bytes]:
-    """BlockStored batches of hashes first..first+n-1, with token ids like vLLM sends them."""
+    """BlockStored batches of blocks first..first+n-1, with token ids like vLLM sends them."""
     tokens = list(range(BLOCK * per_event))
     out, h = [], first
     while h < first + n:
@@ -146,8 +152,8 @@ def stored_payloads(first: int, n: int, per_event: int, per_batch: int) -> list[
                 break
             events.append(
                 BlockStored(
-                    block_hashes=list(hashes),
-                    parent_block_hash=h - 1 if h > first else None,
+                    block_hashes=[block_hash(i) for i in hashes],
+                    parent_block_hash=block_hash(h - 1) if h > first else None,
                     token_ids=tokens[: BLOCK * len(hashes)],
                     block_size=BLOCK,
                     lora_id=None,
@@ -165,7 +171,9 @@ def removed_payloads(first: int, n: int, per_event: int, per_batch: int) -> list
     for start in range(first, first + n, per_batch):
         end = min(start + per_batch, first + n)
         events: list[Event] = [
-            BlockRemoved(block_hashes=list(range(s, min(s + per_event, end))), medium=MEDIUM_GPU)
+            BlockRemoved(
+                block_hashes=[block_hash(i) for i in range(s, min(s + per_event, end))], medium=MEDIUM_GPU
+            )
             for s in range(start, end, per_event)
         ]
         out.append(encode_batch(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0)))
