@@ -4,7 +4,8 @@ A sidecar attaches to one replica, and that replica alone indexes its KV events.
 that `Nodes/Score` on any replica scores every prefill node, each replica announces
 its address in etcd (a key of its own under a lease of its own, gone within `ttl_s`
 of a crash) and asks the others for their own index's scores (`local_only`), merging
-each node's best count. A peer that does not answer within the deadline is left out
+each node's best count; `Nodes/List` likewise takes each node's largest indexed block
+count. A peer that does not answer within the deadline is left out
 (its nodes score 0 from this answer, as they did before), and left alone for
 `backoff_s`: a dead or unreachable one must not cost every scoring turn the deadline.
 """
@@ -14,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar
 
 import grpc
 import structlog
@@ -24,8 +26,9 @@ from controlplane.store import EtcdStore
 from kvferry.v1 import nodes_pb2, nodes_pb2_grpc
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
-_LEAST_DEADLINE_S = 0.001  # a Score to the peers shorter than this is not asked
+_LEAST_DEADLINE_S = 0.001  # a call to the peers with less time than this is not made
 _LATE_IN_A_ROW = 3  # shortened deadlines missed in a row that leave a peer out as a failed one
 _STOP_TIMEOUT_S = 1.0  # the announcement's revoke at stop (it lapses by itself anyway)
 
@@ -94,6 +97,23 @@ class Peers:
     ) -> list[nodes_pb2.ScoreResponse]:
         """The other replicas' own scores for `request` (those that answered in time:
         within the deadline, and well within the caller's `time_left_s`)."""
+        local = nodes_pb2.ScoreRequest(block_hashes=request.block_hashes, role=request.role, local_only=True)
+        return await self._ask(lambda stub, deadline: stub.Score(local, timeout=deadline), time_left_s)
+
+    async def indexed(self, time_left_s: float | None) -> dict[str, int]:
+        """Each node's indexed block count at the other replicas (those that answered in
+        time), the largest where several index it."""
+        local = nodes_pb2.ListNodesRequest(include_dead=True, local_only=True)
+        out: dict[str, int] = {}
+        for answer in await self._ask(lambda stub, deadline: stub.List(local, timeout=deadline), time_left_s):
+            for n in answer.nodes:
+                out[n.engine_id] = max(out.get(n.engine_id, 0), n.indexed_blocks)
+        return out
+
+    async def _ask(
+        self, call: Callable[[nodes_pb2_grpc.NodesAsyncStub, float], Awaitable[T]], time_left_s: float | None
+    ) -> list[T]:
+        """`call(stub, deadline)` on each peer not left out -> the answers that came in time."""
         now = time.monotonic()
         asked = [p for p in self._peers.values() if p.skip_until <= now]
         if not asked:
@@ -101,13 +121,10 @@ class Peers:
         deadline = self._deadline if time_left_s is None else min(self._deadline, time_left_s / 2)
         if deadline < _LEAST_DEADLINE_S:  # no time to ask anyone
             return []
-        local = nodes_pb2.ScoreRequest(block_hashes=request.block_hashes, role=request.role, local_only=True)
-        answers = await asyncio.gather(
-            *(p.stub.Score(local, timeout=deadline) for p in asked), return_exceptions=True
-        )
-        out = []
+        answers = await asyncio.gather(*(call(p.stub, deadline) for p in asked), return_exceptions=True)
+        out: list[T] = []
         for peer, answer in zip(asked, answers, strict=True):
-            if isinstance(answer, nodes_pb2.ScoreResponse):
+            if not isinstance(answer, BaseException):
                 out.append(answer)
                 peer.late = 0
             elif isinstance(answer, grpc.aio.AioRpcError):
@@ -119,7 +136,7 @@ class Peers:
                 peer.late = peer.late + 1 if shortened else 0
                 if not shortened or peer.late >= _LATE_IN_A_ROW:
                     peer.skip_until, peer.late = time.monotonic() + self._backoff, 0
-                log.info("peers.score_failed", address=peer.address, code=code.name)
+                log.info("peers.ask_failed", address=peer.address, code=code.name)
         return out
 
     async def close(self) -> None:

@@ -220,10 +220,16 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
     ) -> nodes_pb2.ListNodesResponse:
         states = await self._cp.list_nodes(int(request.role), request.include_dead)
         held = self._cp.held
+        # A node's index is at the replica its sidecar is attached to (the router gates
+        # scoring on these counts: a node attached elsewhere would read 0 here).
+        elsewhere: dict[str, int] = {}
+        if not request.local_only and self._peers is not None:
+            elsewhere = await self._peers.indexed(context.time_remaining())
         nodes = []
         for st in states:
-            m = node_message(st, held.get(st.record.engine_id, (0, 0)))
-            m.indexed_blocks = self._cp.index.count(st.record.engine_id)
+            engine = st.record.engine_id
+            m = node_message(st, held.get(engine, (0, 0)))
+            m.indexed_blocks = max(self._cp.index.count(engine), elsewhere.get(engine, 0))
             nodes.append(m)
         return nodes_pb2.ListNodesResponse(nodes=nodes)
 

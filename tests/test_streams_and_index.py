@@ -148,6 +148,11 @@ async def test_score_on_any_replica_sees_every_replicas_sidecars(make_daemon, co
     assert [(s.engine_id, s.cached_blocks) for s in scores.scores] == [("p-1", 2), ("p-2", 0)]
     local = await cb.nodes.Score(nodes_pb2.ScoreRequest(block_hashes=[1, 2, 9], local_only=True))
     assert {s.engine_id: s.cached_blocks for s in local.scores} == {"p-1": 0, "p-2": 0}
+    # Nodes/List's counts too (a router asks Score only when some node indexes blocks).
+    listed = await cb.nodes.List(nodes_pb2.ListNodesRequest())
+    assert {n.engine_id: n.indexed_blocks for n in listed.nodes} == {"p-1": 3, "p-2": 0}
+    listed = await cb.nodes.List(nodes_pb2.ListNodesRequest(local_only=True))
+    assert {n.engine_id: n.indexed_blocks for n in listed.nodes} == {"p-1": 0, "p-2": 0}
     queue.put_nowait(None)
     call.cancel()
 

@@ -78,7 +78,9 @@ class Node(_message.Message):
     """Live retentions held on this node and the tokens they cover (last gauge scan)."""
     held_tokens: _builtins.int
     indexed_blocks: _builtins.int
-    """Blocks in the node's prefix cache per its KV events (this replica's index)."""
+    """Blocks in the node's prefix cache per its KV events (the index of the replica its
+    sidecar is attached to; see ListNodesRequest.local_only).
+    """
     engine_url: _builtins.str
     """The engine's own OpenAI server, for requests no tap needs to see (tokenize and
     prefill); "" = only through http_url.
@@ -358,19 +360,26 @@ class ListNodesRequest(_message.Message):
 
     ROLE_FIELD_NUMBER: _builtins.int
     INCLUDE_DEAD_FIELD_NUMBER: _builtins.int
+    LOCAL_ONLY_FIELD_NUMBER: _builtins.int
     role: Global___Role.ValueType
     """Empty = all roles."""
     include_dead: _builtins.bool
     """Include nodes whose liveness lapsed (kept until they re-register or deregister)."""
+    local_only: _builtins.bool
+    """indexed_blocks from this replica's KV-event index only. Each replica indexes the
+    sidecars attached to it; without local_only it also asks the other replicas
+    (local_only) and answers each node's largest count.
+    """
     def __init__(
         self,
         *,
         role: Global___Role.ValueType = ...,
         include_dead: _builtins.bool = ...,
+        local_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_dead", b"include_dead", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_dead", b"include_dead", "local_only", b"local_only", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
