@@ -102,8 +102,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
     reasoning_effort: str | None = None
 
     def template_context(self) -> dict[str, Any]:
-        extra = {"documents": self.documents, "reasoning_effort": self.reasoning_effort}
-        return {**(self.chat_template_kwargs or {}), "tools": self.tools, **extra}
+        # (vLLM: the request's chat_template_kwargs win over its top-level fields)
+        given = {"tools": self.tools, "documents": self.documents, "reasoning_effort": self.reasoning_effort}
+        return {**given, **(self.chat_template_kwargs or {})}
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -127,7 +128,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     return_token_strs: bool = False
 
     def template_context(self) -> dict[str, Any]:
-        return {**(self.chat_template_kwargs or {}), "tools": self.tools}
+        return {"tools": self.tools, **(self.chat_template_kwargs or {})}
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -202,6 +202,7 @@ _TOOL = {"type": "function", "function": {"name": "read_file", "parameters": {"t
     [
         ({"tools": [_TOOL]}, True),  # /tokenize is given them: the turn is verified and pulls
         ({"chat_template_kwargs": {"enable_thinking": False}}, True),
+        ({"chat_template_kwargs": {"reasoning_effort": "low"}}, True),  # (given to /tokenize too)
         ({"documents": [{"title": "t", "text": "tide tables"}]}, False),  # /tokenize cannot be
         ({"reasoning_effort": "low"}, False),
     ],
