@@ -193,6 +193,8 @@ class KvIngest:
                 seqs.append(seq)
                 if seq >= self._tracker.expected:
                     self._apply(frames[2], seq)
+                if len(seqs) % _YIELD_EVERY == 0:  # (queued answers come back without a suspension)
+                    await asyncio.sleep(0)
             if not replay_outcome(start, seqs):
                 outcome = "incomplete"
         except TimeoutError:
