@@ -23,6 +23,21 @@ def nothing_to_pull(params: Mapping[str, Any]) -> dict[str, Any]:
     return {**params, "remote_num_tokens": 0}
 
 
+def notifiable(params: Mapping[str, Any]) -> bool:
+    """Whether a prefill node handed `params` (with nothing to pull) could tell their
+    holder to free the blocks: the holder's engine, request, host and port are there."""
+    port = params.get("remote_port")
+    return (
+        all(isinstance(params.get(k), str) and params.get(k) for k in _NOTIFY_KEYS)
+        and isinstance(port, int)
+        and not isinstance(port, bool)
+        and 0 < port < 65536
+    )
+
+
+_NOTIFY_KEYS = ("remote_engine_id", "remote_request_id", "remote_host")
+
+
 def release_body(
     model: Any, prefill_params: Mapping[str, Any], prompt_token_ids: Sequence[int] | None
 ) -> dict[str, Any]:

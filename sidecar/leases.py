@@ -26,7 +26,7 @@ import grpc
 import structlog
 
 from kvferry.leaseclient import LeaseOpError, LeaseStream
-from kvferry.releases import nothing_to_pull
+from kvferry.releases import nothing_to_pull, notifiable
 from kvferry.structs import dict_to_struct, struct_to_dict
 from kvferry.v1 import leases_pb2
 from sidecar.daemon import TRANSIENT, Backoff, DaemonLink
@@ -270,6 +270,10 @@ class LeaseSender:
             log.warning(
                 "lease.register.failed", code=code.name, detail=detail, conversation_id=draft.conversation_id
             )
+            # Refused for good (a policy's limit: a hybrid model's clipped groups, a lifetime
+            # past the daemon's...), so stored nowhere: no turn will pull or free D's blocks.
+            if notifiable(draft.params):
+                self._release(nothing_to_pull(draft.params), draft.conversation_id)
 
     # -- the loop -------------------------------------------------------------------
 

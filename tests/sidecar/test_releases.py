@@ -129,3 +129,13 @@ async def test_a_release_while_the_daemon_is_away_tries_again_then_takes_the_las
         fresh.release(params, "m", 16, "c")  # no list ever known: nowhere to send it
         await fresh.settled()
         assert _count(metrics, "failed") == 1 and len(fake.got) == 2
+
+
+def test_only_params_naming_their_holder_are_released() -> None:
+    from kvferry.releases import notifiable
+
+    ok = {"remote_engine_id": "d", "remote_request_id": "r", "remote_host": "10.0.0.2", "remote_port": 5600}
+    assert notifiable(ok)
+    assert not notifiable({**ok, "remote_port": "5600"}) and not notifiable({**ok, "remote_port": 0})
+    assert not notifiable({**ok, "remote_port": True}) and not notifiable({**ok, "remote_host": ""})
+    assert not notifiable({k: v for k, v in ok.items() if k != "remote_request_id"})

@@ -144,13 +144,21 @@ async def test_engine_answers_to_bad_input_pass_through(
     assert too_long.status == 400
     async with http.post(sc.url + "/v1/chat/completions", json=[1, 2], headers=conv) as r:
         assert r.status == 400
-    # The daemon refuses an id with control characters: the client still gets its answer.
+    # The daemon refuses an id with control characters: the client still gets its answer,
+    # and D is told to free the blocks no retention will ever hand out (through a P).
+    await start_sidecar(p, engine__role="prefill")
     p1 = await prefill(http, p.http_url, first_turn())
     odd = await chat(
         http, sc.url, first_turn(), max_tokens=3, kv_transfer_params=p1.params, conversation_id="bad\x01id"
     )
-    assert odd.status == 200
+    assert odd.status == 200 and odd.params is not None
     await eventually(lambda: _metric(sc, "kvferry_sidecar_lease_registrations_total", outcome="failed"))
+
+    async def freed() -> bool:
+        async with http.get(d.http_url + "/emulator/state") as r:
+            return odd.params["remote_request_id"] not in (await r.json())["held_requests"]
+
+    await eventually(freed, within=10)
     assert sc.metrics.value("kvferry_sidecar_turns_total", outcome="engine_status") == 2
 
 
