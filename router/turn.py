@@ -362,6 +362,14 @@ class Turn:
                 except UpstreamError as e:
                     failure = e.failure
                     self.log.info("router.prefill.unreachable", node=node.engine_id, error=str(e))
+                except asyncio.CancelledError:
+                    # The client left while P had D's params: P's request is aborted, and
+                    # an aborted read tells D nothing (a finished one already did: D then
+                    # ignores this).
+                    if remote:
+                        like = alike(self.nodes, node)
+                        self._release_claim(choose_prefill(like, self.s.load.view) or node, remote)
+                    raise
             if reply is not None:
                 answer = reply.json() if reply.status == 200 else None
                 if isinstance(answer, dict):

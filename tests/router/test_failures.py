@@ -691,6 +691,35 @@ async def test_params_a_p_never_got_still_go_with_the_fresh_retry(
     assert second == first
 
 
+async def test_a_client_gone_while_p_has_the_params_has_them_released(
+    daemon: Daemon, http: aiohttp.ClientSession
+) -> None:
+    """The client hangs up while P works on the turn with D's params (queued, or reading):
+    P's request is aborted, and an aborted read tells D nothing. A release through P
+    does; none was sent, and D held the blocks to its TTL."""
+    async with fakes_with_a_lease(daemon) as (p, d, _):  # (the lease has no digests: a release)
+        p.answers = [0]  # P holds the turn until the router hangs up
+        async with Router(on_fakes(daemon, p, d)) as router:
+            request = asyncio.create_task(http.post(router.url + CHAT, json=HI_C))
+
+            async def p_has_it() -> bool:
+                return any(path == CHAT for path, _, _ in p.requests)
+
+            await eventually(p_has_it)
+            request.cancel()  # the client hangs up
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+
+            async def released() -> bool:
+                return router.metrics.value("kvferry_router_claim_releases_total", outcome="released") == 1
+
+            await eventually(released)
+    [(_, _, release)] = [(path, h, body) for path, h, body in p.requests if path == COMPLETIONS]
+    kv = release["kv_transfer_params"]
+    assert kv["remote_request_id"] == "req-1" and kv["remote_num_tokens"] == 0
+    assert d.requests == []
+
+
 @pytest.mark.parametrize("status", [400, 500])
 async def test_params_p_failed_with_are_released(
     daemon: Daemon, http: aiohttp.ClientSession, status: int
