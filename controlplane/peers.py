@@ -38,8 +38,10 @@ class _Peer:
         self.address = address
         self.channel = grpc.aio.insecure_channel(address)
         self.stub: nodes_pb2_grpc.NodesAsyncStub = nodes_pb2_grpc.NodesStub(self.channel)
-        self.skip_until = 0.0
-        self.late = 0  # Scores in a row it answered too late for a shortened deadline
+        # Per kind of call ("Score", "List"): left out until, and answers in a row too
+        # late for a shortened deadline (one kind's trouble does not leave out the other).
+        self.skip_until: dict[str, float] = {}
+        self.late: dict[str, int] = {}
 
 
 class Peers:
@@ -98,24 +100,32 @@ class Peers:
         """The other replicas' own scores for `request` (those that answered in time:
         within the deadline, and well within the caller's `time_left_s`)."""
         local = nodes_pb2.ScoreRequest(block_hashes=request.block_hashes, role=request.role, local_only=True)
-        return await self._ask(lambda stub, deadline: stub.Score(local, timeout=deadline), time_left_s)
+        return await self._ask(
+            "Score", lambda stub, deadline: stub.Score(local, timeout=deadline), time_left_s
+        )
 
     async def indexed(self, time_left_s: float | None) -> dict[str, int]:
         """Each node's indexed block count at the other replicas (those that answered in
         time), the largest where several index it."""
         local = nodes_pb2.ListNodesRequest(include_dead=True, local_only=True)
         out: dict[str, int] = {}
-        for answer in await self._ask(lambda stub, deadline: stub.List(local, timeout=deadline), time_left_s):
+        for answer in await self._ask(
+            "List", lambda stub, deadline: stub.List(local, timeout=deadline), time_left_s
+        ):
             for n in answer.nodes:
                 out[n.engine_id] = max(out.get(n.engine_id, 0), n.indexed_blocks)
         return out
 
     async def _ask(
-        self, call: Callable[[nodes_pb2_grpc.NodesAsyncStub, float], Awaitable[T]], time_left_s: float | None
+        self,
+        kind: str,
+        call: Callable[[nodes_pb2_grpc.NodesAsyncStub, float], Awaitable[T]],
+        time_left_s: float | None,
     ) -> list[T]:
-        """`call(stub, deadline)` on each peer not left out -> the answers that came in time."""
+        """`call(stub, deadline)` on each peer not left out for `kind` -> the answers that
+        came in time."""
         now = time.monotonic()
-        asked = [p for p in self._peers.values() if p.skip_until <= now]
+        asked = [p for p in self._peers.values() if p.skip_until.get(kind, 0.0) <= now]
         if not asked:
             return []
         deadline = self._deadline if time_left_s is None else min(self._deadline, time_left_s / 2)
@@ -126,17 +136,18 @@ class Peers:
         for peer, answer in zip(asked, answers, strict=True):
             if not isinstance(answer, BaseException):
                 out.append(answer)
-                peer.late = 0
+                peer.late[kind] = 0
             elif isinstance(answer, grpc.aio.AioRpcError):
                 code = answer.code()
                 # Late within a deadline the caller's own shortened is this call's loss, not
                 # the peer's failure: only one that failed otherwise, missed the whole
                 # deadline, or was late every time lately (a hung one) is left out a while.
                 shortened = code is grpc.StatusCode.DEADLINE_EXCEEDED and deadline < self._deadline
-                peer.late = peer.late + 1 if shortened else 0
-                if not shortened or peer.late >= _LATE_IN_A_ROW:
-                    peer.skip_until, peer.late = time.monotonic() + self._backoff, 0
-                log.info("peers.ask_failed", address=peer.address, code=code.name)
+                late = peer.late.get(kind, 0) + 1 if shortened else 0
+                if not shortened or late >= _LATE_IN_A_ROW:
+                    peer.skip_until[kind], late = time.monotonic() + self._backoff, 0
+                peer.late[kind] = late
+                log.info("peers.ask_failed", address=peer.address, call=kind, code=code.name)
         return out
 
     async def close(self) -> None:

@@ -218,13 +218,20 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
     async def List(
         self, request: nodes_pb2.ListNodesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> nodes_pb2.ListNodesResponse:
-        states = await self._cp.list_nodes(int(request.role), request.include_dead)
-        held = self._cp.held
+        role, dead = int(request.role), request.include_dead
         # A node's index is at the replica its sidecar is attached to (the router gates
-        # scoring on these counts: a node attached elsewhere would read 0 here).
+        # scoring on these counts: a node attached elsewhere would read 0 here). A peer
+        # asking for this replica's own counts gets them from memory, no etcd read.
         elsewhere: dict[str, int] = {}
-        if not request.local_only and self._peers is not None:
-            elsewhere = await self._peers.indexed(context.time_remaining())
+        if request.local_only:
+            states = await self._cp.list_nodes(role, dead, fresh=False)
+        elif self._peers is None:
+            states = await self._cp.list_nodes(role, dead)
+        else:
+            states, elsewhere = await asyncio.gather(
+                self._cp.list_nodes(role, dead), self._peers.indexed(context.time_remaining())
+            )
+        held = self._cp.held
         nodes = []
         for st in states:
             engine = st.record.engine_id

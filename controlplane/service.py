@@ -364,8 +364,9 @@ class ControlPlane:
         ]
         return self.index.score(engines, hashes)
 
-    async def list_nodes(self, role: int, include_dead: bool) -> list[NodeState]:
-        states = await self.nodes.refresh()
+    async def list_nodes(self, role: int, include_dead: bool, fresh: bool = True) -> list[NodeState]:
+        """The nodes, read from etcd (`fresh`) or as this replica last saw them."""
+        states = await self.nodes.refresh() if fresh else self.nodes.snapshot()
         return sorted(
             (
                 s

@@ -167,10 +167,12 @@ async def test_a_peer_that_does_not_answer_is_left_alone_for_a_while() -> None:
     ask = nodes_pb2.ScoreRequest(block_hashes=[1])
     assert await peers.scores(ask, 1.0) == []
     [dead] = peers._peers.values()
-    assert dead.skip_until > 0  # failed: skipped from now on
+    assert dead.skip_until["Score"] > 0  # failed: skipped from now on
     started = asyncio.get_running_loop().time()
     assert await peers.scores(ask, 1.0) == []
     assert asyncio.get_running_loop().time() - started < 0.005  # not asked again
+    assert "List" not in dead.skip_until  # (each kind of call on its own)
+    assert await peers.indexed(1.0) == {} and dead.skip_until["List"] > 0
     await peers._follow({})  # gone from etcd: its channel closes
     assert peers.addresses == []
     await peers.close()
@@ -202,11 +204,13 @@ async def test_a_peer_late_only_for_a_callers_short_deadline_is_asked_again() ->
         slow.stub.Score = counted  # type: ignore[method-assign]
         assert await peers.scores(ask, 0.001) == [] and asked == 0  # no time: not asked at all
         for _ in range(2):  # (5 ms for the peer: missed; asked again next time)...
-            assert await peers.scores(ask, 0.01) == [] and slow.skip_until == 0
-        assert await peers.scores(ask, 0.01) == [] and slow.skip_until > 0  # ...but late 3 in a row: hung
-        slow.skip_until = 0
+            assert await peers.scores(ask, 0.01) == [] and slow.skip_until.get("Score", 0) == 0
+        assert (
+            await peers.scores(ask, 0.01) == [] and slow.skip_until["Score"] > 0
+        )  # ...but late 3 in a row: hung
+        slow.skip_until["Score"] = 0
         assert await peers.scores(ask, 1.0) == []  # the whole deadline missed: left alone at once
-        assert slow.skip_until > 0 and asked == 4
+        assert slow.skip_until["Score"] > 0 and asked == 4
     finally:
         await peers.close()
         for writer in accepted:
