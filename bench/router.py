@@ -157,12 +157,30 @@ class MultiturnProxyStandIn:
             await self.http.close()
 
 
-def _stage_mean(router: Router, stage: str) -> float:
-    """Mean time of a router stage so far, ms."""
+_STAGES = ("tokenize", "digests", "lookup")
+
+
+def _stage_totals(router: Router) -> dict[str, tuple[float, float]]:
+    """(seconds, count) of each router stage so far."""
     reg = router.metrics.registry
-    count = reg.get_sample_value("kvferry_router_stage_seconds_count", {"stage": stage}) or 0.0
-    total = reg.get_sample_value("kvferry_router_stage_seconds_sum", {"stage": stage}) or 0.0
-    return total / count * 1e3 if count else float("nan")
+    return {
+        stage: (
+            reg.get_sample_value("kvferry_router_stage_seconds_sum", {"stage": stage}) or 0.0,
+            reg.get_sample_value("kvferry_router_stage_seconds_count", {"stage": stage}) or 0.0,
+        )
+        for stage in _STAGES
+    }
+
+
+def _stage_means(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Mean ms of each stage between two `_stage_totals`."""
+    out = {}
+    for stage in _STAGES:
+        seconds, count = (a - b for a, b in zip(after[stage], before[stage], strict=True))
+        out[stage] = seconds / count * 1e3 if count else float("nan")
+    return out
 
 
 async def overhead(requests: int, prompt_tokens: int) -> None:
@@ -201,6 +219,7 @@ async def overhead(requests: int, prompt_tokens: int) -> None:
                         if i >= 20:  # warm-up
                             times[name].append(t * 1e3)
                 # The reuse path's own work, on conversation turns through the kvferry router.
+                stages_before = _stage_totals(dep.kvferry)
                 messages = [{"role": "user", "content": _filler(rng, prompt_tokens)}]
                 for turn in range(40):
                     body = {"messages": messages, "max_tokens": 8, "stream": True, "conversation_id": "c"}
@@ -212,6 +231,7 @@ async def overhead(requests: int, prompt_tokens: int) -> None:
                         {"role": "user", "content": f"{turn}"},
                     ]
                     await asyncio.sleep(0.02)
+                stages = _stage_means(stages_before, _stage_totals(dep.kvferry))
                 wrong = await edited_history(http, dep, proxy, rng)
         finally:
             await proxy.stop()
@@ -233,9 +253,8 @@ async def overhead(requests: int, prompt_tokens: int) -> None:
     )
     print(
         f"   reuse path (40 conversation turns, ~{prompt_tokens}-token prompts growing), the router's own "
-        f"work, mean: tokenize {_stage_mean(dep.kvferry, 'tokenize'):.2f}ms, "
-        f"digests {_stage_mean(dep.kvferry, 'digests'):.2f}ms, "
-        f"the lookup's wait after them {_stage_mean(dep.kvferry, 'lookup'):.2f}ms"
+        f"work, mean: tokenize {stages['tokenize']:.2f}ms, digests {stages['digests']:.2f}ms, "
+        f"the lookup's wait after them {stages['lookup']:.2f}ms"
     )
 
 
@@ -302,11 +321,7 @@ class Sample:
 
 
 def _stage_sums(router: Router) -> float:
-    reg = router.metrics.registry
-    return sum(
-        reg.get_sample_value("kvferry_router_stage_seconds_sum", {"stage": stage}) or 0.0
-        for stage in ("tokenize", "digests", "lookup")
-    )
+    return sum(seconds for seconds, _ in _stage_totals(router).values())
 
 
 async def measured_turn(
