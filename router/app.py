@@ -31,6 +31,8 @@ from router.turn import Shared
 from router.upstream import Engines
 
 log = structlog.get_logger(__name__)
+#: How long a stop waits for the releases on their way when the grace is spent.
+_RELEASES_AT_LEAST_S = 2.0
 
 
 class Router:
@@ -122,8 +124,10 @@ class Router:
             self._runner = None
         releases = list(self._shared.releases) if self._shared is not None else []
         if releases:
-            # Releases of P's blocks still on their way: what is left of the same grace.
-            await asyncio.wait(releases, timeout=max(0.0, deadline - time.monotonic()))
+            # Releases still on their way: what is left of the same grace, and a moment at
+            # least (answers cut at the end of the grace release D's blocks as they go).
+            left_s = max(_RELEASES_AT_LEAST_S, deadline - time.monotonic())
+            await asyncio.wait(releases, timeout=left_s)
             left = [t for t in releases if not t.done()]
             if left:
                 log.warning("router.releases.abandoned", count=len(left))

@@ -149,6 +149,8 @@ class Turn:
         self.tokens: list[int] | None = None
         self.tokenized_by: Node | None = None
         """The P that tokenized instead of the chosen one (unreachable): the prefill goes there."""
+        self.unreachable: set[str] = set()
+        """Prefill nodes this turn could not connect to (no release goes there)."""
         self.reuse: Reuse | None = None
         self.log = log.bind(request_id=self.request_id, conversation_id=self.identity.conversation_id or None)
 
@@ -232,9 +234,7 @@ class Turn:
                     self.identity.tenant,
                     conversation,
                     prompt,
-                    answered_late=lambda reuse: self._release_claim(
-                        self.tokenized_by or prefill, reuse.remote
-                    ),
+                    answered_late=lambda reuse: self._release_claim(prefill, reuse.remote),
                     request_id=self.request_id,
                 )
             )
@@ -242,8 +242,6 @@ class Turn:
             self.tokens = made[0] if made is not None else None
         elif scoring:
             self.tokens = await self._tokenize(prefill)
-        # A P that could not be connected to for tokenizing is no choice for the prefill either.
-        unreachable = (prefill.engine_id,) if self.tokenized_by else ()
         prefill = self.tokenized_by or prefill
         t0 = time.perf_counter()
         score = self._score(prefill) if scoring and self.tokens is not None else None
@@ -264,7 +262,9 @@ class Turn:
         if cached:
             load = self.s.load.view
             like = alike(self.nodes, prefill) if self.tokens is not None else self.nodes
-            prefill = choose_prefill(like, load, cached, exclude=unreachable, tiebreak=tiebreak) or prefill
+            # (a P that could not be connected to for tokenizing is no choice for the prefill either)
+            chosen = choose_prefill(like, load, cached, exclude=self.unreachable, tiebreak=tiebreak)
+            prefill = chosen or prefill
         if self.reuse is not None:
             self.s.metrics.lookup(self.reuse)
         return prefill
@@ -304,6 +304,8 @@ class Turn:
             except UpstreamError as e:
                 # P never saw it: another P of the same model and block size tokenizes (and
                 # digests) the same, so the turn keeps its reuse, and prefills there too.
+                if e.failure.kind is FailureKind.CONNECT:
+                    self.unreachable.add(node.engine_id)
                 twin = self._twin_prefill(node) if e.failure.kind is FailureKind.CONNECT else None
                 if twin is None:
                     raise
@@ -361,14 +363,14 @@ class Turn:
                     reply = await self._post_prefill_node(node, self.path, payload)
                 except UpstreamError as e:
                     failure = e.failure
+                    if failure.kind is FailureKind.CONNECT:
+                        self.unreachable.add(node.engine_id)
                     self.log.info("router.prefill.unreachable", node=node.engine_id, error=str(e))
                 except asyncio.CancelledError:
-                    # The client left while P had D's params: P's request is aborted, and
-                    # an aborted read tells D nothing (a finished one already did: D then
-                    # ignores this).
-                    if remote:
-                        like = alike(self.nodes, node)
-                        self._release_claim(choose_prefill(like, self.s.load.view) or node, remote)
+                    # The client left (or the router stops) while P had D's params: P's
+                    # request is aborted, and an aborted read tells D nothing (a finished
+                    # one already did: D then ignores this).
+                    self._release_claim(node, remote)
                     raise
             if reply is not None:
                 answer = reply.json() if reply.status == 200 else None
@@ -386,11 +388,8 @@ class Turn:
                 # the request before its connector saw them (a prompt grown past
                 # max_model_len, say); a failed pull (a 5xx) sends D no notification; a P
                 # gone silent (a timeout) may never. (One that failed after its pull, whose
-                # read notified D, has D ignore the second notification.) The release goes
-                # to the least loaded P of this one's kind: this one may refuse anything
-                # now (a 429).
-                twin = choose_prefill(like, self.s.load.view) or node
-                self._release_claim(twin, remote)
+                # read notified D, has D ignore the second notification.)
+                self._release_claim(node, remote)
             spare = prefill_candidates(like if remote else self.nodes, exclude=tried)
             retry = retry_after(failure, bool(remote), attempt, bool(spare))
             self.log.info(
@@ -560,14 +559,18 @@ class Turn:
         post = functools.partial(self.s.engines.post, node.url + "/v1/completions", payload, headers)
         self._release(node, "decode", "prefill", post, self.s.metrics.prefill_releases)
 
-    def _release_claim(self, node: Node, remote: Mapping[str, Any] | None) -> None:
+    def _release_claim(self, near: Node, remote: Mapping[str, Any] | None) -> None:
         """The daemon claimed the conversation's blocks on D for this turn (`remote`: a
         pull's or a release's params; None = none were held), and no P request will carry
-        them: the lookup answered after its deadline, its client left, or P refused the
+        them: the lookup answered after its deadline, its client left, or P failed the
         request that carried them. Have D free them now rather than at its TTL: P, handed
-        D's params with nothing to pull (`claim_release_body`), has its connector notify D."""
-        if remote is None:
+        D's params with nothing to pull (`claim_release_body`), has its connector notify D.
+        The release goes to the least loaded P of `near`'s kind (D's params are for its
+        block size) this turn could connect to: `near` may refuse anything now (a 429)."""
+        if not remote:
             return
+        like = alike(self.nodes, near)
+        node = choose_prefill(like, self.s.load.view, exclude=self.unreachable) or near
         payload = encode(claim_release_body(node.model or self.body.get("model"), remote))
         request_id = f"{self.request_id}-claim-release"
         post = functools.partial(

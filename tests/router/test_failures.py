@@ -720,6 +720,56 @@ async def test_a_client_gone_while_p_has_the_params_has_them_released(
     assert d.requests == []
 
 
+async def test_a_stop_cutting_a_turn_short_still_sends_its_release(
+    daemon: Daemon, http: aiohttp.ClientSession
+) -> None:
+    """The grace runs out while P holds a turn with D's params: the turn is cut, and its
+    release gets a moment of its own (it was given what was left of the grace: nothing)."""
+    async with fakes_with_a_lease(daemon) as (p, d, _):
+        p.answers = [0]  # P holds the turn until the router hangs up
+        router = Router(on_fakes(daemon, p, d, server__shutdown_grace_s=0.2))
+        await router.start()
+        try:
+            request = asyncio.create_task(http.post(router.url + CHAT, json=HI_C))
+
+            async def p_has_it() -> bool:
+                return any(path == CHAT for path, _, _ in p.requests)
+
+            await eventually(p_has_it)
+        finally:
+            await router.stop()
+        with contextlib.suppress(aiohttp.ClientError, asyncio.CancelledError):
+            (await request).release()
+        assert router.metrics.value("kvferry_router_claim_releases_total", outcome="released") == 1
+    assert COMPLETIONS in [path for path, _, _ in p.requests]
+
+
+async def test_a_release_never_goes_to_a_prefill_node_the_turn_could_not_reach(
+    daemon: Daemon, http: aiohttp.ClientSession
+) -> None:
+    """The chosen P cannot be connected to (tokenizing moves to a like P, and the turn with
+    it), and that P fails the pull: the release goes through a P the turn reached, not
+    the least loaded one of the kind, which was the dead one (the release then failed,
+    and D held the blocks to its TTL)."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with fakes_with_a_lease(daemon) as (p, d, _):
+        p.answers = [500, 500]
+        settings = router_settings(
+            daemon, nodes__prefill_urls=(dead, p.url), nodes__decode_urls=(d.url,), nodes__model="fake"
+        )
+        async with Router(settings) as router:
+            async with http.post(router.url + CHAT, json=HI_C) as r:
+                assert r.status == 502, await r.text()
+
+            async def released() -> bool:
+                return router.metrics.value("kvferry_router_claim_releases_total", outcome="released") == 1
+
+            await eventually(released)
+            assert router.metrics.value("kvferry_router_claim_releases_total", outcome="failed") == 0
+    paths = [path for path, _, _ in p.requests]
+    assert paths[0] == "/tokenize" and COMPLETIONS in paths  # (the dead one was asked first)
+
+
 @pytest.mark.parametrize("status", [400, 500])
 async def test_params_p_failed_with_are_released(
     daemon: Daemon, http: aiohttp.ClientSession, status: int
