@@ -384,3 +384,17 @@ async def test_prefill_with_n_answers_the_params_of_one_sequence(
     held = (await http.state(emu))["held_requests"]
     assert sorted(held) == [f"{i}_{answer.body['id']}" for i in range(2)]
     assert answer.params is not None and answer.params["remote_request_id"] in held
+
+
+def test_what_the_template_is_given_merges_as_vllm_does() -> None:
+    """vLLM's merge_kwargs: the request's chat_template_kwargs, then its own fields that
+    are set (not None, not "auto") over them."""
+    from emulator.http_api import template_context
+
+    kwargs = {"reasoning_effort": "low", "enable_thinking": False}
+    assert template_context(kwargs, {"reasoning_effort": "high"}) == {
+        "reasoning_effort": "high",
+        "enable_thinking": False,
+    }
+    assert template_context(kwargs, {"reasoning_effort": None, "tools": "auto"}) == kwargs
+    assert template_context(None, {"tools": [1]}) == {"tools": [1]}
