@@ -37,6 +37,7 @@ from controlplane.records import NodeRecord, NodeState
 from controlplane.service import ControlPlane, LeaseRegistration, LeaseView, LookupQuery, NodeRegistration
 from kvferry.channels import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 from kvferry.framing import by_size
+from kvferry.tasks import cancel_and_wait
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -228,9 +229,13 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
         elif self._peers is None:
             states = await self._cp.list_nodes(role, dead)
         else:
-            states, elsewhere = await asyncio.gather(
-                self._cp.list_nodes(role, dead), self._peers.indexed(context.time_remaining())
-            )
+            asking = asyncio.ensure_future(self._peers.indexed(context.time_remaining()))
+            try:
+                states = await self._cp.list_nodes(role, dead)
+            except BaseException:  # (etcd out, say: no use asking the peers meanwhile)
+                await cancel_and_wait([asking])
+                raise
+            elsewhere = await asking
         held = self._cp.held
         nodes = []
         for st in states:

@@ -220,8 +220,9 @@ class LeaseSender:
             self._release(nothing_to_pull(draft.params), draft.conversation_id)
 
     def _release(self, params: dict[str, Any], conversation_id: str) -> None:
-        """Have D free the blocks `params` (nothing to pull) name, through a prefill node."""
-        if self._releaser is None:
+        """Have D free the blocks `params` (nothing to pull) name, through a prefill node
+        (not when they do not name their holder: such params never left the sidecar)."""
+        if self._releaser is None or not notifiable(params):
             return
         facts = self._instance.facts
         model, block_size = (facts.model, facts.block_size) if facts is not None else ("", 0)
@@ -272,8 +273,7 @@ class LeaseSender:
             )
             # Refused for good (a policy's limit: a hybrid model's clipped groups, a lifetime
             # past the daemon's...), so stored nowhere: no turn will pull or free D's blocks.
-            if notifiable(draft.params):
-                self._release(nothing_to_pull(draft.params), draft.conversation_id)
+            self._release(nothing_to_pull(draft.params), draft.conversation_id)
 
     # -- the loop -------------------------------------------------------------------
 

@@ -52,6 +52,8 @@ class Releaser:
         self._tasks: set[asyncio.Task[None]] = set()
         self._nodes: list[nodes_pb2.Node] = []
         self._listed_at = -_NODES_FRESH_S
+        self._listing: asyncio.Task[None] | None = None
+        """The node list on its way: a burst of releases waits for one."""
 
     def release(self, params: Mapping[str, Any], model: str, block_size: int, conversation_id: str) -> None:
         """Send D `params` (a replaced retention's, remote_num_tokens 0) through a prefill
@@ -96,7 +98,9 @@ class Releaser:
         """(URL, model) of an alive prefill node serving `model` with `block_size` (its
         engine's own URL when advertised, else its sidecar's); None when there is none."""
         if asyncio.get_running_loop().time() - self._listed_at > _NODES_FRESH_S:
-            await self._list_nodes()
+            if self._listing is None or self._listing.done():
+                self._listing = asyncio.ensure_future(self._list_nodes())
+            await asyncio.shield(self._listing)
         node = release_prefill(self._nodes, model, block_size)
         return (engine_url(node), node.model) if node is not None else None
 
@@ -108,7 +112,10 @@ class Releaser:
                 # (waiting for the channel: releases come in a burst as the daemon comes
                 # back, while the channel may still be reconnecting)
                 listed = await self._link.nodes(self._link.channel()).List(
-                    nodes_pb2.ListNodesRequest(), timeout=self._s.daemon.rpc_timeout_s, wait_for_ready=True
+                    # (the daemon's view in memory: enough to pick an alive P, and no etcd read)
+                    nodes_pb2.ListNodesRequest(local_only=True),
+                    timeout=self._s.daemon.rpc_timeout_s,
+                    wait_for_ready=True,
                 )
             except grpc.RpcError:
                 if tried == _LIST_TRIES and not self._nodes:
@@ -122,6 +129,9 @@ class Releaser:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
+        for task in [*self._tasks, self._listing]:
+            if task is not None:
+                task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._listing is not None:
+            await asyncio.gather(self._listing, return_exceptions=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -27,6 +28,8 @@ class _Link:
         class _Nodes:
             async def List(self, req: Any, **_: Any) -> nodes_pb2.ListNodesResponse:
                 link.listed += 1
+                assert req.local_only  # (the daemon's view in memory serves)
+                await asyncio.sleep(0.01)
                 if link.down:
                     raise grpc.aio.AioRpcError(
                         grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "daemon away"
@@ -139,3 +142,19 @@ def test_only_params_naming_their_holder_are_released() -> None:
     assert not notifiable({**ok, "remote_port": "5600"}) and not notifiable({**ok, "remote_port": 0})
     assert not notifiable({**ok, "remote_port": True}) and not notifiable({**ok, "remote_host": ""})
     assert not notifiable({k: v for k, v in ok.items() if k != "remote_request_id"})
+
+
+async def test_a_burst_of_releases_waits_for_one_node_list() -> None:
+    """Releases come in bursts (the daemon back after an outage): one List serves them all."""
+    async with fake_completions() as fake, aiohttp.ClientSession() as http:
+        p = nodes_pb2.Node(
+            engine_id="p", role=nodes_pb2.PREFILL, model="m", block_size=16, alive=True, engine_url=fake.url
+        )
+        link = _Link([p])
+        metrics = SidecarMetrics()
+        settings = Settings(engine=EngineSettings(url="http://127.0.0.1:1"), daemon=DaemonSettings())
+        releaser = Releaser(settings, link, http, metrics)  # type: ignore[arg-type]
+        for i in range(5):
+            releaser.release({"remote_request_id": f"r{i}", "remote_num_tokens": 0}, "m", 16, "c")
+        await releaser.settled()
+        assert link.listed == 1 and _count(metrics, "released") == 5
