@@ -102,8 +102,8 @@ class ChatCompletionRequest(_Common, kw_only=True):
     reasoning_effort: str | None = None
 
     def template_context(self) -> dict[str, Any]:
-        given = {"tools": self.tools, "documents": self.documents, "reasoning_effort": self.reasoning_effort}
-        return template_context(self.chat_template_kwargs, given)
+        given = {"documents": self.documents, "reasoning_effort": self.reasoning_effort}
+        return template_context(self.tools, self.chat_template_kwargs, given)
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -127,14 +127,17 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     return_token_strs: bool = False
 
     def template_context(self) -> dict[str, Any]:
-        return template_context(self.chat_template_kwargs, {"tools": self.tools})
+        return template_context(self.tools, self.chat_template_kwargs, {})
 
 
-def template_context(kwargs: dict[str, Any] | None, given: dict[str, Any]) -> dict[str, Any]:
-    """What the chat template is given besides the messages, merged as vLLM's
-    `merge_kwargs` does: the request's chat_template_kwargs, then its own fields that are
-    set (not None, not "auto") over them."""
-    return {**(kwargs or {}), **{k: v for k, v in given.items() if v is not None and v != "auto"}}
+def template_context(
+    tools: list[Any] | None, kwargs: dict[str, Any] | None, given: dict[str, Any]
+) -> dict[str, Any]:
+    """What the chat template is given besides the messages, merged as vLLM does: the
+    tools as a default the request's chat_template_kwargs may override, and the request's
+    own template fields that are set (not None, not "auto": `merge_kwargs`) over both."""
+    defaults = {"tools": tools} if tools is not None else {}
+    return {**defaults, **(kwargs or {}), **{k: v for k, v in given.items() if v is not None and v != "auto"}}
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -387,14 +387,15 @@ async def test_prefill_with_n_answers_the_params_of_one_sequence(
 
 
 def test_what_the_template_is_given_merges_as_vllm_does() -> None:
-    """vLLM's merge_kwargs: the request's chat_template_kwargs, then its own fields that
-    are set (not None, not "auto") over them."""
+    """As vLLM: the tools a default, the request's chat_template_kwargs over them, and its
+    own template fields that are set (not None, not "auto") over both (merge_kwargs)."""
     from emulator.http_api import template_context
 
     kwargs = {"reasoning_effort": "low", "enable_thinking": False}
-    assert template_context(kwargs, {"reasoning_effort": "high"}) == {
+    assert template_context(None, kwargs, {"reasoning_effort": "high"}) == {
         "reasoning_effort": "high",
         "enable_thinking": False,
     }
-    assert template_context(kwargs, {"reasoning_effort": None, "tools": "auto"}) == kwargs
-    assert template_context(None, {"tools": [1]}) == {"tools": [1]}
+    assert template_context(None, kwargs, {"reasoning_effort": None, "documents": "auto"}) == kwargs
+    assert template_context([1], None, {}) == {"tools": [1]}
+    assert template_context([1], {"tools": [2]}, {}) == {"tools": [2]}  # (tools are a default)
