@@ -122,16 +122,17 @@ class Router:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        releases = list(self._shared.releases) if self._shared is not None else []
-        if releases:
-            # Releases still on their way: what is left of the same grace, and a moment at
-            # least (answers cut at the end of the grace release D's blocks as they go).
-            left_s = max(_RELEASES_AT_LEAST_S, deadline - time.monotonic())
-            await asyncio.wait(releases, timeout=left_s)
-            left = [t for t in releases if not t.done()]
-            if left:
-                log.warning("router.releases.abandoned", count=len(left))
-            await cancel_and_wait(left)
+        if self._shared is not None and self._shared.releases:
+            # Releases still on their way, and those they make room for (a cut lookup's late
+            # answer releases what it claimed): what is left of the same grace, and a
+            # moment at least (answers cut at the end of the grace release D's blocks).
+            until = max(deadline, time.monotonic() + _RELEASES_AT_LEAST_S)
+            releases = self._shared.releases
+            while releases and (left_s := until - time.monotonic()) > 0:
+                await asyncio.wait(set(releases), timeout=left_s)
+            if releases:
+                log.warning("router.releases.abandoned", count=len(releases))
+            await cancel_and_wait(list(releases))
         await cancel_and_wait([self._refresh])
         self._refresh = None
         if self.control is not None:

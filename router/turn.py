@@ -298,24 +298,29 @@ class Turn:
         t0 = time.perf_counter()
         timeout_s = self.s.settings.upstream.tokenize_timeout_s
         raw = encode(req)
+        asked = node
         try:
             try:
                 reply = await self._post_prefill_node(node, "/tokenize", raw, timeout_s)
             except UpstreamError as e:
                 # P never saw it: another P of the same model and block size tokenizes (and
                 # digests) the same, so the turn keeps its reuse, and prefills there too.
-                if e.failure.kind is FailureKind.CONNECT:
-                    self.unreachable.add(node.engine_id)
-                twin = self._twin_prefill(node) if e.failure.kind is FailureKind.CONNECT else None
+                if e.failure.kind is not FailureKind.CONNECT:
+                    raise
+                self.unreachable.add(node.engine_id)
+                twin = self._twin_prefill(node)
                 if twin is None:
                     raise
                 self.s.metrics.upstream_error("tokenize", e.failure)
                 self.log.info("router.tokenize.elsewhere", node=node.engine_id, other=twin.engine_id)
+                asked = twin
                 reply = await self._post_prefill_node(twin, "/tokenize", raw, timeout_s)
                 self.tokenized_by = twin
         except UpstreamError as e:
+            if e.failure.kind is FailureKind.CONNECT:
+                self.unreachable.add(asked.engine_id)
             self.s.metrics.upstream_error("tokenize", e.failure)
-            self.log.info("router.tokenize.failed", node=node.engine_id, error=str(e))
+            self.log.info("router.tokenize.failed", node=asked.engine_id, error=str(e))
             return None
         self.s.metrics.stage.labels("tokenize").observe(time.perf_counter() - t0)
         tokens = tokens_of(reply.body) if reply.status == 200 else None
@@ -350,7 +355,7 @@ class Turn:
     async def _prefill(self, node: Node) -> dict[str, Any] | web.Response | None:
         """P's kv_transfer_params for D (None: P gave none), or the client's error answer."""
         remote = self.reuse.remote if self.reuse is not None else None
-        tried: set[str] = set()
+        tried = set(self.unreachable)  # (a P the turn could not reach is no retry either)
         attempt = 0
         while True:
             tried.add(node.engine_id)
@@ -565,12 +570,13 @@ class Turn:
         them: the lookup answered after its deadline, its client left, or P failed the
         request that carried them. Have D free them now rather than at its TTL: P, handed
         D's params with nothing to pull (`claim_release_body`), has its connector notify D.
-        The release goes to the least loaded P of `near`'s kind (D's params are for its
-        block size) this turn could connect to: `near` may refuse anything now (a 429)."""
+        The release goes to the least loaded other P of `near`'s kind (D's params are for
+        its block size) this turn could connect to, else to `near`: `near` may refuse
+        anything now (a 429), or be slow to (a timeout)."""
         if not remote:
             return
         like = alike(self.nodes, near)
-        node = choose_prefill(like, self.s.load.view, exclude=self.unreachable) or near
+        node = choose_prefill(like, self.s.load.view, exclude=self.unreachable | {near.engine_id}) or near
         payload = encode(claim_release_body(node.model or self.body.get("model"), remote))
         request_id = f"{self.request_id}-claim-release"
         post = functools.partial(

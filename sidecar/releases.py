@@ -121,7 +121,8 @@ class Releaser:
                 if tried == _LIST_TRIES and not self._nodes:
                     raise
                 continue
-            self._nodes, self._listed_at = list(listed.nodes), asyncio.get_running_loop().time()
+            if listed.nodes or not self._nodes:  # (a daemon just started may know none yet)
+                self._nodes, self._listed_at = list(listed.nodes), asyncio.get_running_loop().time()
             return
 
     async def settled(self) -> None:

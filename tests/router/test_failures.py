@@ -720,6 +720,29 @@ async def test_a_client_gone_while_p_has_the_params_has_them_released(
     assert d.requests == []
 
 
+async def test_a_prefill_retry_never_goes_to_a_node_the_turn_could_not_reach(
+    daemon: Daemon, http: aiohttp.ClientSession
+) -> None:
+    """Tokenizing found the first P dead (a like P tokenized), then that P's prefill could not
+    be delivered: the one retry goes to the third P, not back to the dead one (the client
+    got a 502 while a healthy P was there)."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with fake_engine() as p1, fake_engine() as p2, fake_engine() as d:
+        p1.answers = [-1]  # its sidecar: "never delivered"
+        settings = router_settings(
+            daemon,
+            nodes__prefill_urls=(dead, p1.url, p2.url),
+            nodes__decode_urls=(d.url,),
+            nodes__model="fake",
+        )
+        async with Router(settings) as router:
+            body = {"messages": [{"role": "user", "content": "hi"}], "conversation_id": "fresh"}
+            async with http.post(router.url + CHAT, json=body) as r:
+                assert r.status == 200, await r.text()
+    assert [path for path, _, _ in p1.requests] == ["/tokenize", CHAT]
+    assert [path for path, _, _ in p2.requests] == [CHAT]
+
+
 async def test_a_stop_cutting_a_turn_short_still_sends_its_release(
     daemon: Daemon, http: aiohttp.ClientSession
 ) -> None:
