@@ -15,7 +15,7 @@ from aiohttp import web
 
 from controlplane.daemon import Daemon
 from emulator import EmulatorServer
-from kvferry.v1 import leases_pb2
+from kvferry.v1 import leases_pb2, nodes_pb2
 from sidecar import Sidecar
 from tests.conftest import Client
 from tests.polling import eventually
@@ -146,7 +146,13 @@ async def test_engine_answers_to_bad_input_pass_through(
         assert r.status == 400
     # The daemon refuses an id with control characters: the client still gets its answer,
     # and D is told to free the blocks no retention will ever hand out (through a P).
-    await start_sidecar(p, engine__role="prefill")
+    p_node = (await start_sidecar(p, engine__role="prefill")).settings.node_id
+
+    async def p_alive() -> bool:  # (the release goes through it)
+        listed = await client.nodes.List(nodes_pb2.ListNodesRequest())
+        return any(n.engine_id == p_node and n.alive for n in listed.nodes)
+
+    await eventually(p_alive)
     p1 = await prefill(http, p.http_url, first_turn())
     odd = await chat(
         http, sc.url, first_turn(), max_tokens=3, kv_transfer_params=p1.params, conversation_id="bad\x01id"
