@@ -103,6 +103,17 @@ async def test_a_release_goes_to_a_prefill_node_of_the_model_and_block_size() ->
         )  # no release reached a node of another model, block size or role, or a dead one
 
 
+def _through_one_prefill(url: str, http: aiohttp.ClientSession) -> tuple[_Link, SidecarMetrics, Releaser]:
+    """A releaser whose daemon lists one alive prefill node, serving at `url`."""
+    p = nodes_pb2.Node(
+        engine_id="p", role=nodes_pb2.PREFILL, model="m", block_size=16, alive=True, engine_url=url
+    )
+    link = _Link([p])
+    metrics = SidecarMetrics()
+    settings = Settings(engine=EngineSettings(url="http://127.0.0.1:1"), daemon=DaemonSettings())
+    return link, metrics, Releaser(settings, link, http, metrics)  # type: ignore[arg-type]
+
+
 async def test_a_release_while_the_daemon_is_away_tries_again_then_takes_the_last_node_list(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -113,13 +124,7 @@ async def test_a_release_while_the_daemon_is_away_tries_again_then_takes_the_las
 
     monkeypatch.setattr(releases, "_NODES_FRESH_S", 0.0)  # (every release lists again)
     async with fake_completions() as fake, aiohttp.ClientSession() as http:
-        p = nodes_pb2.Node(
-            engine_id="p", role=nodes_pb2.PREFILL, model="m", block_size=16, alive=True, engine_url=fake.url
-        )
-        link = _Link([p])
-        metrics = SidecarMetrics()
-        settings = Settings(engine=EngineSettings(url="http://127.0.0.1:1"), daemon=DaemonSettings())
-        releaser = Releaser(settings, link, http, metrics)  # type: ignore[arg-type]
+        link, metrics, releaser = _through_one_prefill(fake.url, http)
         params = {"remote_request_id": "r", "remote_num_tokens": 0, "remote_block_ids": [[1]]}
         releaser.release(params, "m", 16, "c")
         await releaser.settled()
@@ -128,7 +133,7 @@ async def test_a_release_while_the_daemon_is_away_tries_again_then_takes_the_las
         await releaser.settled()
         assert link.listed == 1 + releases._LIST_TRIES  # tried again, each time
         assert len(fake.got) == 2 and _count(metrics, "released") == 2  # then the old list served
-        fresh = Releaser(settings, link, http, metrics)  # type: ignore[arg-type]
+        fresh = Releaser(releaser._s, link, http, metrics)  # type: ignore[arg-type]
         fresh.release(params, "m", 16, "c")  # no list ever known: nowhere to send it
         await fresh.settled()
         assert _count(metrics, "failed") == 1 and len(fake.got) == 2
@@ -147,13 +152,7 @@ def test_only_params_naming_their_holder_are_released() -> None:
 async def test_a_burst_of_releases_waits_for_one_node_list() -> None:
     """Releases come in bursts (the daemon back after an outage): one List serves them all."""
     async with fake_completions() as fake, aiohttp.ClientSession() as http:
-        p = nodes_pb2.Node(
-            engine_id="p", role=nodes_pb2.PREFILL, model="m", block_size=16, alive=True, engine_url=fake.url
-        )
-        link = _Link([p])
-        metrics = SidecarMetrics()
-        settings = Settings(engine=EngineSettings(url="http://127.0.0.1:1"), daemon=DaemonSettings())
-        releaser = Releaser(settings, link, http, metrics)  # type: ignore[arg-type]
+        link, metrics, releaser = _through_one_prefill(fake.url, http)
         for i in range(5):
             releaser.release({"remote_request_id": f"r{i}", "remote_num_tokens": 0}, "m", 16, "c")
         await releaser.settled()
