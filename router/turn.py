@@ -243,6 +243,9 @@ class Turn:
         elif scoring:
             self.tokens = await self._tokenize(prefill)
         prefill = self.tokenized_by or prefill
+        if prefill.engine_id in self.unreachable:  # (tokenizing could not reach it, nor a twin)
+            others = prefill_candidates(self.nodes, exclude=self.unreachable)
+            prefill = choose_prefill(others, self.s.load.view, tiebreak=tiebreak) or prefill
         t0 = time.perf_counter()
         score = self._score(prefill) if scoring and self.tokens is not None else None
         try:
@@ -326,7 +329,7 @@ class Turn:
         tokens = tokens_of(reply.body) if reply.status == 200 else None
         if tokens is None:
             self.s.metrics.upstream_error("tokenize", Failure(FailureKind.STATUS, reply.status))
-            self.log.info("router.tokenize.refused", node=node.engine_id, status=reply.status)
+            self.log.info("router.tokenize.refused", node=asked.engine_id, status=reply.status)
         return tokens
 
     def _twin_prefill(self, node: Node) -> Node | None:

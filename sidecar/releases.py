@@ -51,6 +51,9 @@ class Releaser:
         self._metrics = metrics
         self._tasks: set[asyncio.Task[None]] = set()
         self._nodes: list[nodes_pb2.Node] = []
+        self._previous: list[nodes_pb2.Node] = []
+        """The list before `_nodes` (a P it lacks, the one before may have: a daemon just
+        started knows only the nodes that registered since)."""
         self._listed_at = -_NODES_FRESH_S
         self._listing: asyncio.Task[None] | None = None
         """The node list on its way: a burst of releases waits for one."""
@@ -101,7 +104,9 @@ class Releaser:
             if self._listing is None or self._listing.done():
                 self._listing = asyncio.ensure_future(self._list_nodes())
             await asyncio.shield(self._listing)
-        node = release_prefill(self._nodes, model, block_size)
+        node = release_prefill(self._nodes, model, block_size) or release_prefill(
+            self._previous, model, block_size
+        )
         return (engine_url(node), node.model) if node is not None else None
 
     async def _list_nodes(self) -> None:
@@ -121,8 +126,9 @@ class Releaser:
                 if tried == _LIST_TRIES and not self._nodes:
                     raise
                 continue
-            if listed.nodes or not self._nodes:  # (a daemon just started may know none yet)
-                self._nodes, self._listed_at = list(listed.nodes), asyncio.get_running_loop().time()
+            if self._nodes:
+                self._previous = self._nodes
+            self._nodes, self._listed_at = list(listed.nodes), asyncio.get_running_loop().time()
             return
 
     async def settled(self) -> None:

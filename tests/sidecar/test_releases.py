@@ -20,6 +20,8 @@ class _Link:
     """A DaemonLink whose Nodes/List answers `nodes`."""
 
     def __init__(self, nodes: list[nodes_pb2.Node]) -> None:
+        self.answer = nodes
+        """What Nodes/List answers (a test may change it)."""
         self.listed = 0
         self.down = False
         """The daemon is away: List fails (as after waiting for it)."""
@@ -34,7 +36,7 @@ class _Link:
                     raise grpc.aio.AioRpcError(
                         grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "daemon away"
                     )
-                return nodes_pb2.ListNodesResponse(nodes=nodes)
+                return nodes_pb2.ListNodesResponse(nodes=link.answer)
 
         self._nodes = _Nodes()
 
@@ -157,3 +159,25 @@ async def test_a_burst_of_releases_waits_for_one_node_list() -> None:
             releaser.release({"remote_request_id": f"r{i}", "remote_num_tokens": 0}, "m", 16, "c")
         await releaser.settled()
         assert link.listed == 1 and _count(metrics, "released") == 5
+
+
+async def test_a_list_without_the_prefill_node_falls_back_on_the_one_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A daemon just started knows only the nodes registered since (its view in memory): a P
+    missing from its answer is still found in the list before."""
+    import sidecar.releases as releases
+
+    monkeypatch.setattr(releases, "_NODES_FRESH_S", 0.0)  # (every release lists again)
+    async with fake_completions() as fake, aiohttp.ClientSession() as http:
+        link, metrics, releaser = _through_one_prefill(fake.url, http)
+        params = {"remote_request_id": "r", "remote_num_tokens": 0}
+        releaser.release(params, "m", 16, "c")
+        await releaser.settled()
+        # The restarted daemon's first answer: only D re-registered yet.
+        link.answer = [
+            nodes_pb2.Node(engine_id="d", role=nodes_pb2.DECODE, model="m", block_size=16, alive=True)
+        ]
+        releaser.release(params, "m", 16, "c")
+        await releaser.settled()
+        assert link.listed == 2 and _count(metrics, "released") == 2 and len(fake.got) == 2
