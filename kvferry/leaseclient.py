@@ -57,6 +57,8 @@ class LeaseStream:
         self._ids = itertools.count(1)
         self._outbox: list[leases_pb2.LeaseOp] = []
         self._written: set[int] = set()  # ids of the ops in flight handed to the stream
+        self._owed: set[asyncio.Future[leases_pb2.LeaseOpResult]] = set()
+        """Answers still awaited for callers that gave up (see `_answer_late`)."""
         self._wake = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
         self._open_lock = asyncio.Lock()
@@ -183,6 +185,7 @@ class LeaseStream:
 
         def answered(f: asyncio.Future[leases_pb2.LeaseOpResult]) -> None:
             timer.cancel()
+            self._owed.discard(f)
             if self._pending.get(op_id) is f:
                 self._forget(op_id)
             if f.cancelled() or f.exception() is not None:
@@ -192,7 +195,15 @@ class LeaseStream:
                 late(res)
 
         timer = asyncio.get_running_loop().call_later(LATE_ANSWER_S, give_up)
+        self._owed.add(fut)
         fut.add_done_callback(answered)
+
+    async def owed_answers(self, timeout_s: float) -> None:
+        """Until the answers still awaited for callers that gave up have come (their `late`
+        hooks ran), or `timeout_s`: a stop waits for them before it closes the stream, as
+        such an answer may hand back what the daemon claimed for a turn that went away."""
+        if self._owed and timeout_s > 0:
+            await asyncio.wait(set(self._owed), timeout=timeout_s)
 
     def _enqueue(self, op: leases_pb2.LeaseOp) -> None:
         """Hand `op` to the writer (it leaves in the next message)."""

@@ -122,11 +122,14 @@ class Router:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        # What is left of the same grace, and a moment at least (answers cut at the end of
+        # the grace release D's blocks): first the lookups still owed an answer (a cut
+        # turn's lookup answered late releases what the daemon claimed for it), then the
+        # releases on their way.
+        until = max(deadline, time.monotonic() + _RELEASES_AT_LEAST_S)
+        if self.control is not None:
+            await self.control.owed_answers(until - time.monotonic())
         if self._shared is not None and self._shared.releases:
-            # Releases still on their way, and those they make room for (a cut lookup's late
-            # answer releases what it claimed): what is left of the same grace, and a
-            # moment at least (answers cut at the end of the grace release D's blocks).
-            until = max(deadline, time.monotonic() + _RELEASES_AT_LEAST_S)
             releases = self._shared.releases
             while releases and (left_s := until - time.monotonic()) > 0:
                 await asyncio.wait(set(releases), timeout=left_s)

@@ -201,6 +201,13 @@ class ControlPlane:
             return None
         return [node for n in res.nodes if n.alive and (node := node_of(n)) is not None]
 
+    async def owed_answers(self, timeout_s: float) -> None:
+        """Until the lookups answered after their turn gave up on them have had their answers
+        (see LeaseStream.owed_answers), or `timeout_s`."""
+        until = time.monotonic() + timeout_s
+        for r in self._replicas:
+            await r.leases.owed_answers(until - time.monotonic())
+
     async def close(self) -> None:
         await cancel_and_wait([self._reopening])
         for r in self._replicas:

@@ -767,6 +767,52 @@ async def test_a_stop_cutting_a_turn_short_still_sends_its_release(
     assert COMPLETIONS in [path for path, _, _ in p.requests]
 
 
+class _SlowReads:
+    """A Leases/Stream call whose answers take `delay_s` to come (a slow daemon)."""
+
+    def __init__(self, call: Any, delay_s: float) -> None:
+        self._call, self._delay = call, delay_s
+
+    async def read(self) -> Any:
+        batch = await self._call.read()
+        await asyncio.sleep(self._delay)
+        return batch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._call, name)
+
+
+async def test_a_stop_waits_for_the_lookups_owed_an_answer_and_releases_their_claims(
+    daemon: Daemon, http: aiohttp.ClientSession
+) -> None:
+    """The grace runs out while a turn waits for its lookup, which the daemon answers after
+    the turn was cut: the stop waits for that answer (it hands back what the daemon
+    claimed), and its release, before it closes the stream (which dropped the answer:
+    D held the blocks to its TTL)."""
+    async with fakes_with_a_lease(daemon) as (p, d, _):
+        router = Router(on_fakes(daemon, p, d, server__shutdown_grace_s=0.2, daemon__lookup_deadline_s=5.0))
+        await router.start()
+        assert router.control is not None
+        leases = router.control._replica.leases
+        await leases.close()  # (the stream opened at start) the next one answers slowly
+        real = leases._stub
+        leases._stub = type("Stub", (), {"Stream": lambda self: _SlowReads(real.Stream(), 0.6)})()
+        try:
+            request = asyncio.create_task(http.post(router.url + CHAT, json=HI_C))
+
+            async def lookup_left() -> bool:
+                return bool(leases._written)
+
+            await eventually(lookup_left)
+        finally:
+            await router.stop()
+        with contextlib.suppress(aiohttp.ClientError, asyncio.CancelledError):
+            (await request).release()
+        assert router.metrics.value("kvferry_router_claim_releases_total", outcome="released") == 1
+    [(_, _, release)] = [(path, h, body) for path, h, body in p.requests if path == COMPLETIONS]
+    assert release["kv_transfer_params"]["remote_request_id"] == "req-1"
+
+
 async def test_a_release_never_goes_to_a_prefill_node_the_turn_could_not_reach(
     daemon: Daemon, http: aiohttp.ClientSession
 ) -> None:
