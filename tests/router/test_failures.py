@@ -743,6 +743,19 @@ async def test_a_prefill_retry_never_goes_to_a_node_the_turn_could_not_reach(
     assert [path for path, _, _ in p2.requests] == [CHAT]
 
 
+async def _stopped_during_a_turn(
+    router: Router, http: aiohttp.ClientSession, at: Callable[[], Awaitable[bool]]
+) -> None:
+    """Send a turn of conversation "c", and stop the router once `at` holds."""
+    try:
+        request = asyncio.create_task(http.post(router.url + CHAT, json=HI_C))
+        await eventually(at)
+    finally:
+        await router.stop()
+    with contextlib.suppress(aiohttp.ClientError, asyncio.CancelledError):
+        (await request).release()
+
+
 async def test_a_stop_cutting_a_turn_short_still_sends_its_release(
     daemon: Daemon, http: aiohttp.ClientSession
 ) -> None:
@@ -752,17 +765,11 @@ async def test_a_stop_cutting_a_turn_short_still_sends_its_release(
         p.answers = [0]  # P holds the turn until the router hangs up
         router = Router(on_fakes(daemon, p, d, server__shutdown_grace_s=0.2))
         await router.start()
-        try:
-            request = asyncio.create_task(http.post(router.url + CHAT, json=HI_C))
 
-            async def p_has_it() -> bool:
-                return any(path == CHAT for path, _, _ in p.requests)
+        async def p_has_it() -> bool:
+            return any(path == CHAT for path, _, _ in p.requests)
 
-            await eventually(p_has_it)
-        finally:
-            await router.stop()
-        with contextlib.suppress(aiohttp.ClientError, asyncio.CancelledError):
-            (await request).release()
+        await _stopped_during_a_turn(router, http, p_has_it)
         assert router.metrics.value("kvferry_router_claim_releases_total", outcome="released") == 1
     assert COMPLETIONS in [path for path, _, _ in p.requests]
 
@@ -797,17 +804,11 @@ async def test_a_stop_waits_for_the_lookups_owed_an_answer_and_releases_their_cl
         await leases.close()  # (the stream opened at start) the next one answers slowly
         real = leases._stub
         leases._stub = type("Stub", (), {"Stream": lambda self: _SlowReads(real.Stream(), 0.6)})()
-        try:
-            request = asyncio.create_task(http.post(router.url + CHAT, json=HI_C))
 
-            async def lookup_left() -> bool:
-                return bool(leases._written)
+        async def lookup_left() -> bool:
+            return bool(leases._written)
 
-            await eventually(lookup_left)
-        finally:
-            await router.stop()
-        with contextlib.suppress(aiohttp.ClientError, asyncio.CancelledError):
-            (await request).release()
+        await _stopped_during_a_turn(router, http, lookup_left)
         assert router.metrics.value("kvferry_router_claim_releases_total", outcome="released") == 1
     [(_, _, release)] = [(path, h, body) for path, h, body in p.requests if path == COMPLETIONS]
     assert release["kv_transfer_params"]["remote_request_id"] == "req-1"
