@@ -310,7 +310,6 @@ class Turn:
                 # digests) the same, so the turn keeps its reuse, and prefills there too.
                 if e.failure.kind is not FailureKind.CONNECT:
                     raise
-                self.unreachable.add(node.engine_id)
                 twin = self._twin_prefill(node)
                 if twin is None:
                     raise
@@ -320,8 +319,6 @@ class Turn:
                 reply = await self._post_prefill_node(twin, "/tokenize", raw, timeout_s)
                 self.tokenized_by = twin
         except UpstreamError as e:
-            if e.failure.kind is FailureKind.CONNECT:
-                self.unreachable.add(asked.engine_id)
             self.s.metrics.upstream_error("tokenize", e.failure)
             self.log.info("router.tokenize.failed", node=asked.engine_id, error=str(e))
             return None
@@ -344,11 +341,16 @@ class Turn:
         headers = self.s.engines.headers(self.request.headers, request_id or self.request_id)
         url = self.s.direct.url(node)
         try:
-            return await self.s.engines.post(url + path, body, headers, timeout_s)
+            try:
+                return await self.s.engines.post(url + path, body, headers, timeout_s)
+            except UpstreamError as e:
+                if e.failure.kind is not FailureKind.CONNECT or not self.s.direct.unreachable(node, url):
+                    raise
+            return await self.s.engines.post(node.url + path, body, headers, timeout_s)
         except UpstreamError as e:
-            if e.failure.kind is not FailureKind.CONNECT or not self.s.direct.unreachable(node, url):
-                raise
-        return await self.s.engines.post(node.url + path, body, headers, timeout_s)
+            if e.failure.kind is FailureKind.CONNECT:  # no prefill, retry or release goes there
+                self.unreachable.add(node.engine_id)
+            raise
 
     async def _score(self, prefill: Node) -> dict[str, int]:
         assert self.s.control is not None and self.tokens is not None
@@ -371,8 +373,6 @@ class Turn:
                     reply = await self._post_prefill_node(node, self.path, payload)
                 except UpstreamError as e:
                     failure = e.failure
-                    if failure.kind is FailureKind.CONNECT:
-                        self.unreachable.add(node.engine_id)
                     self.log.info("router.prefill.unreachable", node=node.engine_id, error=str(e))
                 except asyncio.CancelledError:
                     # The client left (or the router stops) while P had D's params: P's
