@@ -60,10 +60,6 @@ from kvferry.blockhash import none_hash
 log = structlog.get_logger(__name__)
 
 
-class ExpiryTooClose(Exception):
-    """A read refused at its start: D's deadline is less than 5 s away."""
-
-
 #: Prompt token ids, type and range checked in C (a 64k-token prompt is checked in well
 #: under a millisecond; per-token Python checks cost several, counted by no timing model).
 _PromptIds = list[Annotated[int, msgspec.Meta(ge=0, lt=VOCAB_SIZE)]]
@@ -312,15 +308,15 @@ class Engine:
 
     async def _apply_plan(self, plan: PullPlan, seq: _Sequence, stats: PrefillStats) -> None:
         failure = plan.reason if plan.action is PullAction.FAIL else None
+        source = plan.source
         if failure == TOO_FEW_REMOTE_BLOCKS:  # vLLM: an assert in the worker; the engine dies
             self.metrics.connector_faults.inc()
-            source = plan.source
             log.error("engine.connector_fault", reason=failure, remote=source.request_id if source else None)
-        if plan.action is PullAction.PULL:
+        if plan.action is PullAction.PULL and source and too_close_to_expiry(source, time.perf_counter()):
+            failure = "expiry_too_close"  # (checked at the read, as vLLM's worker does)
+        elif plan.action is PullAction.PULL:
             try:
                 await self._pull(plan, seq)
-            except ExpiryTooClose:
-                failure = "expiry_too_close"
             except TransferError as exc:
                 failure = "transfer_error"
                 log.warning("engine.kv_pull.failed", error=str(exc))
@@ -349,8 +345,6 @@ class Engine:
     async def _pull(self, plan: PullPlan, seq: _Sequence) -> None:
         source = plan.source
         assert source is not None
-        if too_close_to_expiry(source, time.perf_counter()):  # (at the read, as vLLM's worker)
-            raise ExpiryTooClose
         first = plan.first_local_block
         local = seq.blocks[first : first + len(plan.remote_block_ids)]
         request = ReadBlocks(

@@ -47,10 +47,10 @@ log = structlog.get_logger(__name__)
 ENGINE_KEY = web.AppKey("engine", Engine)
 _T = TypeVar("_T")
 
-#: Answers are encoded with msgspec: the stdlib encoder takes milliseconds for the token id
-#: lists of long prompts (``/tokenize``, ``return_token_ids``), time no timing model counts.
 _BAD_REQUEST: tuple[type[Exception], ...] = (*UNDECODABLE, TemplateError)
 """A body that does not decode (or nests too deep), or a chat template that fails on it."""
+#: Answers are encoded with msgspec: the stdlib encoder takes milliseconds for the token id
+#: lists of long prompts (``/tokenize``, ``return_token_ids``), time no timing model counts.
 _json_encode = msgspec.json.Encoder().encode
 
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvferry.releases import nothing_to_pull
+from kvferry.releases import nothing_to_pull, notifiable
 
 #: kv_transfer_params for a prefill node that computes everything and keeps the KV for D.
 FRESH: Mapping[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
@@ -132,11 +132,8 @@ def skipped(reason: Skip) -> Reuse:
 
 
 def _usable_pull(params: Mapping[str, Any]) -> bool:
-    """P can pull with these: the keys vLLM needs, with values."""
-    ids = params.get("remote_block_ids")
-    return bool(ids) and all(
-        params.get(k) not in (None, "") for k in ("remote_engine_id", "remote_request_id", "remote_host")
-    )
+    """P can pull with these: blocks, and the holder named (the keys vLLM needs, with values)."""
+    return bool(params.get("remote_block_ids")) and notifiable(params)
 
 
 def reuse_of(answer: LookupAnswer) -> Reuse:

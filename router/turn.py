@@ -244,8 +244,8 @@ class Turn:
             self.tokens = await self._tokenize(prefill)
         prefill = self.tokenized_by or prefill
         if prefill.engine_id in self.unreachable:  # (tokenizing could not reach it, nor a twin)
-            others = prefill_candidates(self.nodes, exclude=self.unreachable)
-            prefill = choose_prefill(others, self.s.load.view, tiebreak=tiebreak) or prefill
+            others = choose_prefill(self.nodes, self.s.load.view, exclude=self.unreachable, tiebreak=tiebreak)
+            prefill = others or prefill
         t0 = time.perf_counter()
         score = self._score(prefill) if scoring and self.tokens is not None else None
         try:

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from kvferry.hops import KEEPALIVE_S
 from kvferry.tasks import cancel_and_wait
+from kvferry.urls import local_address
 from sidecar.daemon import DaemonLink
 from sidecar.engine import EngineInstance, watch_health
 from sidecar.kvindex import KvMirror
@@ -72,10 +73,7 @@ class Sidecar:
     @property
     def url(self) -> str:
         """Base URL of the tap, e.g. ``http://127.0.0.1:PORT``."""
-        host, _ = listen_address(self.settings)
-        if host in ("0.0.0.0", "::", ""):
-            host = "127.0.0.1"
-        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+        return f"http://{local_address(self.settings.tap.listen, self.port)}"
 
     async def start(self) -> None:
         s = self.settings

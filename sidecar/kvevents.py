@@ -129,7 +129,6 @@ class _RawBatch(msgspec.Struct, array_like=True):
 
 
 _KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
-# (RecursionError: msgspec's answer to a payload nested deeper than it recurses)
 
 
 def hash64(h: int | bytes) -> int:

@@ -21,7 +21,7 @@ import structlog
 
 from kvferry.releases import claim_release_body, engine_url, release_prefill
 from kvferry.v1 import nodes_pb2
-from sidecar.daemon import DaemonLink
+from sidecar.daemon import TRANSIENT, Backoff, DaemonLink
 from sidecar.metrics import SidecarMetrics
 from sidecar.settings import Settings
 
@@ -112,6 +112,7 @@ class Releaser:
     async def _list_nodes(self) -> None:
         """List the nodes again; with the daemon away, the last list known stays (an
         error when there is none)."""
+        backoff = Backoff(self._s.daemon.backoff_initial_s, self._s.daemon.backoff_max_s)
         for tried in range(1, _LIST_TRIES + 1):
             try:
                 # (waiting for the channel: releases come in a burst as the daemon comes
@@ -122,10 +123,13 @@ class Releaser:
                     timeout=self._s.daemon.rpc_timeout_s,
                     wait_for_ready=True,
                 )
-            except grpc.RpcError:
-                if tried == _LIST_TRIES and not self._nodes:
-                    raise
-                continue
+            except grpc.aio.AioRpcError as e:
+                if tried < _LIST_TRIES and e.code() in TRANSIENT:
+                    await asyncio.sleep(backoff.next())
+                    continue
+                if self._nodes:
+                    return  # (the last list known serves)
+                raise
             if self._nodes:
                 self._previous = self._nodes
             self._nodes, self._listed_at = list(listed.nodes), asyncio.get_running_loop().time()

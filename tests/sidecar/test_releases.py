@@ -112,7 +112,8 @@ def _through_one_prefill(url: str, http: aiohttp.ClientSession) -> tuple[_Link, 
     )
     link = _Link([p])
     metrics = SidecarMetrics()
-    settings = Settings(engine=EngineSettings(url="http://127.0.0.1:1"), daemon=DaemonSettings())
+    daemon = DaemonSettings(backoff_initial_s=0.001, backoff_max_s=0.001)  # (the tries' spacing)
+    settings = Settings(engine=EngineSettings(url="http://127.0.0.1:1"), daemon=daemon)
     return link, metrics, Releaser(settings, link, http, metrics)  # type: ignore[arg-type]
 
 
