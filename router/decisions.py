@@ -89,6 +89,21 @@ def single_sequence(body: Mapping[str, Any]) -> bool:
     return not (isinstance(prompt, list) and len(prompt) > 1 and any(type(t) is not int for t in prompt))
 
 
+def decode_alone_reason(body: Mapping[str, Any]) -> Skip | None:
+    """Why D serves the request alone, without P (None: it goes through P/D)."""
+    if body.get("prompt_embeds") is not None:
+        return Skip.EMBEDDINGS
+    return None if single_sequence(body) else Skip.MULTIPLE
+
+
+def plain_reason(body: Mapping[str, Any]) -> Skip | None:
+    """Why the request goes through P/D plain, nothing looked up, scored or retained (None:
+    the router can verify and reuse its prompt)."""
+    if not text_only(body):
+        return Skip.MEDIA
+    return None if reproducible(body) else Skip.UNRENDERABLE
+
+
 def reproducible(body: Mapping[str, Any]) -> bool:
     """Whether P's /tokenize renders the prompt the request itself would get, so that the
     token ids sent to P and D (which then skip their own rendering) are the request's.

@@ -56,16 +56,15 @@ from router.decisions import (
     Retry,
     Reuse,
     Skip,
+    decode_alone_reason,
     decode_body,
+    plain_reason,
     prefill_body,
     prefill_kv_params,
-    reproducible,
     retry_after,
     retry_decode_elsewhere,
-    single_sequence,
     skipped,
     spends_retry,
-    text_only,
 )
 from router.identity import CONVERSATION_HEADER, Identity, identify
 from router.metrics import RouterMetrics
@@ -161,9 +160,9 @@ class Turn:
         load = self.s.load.view
         tiebreak = next(self.s.tickets)
         conversation = self.identity.conversation_id
-        if not single_sequence(self.body):
-            embeds = self.body.get("prompt_embeds") is not None
-            return await self._decode_alone(tiebreak, Skip.EMBEDDINGS if embeds else Skip.MULTIPLE)
+        alone = decode_alone_reason(self.body)
+        if alone is not None:
+            return await self._decode_alone(tiebreak, alone)
         prefill = choose_prefill(nodes, load, tiebreak=tiebreak)
         if prefill is not None:
             # One model per turn: a model name no node reports (an adapter's) leaves every
@@ -172,10 +171,9 @@ class Turn:
         decode = choose_decode(nodes, load, tiebreak)
         if prefill is None or decode is None:
             return error_response(503, "no prefill or no decode node available", "ServiceUnavailableError")
-        if not text_only(self.body):
-            return await self._serve_plain(prefill, decode, Skip.MEDIA)
-        if not reproducible(self.body):
-            return await self._serve_plain(prefill, decode, Skip.UNRENDERABLE)
+        plain = plain_reason(self.body)
+        if plain is not None:
+            return await self._serve_plain(prefill, decode, plain)
         scoring = (
             self.s.control is not None
             and worth_scoring(nodes)
