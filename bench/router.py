@@ -26,8 +26,9 @@
    decode 2 ms/token). The ideal speedup is the ratio of the model's costs for
    what the engines did (computed tokens and transferred blocks, read off their
    metrics around each request) with reuse off and with the fullest correct reuse
-   of the turn (kvferry's, or the stand-in's if it pulled more); efficiency =
-   measured / ideal.
+   of the turn (kvferry's, or another path's if it pulled more); efficiency =
+   measured / ideal. The same turn sent by the client itself, P then D's sidecar with D's
+   last params and no front door at all, bounds what any router can reach here.
 
     python -m bench.router [--requests 300] [--repeats 9] [--only overhead|speedup]
 """
@@ -324,10 +325,61 @@ def _stage_sums(router: Router) -> float:
     return sum(seconds for seconds, _ in _stage_totals(router).values())
 
 
-async def measured_turn(
-    http: aiohttp.ClientSession, dep: Deployment, url: str, body: dict[str, Any]
-) -> Sample:
-    """One streamed turn; its TTFT and the timing model's cost of what the engines did for it."""
+Sent = tuple[float, int, str, int]
+"""A turn as the client saw it: seconds to the first token, prompt tokens, the answer, and
+the tokens the front door said it reused."""
+
+
+async def through_front_door(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Sent:
+    t0 = time.perf_counter()
+    async with http.post(url + CHAT, json={**body, "stream_options": {"include_usage": True}}) as r:
+        assert r.status == 200, await r.text()
+        reused = int(r.headers.get("X-Kvferry-Reused-Tokens", "0"))
+        ttft, prompt, answer = await first_token(r, t0)
+    return ttft, prompt, answer, reused
+
+
+class ClientDirect:
+    """Reuse with no front door: the client keeps D's last ``kv_transfer_params`` per
+    conversation and sends P, then D's sidecar, itself. The fewest hops and the least work
+    any reuse of a turn can take on these engines, so its share of the ideal speedup is the
+    most that any router (or proxy) could reach on this machine."""
+
+    def __init__(self, http: aiohttp.ClientSession, p_url: str, d_url: str) -> None:
+        self.http, self.p_url, self.d_url = http, p_url, d_url
+        self.held: dict[str, dict[str, Any]] = {}
+
+    async def turn(self, conversation: str, body: dict[str, Any]) -> Sent:
+        t0 = time.perf_counter()
+        held = self.held.pop(conversation, {})
+        prefill = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": {**held, **FRESH}}
+        async with self.http.post(self.p_url + CHAT, json=prefill) as r:
+            assert r.status == 200, await r.text()
+            params = (await r.json())["kv_transfer_params"]
+        decode = {**body, "kv_transfer_params": params, "stream_options": {"include_usage": True}}
+        ttft, prompt, text = 0.0, 0, []
+        async with self.http.post(self.d_url + CHAT, json=decode) as r:
+            assert r.status == 200, await r.text()
+            async for raw in r.content:
+                line = raw.strip()
+                if not line.startswith(b"data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if event.get("kv_transfer_params"):
+                    self.held[conversation] = event["kv_transfer_params"]
+                if event.get("usage"):
+                    prompt = event["usage"]["prompt_tokens"]
+                for choice in event.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content")
+                    if piece:
+                        ttft = ttft or time.perf_counter() - t0
+                        text.append(piece)
+        return ttft, prompt, "".join(text), 0
+
+
+async def measured_turn(dep: Deployment, send: Awaitable[Sent]) -> Sample:
+    """One streamed turn, sent by ``send``; its TTFT and the timing model's cost of what the
+    engines did for it."""
     p, d = dep.prefill, dep.decode
 
     def engine_counts() -> list[float]:
@@ -340,11 +392,7 @@ async def measured_turn(
         ]
 
     before, stages = engine_counts(), _stage_sums(dep.kvferry)
-    t0 = time.perf_counter()
-    async with http.post(url + CHAT, json={**body, "stream_options": {"include_usage": True}}) as r:
-        assert r.status == 200, await r.text()
-        reused = int(r.headers.get("X-Kvferry-Reused-Tokens", "0"))
-        ttft, prompt, answer = await first_token(r, t0)
+    ttft, prompt, answer, reused = await send
     p_tokens, p_blocks, d_tokens, d_blocks, d_hits = (
         a - b for a, b in zip(engine_counts(), before, strict=True)
     )
@@ -393,49 +441,43 @@ async def speedup(lengths: Sequence[int], repeats: int) -> None:
     ):
         proxy = MultiturnProxyStandIn(dep.prefill.http_url, dep.sidecars[1].url)
         await proxy.start()
+        direct = ClientDirect(http, dep.prefill.http_url, dep.sidecars[1].url)
         rng = random.Random(5)
         probe = grpc.aio.insecure_channel(dep.daemon.address)
         daemon = leases_pb2_grpc.LeasesStub(probe)
-
-        async def warm_up() -> None:
-            """A diagnostic, not the figure: the gRPC path made warm just before the turn
-            (three peek Lookups back to back: this process, the daemon and etcd)."""
-            for _ in range(3):
-                await daemon.Lookup(PEEK)
-
+        paths: dict[str, Callable[[str, dict[str, Any]], Awaitable[Sent]]] = {
+            "off": lambda cid, b: through_front_door(http, dep.plain.url, {**b, "conversation_id": cid}),
+            "kvferry": lambda cid, b: through_front_door(
+                http, dep.kvferry.url, {**b, "conversation_id": cid}
+            ),
+            "stand-in": lambda cid, b: through_front_door(http, proxy.url, {**b, "conversation_id": cid}),
+            "no router": direct.turn,
+        }
         try:
             for length in lengths:
-                runs: dict[str, list[Sample]] = {"off": [], "kvferry": [], "stand-in": [], "warm": []}
+                runs: dict[str, list[Sample]] = {name: [] for name in paths}
                 for i in range(repeats):
                     messages = [
                         {"role": "system", "content": _filler(rng, length - 600)},
                         {"role": "user", "content": f"Question {i}: " + _filler(rng, 200)},
                     ]
-                    urls = {
-                        "off": dep.plain.url,
-                        "kvferry": dep.kvferry.url,
-                        "stand-in": proxy.url,
-                        "warm": dep.kvferry.url,
-                    }
                     turn1 = {"messages": messages, "max_tokens": 16, "stream": True}
                     answers = set()
-                    for name in ("kvferry", "stand-in", "warm"):  # turn 1, leaving D's blocks for turn 2
-                        async with http.post(
-                            urls[name] + CHAT, json={**turn1, "conversation_id": f"{name}-{length}-{i}"}
-                        ) as r:
-                            answers.add(await _text(r))
+                    for name in ("kvferry", "stand-in", "no router"):  # turn 1, leaving D's blocks
+                        answers.add((await paths[name](f"{name}-{length}-{i}", turn1))[2])
                     assert len(answers) == 1, answers  # (reuse's correctness is section 3's business)
                     await asyncio.sleep(0.1)  # D's sidecar registers kvferry's turn
                     tool = {"role": "tool", "content": _filler(rng, 400)}
-                    turn2 = [*messages, {"role": "assistant", "content": answers.pop()}, tool]
-                    order = list(urls)
-                    rng.shuffle(order)  # neither always meets a warmer engine
+                    turn2 = {
+                        **turn1,
+                        "messages": [*messages, {"role": "assistant", "content": answers.pop()}, tool],
+                    }
+                    order = list(paths)
+                    rng.shuffle(order)  # none always meets a warmer engine
                     for name in order:
-                        body = {**turn1, "messages": turn2, "conversation_id": f"{name}-{length}-{i}"}
-                        if name == "warm":
-                            await warm_up()
-                        runs[name].append(await measured_turn(http, dep, urls[name], body))
-                    assert len({runs[n][-1].answer for n in urls}) == 1, "answers differ"
+                        send = paths[name](f"{name}-{length}-{i}", turn2)
+                        runs[name].append(await measured_turn(dep, send))
+                    assert len({runs[n][-1].answer for n in paths}) == 1, "answers differ"
                 rows.append(runs)
             warm_ms, cold_ms = await idle_cost(daemon)
         finally:
@@ -444,39 +486,40 @@ async def speedup(lengths: Sequence[int], repeats: int) -> None:
     print(f"\n2. Emulated TTFT speedup, turn 2 vs reuse off ({timing_text()}), {repeats} conversations each")
     print(
         f"   {'context':>8} {'reused':>6} | {'TTFT off':>8} {'kvferry':>8} {'speedup':>7} | "
-        f"{'model off':>9} {'model on':>8} {'ideal':>6} | {'of ideal':>8} | {'router':>6} "
-        f"{'stand-in':>8} {'speedup':>7} | {'warm':>5}"
+        f"{'model off':>9} {'model on':>8} {'ideal':>6} | {'of ideal':>8} | {'router':>6} | "
+        f"{'stand-in':>8} {'of ideal':>8} | {'no router':>9} {'of ideal':>8}"
     )
     for runs in rows:
-        on, off, toy, warm = runs["kvferry"], runs["off"], runs["stand-in"], runs["warm"]
+        on, off = runs["kvferry"], runs["off"]
 
         def p50(xs: list[Sample], key: Callable[[Sample], float]) -> float:
             return statistics.median(key(x) for x in xs)
 
-        t_on, t_off, t_toy = (p50(xs, lambda x: x.ttft_s * 1e3) for xs in (on, off, toy))
-        m_on, m_off = p50(on, lambda x: x.model_ms), p50(off, lambda x: x.model_ms)
-        # What the model allows: the least work any correct reuse of this turn needed
-        # (the stand-in pulls all D's params name; the answers matched, so its pull was valid).
-        m_best = min(m_on, p50(toy, lambda x: x.model_ms))
-        measured, ideal = t_off / t_on, m_off / m_best
+        t_off, m_off = p50(off, lambda x: x.ttft_s * 1e3), p50(off, lambda x: x.model_ms)
+        # What the model allows: the least work any correct reuse of this turn needed (the
+        # stand-in and the client pull all D's params name; the answers matched, so their
+        # pulls were valid).
+        m_best = min(p50(runs[n], lambda x: x.model_ms) for n in ("kvferry", "stand-in", "no router"))
+        ideal = m_off / m_best
+        t = {n: p50(runs[n], lambda x: x.ttft_s * 1e3) for n in ("kvferry", "stand-in", "no router")}
+        share = {n: t_off / t[n] / ideal for n in t}
         reused = sum(x.reused for x in on) / sum(x.prompt for x in on)
-        t_warm, m_warm = p50(warm, lambda x: x.ttft_s * 1e3), p50(warm, lambda x: x.model_ms)
-        of_ideal_warm = (t_off / t_warm) / (m_off / min(m_warm, m_best))
         print(
-            f"   {on[0].prompt:>8,} {reused:>6.0%} | {t_off:>6.0f}ms {t_on:>6.0f}ms {measured:>6.2f}x | "
-            f"{m_off:>7.0f}ms {m_on:>6.0f}ms {ideal:>5.2f}x | {measured / ideal:>8.0%} | "
-            f"{p50(on, lambda x: x.router_ms):>4.1f}ms {t_toy:>6.0f}ms {t_off / t_toy:>6.2f}x | "
-            f"{of_ideal_warm:>5.0%}"
+            f"   {on[0].prompt:>8,} {reused:>6.0%} | {t_off:>6.0f}ms {t['kvferry']:>6.0f}ms "
+            f"{t_off / t['kvferry']:>6.2f}x | {m_off:>7.0f}ms {p50(on, lambda x: x.model_ms):>6.0f}ms "
+            f"{ideal:>5.2f}x | {share['kvferry']:>8.0%} | {p50(on, lambda x: x.router_ms):>4.1f}ms | "
+            f"{t['stand-in']:>6.0f}ms {share['stand-in']:>8.0%} | {t['no router']:>7.0f}ms "
+            f"{share['no router']:>8.0%}"
         )
     print(
         "   model = the timing model's cost of the tokens the engines computed and the blocks they moved;\n"
-        "   ideal = model off / the least model cost of a correct reuse of the turn (kvferry's or the\n"
-        "   stand-in's, whichever pulled more);\n"
+        "   ideal = model off / the least model cost of a correct reuse of the turn (kvferry's, the\n"
+        "   stand-in's or the client's, whichever pulled most);\n"
         "   router = tokenize + digests + the lookup's remaining wait (its claim overlaps tokenizing),\n"
         "   the work kvferry adds to verify and claim a reuse;\n"
         "   stand-in = the multi-turn proxy's reuse (D's last params, unverified) on the same engines;\n"
-        "   warm = kvferry's turn of ideal when three peek Lookups ran just before it (a diagnostic: the\n"
-        "   same turn with the gRPC path through this process, the daemon and etcd not idle)."
+        "   no router = the client sends P (with D's last params) and then D's sidecar itself: the\n"
+        "   fewest hops any reuse takes here, so its share of the ideal is the most a router could reach."
     )
     print(
         f"   a daemon Lookup (peek) here: {warm_ms:.2f} ms back to back, {cold_ms:.2f} ms after 200 ms"
