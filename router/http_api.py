@@ -42,8 +42,32 @@ def bad_request(message: str) -> web.Response:
     return error_response(400, message, "BadRequestError")
 
 
+#: Flags the router or D's sidecar read themselves: given as vLLM would take them (see
+#: `lax_bool`), they go on as true booleans, so every reader downstream agrees on them.
+_FLAGS = ("stream", "echo", "return_token_ids")
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def lax_bool(value: Any) -> bool:
+    """`value` as pydantic reads a bool field in lax mode, as vLLM's request models do:
+    a bool, 0 or 1 (also 0.0 and 1.0), or a string like "true" or "off" in any case.
+    ValueError for anything else."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        low = value.lower()
+        if low in _TRUE or low in _FALSE:
+            return low in _TRUE
+    raise ValueError(f"not a boolean: {value!r}")
+
+
 def input_problem(path: str, body: Any) -> str | None:
-    """What is wrong with a generation request body (None: nothing the router must refuse)."""
+    """What is wrong with a generation request body (None: nothing the router must refuse).
+
+    Flags given as strings or numbers vLLM accepts are made booleans in `body`."""
     if not isinstance(body, dict):
         return "The request body must be a JSON object."
     if path == CHAT_PATH:
@@ -54,8 +78,12 @@ def input_problem(path: str, body: Any) -> str | None:
             return "Each message must be an object."
     elif body.get("prompt") in (None, "", []) and body.get("prompt_embeds") is None:
         return "'prompt' (or 'prompt_embeds') is required."
-    if body.get("stream") not in (None, True, False):
-        return "'stream' must be a boolean."
+    for flag in _FLAGS:
+        if body.get(flag) is not None:
+            try:
+                body[flag] = lax_bool(body[flag])
+            except ValueError:
+                return f"'{flag}' must be a boolean."
     return None
 
 

@@ -491,3 +491,19 @@ def test_a_completion_needs_a_prompt_or_its_embeddings() -> None:
     assert input_problem(completions, {"prompt_embeds": "AAAA"}) is None  # vLLM takes either
     assert input_problem(completions, {"prompt": "hi"}) is None
     assert input_problem(completions, {"prompt": ""}) == "'prompt' (or 'prompt_embeds') is required."
+
+
+def test_flags_are_read_as_pydantic_reads_them_in_lax_mode() -> None:
+    from router.http_api import input_problem, lax_bool
+
+    for value in (True, 1, 1.0, "1", "true", "True", "TRUE", "t", "y", "yes", "on"):
+        assert lax_bool(value) is True, value
+    for value in (False, 0, 0.0, "0", "false", "False", "f", "n", "no", "off", "OFF"):
+        assert lax_bool(value) is False, value
+    for value in (2, -1, 0.5, "", " true", "maybe", [], {}, None):
+        with pytest.raises(ValueError):
+            lax_bool(value)
+    body: dict[str, object] = {"prompt": "p", "stream": "yes", "echo": 0, "return_token_ids": None}
+    assert input_problem("/v1/completions", body) is None
+    assert body == {"prompt": "p", "stream": True, "echo": False, "return_token_ids": None}
+    assert input_problem("/v1/completions", {"prompt": "p", "echo": "sure"}) == "'echo' must be a boolean."

@@ -41,7 +41,7 @@ async def test_bad_client_input_gets_vllms_400(make_stack: MakeStack, http: aioh
         (CHAT, b'{"model": "m"}'),
         (CHAT, b'{"messages": []}'),
         (CHAT, b'{"messages": ["hi"]}'),
-        (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}'),
+        (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "stream": "maybe"}'),
         ("/v1/completions", b'{"max_tokens": 3}'),
         (CHAT, b""),
         # 2 KB nested deeper than the JSON decoder recurses (RecursionError, not a DecodeError)
@@ -60,6 +60,30 @@ async def test_bad_client_input_gets_vllms_400(make_stack: MakeStack, http: aioh
     async with http.post(router.url + "/v1/made-up", json={}) as r:
         assert r.status == 404 and (await r.json())["error"]["type"] == "NotFoundError"
     assert router.metrics.value("kvferry_router_requests_total", endpoint="unmatched", status="404") == 1
+
+
+async def test_flags_vllm_reads_leniently_are_taken(
+    make_stack: MakeStack, http: aiohttp.ClientSession
+) -> None:
+    """vLLM's request models read booleans as pydantic does in lax mode: "true", 1, "off"..."""
+    stack = await make_stack()
+    router = await stack.router()
+    messages = first_turn("lax")
+    truth = await ask(http, router.url, {"messages": messages, "stream": True})
+    assert truth.status == 200 and truth.events
+    for given in ("true", "Yes", 1, "on"):
+        res = await ask(
+            http, router.url, {"messages": messages, "stream": given, "conversation_id": f"l{given}"}
+        )
+        assert res.status == 200 and res.events and res.text == truth.text, given
+        assert res.headers["X-Kvferry-Reuse"] == "RECOMPUTE", given  # a conversation turn, looked up
+    for given in ("false", "OFF", 0, 0.0):
+        res = await ask(http, router.url, {"messages": messages, "stream": given})
+        assert res.status == 200 and not res.events and res.text == truth.text, given
+    # A completion's echo given as a string is read as vLLM reads it: "false" echoes nothing.
+    res = await ask(http, router.url, {"prompt": "hello", "max_tokens": 3, "echo": "false"}, path=COMPLETIONS)
+    plain = await ask(http, router.url, {"prompt": "hello", "max_tokens": 3}, path=COMPLETIONS)
+    assert res.status == 200 and res.text == plain.text
 
 
 async def test_engine_client_errors_pass_through(make_stack: MakeStack, http: aiohttp.ClientSession) -> None:
