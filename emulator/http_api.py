@@ -80,6 +80,7 @@ class _Common(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = False
     session_id: str | None = None
+    request_id: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     ignore_eos: bool = False
     n: int | None = 1
@@ -345,7 +346,11 @@ async def _generate(
     chat: bool,
 ) -> web.StreamResponse:
     n = _num_sequences(body)
-    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    given = request.headers.get("X-Request-Id") or body.request_id or uuid.uuid4().hex
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{given}"
+    # The engine's own ids get a random suffix (vLLM #27987): a client's id, the same for
+    # two requests, must not make one request's held blocks the other's.
+    internal = f"{request_id}-{uuid.uuid4().hex[:8]}"
     session_id = body.session_id or request.headers.get("X-Session-ID")
     specs = [
         GenerationSpec(
@@ -358,14 +363,16 @@ async def _generate(
             kv_transfer_params=body.kv_transfer_params,
             session_id=session_id,
         )
-        for k, sequence_id in enumerate(_sequence_ids(request_id, len(prompts), n, chat))
+        for k, sequence_id in enumerate(_sequence_ids(internal, len(prompts), n, chat))
     ]
     if len(specs) > 1:  # (n > 1, or a batch of prompts: choice k is sequence k, of prompt k // n)
         if len(specs) > engine.pool.num_blocks:  # each holds a block of its own at least
             raise InvalidRequest(f"{len(specs)} sequences need more KV blocks than the engine has.")
         for spec in specs:  # a bad one refused before any other is prefilled
             engine.validate(spec)
-    answer = _Answer(request_id, engine.config.model, chat, body, int(time.time()))
+    answer = _Answer(
+        request_id, engine.config.model, chat, body, int(time.time()), request.headers.get("X-Request-Id", "")
+    )
     shapes: list[_Shape] = []
     try:
         for spec in specs:  # one engine request each, as vLLM runs them, prefilled in turn
@@ -394,6 +401,13 @@ class _Answer:
     chat: bool
     body: _Common
     created: int
+    given_id: str = ""
+    """The request's own X-Request-Id ("" = none): echoed as vLLM's request-id middleware
+    does (with ``--enable-request-id-headers``), else the answer's id is."""
+
+    @property
+    def x_request_id(self) -> str:
+        return self.given_id or self.request_id
 
     def envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -439,7 +453,7 @@ class _Shape:
     def headers(self) -> dict[str, str]:
         stats = self.running.stats
         return {
-            "X-Request-Id": self.answer.request_id,
+            "X-Request-Id": self.answer.x_request_id,
             "X-Kvferry-Emulator-Pull": stats.pull,
             "X-Kvferry-Emulator-Cached-Tokens": str(stats.local_cached_tokens),
             "X-Kvferry-Emulator-Pulled-Tokens": str(stats.pulled_tokens),
@@ -629,7 +643,7 @@ async def _stream_failed(
     a chat stream opens as ever (the role, once for each sequence's choice), then the
     error event, then its end (vLLM releases before #40986 drop that event); an answer not
     streamed gets a 500."""
-    sse = _Sse(request, {"X-Request-Id": answer.request_id})
+    sse = _Sse(request, {"X-Request-Id": answer.x_request_id})
     await sse.open()
     if answer.chat:
         await answer.open_chat(sse, prompts)

@@ -13,6 +13,12 @@ NO_RETENTION_HEADER = "X-Kvferry-No-Retention"
 """Set by the router on a decode request nothing should be retained of (several answers,
 non-text content): D's sidecar captures nothing, even when the body names a session."""
 
+TURN_ID_HEADER = "X-Kvferry-Turn-Id"
+"""Set by the router on every engine request: its own id of the turn, unique. D's sidecar
+registers it with the retention, so that the turn's own lookup, should it reach the daemon
+only after that, leaves it alone. (X-Request-Id carries the client's id when it sent one:
+vLLM names its answer after it.)"""
+
 NOT_DELIVERED_HEADER = "X-Kvferry-Not-Delivered"
 """Set on a sidecar's 502 when its engine was never reached: the request was not seen, so
 the router may send it to another node as if the sidecar itself had been unreachable."""

@@ -129,7 +129,8 @@ class ControlPlane:
         and their digests; None = none could be made) is still being computed, so the
         claim's round trip overlaps tokenizing. The deadline counts from the prompt. An
         answer after the deadline goes to `answered_late` (the daemon claimed for it all the same).
-        `request_id` is the one D gets: a retention registered for it is not this lookup's to claim."""
+        `request_id` is the turn's, which D's sidecar registers: a retention registered for it is
+        not this lookup's to claim."""
         req = leases_pb2.LookupRequest(tenant=tenant, conversation_id=conversation_id, request_id=request_id)
 
         async def message() -> leases_pb2.LookupPrompt | None:

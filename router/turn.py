@@ -71,7 +71,15 @@ from router.metrics import RouterMetrics
 from router.nodes import DirectRoutes, Load, NodeDirectory
 from router.relay import SseScrubber, scrub_json
 from router.settings import Settings
-from router.upstream import Engines, Reply, UpstreamError, encode, tokenize_request, tokens_of
+from router.upstream import (
+    Engines,
+    Reply,
+    UpstreamError,
+    client_request_id,
+    encode,
+    tokenize_request,
+    tokens_of,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -144,6 +152,9 @@ class Turn:
         self.nodes = serving(shared.directory.nodes, body.get("model"))
         """The nodes this turn may use: those serving the requested model."""
         self.request_id = f"kvf-{uuid.uuid4().hex}"
+        """The router's id of the turn: the daemon's and D's sidecar's, and the logs'."""
+        self.answer_id = client_request_id(request.headers) or self.request_id
+        """The answer's X-Request-Id: the client's own, as vLLM echoes it, else the turn's."""
         self.identity: Identity = identify(request.headers, body, shared.settings.reuse.tenant_header)
         self.tokens: list[int] | None = None
         self.tokenized_by: Node | None = None
@@ -151,7 +162,11 @@ class Turn:
         self.unreachable: set[str] = set()
         """Prefill nodes this turn could not connect to (no release goes there)."""
         self.reuse: Reuse | None = None
-        self.log = log.bind(request_id=self.request_id, conversation_id=self.identity.conversation_id or None)
+        self.log = log.bind(
+            request_id=self.request_id,
+            client_request_id=None if self.answer_id == self.request_id else self.answer_id,
+            conversation_id=self.identity.conversation_id or None,
+        )
 
     # -- the turn ---------------------------------------------------------------------
 
@@ -440,9 +455,9 @@ class Turn:
     def _reuse_headers(self) -> dict[str, str]:
         r = self.reuse
         if r is None:
-            return {"X-Request-Id": self.request_id}
+            return {"X-Request-Id": self.answer_id}
         return {
-            "X-Request-Id": self.request_id,
+            "X-Request-Id": self.answer_id,
             "X-Kvferry-Reuse": r.decision,
             "X-Kvferry-Reuse-Reason": r.reason,
             "X-Kvferry-Reused-Tokens": str(r.reusable_tokens if r.pull else 0),

@@ -16,7 +16,7 @@ import msgspec
 from aiohttp import hdrs
 
 from kvferry.decoding import UNDECODABLE
-from kvferry.hops import NOT_DELIVERED_HEADER, never_delivered
+from kvferry.hops import NOT_DELIVERED_HEADER, TURN_ID_HEADER, never_delivered
 from router.decisions import Failure, FailureKind
 from router.settings import UpstreamSettings
 
@@ -37,6 +37,17 @@ _CHAT_TEMPLATE_FIELDS = (
     "tools",
     "mm_processor_kwargs",
 )
+
+
+_MAX_CLIENT_REQUEST_ID = 256
+
+
+def client_request_id(client: Mapping[str, str]) -> str:
+    """The client's X-Request-Id, passed on to the engines and echoed in the answer ("" when
+    absent, or not printable ASCII of at most 256 characters: the router's id is used)."""
+    value = client.get("X-Request-Id", "").strip()
+    ok = len(value) <= _MAX_CLIENT_REQUEST_ID and value.isascii() and value.isprintable()
+    return value if ok else ""
 
 
 class UpstreamError(Exception):
@@ -142,11 +153,17 @@ class Engines:
         )
 
     def headers(
-        self, client: Mapping[str, str], request_id: str, extra: Sequence[tuple[str, str]] = ()
+        self, client: Mapping[str, str], turn_id: str, extra: Sequence[tuple[str, str]] = ()
     ) -> dict[str, str]:
-        """Headers of a request to an engine."""
-        # identity: the router reads D's answer (and passes it on as it came)
-        out = {"Content-Type": "application/json", "Accept-Encoding": "identity", "X-Request-Id": request_id}
+        """Headers of a request to an engine: `turn_id` is the router's id of the request;
+        X-Request-Id is the client's own when it sent one (vLLM names its answer after it)."""
+        out = {
+            "Content-Type": "application/json",
+            # identity: the router reads D's answer (and passes it on as it came)
+            "Accept-Encoding": "identity",
+            "X-Request-Id": client_request_id(client) or turn_id,
+            TURN_ID_HEADER: turn_id,
+        }
         auth = authorization(self._s, client)
         if auth is not None:
             out["Authorization"] = auth

@@ -21,14 +21,12 @@ from typing import Any
 import msgspec
 
 from kvferry.decoding import UNDECODABLE
+from kvferry.hops import TURN_ID_HEADER
 from kvferry.sse import SseEvents, is_error_event
 
 #: Paths whose requests the tap rewrites and whose answers it reads.
 TAPPED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 CONVERSATION_HEADERS = ("X-Conversation-Id", "X-Session-ID")
-#: The router's id of the turn, sent to every engine: registered with the retention, so
-#: the turn's own lookup, should it reach the daemon only after that, leaves it alone.
-REQUEST_ID_HEADER = "X-Request-Id"
 _MAX_REQUEST_ID = 128  # bytes (the daemon takes ids up to 256); a longer one is not kept
 # The engine stopped or hit max_tokens (vLLM's FINISHED_STOPPED / _LENGTH_CAPPED, when D
 # keeps the blocks): "tool_calls" is a stop the chat layer renamed because the model called
@@ -54,7 +52,7 @@ class RequestPlan:
     capture: bool = True
     """Read the answer for D's params (decode and both nodes)."""
     request_id: str = ""
-    """The request's X-Request-Id (the router's id of the turn), registered with the retention."""
+    """The request's id (the router's id of the turn), registered with the retention."""
 
 
 def conversation_of(headers: Mapping[str, str], body: Mapping[str, Any]) -> str:
@@ -137,9 +135,10 @@ def plan_request(
 
 
 def _request_id(headers: Mapping[str, str]) -> str:
-    """The request's id as the daemon takes it ("" if absent, too long or not printable:
-    a client's own header must not cost the retention its registration)."""
-    value = headers.get(REQUEST_ID_HEADER, "").strip()
+    """The request's id as the daemon takes it: the router's id of the turn, else (another
+    front door) its X-Request-Id; "" if absent, too long or not printable (a client's own
+    header must not cost the retention its registration)."""
+    value = (headers.get(TURN_ID_HEADER) or headers.get("X-Request-Id", "")).strip()
     return value if len(value.encode()) <= _MAX_REQUEST_ID and value.isprintable() else ""
 
 

@@ -382,8 +382,36 @@ async def test_prefill_with_n_answers_the_params_of_one_sequence(
     answer = await http.chat(emu, conversation(), max_tokens=1, n=2, kv_transfer_params=kv)
     assert answer.status == 200, answer.body
     held = (await http.state(emu))["held_requests"]
-    assert sorted(held) == [f"{i}_{answer.body['id']}" for i in range(2)]
+    # (the engine's own ids: the answer's id with a random suffix, as vLLM's)
+    assert len(held) == 2 and all(
+        h.startswith(f"{i}_{answer.body['id']}-") for i, h in enumerate(sorted(held))
+    )
     assert answer.params is not None and answer.params["remote_request_id"] in held
+
+
+async def test_a_clients_request_id_names_the_answer_and_never_collides(
+    start_emulator: StartEmulator, http: Client
+) -> None:
+    """As vLLM: the answer's id is made of the client's X-Request-Id (else of the body's
+    request_id), echoed in the header; the engine's own ids get a random suffix (#27987), so
+    two requests with one id hold their blocks apart."""
+    emu = await start_emulator()
+    kv = {"do_remote_decode": True, "do_remote_prefill": False}
+    body = {"messages": conversation(), "max_tokens": 1, "kv_transfer_params": kv}
+    answers = []
+    for _ in range(2):
+        async with http.session.post(
+            emu.http_url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "mine-7"}
+        ) as r:
+            assert r.status == 200
+            assert r.headers["X-Request-Id"] == "mine-7"
+            answers.append(await r.json())
+    assert [a["id"] for a in answers] == ["chatcmpl-mine-7"] * 2
+    held = set((await http.state(emu))["held_requests"])
+    ids = {a["kv_transfer_params"]["remote_request_id"] for a in answers}
+    assert len(ids) == 2 and ids <= held and all(i.startswith("chatcmpl-mine-7-") for i in ids)
+    by_body = await http.post(emu, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "request_id": "b1"})
+    assert by_body.body["id"] == "cmpl-b1" and by_body.headers["X-Request-Id"] == "cmpl-b1"
 
 
 def test_what_the_template_is_given_merges_as_vllm_does() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvferry.v1 import nodes_pb2
+from kvferry.v1 import leases_pb2, nodes_pb2
 from tests.router.conftest import MakeStack
 from tests.router.helpers import (
     CHAT,
@@ -163,6 +163,38 @@ async def test_completions_with_a_session_id_pull_too(
     assert two.status == 200 and two.decision == "PULL", dict(two.headers)
     assert two.body["object"] == "text_completion"
     assert two.text == await reference(COMPLETIONS, body2)
+
+
+async def test_a_clients_request_id_names_its_answers_and_every_turn_still_pulls(
+    make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
+) -> None:
+    """As from vLLM, the answer's id is made of the client's X-Request-Id, echoed back. An
+    agent that sends the same one every turn still reuses: the daemon and D's sidecar know
+    each turn by the router's own id (the same id twice would look like the lookup's own
+    turn, and be left alone)."""
+    stack = await make_stack()
+    router = await stack.router()
+    [p] = stack.prefills
+    messages = first_turn("request ids")
+    body: dict[str, Any] = {"messages": messages, "max_tokens": 30, "conversation_id": "rid"}
+    mine = {"X-Request-Id": "agent-42"}
+    one = await ask(http, router.url, {**body, "stream": True}, mine)
+    assert one.status == 200 and one.headers["X-Request-Id"] == "agent-42"
+    assert {e["id"] for e in one.events if isinstance(e, dict)} == {"chatcmpl-agent-42"}
+    await stack.registrations_idle()
+    get = leases_pb2.GetLeaseRequest(conversation_id="rid")
+    assert (await stack.client.leases.Get(get)).request_id.startswith("kvf-")  # the turn's own id
+    second = {**body, "messages": next_turn(messages, one.text)}
+    before = pulled_tokens(p)
+    two = await ask(http, router.url, second, mine)
+    assert two.status == 200 and two.decision == "PULL", dict(two.headers)
+    assert two.body["id"] == "chatcmpl-agent-42" and two.headers["X-Request-Id"] == "agent-42"
+    assert pulled_tokens(p) - before == two.reused > 0
+    assert two.text == await reference(CHAT, {k: v for k, v in second.items() if k != "conversation_id"})
+    # Without one (or with one no header should carry on), the router's id is the answer's.
+    odd = await ask(http, router.url, {"messages": messages, "max_tokens": 2}, {"X-Request-Id": "é" * 3})
+    assert odd.status == 200 and odd.headers["X-Request-Id"].startswith("kvf-")
+    assert odd.body["id"] == "chatcmpl-" + odd.headers["X-Request-Id"]
 
 
 async def test_without_a_conversation_id_the_router_serves_plain_pd(

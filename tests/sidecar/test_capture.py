@@ -60,9 +60,12 @@ def test_conversation_sources_in_order() -> None:
 
 
 def test_the_request_id_is_kept_when_the_daemon_would_take_it() -> None:
-    """The router's X-Request-Id goes with the retention; a client's odd one is dropped rather
-    than have the daemon refuse the registration for it."""
+    """The router's id of the turn goes with the retention, else (another front door) the
+    X-Request-Id; a client's odd one is dropped rather than have the daemon refuse the
+    registration for it."""
     body = {"conversation_id": "c"}
+    turn = {"X-Kvferry-Turn-Id": "kvf-0123", "X-Request-Id": "agent-42"}
+    assert _plan(body, turn).request_id == "kvf-0123"  # (the client's id, the same every turn)
     assert _plan(body, {"X-Request-Id": " kvf-0123 "}).request_id == "kvf-0123"
     assert _plan(body).request_id == ""
     assert _plan(body, {"X-Request-Id": "x" * 129}).request_id == ""
