@@ -54,13 +54,18 @@ from kvferry import logs
 from kvferry.tasks import run_main
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
 from router import Router
+from router.decisions import decode_body, prefill_body
+from router.upstream import tokenize_request, tokens_of
 
 CHAT = "/v1/chat/completions"
 FRESH = {"do_remote_decode": True, "do_remote_prefill": False}
 
 
-async def first_token(response: aiohttp.ClientResponse, t0: float) -> tuple[float, int, str]:
-    """Seconds to the first content token of a stream, the prompt tokens (when reported), the text."""
+async def first_token(
+    response: aiohttp.ClientResponse, t0: float, seen: Callable[[dict[str, Any]], None] | None = None
+) -> tuple[float, int, str]:
+    """Seconds to the first content token of a stream, the prompt tokens (when reported), the
+    text. `seen` is handed every event."""
     ttft, prompt = 0.0, 0
     text: list[str] = []
     async for raw in response.content:
@@ -68,6 +73,8 @@ async def first_token(response: aiohttp.ClientResponse, t0: float) -> tuple[floa
         if not line.startswith(b"data: ") or line == b"data: [DONE]":
             continue
         event = json.loads(line[6:])
+        if seen is not None:
+            seen(event)
         if event.get("usage"):
             prompt = event["usage"]["prompt_tokens"]
         for choice in event.get("choices") or []:
@@ -341,40 +348,35 @@ async def through_front_door(http: aiohttp.ClientSession, url: str, body: dict[s
 
 class ClientDirect:
     """Reuse with no front door: the client keeps D's last ``kv_transfer_params`` per
-    conversation and sends P, then D's sidecar, itself. The fewest hops and the least work
-    any reuse of a turn can take on these engines, so its share of the ideal speedup is the
-    most that any router (or proxy) could reach on this machine."""
+    conversation and sends P, then D's sidecar, the bodies the router would (the prompt's
+    token ids, from its own tokenizer: P's /tokenize, before the turn's clock starts). The
+    fewest hops and the least work any reuse of a turn can take on these engines, so its
+    share of the ideal speedup is the most that any router (or proxy) could reach here."""
 
     def __init__(self, http: aiohttp.ClientSession, p_url: str, d_url: str) -> None:
         self.http, self.p_url, self.d_url = http, p_url, d_url
         self.held: dict[str, dict[str, Any]] = {}
 
     async def turn(self, conversation: str, body: dict[str, Any]) -> Sent:
+        req = tokenize_request(CHAT, body)
+        async with self.http.post(self.p_url + "/tokenize", json=req) as r:
+            ids = tokens_of(await r.read())
+        assert ids is not None
         t0 = time.perf_counter()
-        held = self.held.pop(conversation, {})
-        prefill = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": {**held, **FRESH}}
-        async with self.http.post(self.p_url + CHAT, json=prefill) as r:
+        kv = {**self.held.pop(conversation, {}), **FRESH, "prompt_token_ids": ids}
+        async with self.http.post(self.p_url + CHAT, json=prefill_body(body, kv)) as r:
             assert r.status == 200, await r.text()
             params = (await r.json())["kv_transfer_params"]
-        decode = {**body, "kv_transfer_params": params, "stream_options": {"include_usage": True}}
-        ttft, prompt, text = 0.0, 0, []
+        decode = decode_body({**body, "stream_options": {"include_usage": True}}, params, ids)
+
+        def hold(event: dict[str, Any]) -> None:
+            if event.get("kv_transfer_params"):
+                self.held[conversation] = event["kv_transfer_params"]
+
         async with self.http.post(self.d_url + CHAT, json=decode) as r:
             assert r.status == 200, await r.text()
-            async for raw in r.content:
-                line = raw.strip()
-                if not line.startswith(b"data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if event.get("kv_transfer_params"):
-                    self.held[conversation] = event["kv_transfer_params"]
-                if event.get("usage"):
-                    prompt = event["usage"]["prompt_tokens"]
-                for choice in event.get("choices") or []:
-                    piece = (choice.get("delta") or {}).get("content")
-                    if piece:
-                        ttft = ttft or time.perf_counter() - t0
-                        text.append(piece)
-        return ttft, prompt, "".join(text), 0
+            ttft, prompt, answer = await first_token(r, t0, hold)
+        return ttft, prompt, answer, 0
 
 
 async def measured_turn(dep: Deployment, send: Awaitable[Sent]) -> Sample:
