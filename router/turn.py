@@ -25,7 +25,7 @@ import functools
 import itertools
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,8 +153,9 @@ class Turn:
         """The nodes this turn may use: those serving the requested model."""
         self.request_id = f"kvf-{uuid.uuid4().hex}"
         """The router's id of the turn: the daemon's and D's sidecar's, and the logs'."""
-        self.answer_id = client_request_id(request.headers) or self.request_id
-        """The answer's X-Request-Id: the client's own, as vLLM echoes it, else the turn's."""
+        self.answer_id = client_request_id(request.headers, body) or self.request_id
+        """The id the engines name the answer after, echoed in X-Request-Id: the client's own
+        (its X-Request-Id, else its body's request_id), as vLLM takes it, else the turn's."""
         self.identity: Identity = identify(request.headers, body, shared.settings.reuse.tenant_header)
         self.tokens: list[int] | None = None
         self.tokenized_by: Node | None = None
@@ -351,7 +352,7 @@ class Turn:
     ) -> Reply:
         """POST to the engine itself when its sidecar advertised it, else (or when that
         cannot be connected to: the engine never saw the request) through the sidecar."""
-        headers = self.s.engines.headers(self.request.headers, request_id or self.request_id)
+        headers = self._engine_headers(request_id or self.request_id)
         url = self.s.direct.url(node)
         try:
             try:
@@ -450,7 +451,10 @@ class Turn:
                 extra.append((SIDECAR_TENANT_HEADER, ident.tenant))
         elif not retain:  # (a body session_id would still name the conversation to the sidecar)
             extra.append((NO_RETENTION_HEADER, "1"))
-        return self.s.engines.headers(self.request.headers, self.request_id, extra)
+        return self._engine_headers(self.request_id, extra)
+
+    def _engine_headers(self, turn_id: str, extra: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
+        return self.s.engines.headers(self.request.headers, turn_id, extra, self.answer_id)
 
     def _reuse_headers(self) -> dict[str, str]:
         r = self.reuse
@@ -576,7 +580,7 @@ class Turn:
         to pull (`release_body`), has its connector notify P."""
         model = node.model or self.body.get("model")  # D's own name: the client's may be what D refused
         payload = encode(release_body(model, params, self.tokens))
-        headers = self.s.engines.headers(self.request.headers, f"{self.request_id}-release")
+        headers = self._engine_headers(f"{self.request_id}-release")
         post = functools.partial(self.s.engines.post, node.url + "/v1/completions", payload, headers)
         self._release(node, "decode", "prefill", post, self.s.metrics.prefill_releases)
 

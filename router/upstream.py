@@ -42,10 +42,17 @@ _CHAT_TEMPLATE_FIELDS = (
 _MAX_CLIENT_REQUEST_ID = 256
 
 
-def client_request_id(client: Mapping[str, str]) -> str:
-    """The client's X-Request-Id, passed on to the engines and echoed in the answer ("" when
-    absent, or not printable ASCII of at most 256 characters: the router's id is used)."""
-    value = client.get("X-Request-Id", "").strip()
+def client_request_id(client: Mapping[str, str], body: Mapping[str, Any] | None = None) -> str:
+    """The id the client gave its request, as vLLM takes it: X-Request-Id, else the body's
+    ``request_id``. Passed on to the engines, which name the answer after it, and echoed.
+    "" when there is none, or not printable ASCII of at most 256 characters (the router's
+    own id is used then)."""
+    value = client.get("X-Request-Id")
+    if value is None and body is not None:
+        value = body.get("request_id")
+    if not isinstance(value, str):
+        return ""
+    value = value.strip()
     ok = len(value) <= _MAX_CLIENT_REQUEST_ID and value.isascii() and value.isprintable()
     return value if ok else ""
 
@@ -153,15 +160,20 @@ class Engines:
         )
 
     def headers(
-        self, client: Mapping[str, str], turn_id: str, extra: Sequence[tuple[str, str]] = ()
+        self,
+        client: Mapping[str, str],
+        turn_id: str,
+        extra: Sequence[tuple[str, str]] = (),
+        answer_id: str = "",
     ) -> dict[str, str]:
         """Headers of a request to an engine: `turn_id` is the router's id of the request;
-        X-Request-Id is the client's own when it sent one (vLLM names its answer after it)."""
+        X-Request-Id is `answer_id`, else the client's own, else `turn_id` (vLLM names its
+        answer after it)."""
         out = {
             "Content-Type": "application/json",
             # identity: the router reads D's answer (and passes it on as it came)
             "Accept-Encoding": "identity",
-            "X-Request-Id": client_request_id(client) or turn_id,
+            "X-Request-Id": answer_id or client_request_id(client) or turn_id,
             TURN_ID_HEADER: turn_id,
         }
         auth = authorization(self._s, client)

@@ -191,10 +191,14 @@ async def test_a_clients_request_id_names_its_answers_and_every_turn_still_pulls
     assert two.body["id"] == "chatcmpl-agent-42" and two.headers["X-Request-Id"] == "agent-42"
     assert pulled_tokens(p) - before == two.reused > 0
     assert two.text == await reference(CHAT, {k: v for k, v in second.items() if k != "conversation_id"})
+    # With none in the header, the body's request_id is the one, as vLLM takes it.
+    in_body = await ask(http, router.url, {"messages": messages, "max_tokens": 2, "request_id": "b-9"})
+    assert in_body.body["id"] == "chatcmpl-b-9" and in_body.headers["X-Request-Id"] == "b-9"
     # Without one (or with one no header should carry on), the router's id is the answer's.
-    odd = await ask(http, router.url, {"messages": messages, "max_tokens": 2}, {"X-Request-Id": "é" * 3})
-    assert odd.status == 200 and odd.headers["X-Request-Id"].startswith("kvf-")
-    assert odd.body["id"] == "chatcmpl-" + odd.headers["X-Request-Id"]
+    for odd_id in ("é" * 3, "x" * 257, "a\tb"):
+        odd = await ask(http, router.url, {"messages": messages, "max_tokens": 2}, {"X-Request-Id": odd_id})
+        assert odd.status == 200 and odd.headers["X-Request-Id"].startswith("kvf-"), odd_id
+        assert odd.body["id"] == "chatcmpl-" + odd.headers["X-Request-Id"]
 
 
 async def test_without_a_conversation_id_the_router_serves_plain_pd(
