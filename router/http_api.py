@@ -21,7 +21,7 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from kvferry.decoding import UNDECODABLE
+from kvferry.decoding import UNDECODABLE, lax_bool
 from router.choice import Node, prefill_candidates
 from router.decisions import Failure, FailureKind
 from router.identity import api_key_of
@@ -45,23 +45,6 @@ def bad_request(message: str) -> web.Response:
 #: Flags the router or D's sidecar read themselves: given as vLLM would take them (see
 #: `lax_bool`), they go on as true booleans, so every reader downstream agrees on them.
 _FLAGS = ("stream", "echo", "return_token_ids")
-_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
-_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
-
-
-def lax_bool(value: Any) -> bool:
-    """`value` as pydantic reads a bool field in lax mode, as vLLM's request models do:
-    a bool, 0 or 1 (also 0.0 and 1.0), or a string like "true" or "off" in any case.
-    ValueError for anything else."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int | float) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str):
-        low = value.lower()
-        if low in _TRUE or low in _FALSE:
-            return low in _TRUE
-    raise ValueError(f"not a boolean: {value!r}")
 
 
 def input_problem(path: str, body: Any) -> str | None:

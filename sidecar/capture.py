@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from kvferry.decoding import UNDECODABLE
+from kvferry.decoding import UNDECODABLE, lax_bool
 from kvferry.hops import TURN_ID_HEADER
 from kvferry.sse import SseEvents, is_error_event
 
@@ -115,8 +115,8 @@ def plan_request(
     # but a completion that echoes its prompt would lose the prompt's text (vLLM echoes ""
     # with return_token_ids): such a turn's retention goes without digests (unverifiable:
     # the next turn recomputes, never pulls unchecked).
-    echoes = bool(head.echo) and not path.endswith("/chat/completions")
-    ask_ids = capture and head.return_token_ids is not True and not echoes
+    echoes = _flag(head.echo) and not path.endswith("/chat/completions")
+    ask_ids = capture and not _flag(head.return_token_ids) and not echoes
     body = raw
     if in_body or ask_ids:
         try:
@@ -134,12 +134,23 @@ def plan_request(
     )
 
 
+def _flag(value: Any) -> bool:
+    """A request's flag as vLLM reads it ("true", 1, "off"...); unset, or one vLLM refuses
+    (the engine answers that request itself): False."""
+    try:
+        return value is not msgspec.UNSET and value is not None and lax_bool(value)
+    except ValueError:
+        return False
+
+
 def _request_id(headers: Mapping[str, str]) -> str:
     """The request's id as the daemon takes it: the router's id of the turn, else (another
     front door) its X-Request-Id; "" if absent, too long or not printable (a client's own
     header must not cost the retention its registration)."""
     value = (headers.get(TURN_ID_HEADER) or headers.get("X-Request-Id", "")).strip()
-    return value if len(value.encode()) <= _MAX_REQUEST_ID and value.isprintable() else ""
+    # (ASCII first: aiohttp hands odd bytes over as surrogates, which do not encode)
+    ok = value.isascii() and value.isprintable() and len(value) <= _MAX_REQUEST_ID
+    return value if ok else ""
 
 
 def _rewrite(raw: bytes, ask_ids: bool, drop_conversation: bool, ids_absent: bool) -> bytes:

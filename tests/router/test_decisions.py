@@ -494,7 +494,8 @@ def test_a_completion_needs_a_prompt_or_its_embeddings() -> None:
 
 
 def test_flags_are_read_as_pydantic_reads_them_in_lax_mode() -> None:
-    from router.http_api import input_problem, lax_bool
+    from kvferry.decoding import lax_bool
+    from router.http_api import input_problem
 
     for value in (True, 1, 1.0, "1", "true", "True", "TRUE", "t", "y", "yes", "on"):
         assert lax_bool(value) is True, value

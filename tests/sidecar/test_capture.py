@@ -70,6 +70,8 @@ def test_the_request_id_is_kept_when_the_daemon_would_take_it() -> None:
     assert _plan(body).request_id == ""
     assert _plan(body, {"X-Request-Id": "x" * 129}).request_id == ""
     assert _plan(body, {"X-Request-Id": "a\x01b"}).request_id == ""
+    # (bytes that are not UTF-8 come from aiohttp as surrogates: no id, and no error)
+    assert _plan(body, {"X-Request-Id": "a\udcffb"}).request_id == ""
 
 
 @pytest.mark.parametrize(
@@ -104,6 +106,24 @@ def test_an_echoing_completion_is_not_asked_for_token_ids() -> None:
     for echo_off, path in ((False, "/v1/completions"), (True, "/v1/chat/completions")):
         asked = _plan({**body, "echo": echo_off}, {"X-Conversation-Id": "c"}, path=path)
         assert asked is not None and json.loads(asked.body)["return_token_ids"] is True
+
+
+def test_flags_are_read_as_vllm_reads_them() -> None:
+    """vLLM's pydantic models take "true", 1, "off"... for a bool: a client that asked for
+    token ids that way keeps them, and an echo turned off that way is no echo."""
+    head = {"X-Conversation-Id": "c"}
+    for asked in (True, 1, "true", "on"):
+        plan = _plan({"messages": [], "return_token_ids": asked}, head)
+        assert plan is not None and not plan.strip_token_ids, asked
+    for not_asked in (False, 0, "false", "no", None):
+        plan = _plan({"messages": [], "return_token_ids": not_asked}, head)
+        assert plan is not None and plan.strip_token_ids, not_asked
+        assert json.loads(plan.body)["return_token_ids"] is True
+    for echo_off in ("false", 0, "OFF"):
+        plan = _plan({"prompt": "p", "echo": echo_off}, head, path="/v1/completions")
+        assert plan is not None and plan.strip_token_ids, echo_off  # ids asked: digests made
+    plan = _plan({"prompt": "p", "echo": "yes"}, head, path="/v1/completions")
+    assert plan is not None and not plan.strip_token_ids
 
 
 def test_a_prefill_node_only_loses_the_body_conversation_id() -> None:
