@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +39,10 @@ class LeaseDraft:
     num_tokens: int
     expires_at: float
     """Wall-clock deadline of D's blocks (D's own, else the capture time + the blocks TTL)."""
-    tokens: list[int] | None
-    """D's sequence (at most num_tokens ids), None when the engine did not return ids."""
+    tokens: Sequence[int] | None
+    """D's sequence (at most num_tokens ids), None when the engine did not return ids (or
+    not valid ones). Kept as uint32 while the draft waits: 4 bytes an id, not a list's ~36
+    (a 64k-token turn queued while the daemon is away is 256 KB, not 2.3 MB)."""
     model: str
     """The model the request named ("" = the base model)."""
     epoch: int
@@ -111,9 +115,12 @@ def draft_lease(
     expires_at = latest if expires_at is None else min(expires_at, latest)
     if expires_at <= now_wall:
         return "expired"
-    tokens: list[int] | None = None
+    tokens: array.array[int] | None = None
     if turn.prompt_token_ids is not None:
-        tokens = (turn.prompt_token_ids + (turn.output_token_ids or []))[:num_tokens]
+        try:
+            tokens = array.array("I", (turn.prompt_token_ids + (turn.output_token_ids or []))[:num_tokens])
+        except (OverflowError, TypeError):  # not token ids: no digests, as when none came
+            tokens = None
     return LeaseDraft(
         tenant=tenant,
         conversation_id=conversation_id,

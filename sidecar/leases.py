@@ -43,7 +43,10 @@ class RegistrationQueue:
     """Drafts waiting to be sent, oldest first, at most `capacity`. Pure.
 
     It numbers the drafts pushed and remembers each conversation's newest while any of
-    its drafts is queued or in flight (not yet `done`): an older one is "superseded"."""
+    its drafts is queued or in flight (not yet `done`): an older one is "superseded".
+    A conversation's draft waits while another of its drafts is in flight (`pop` to
+    `landed`): the daemon stores whichever registration lands last, so two turns'
+    registrations sent together could leave the older turn's retention in place."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -51,6 +54,7 @@ class RegistrationQueue:
         self._pushed = 0
         self._newest: dict[tuple[str, str], int] = {}
         self._outstanding: dict[tuple[str, str], int] = {}
+        self._flying: set[tuple[str, str]] = set()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -76,15 +80,28 @@ class RegistrationQueue:
         return (self._items.pop(), "overflow") if len(self._items) > self.capacity else None
 
     def pop(self, now_wall: float, epoch: int) -> tuple[LeaseDraft | None, list[tuple[LeaseDraft, str]]]:
-        """The next draft worth sending, and the dead ones skipped on the way (with why)."""
+        """The oldest draft worth sending whose conversation has none in flight (it is in
+        flight from now until `landed`), and the dead ones taken out on the way (with why)."""
         dead: list[tuple[LeaseDraft, str]] = []
+        waiting: list[LeaseDraft] = []
+        found = None
         while self._items:
             draft = self._items.popleft()
             reason = self._dead(draft, now_wall, epoch)
-            if reason is None:
-                return draft, dead
-            dead.append((draft, reason))
-        return None, dead
+            if reason is not None:
+                dead.append((draft, reason))
+            elif _key(draft) in self._flying:
+                waiting.append(draft)
+            else:
+                found = draft
+                self._flying.add(_key(draft))
+                break
+        self._items.extendleft(reversed(waiting))
+        return found, dead
+
+    def landed(self, draft: LeaseDraft) -> None:
+        """The try of a draft `pop` gave ended (however): its conversation's next may go."""
+        self._flying.discard(_key(draft))
 
     def _dead(self, draft: LeaseDraft, now_wall: float, epoch: int) -> str | None:
         """Why not to send the draft (None: send it). Expired or of an earlier engine
@@ -289,18 +306,24 @@ class LeaseSender:
                     stream = LeaseStream(channel)
                     continue  # (ready again: the engine may have restarted meanwhile)
                 draft = self._next()
-                if draft is None:
+                if draft is None:  # (the ones queued wait for their conversation's in flight)
                     self._changed()
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
                     continue
                 try:
                     req = self._request(draft)  # now, while the generation is surely this epoch's
                 except (ValueError, TypeError, ArithmeticError) as e:  # params a Struct cannot hold
                     # (ArithmeticError: an integer beyond a double, which a Struct's numbers are)
+                    self._queue.landed(draft)
                     self._failed(draft, grpc.StatusCode.INVALID_ARGUMENT, str(e), sent=False)
                     self._changed()
                     continue
                 task = asyncio.create_task(self._send(stream, channel, draft, req), name="sidecar-lease")
                 self._in_flight.add(task)
+                # (digests of a long sequence take ms: a backlog sent when the daemon is back
+                # must not hold up the answers the tap relays)
+                await asyncio.sleep(0)
         finally:
             for task in self._in_flight:
                 task.cancel()
@@ -350,6 +373,7 @@ class LeaseSender:
             if res.HasField("release_params"):  # the retention it replaced
                 self._release(struct_to_dict(res.release_params), draft.conversation_id)
         finally:
+            self._queue.landed(draft)
             task = asyncio.current_task()
             if task is not None:
                 self._in_flight.discard(task)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import json
 from typing import Any
 
@@ -371,13 +372,18 @@ def test_draft_from_a_finished_turn() -> None:
     )
     assert isinstance(draft, LeaseDraft)
     assert draft.num_tokens == 32 and draft.expires_at == 2480.0 and draft.epoch == 3
-    assert draft.tokens == [*range(30), 100, 101] and draft.params["remote_host"] == "10.0.0.5"
+    assert draft.tokens is not None and draft.params["remote_host"] == "10.0.0.5"
+    assert list(draft.tokens) == [*range(30), 100, 101]
+    assert isinstance(draft.tokens, array.array) and draft.tokens.itemsize == 4  # (queued: compact)
     assert digests_of(draft, "base", 16) == block_digests(draft.tokens, 16, seed("base"))
     lora = LeaseDraft(**{**draft.__dict__, "model": "my-lora"})
     assert digests_of(lora, "base", 16) == block_digests(draft.tokens, 16, seed("base", "my-lora"))
     same = LeaseDraft(**{**draft.__dict__, "model": "base"})
     assert digests_of(same, "base", 16) == digests_of(draft, "base", 16)
     assert digests_of(LeaseDraft(**{**draft.__dict__, "tokens": None}), "base", 16) == b""
+    odd = FinishedTurn({**D_PARAMS, "remote_num_tokens": 32}, [-1, *range(31)], [1], "stop")
+    unverifiable = _draft(odd)  # ids no engine sends: kept without them (no digests)
+    assert isinstance(unverifiable, LeaseDraft) and unverifiable.tokens is None
 
 
 def test_a_draft_without_ds_deadline_gets_one_at_capture() -> None:

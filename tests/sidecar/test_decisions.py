@@ -81,8 +81,8 @@ def test_queue_is_capped_and_drops_the_oldest() -> None:
 def test_a_draft_a_newer_turn_overtook_is_not_sent() -> None:
     """Registered after the newer turn's draft, it would replace that retention (and have
     D free the newer blocks): the conversation's older draft is superseded instead,
-    waiting or failed, also when the newer one was registered first. (Every draft ends
-    in `done`, as the sender calls it: registered or dropped.)"""
+    waiting or failed; the newer one waits while the older one is in flight. (Every draft
+    ends in `done`, as the sender calls it: registered or dropped; every try in `landed`.)"""
     q = RegistrationQueue(capacity=10)
     q.push(_draft("c"))
     q.push(_draft("other"))
@@ -91,23 +91,35 @@ def test_a_draft_a_newer_turn_overtook_is_not_sent() -> None:
     assert [(d.conversation_id, d.seq, why) for d, why in dead] == [("c", 1, "superseded")]
     q.done(dead[0][0])
     assert got is not None and (got.conversation_id, got.seq) == ("other", 2)
+    q.landed(got)
     q.done(got)  # (registered)
     second, _ = q.pop(now_wall=0.0, epoch=0)
     assert second is not None and (second.conversation_id, second.seq) == ("c", 3)
-    q.push(_draft("c"))  # the turn after, while the second is in flight
+    q.push(_draft("c"))  # the turn after, while the second is in flight: it waits for it
+    q.push(_draft("other"))
+    other, _ = q.pop(now_wall=0.0, epoch=0)
+    assert other is not None and other.conversation_id == "other"  # another conversation goes
+    q.landed(other)
+    q.done(other)
+    assert q.pop(now_wall=0.0, epoch=0) == (None, [])
+    # The second's try failed: not sent again (a newer one came), and the third may go.
+    assert q.retry(second, 0.0, 0) == (second, "superseded")
+    q.landed(second)
+    q.done(second)
     third, _ = q.pop(now_wall=0.0, epoch=0)
     assert third is not None and third.seq == 4 and not q.superseded(third)
-    q.done(third)  # registered first, while the second's answer is still out
-    assert q.retry(second, 0.0, 0) == (second, "superseded")  # its failure: not sent again
-    q.done(second)
-    assert q._newest == {} and q._outstanding == {}  # nothing kept once none is outstanding
+    q.landed(third)
+    q.done(third)
+    assert q._newest == {} and q._outstanding == {} and not q._flying  # none kept once done
     q.push(_draft("c"))
     own, _ = q.pop(now_wall=0.0, epoch=0)
     assert own is not None and q.retry(own, 0.0, 0) is None  # its own failure: back in line
+    q.landed(own)
     # An expired draft is dropped as expired (D freed those blocks: nothing to release),
     # not as superseded.
     again, _ = q.pop(now_wall=0.0, epoch=0)
     assert again is own
+    q.landed(own)
     q.done(own)
     q.push(_draft("d", expires_at=5.0))
     q.push(_draft("d"))
