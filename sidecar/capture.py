@@ -353,8 +353,14 @@ class SseRewriter:
         return self._events.join(events) if events else b""
 
     def flush(self) -> bytes:
-        """Whatever is held back (an unterminated event) at the end of the stream."""
-        return self._events.flush()
+        """Whatever is held back at the end of the stream: an event whose blank line never
+        came, through the observer like any other (its line end kept)."""
+        tail = self._events.flush()
+        event = tail.rstrip(b"\r\n")
+        if not event:
+            return tail
+        out = self._event(event)
+        return b"" if out is None else out + tail[len(event) :]
 
     def _event(self, event: bytes) -> bytes | None:
         """The event to forward (None: none)."""

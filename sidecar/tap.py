@@ -45,15 +45,23 @@ _HOP_BY_HOP = frozenset(
         "Upgrade",
     )
 )
-_NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length"}
+# (content-encoding: aiohttp decoded the body it read, which goes on as it is now;
+# expect: aiohttp answered a 100-continue itself)
+_NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length", "content-encoding", "expect"}
+
+
+def _connection_named(headers: Mapping[str, str]) -> set[str]:
+    """Headers the Connection header names: hop-by-hop too (RFC 9110, 7.6.1)."""
+    return {name.strip().lower() for name in headers.get("Connection", "").split(",")}
 
 
 def request_headers(headers: Mapping[str, str], tapped: bool) -> CIMultiDict[str]:
     """Client headers as the engine should get them."""
     out: CIMultiDict[str] = CIMultiDict()
+    named = _connection_named(headers)
     for name, value in headers.items():
         lower = name.lower()
-        if lower in _NOT_FORWARDED or (tapped and lower == "accept-encoding"):
+        if lower in _NOT_FORWARDED or lower in named or (tapped and lower == "accept-encoding"):
             continue
         out.add(name, value)
     if tapped:
@@ -64,9 +72,10 @@ def request_headers(headers: Mapping[str, str], tapped: bool) -> CIMultiDict[str
 def response_headers(headers: Mapping[str, str], rewritten: bool) -> CIMultiDict[str]:
     """Engine headers as the client should get them."""
     out: CIMultiDict[str] = CIMultiDict()
+    named = _connection_named(headers)
     for name, value in headers.items():
         lower = name.lower()
-        if lower in _HOP_BY_HOP or (rewritten and lower == "content-length"):
+        if lower in _HOP_BY_HOP or lower in named or (rewritten and lower == "content-length"):
             continue
         out.add(name, value)
     return out

@@ -277,6 +277,11 @@ def test_sse_complete_events_are_released_at_once() -> None:
     assert sse.feed(b"data: tail") == b"" and sse.flush() == b"data: tail"
     crlf = SseRewriter(TurnObserver(strip_token_ids=True))
     assert crlf.feed(b'data: {"prompt_token_ids": [1]}\r\n\r\n') == b"data: {}\r\n\r\n"
+    # A last event whose blank line never came is observed (and rewritten) like the others.
+    obs = TurnObserver(strip_token_ids=True)
+    last = SseRewriter(obs)
+    assert last.feed(b'data: {"prompt_token_ids": [1, 2]}\n') == b""
+    assert last.flush() == b"data: {}\n" and obs.prompt_token_ids == [1, 2]
 
 
 def test_chunks_sent_only_for_token_ids_are_not_forwarded_to_a_client_that_did_not_ask() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import time
 from collections.abc import AsyncIterator
@@ -235,6 +236,20 @@ async def test_what_the_engine_receives(
         assert seen["method"] == "PUT" and seen["body"] == "raw \x00 bytes"
         async with http.post(sc.url + "/v1/completions", json={"prompt": "hi"}) as r:
             assert json.loads((await r.json())["body"]) == {"prompt": "hi"}  # no conversation: untouched
+        # A compressed body is read decompressed, and goes on so: not as still compressed.
+        # Headers the Connection header names are hop-by-hop, and a 100-continue is answered.
+        packed = gzip.compress(json.dumps({"prompt": "zip"}).encode())
+        headers = {
+            "Content-Encoding": "gzip",
+            "Content-Type": "application/json",
+            "Connection": "keep-alive, X-Hop",
+            "X-Hop": "1",
+            "X-Kept": "1",
+        }
+        async with http.post(sc.url + "/v1/completions", data=packed, headers=headers, expect100=True) as r:
+            seen = await r.json()
+        assert json.loads(seen["body"]) == {"prompt": "zip"} and seen["headers"]["X-Kept"] == "1"
+        assert not {"Content-Encoding", "X-Hop", "Expect"} & set(seen["headers"])
     async with Sidecar(replace(s, engine=replace(s.engine, role="prefill"))) as sc:
         async with http.post(sc.url + "/v1/chat/completions", json=body) as r:
             sent = json.loads((await r.json())["body"])
