@@ -59,7 +59,7 @@ class Sidecar:
         self.settings = settings
         self.metrics = SidecarMetrics()
         self.instance = EngineInstance(self.metrics)
-        self.mirror = KvMirror()
+        self.mirror = KvMirror(settings.kv_events.ranks)
         self.port = 0
         self._link = DaemonLink(settings.daemon.addresses)
         self._http: aiohttp.ClientSession | None = None
@@ -96,10 +96,17 @@ class Sidecar:
             self._spawn(self.leases.run, "leases")
             if s.kv_events.endpoint:
                 self._zmq = zmq.asyncio.Context()
-                ingest = KvIngest(
-                    s.kv_events, self._zmq, self.mirror, self.instance, self.metrics, self.node.kv_changed
-                )
-                self._spawn(ingest.run, "kvevents")
+                for rank in range(s.kv_events.ranks):  # (a data-parallel engine: one stream a rank)
+                    ingest = KvIngest(
+                        s.kv_events.for_rank(rank),
+                        self._zmq,
+                        self.mirror,
+                        self.instance,
+                        self.metrics,
+                        self.node.kv_changed,
+                        rank,
+                    )
+                    self._spawn(ingest.run, f"kvevents-{rank}")
         except BaseException:
             await self.stop()
             raise

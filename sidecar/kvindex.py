@@ -10,6 +10,11 @@ add ``stored`` (the two are disjoint). When the daemon's view is unknown (a new
 Attach stream, a gap that could not be replayed, an engine restart) the next
 batches are a *reset*: the whole mirror, first chunk flagged ``reset``.
 
+An engine with data parallelism has a cache, and a KV-event stream, per rank; the
+node's mirror is their union. Each rank's copies are counted apart, so a rank's
+``AllBlocksCleared`` (or a removal of a block only another rank holds) takes away
+that rank's copies alone.
+
 Also here: `SeqTracker`, the decision of what an incoming seq number means
 (in order, replay overlap, gap, engine restart). Pure: no I/O.
 """
@@ -49,7 +54,9 @@ class KvMirror:
     window.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ranks: int = 1) -> None:
+        self._ranks: list[dict[int, int]] | None = [{} for _ in range(ranks)] if ranks > 1 else None
+        """Copies per hash on each data-parallel rank (None: one rank, the union itself)."""
         self._present: set[int] = set()
         # Copies beyond the first, for the few hashes cached in several blocks.
         self._extra: dict[int, int] = {}
@@ -76,17 +83,43 @@ class KvMirror:
             return max(len(self._present), 1)
         return len(self._baseline) + (1 if self._cleared else 0)
 
-    def apply(self, events: Iterable[KvEvent], seq: int | None = None) -> None:
-        """Fold one payload's events in, in order."""
+    def apply(self, events: Iterable[KvEvent], seq: int | None = None, rank: int = 0) -> None:
+        """Fold one payload of data-parallel rank `rank` in, its events in order. (`seq`, the
+        one the daemon is told, is rank 0's.)"""
+        if self._ranks is not None:
+            self._apply_rank(events, self._ranks[rank])
+        else:
+            for event in events:
+                if isinstance(event, Stored):
+                    self._store(event.hashes)
+                elif isinstance(event, Removed):
+                    self._remove(event.hashes)
+                elif isinstance(event, Cleared):
+                    self._clear()
+        if seq is not None and rank == 0:
+            self.seq = seq
+
+    def _apply_rank(self, events: Iterable[KvEvent], mine: dict[int, int]) -> None:
+        """One rank's events, as copies of the union: only what the rank holds leaves it."""
         for event in events:
             if isinstance(event, Stored):
+                for h in event.hashes:
+                    mine[h] = mine.get(h, 0) + 1
                 self._store(event.hashes)
             elif isinstance(event, Removed):
-                self._remove(event.hashes)
+                gone = []
+                for h in event.hashes:
+                    copies = mine.get(h)
+                    if copies:  # (else: a block never seen stored on this rank)
+                        gone.append(h)
+                        if copies == 1:
+                            del mine[h]
+                        else:
+                            mine[h] = copies - 1
+                self._remove(gone)
             elif isinstance(event, Cleared):
-                self._clear()
-        if seq is not None:
-            self.seq = seq
+                self._remove([h for h, copies in mine.items() for _ in range(copies)])
+                mine.clear()
 
     def _store(self, hashes: list[int]) -> None:
         present, baseline = self._present, self._baseline
@@ -135,6 +168,8 @@ class KvMirror:
     def forget(self) -> None:
         """The engine restarted: its cache is gone, and the daemon must drop its index."""
         self._clear()
+        for mine in self._ranks or ():
+            mine.clear()
         self._cleared = False
         self._reset = True
         self.seq = -1

@@ -37,7 +37,8 @@ _YIELD_EVERY = 64
 
 
 class KvIngest:
-    """Subscribes to one engine's KV events and keeps `mirror` up to date."""
+    """Subscribes to one engine's KV events (data-parallel rank `rank`'s: `settings` are
+    that rank's endpoints) and keeps `mirror` up to date."""
 
     def __init__(
         self,
@@ -47,8 +48,10 @@ class KvIngest:
         instance: EngineInstance,
         metrics: SidecarMetrics,
         on_change: Callable[[], None],
+        rank: int = 0,
     ) -> None:
         self._s = settings
+        self._rank = rank
         self._ctx = ctx
         self._mirror = mirror
         self._instance = instance
@@ -71,7 +74,12 @@ class KvIngest:
         sub.setsockopt(zmq.SUBSCRIBE, self._s.topic.encode())
         sub.connect(self._s.endpoint)
         sync: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
-        log.info("kvevents.subscribed", endpoint=self._s.endpoint, replay=self._s.replay_endpoint or None)
+        log.info(
+            "kvevents.subscribed",
+            endpoint=self._s.endpoint,
+            replay=self._s.replay_endpoint or None,
+            rank=self._rank,
+        )
         try:
             await self._catch_up(0)
             while True:
@@ -153,7 +161,7 @@ class KvIngest:
             m.labels("AllBlocksCleared").inc(cleared)
         if batch.unknown:
             self._metrics.kv_unknown.inc(batch.unknown)
-        self._mirror.apply(batch.events, seq)
+        self._mirror.apply(batch.events, seq, self._rank)
         self._on_change()
 
     def _malformed(self, seq: int | None, error: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 from kvferry.flags import flag_adder
@@ -18,6 +18,8 @@ from kvferry.urls import is_http_url, is_loopback, listen_host_port
 
 ROLES = ("prefill", "decode", "both")
 ENV_PREFIX = "KVFERRY_SIDECAR_"
+#: Most data-parallel ranks the sidecar follows (one SUB socket, and a replay, each).
+MAX_RANKS = 256
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,28 @@ class KvEventSettings:
     """Send at once when this many hashes are pending."""
     replay_timeout_s: float = 2.0
     """A replay that has not ended after this long is given up."""
+    ranks: int = 1
+    """The engine's data-parallel size: rank r publishes on both endpoints' port + r (an
+    ipc or inproc endpoint gets "_dp<r>"), as vLLM's publishers do; all are followed."""
+
+    def for_rank(self, rank: int) -> KvEventSettings:
+        """The endpoints rank `rank` of the engine publishes on."""
+        return replace(
+            self,
+            endpoint=rank_endpoint(self.endpoint, rank),
+            replay_endpoint=rank_endpoint(self.replay_endpoint, rank),
+        )
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """`endpoint` of data-parallel rank `rank`, as vLLM offsets it
+    (ZmqEventPublisher.offset_endpoint_port): a TCP port plus the rank, else a suffix."""
+    if not endpoint or rank == 0:
+        return endpoint
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_dp{rank}"
+    base, _, port = endpoint.rpartition(":")
+    return f"{base}:{int(port) + rank}"
 
 
 @dataclass(frozen=True)
@@ -160,6 +184,14 @@ class Settings:
             raise ValueError("a KV-event replay endpoint needs the KV-event endpoint")
         if k.flush_interval_s <= 0 or k.flush_hashes < 1 or k.replay_timeout_s <= 0:
             raise ValueError("KV-event flush interval, flush size and replay timeout must be positive")
+        if not 1 <= k.ranks <= MAX_RANKS:
+            raise ValueError(f"KV-event ranks (the engine's data-parallel size) must be in 1..{MAX_RANKS}")
+        for endpoint in (k.endpoint, k.replay_endpoint):
+            port = endpoint.rpartition(":")[2] if endpoint.startswith("tcp://") else ""
+            if k.ranks > 1 and port == "*":
+                raise ValueError(f"KV-event endpoint {endpoint!r}: ranks need a port number")
+            if port.isdigit() and int(port) + k.ranks - 1 > 65535:
+                raise ValueError(f"KV-event endpoint {endpoint!r}: port + ranks - 1 must be at most 65535")
         if not 1 <= self.engine.blocks_ttl_s <= 3600:  # (the daemon refuses deadlines further out)
             raise ValueError("blocks TTL must be in 1..3600 s")
         d = self.daemon
@@ -241,6 +273,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("kv-events-endpoint", k.endpoint, "engine's KV-event ZMQ PUB endpoint (empty: off)")
     add("kv-events-replay-endpoint", k.replay_endpoint, "engine's KV-event replay endpoint")
     add("kv-events-topic", k.topic, "KV-event topic")
+    add(
+        "kv-events-ranks",
+        k.ranks,
+        "the engine's --data-parallel-size: rank r publishes on the endpoints' port + r",
+        int,
+    )
     add("tenant-header", t.tenant_header, "request header naming the tenant")
     add("advertise-url", t.advertise_url, "URL registered as the node's http_url")
     add(
@@ -281,6 +319,7 @@ def from_args(a: argparse.Namespace) -> Settings:
             endpoint=a.kv_events_endpoint,
             replay_endpoint=a.kv_events_replay_endpoint,
             topic=a.kv_events_topic,
+            ranks=a.kv_events_ranks,
         ),
         daemon=DaemonSettings(
             addresses=tuple(x.strip() for x in a.daemon.split(",") if x.strip()),

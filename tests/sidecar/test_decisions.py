@@ -21,7 +21,15 @@ from sidecar.engine import (
 from sidecar.leases import RegistrationQueue, dead_reason, retry_decision
 from sidecar.metrics import SidecarMetrics
 from sidecar.node import advertised_engine_url, advertised_url
-from sidecar.settings import EngineSettings, Settings, TapSettings, add_arguments, from_args
+from sidecar.settings import (
+    EngineSettings,
+    KvEventSettings,
+    Settings,
+    TapSettings,
+    add_arguments,
+    from_args,
+    rank_endpoint,
+)
 
 
 def test_health_transitions() -> None:
@@ -179,6 +187,20 @@ def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.daemon.addresses == ("a:1", "b:2") and s.daemon.liveness_ttl_s == 4 and s.node_id == "d-7"
     with pytest.raises(SystemExit):
         parser.parse_args(["--block-size", "many"])
+    args = ["--kv-events-endpoint", "tcp://127.0.0.1:5557", "--kv-events-ranks", "4"]
+    assert from_args(parser.parse_args(args)).kv_events.ranks == 4
+
+
+def test_a_data_parallel_engines_ranks_publish_on_their_own_endpoints() -> None:
+    """As vLLM offsets them (ZmqEventPublisher.offset_endpoint_port): port + rank."""
+    assert rank_endpoint("tcp://127.0.0.1:5557", 0) == "tcp://127.0.0.1:5557"
+    assert rank_endpoint("tcp://127.0.0.1:5557", 3) == "tcp://127.0.0.1:5560"
+    assert rank_endpoint("tcp://[::1]:5557", 1) == "tcp://[::1]:5558"
+    assert rank_endpoint("ipc:///run/kv", 2) == "ipc:///run/kv_dp2"
+    assert rank_endpoint("", 2) == ""
+    k = KvEventSettings(endpoint="tcp://h:5557", replay_endpoint="tcp://h:5657", ranks=2).for_rank(1)
+    assert (k.endpoint, k.replay_endpoint) == ("tcp://h:5558", "tcp://h:5658")
+    assert KvEventSettings(endpoint="tcp://h:5557").for_rank(1).replay_endpoint == ""
 
 
 @pytest.mark.parametrize(
@@ -191,6 +213,10 @@ def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         {"tap": {"listen": "nowhere"}},
         {"kv_events": {"replay_endpoint": "tcp://x:1"}},
         {"kv_events": {"endpoint": "127.0.0.1:5557"}},
+        {"kv_events": {"endpoint": "tcp://h:5557", "ranks": 0}},
+        {"kv_events": {"endpoint": "tcp://h:5557", "ranks": 257}},
+        {"kv_events": {"endpoint": "tcp://h:65535", "ranks": 2}},  # rank 1 past the last port
+        {"kv_events": {"endpoint": "tcp://h:*", "ranks": 2}},  # no port to add a rank to
         {"tap": {"advertise_url": "10.0.0.1:8100"}},
         {"tap": {"advertise_engine_url": "off"}},
     ],

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -16,7 +18,7 @@ from emulator import EmulatorServer
 from kvferry.blockhash import external_block_hash
 from kvferry.v1 import nodes_pb2
 from sidecar import Sidecar
-from tests.conftest import Client, DaemonFactory
+from tests.conftest import Client, DaemonFactory, free_port
 from tests.polling import eventually
 from tests.sidecar.conftest import StartEmulator, StartSidecar
 from tests.sidecar.helpers import FakePublisher, chat, first_turn
@@ -63,6 +65,47 @@ async def test_the_index_follows_the_engine_through_evictions_and_resets(
     await eventually(lambda: index_of(client, node_id, set()))
     await _traffic(http, d.http_url, ["canals"])
     await eventually(lambda: index_of(client, node_id, engine_cache(d)))
+    assert sc.metrics.value("kvferry_sidecar_kv_gaps_total") == 0
+
+
+def _port_run(count: int) -> int:
+    """A port p with p .. p + count - 1 all free on loopback (as a data-parallel engine's
+    publishers bind them)."""
+    for _ in range(100):
+        base = free_port()
+        if base + count > 65536:
+            continue
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base + 1, base + count):
+                    stack.enter_context(socket.create_server(("127.0.0.1", port)))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError("no run of free ports")
+
+
+async def test_a_data_parallel_engine_is_followed_rank_by_rank(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    """vLLM with --data-parallel-size 2: each rank publishes its own cache on the ports
+    plus its rank. The node's index is their union; one rank's reset leaves the other's
+    blocks, those of a prefix both ranks hold too."""
+    pub, replay = _port_run(2), _port_run(2)
+    ranks = [
+        await start_emulator(role="both", kv_events_port=pub + r, kv_events_replay_port=replay + r)
+        for r in range(2)
+    ]
+    sc = await start_sidecar(ranks[0], kv_events__ranks=2)
+    node_id = sc.settings.node_id
+    await _traffic(http, sc.url, ["ferries"])
+    await _traffic(http, ranks[1].http_url, ["harbours", "ferries"])  # (vLLM's DP balancer sent it there)
+    both = engine_cache(ranks[0]) | engine_cache(ranks[1])
+    assert engine_cache(ranks[0]) & engine_cache(ranks[1])  # the shared prefix: on both ranks
+    await eventually(lambda: index_of(client, node_id, both))
+    async with http.post(ranks[1].http_url + "/reset_prefix_cache") as r:
+        assert r.status == 200
+    await eventually(lambda: index_of(client, node_id, engine_cache(ranks[0])))
     assert sc.metrics.value("kvferry_sidecar_kv_gaps_total") == 0
 
 

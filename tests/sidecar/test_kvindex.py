@@ -157,6 +157,57 @@ def test_the_daemon_index_always_equals_the_engine_cache(
     assert index == set(engine)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(engine_runs(), min_size=2, max_size=3), st.data())
+def test_data_parallel_ranks_fold_into_their_union(
+    runs: list[list[list[KvEvent]]], data: st.DataObject
+) -> None:
+    """Each rank has its own cache and stream, interleaved at random: the mirror (and the
+    daemon's index) is their union, and one rank's clear or removal leaves the others'
+    copies of the same hashes."""
+    ranks = len(runs)
+    caches: list[Counter[int]] = [Counter() for _ in runs]
+    m = KvMirror(ranks)
+    index: set[int] = set()
+    queue = [(rank, events) for rank, run in enumerate(runs) for events in run]
+    order = data.draw(st.permutations(range(len(queue))))
+    next_of = [0] * ranks  # (a rank's own payloads stay in their order)
+    by_rank = [[events for r, events in queue if r == rank] for rank in range(ranks)]
+    for i in order:
+        rank = queue[i][0]
+        events = by_rank[rank][next_of[rank]]
+        next_of[rank] += 1
+        for e in events:
+            if isinstance(e, Stored):
+                caches[rank].update(e.hashes)
+            elif isinstance(e, Removed):
+                caches[rank].subtract(e.hashes)
+            else:
+                caches[rank].clear()
+        caches[rank] += Counter()
+        m.apply(events, seq=next_of[rank], rank=rank)
+        union = set().union(*caches)
+        assert m.hashes() == union
+        if data.draw(st.booleans()):
+            index = daemon_apply(index, m.drain())
+            assert index == union
+    m.forget()
+    assert not m.hashes() and all(not mine for mine in m._ranks or ())
+
+
+def test_one_ranks_clear_leaves_the_other_ranks_blocks() -> None:
+    m = KvMirror(2)
+    m.apply([Stored([1, 2])], seq=5, rank=0)
+    m.apply([Stored([2, 3])], seq=9, rank=1)
+    assert m.hashes() == {1, 2, 3} and m.seq == 5  # (rank 0's seq is the one told)
+    m.drain()
+    m.apply([Removed([1])], rank=1)  # not rank 1's: nothing leaves
+    m.apply([Cleared()], rank=1)
+    assert m.hashes() == {1, 2}
+    (b,) = m.drain()
+    assert b.removed == [3] and not b.cleared and not b.stored
+
+
 def test_no_delta_piles_up_while_a_reset_is_pending() -> None:
     """Not attached (daemon down for long): the next drain sends a snapshot anyway, so
     events meanwhile leave no per-hash bookkeeping behind, only the mirror itself."""
