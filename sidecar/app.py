@@ -10,6 +10,7 @@ closes every socket and channel.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any
@@ -131,7 +132,12 @@ class Sidecar:
             await self.leases.wait_idle(lease_grace_s)
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
+        dropped = self.leases.abandon() if self.leases is not None else 0
+        if dropped:
+            log.warning("sidecar.stop.registrations_dropped", count=dropped, grace_s=lease_grace_s)
         if self._releaser is not None:
+            with contextlib.suppress(TimeoutError):  # (releases on their way: as long as registrations)
+                await asyncio.wait_for(self._releaser.settled(), lease_grace_s)
             await self._releaser.close()
         await self._link.close()
         if self._zmq is not None:

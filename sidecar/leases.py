@@ -202,6 +202,21 @@ class LeaseSender:
         """Drafts queued or in flight."""
         return len(self._queue) + len(self._in_flight)
 
+    def abandon(self) -> int:
+        """Drop what is still queued (the sidecar stops; counted, not registered); -> how many."""
+        count = 0
+        while True:
+            draft, dead = self._queue.pop(time.time(), self._instance.epoch)
+            for d, reason in dead:
+                self._drop(d, reason)
+            if draft is None:
+                break
+            self._queue.landed(draft)
+            self._drop(draft, "shutdown")
+            count += 1
+        self._changed()
+        return count
+
     def submit(self, draft: LeaseDraft) -> None:
         """Queue a draft (never blocks)."""
         dropped = self._queue.push(draft)
@@ -357,6 +372,9 @@ class LeaseSender:
     ) -> None:
         try:
             res = await stream.register(req, self._s.daemon.rpc_timeout_s)
+        except asyncio.CancelledError:  # (the sidecar stops): counted, maybe stored
+            self._drop(draft, "cancelled")
+            raise
         except LeaseOpError as e:
             if e.code in TRANSIENT:
                 log.warning("lease.daemon.unavailable", code=e.code.name, address=self._link.address)

@@ -261,6 +261,34 @@ async def test_daemon_outage_leaves_traffic_alone_and_registrations_catch_up(
         assert newer["remote_request_id"] in d.engine.snapshot()["held_requests"]
 
 
+async def test_registrations_a_stopping_sidecar_could_not_send_are_counted(
+    make_daemon: DaemonFactory,
+    etcd_endpoint: str,
+    connect: Any,
+    start_emulator: StartEmulator,
+    http: aiohttp.ClientSession,
+) -> None:
+    """Stopped while the daemon is away, after its grace: what was still queued is dropped
+    as "shutdown", counted and logged, not lost without a trace."""
+    daemon = await make_daemon(daemon_settings(etcd_endpoint))
+    p = await start_emulator(role="prefill", enable_prefix_caching=False)
+    d = await start_emulator(role="decode")
+    sc = Sidecar(sidecar_settings(d, daemon))
+    await sc.start()
+    try:
+        await eventually(lambda: _alive_at(connect(daemon), sc.settings.node_id, 1))
+        await daemon.stop()
+        await _d_turn(http, p, sc, "left-behind")
+        await eventually(lambda: _counted(sc, "kvferry_sidecar_lease_registrations_total", outcome="requeue"))
+    finally:
+        with structlog.testing.capture_logs() as logs:
+            await sc.stop(lease_grace_s=0.2)
+    dropped = "kvferry_sidecar_lease_registrations_dropped_total"
+    assert sc.metrics.value(dropped, reason="shutdown") == 1
+    assert sc.leases is not None and sc.leases.pending == 0
+    assert any(e["event"] == "sidecar.stop.registrations_dropped" and e["count"] == 1 for e in logs)
+
+
 async def test_a_registration_the_daemon_may_have_stored_is_not_sent_again(
     private_etcd: EtcdProcess,
     make_daemon: DaemonFactory,
