@@ -173,8 +173,20 @@ def _node_state(node_kvs: Sequence[Any], alive_kvs: Sequence[Any]) -> tuple[Node
     rec = _decoded(decode_node, node_kvs[0]) if node_kvs else None
     if rec is None:  # (no record, or none this version reads: the node counts as gone)
         return None, 0
-    alive = _is_alive(rec, int(alive_kvs[0].value or b"0") if alive_kvs else None)
+    alive = _is_alive(rec, _alive_generation(alive_kvs[0]) if alive_kvs else None)
     return NodeState(rec, alive), int(node_kvs[0].mod_revision)
+
+
+def _alive_generation(kv: Any) -> int | None:
+    """The generation a liveness key holds (None, with a log line, for a value that is none:
+    the node counts as not alive, and the other nodes' records still load)."""
+    try:
+        return int(kv.value or b"0")
+    except ValueError:
+        log.warning(
+            "etcd.record.undecodable", key=bytes(kv.key).decode("utf-8", "replace"), error="not a generation"
+        )
+        return None
 
 
 def _decoded(decode: Callable[[bytes], T], kv: Any) -> T | None:
@@ -337,10 +349,14 @@ class EtcdStore:
         resp = await self._with_gc_lease(now + self._claim_marker_s, now, write)
         kvs = resp.responses[0].response_range.kvs
         if resp.succeeded and kvs:
-            taken = decode_retention(kvs[0].value)
+            # (a retention another version wrote, unreadable here, is gone all the same: the
+            # turn recomputes, and D holds those blocks to their deadline)
+            taken = _decoded(decode_retention, kvs[0])
+            if taken is None:
+                return ClaimOutcome(None)
             return ClaimOutcome(taken, int(kvs[0].mod_revision), marker_revision=int(resp.header.revision))
-        if kvs:
-            return ClaimOutcome(None, earlier=decode_claim(kvs[0].value))
+        if kvs:  # (a marker unreadable here still says the retention was handed out)
+            return ClaimOutcome(None, earlier=_decoded(decode_claim, kvs[0]) or Claim(claimed_at=now))
         return ClaimOutcome(None)
 
     async def unclaim(
@@ -512,7 +528,7 @@ class EtcdStore:
         records, lives = await self._read(
             "load_nodes", _get(k.nodes, prefix_end(k.nodes)), _get(k.alive, prefix_end(k.alive))
         )
-        alive = {k.engine_of(kv.key): int(kv.value or b"0") for kv in lives.kvs}
+        alive = {k.engine_of(kv.key): _alive_generation(kv) for kv in lives.kvs}
         states: dict[str, NodeState] = {}
         revisions: dict[str, int] = {}
         for kv in records.kvs:
@@ -561,15 +577,18 @@ class EtcdStore:
         cmp = [_mod_is(k.node(rec.engine_id), expect_revision)]
         if floor_revision is not None:
             cmp.append(_mod_is(k.generation_floor, floor_revision))
-        resp = await self._txn(
-            "put_node",
-            cmp,
-            [
-                _put(k.node(rec.engine_id), encode(stored)),
-                _put(k.alive_key(rec.engine_id), b"%d" % rec.generation, grant.ID),
-            ],
-            [],
-        )
+        try:
+            resp = await self._txn(
+                "put_node",
+                cmp,
+                [
+                    _put(k.node(rec.engine_id), encode(stored)),
+                    _put(k.alive_key(rec.engine_id), b"%d" % rec.generation, grant.ID),
+                ],
+                [],
+            )
+        except LeaseGone as e:  # (its TTL ran out before etcd got to the write: etcd is slow)
+            raise StoreUnavailable(f"the liveness lease of {rec.engine_id} expired before it was used") from e
         if not resp.succeeded:
             await self.revoke_lease_quietly(int(grant.ID))
             raise Conflict(f"node {rec.engine_id} changed concurrently")

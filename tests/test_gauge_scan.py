@@ -19,7 +19,17 @@ import structlog
 from aetcd import rpc
 
 from controlplane import store as store_mod
-from controlplane.records import Keys, Retention, decode_bounds, encode_bounds, prefix_end
+from controlplane.errors import StoreUnavailable
+from controlplane.etcd import LeaseGone
+from controlplane.records import (
+    Keys,
+    NodeRecord,
+    Retention,
+    Role,
+    decode_bounds,
+    encode_bounds,
+    prefix_end,
+)
 from controlplane.store import EtcdStore
 
 
@@ -226,3 +236,47 @@ async def test_a_record_this_version_cannot_read_is_skipped_with_a_log_line(stor
         assert "d-new" not in states
         assert await store.get_node("d-new") == (None, 0)
     assert {e["event"] for e in logs} == {"etcd.record.undecodable"}
+
+
+async def test_a_claim_of_a_record_this_version_cannot_read_takes_nothing(store: EtcdStore) -> None:
+    """Claimed, a retention another version wrote is gone all the same: the lookup takes
+    nothing (RECOMPUTE), not an INTERNAL error. An unreadable claim marker still says the
+    conversation was handed out; an unreadable liveness key leaves its node not alive, and
+    the other nodes load."""
+    now = time.time()
+    put = store._client.kvstub.Put
+    await put(rpc.PutRequest(key=store.keys.retention("t", "odd"), value=b'{"engine_id": 7}'))
+    with structlog.testing.capture_logs() as logs:
+        outcome = await store.claim("t", "odd", now)
+    assert outcome.taken is None and outcome.earlier is None
+    assert [e["event"] for e in logs] == ["etcd.record.undecodable"]
+    again = await store.claim("t", "odd", now + 1)  # the marker this claim left
+    assert again.taken is None and again.earlier is not None
+
+    await put(rpc.PutRequest(key=store.keys.claim("t", "marked"), value=b"[]"))
+    marked = await store.claim("t", "marked", now)
+    assert marked.taken is None and marked.earlier is not None and marked.earlier.claimed_at == now
+
+    for engine in ("d-a", "d-b"):
+        rec = NodeRecord(engine, Role.DECODE, "m", 16, "http://d", "10.0.0.7", 5600, 1, now, 30)
+        await store.put_node(rec, 0)
+    await put(rpc.PutRequest(key=store.keys.alive_key("d-a"), value=b"not-a-generation"))
+    with structlog.testing.capture_logs() as logs:
+        states, _ = await store.load_nodes()
+    assert not states["d-a"].alive and states["d-b"].alive
+    assert [e["event"] for e in logs] == ["etcd.record.undecodable"]
+
+
+async def test_a_liveness_lease_gone_before_its_write_is_store_unavailable(
+    store: EtcdStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """etcd slow enough that a node's new liveness lease expired before the write naming it:
+    UNAVAILABLE to the sidecar (which registers again), not an INTERNAL error."""
+
+    async def lease_gone(*args: object, **kwargs: object) -> None:
+        raise LeaseGone("etcdserver: requested lease not found")
+
+    monkeypatch.setattr(store, "_txn", lease_gone)
+    rec = NodeRecord("d-s", Role.DECODE, "m", 16, "http://d", "10.0.0.7", 5600, 1, time.time(), 2)
+    with pytest.raises(StoreUnavailable, match="liveness lease of d-s"):
+        await store.put_node(rec, 0)
