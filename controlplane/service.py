@@ -415,7 +415,12 @@ class ControlPlane:
     async def deregister_node(self, engine_id: str) -> bool:
         _check_id("engine_id", engine_id, self._limits.max_id_bytes)
         found = await self.store.delete_node(engine_id, self._clock())
-        self.nodes.drop(engine_id)
+        # The tombstone as stored, at its revision: a refresh that read the node alive just
+        # before the delete cannot then bring it back (the newer revision stays).
+        try:
+            await self.nodes.get(engine_id, fresh=True)
+        except StoreUnavailable:
+            self.nodes.drop(engine_id)
         log.info("node.deregistered", engine_id=engine_id, found=found)
         return found
 

@@ -118,3 +118,35 @@ async def test_the_floor_is_only_written_when_it_rises(client: Client, daemon: D
     assert raised[0] == 3
     assert await store.collect_node("d-low", (await store.get_node("d-low"))[1], 1)
     assert await floor() == raised  # not rewritten: registrations have nothing to conflict on
+
+
+async def test_a_refresh_that_read_before_a_deregistration_does_not_bring_the_node_back(
+    client: Client, daemon: Daemon
+) -> None:
+    """The node cache's refresh read the node alive; the node was deregistered before that
+    read was taken in. The cache keeps the tombstone: lookups do not hand out the removed
+    node's blocks until the next refresh."""
+    cp = daemon.control_plane
+    assert cp is not None
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("c"))
+    real = cp.store.load_nodes
+    read, go_on = asyncio.Event(), asyncio.Event()
+
+    async def slow_load():  # type: ignore[no-untyped-def]
+        loaded = await real()
+        read.set()
+        await go_on.wait()
+        return loaded
+
+    cp.store.load_nodes = slow_load  # type: ignore[method-assign]
+    refresh = asyncio.ensure_future(cp.nodes.refresh())
+    await read.wait()
+    await client.nodes.Deregister(nodes_pb2.DeregisterNodeRequest(engine_id="d-1"))
+    go_on.set()
+    await refresh
+    cp.store.load_nodes = real  # type: ignore[method-assign]
+    state = cp.nodes.snapshot()["d-1"]
+    assert not state.alive and state.record.removed_at
+    answer = await client.leases.Lookup(lookup_request("c"))
+    assert answer.decision == leases_pb2.RECOMPUTE and answer.reason == "node_gone"
