@@ -286,7 +286,12 @@ class TxnBatcher:
             for (_, _, _, fut), result in zip(batch, results, strict=True):
                 if not fut.done():
                     fut.set_result(result)
-        except Exception as e:  # StoreUnavailable, LeaseGone: every caller of the batch sees it
+        except LeaseGone as e:
+            if len(batch) == 1:
+                _fail(batch, e)
+            else:  # one item's lease refused the whole batch (nothing applied): each alone
+                await asyncio.gather(*(self._alone(item) for item in batch))
+        except Exception as e:  # StoreUnavailable: every caller of the batch sees it
             _fail(batch, e)
         except asyncio.CancelledError:  # closed: nobody waits for an answer that will not come
             _fail(batch, _closed_error())
@@ -294,6 +299,22 @@ class TxnBatcher:
         finally:
             self._inflight -= 1
             self._kick()
+
+    async def _alone(self, item: _Queued) -> None:
+        """Send one item of a batch etcd refused for a lease it no longer has, on its own:
+        only the item naming that lease fails (its caller takes a new one), not its
+        batch-mates, which could also fail their one retry on another stale lease."""
+        op, txn, _, fut = item
+        if fut.done():
+            return
+        try:
+            result = await timed(op, self._client.kvstub.Txn(txn, timeout=self._timeout))
+        except Exception as e:
+            if not fut.done():
+                fut.set_exception(e)
+            return
+        if not fut.done():
+            fut.set_result(result)
 
     async def close(self) -> None:
         """Send nothing more; every caller still waiting (queued, or in a batch in

@@ -9,7 +9,7 @@ import pytest
 from aetcd import rpc
 
 from controlplane.errors import StoreUnavailable
-from controlplane.etcd import TxnBatcher
+from controlplane.etcd import LeaseGone, TxnBatcher
 
 
 class FakeEtcd:
@@ -141,3 +141,29 @@ async def test_closing_answers_the_callers_of_a_batch_in_flight() -> None:
     for caller in queued:
         with pytest.raises(StoreUnavailable, match="closed"):
             await caller
+
+
+async def test_a_lease_etcd_no_longer_has_fails_only_the_item_naming_it() -> None:
+    """etcd refuses a whole batch for one item's lost lease (nothing applied): the items are
+    sent again one by one, and only that one fails. Each caller used to retry once; a second
+    stale lease in the retry batch then failed healthy claims as 'etcd unavailable'."""
+    etcd = FakeEtcd()
+    b = TxnBatcher(etcd, 1.0, max_items=8)  # type: ignore[arg-type]
+    first = asyncio.create_task(b.submit("t", txn(b"/x"), (b"/x",)))
+    await settle()
+    batched = [asyncio.create_task(b.submit("t", txn(k), (k,))) for k in (b"/ok", b"/stale", b"/fine")]
+    await settle()
+    etcd.answer(0)
+    await first
+    await settle()
+    assert batch_size(etcd.sent[1]) == 3
+    etcd.answers[1].set_exception(LeaseGone("etcdserver: requested lease not found"))
+    await settle()
+    assert [batch_size(r) for r in etcd.sent[2:]] == [1, 1, 1]  # each alone
+    etcd.answer(2)
+    etcd.answers[3].set_exception(LeaseGone("etcdserver: requested lease not found"))
+    etcd.answer(4)
+    ok, stale, fine = await asyncio.gather(*batched, return_exceptions=True)
+    assert isinstance(stale, LeaseGone)
+    assert isinstance(ok, rpc.TxnResponse) and ok.succeeded and isinstance(fine, rpc.TxnResponse)
+    await b.close()
