@@ -274,24 +274,23 @@ class TxnBatcher:
             if not batch:
                 return
             metrics.ETCD_BATCH_ITEMS.observe(len(batch))
-            if len(batch) == 1:
-                op, txn, _, fut = batch[0]
-                results = [await timed(op, self._client.kvstub.Txn(txn, timeout=self._timeout))]
-            else:
-                outer = rpc.TxnRequest(success=[rpc.RequestOp(request_txn=item[1]) for item in batch])
-                resp = await timed("txn_batch", self._client.kvstub.Txn(outer, timeout=self._timeout))
-                results = [r.response_txn for r in resp.responses]
-                for result in results:  # etcd sets the header (the revision) on the outer one only
-                    result.header.CopyFrom(resp.header)
-            for (_, _, _, fut), result in zip(batch, results, strict=True):
-                if not fut.done():
-                    fut.set_result(result)
-        except LeaseGone as e:
-            if len(batch) == 1:
-                _fail(batch, e)
-            else:  # one item's lease refused the whole batch (nothing applied): each alone
-                await asyncio.gather(*(self._alone(item) for item in batch))
-        except Exception as e:  # StoreUnavailable: every caller of the batch sees it
+            try:
+                _answer(batch, await self._commit(batch))
+            except LeaseGone:
+                groups = _by_lease(batch)
+                if len(groups) == 1:
+                    raise
+                # One lease etcd no longer has refused the whole batch (nothing applied): each
+                # lease's items go again apart, so only those naming that lease fail (their
+                # callers take a new one), not their batch-mates, whose one retry could meet
+                # another stale lease and fail as "unavailable".
+                outcomes = await asyncio.gather(*map(self._commit, groups), return_exceptions=True)
+                for group, outcome in zip(groups, outcomes, strict=True):
+                    if isinstance(outcome, BaseException):
+                        _fail(group, outcome)
+                    else:
+                        _answer(group, outcome)
+        except Exception as e:  # StoreUnavailable, LeaseGone: every caller of the batch sees it
             _fail(batch, e)
         except asyncio.CancelledError:  # closed: nobody waits for an answer that will not come
             _fail(batch, _closed_error())
@@ -300,21 +299,17 @@ class TxnBatcher:
             self._inflight -= 1
             self._kick()
 
-    async def _alone(self, item: _Queued) -> None:
-        """Send one item of a batch etcd refused for a lease it no longer has, on its own:
-        only the item naming that lease fails (its caller takes a new one), not its
-        batch-mates, which could also fail their one retry on another stale lease."""
-        op, txn, _, fut = item
-        if fut.done():
-            return
-        try:
-            result = await timed(op, self._client.kvstub.Txn(txn, timeout=self._timeout))
-        except Exception as e:
-            if not fut.done():
-                fut.set_exception(e)
-            return
-        if not fut.done():
-            fut.set_result(result)
+    async def _commit(self, items: list[_Queued]) -> list[rpc.TxnResponse]:
+        """Send `items` as one Txn (nested when several). -> each one's TxnResponse."""
+        if len(items) == 1:
+            op, txn, _, _ = items[0]
+            return [await timed(op, self._client.kvstub.Txn(txn, timeout=self._timeout))]
+        outer = rpc.TxnRequest(success=[rpc.RequestOp(request_txn=item[1]) for item in items])
+        resp = await timed("txn_batch", self._client.kvstub.Txn(outer, timeout=self._timeout))
+        results = [r.response_txn for r in resp.responses]
+        for result in results:  # etcd sets the header (the revision) on the outer one only
+            result.header.CopyFrom(resp.header)
+        return results
 
     async def close(self) -> None:
         """Send nothing more; every caller still waiting (queued, or in a batch in
@@ -327,6 +322,22 @@ class TxnBatcher:
 
 def _closed_error() -> StoreUnavailable:
     return StoreUnavailable("etcd client closed")
+
+
+def _answer(items: Iterable[_Queued], results: Iterable[rpc.TxnResponse]) -> None:
+    for (*_, fut), result in zip(items, results, strict=True):
+        if not fut.done():
+            fut.set_result(result)
+
+
+def _by_lease(items: list[_Queued]) -> list[list[_Queued]]:
+    """`items` grouped by the leases their puts name (in order of first appearance)."""
+    groups: dict[frozenset[int], list[_Queued]] = {}
+    for item in items:
+        ops = [*item[1].success, *item[1].failure]
+        leases = frozenset(op.request_put.lease for op in ops if op.HasField("request_put"))
+        groups.setdefault(leases, []).append(item)
+    return list(groups.values())
 
 
 def _fail(items: Iterable[_Queued], error: BaseException) -> None:

@@ -38,8 +38,8 @@ class FakeEtcd:
         self.answers[i].set_result(resp)
 
 
-def txn(key: bytes) -> rpc.TxnRequest:
-    put = rpc.PutRequest(key=key, value=b"v")
+def txn(key: bytes, lease: int = 0) -> rpc.TxnRequest:
+    put = rpc.PutRequest(key=key, value=b"v", lease=lease)
     return rpc.TxnRequest(success=[rpc.RequestOp(request_put=put)])
 
 
@@ -143,15 +143,17 @@ async def test_closing_answers_the_callers_of_a_batch_in_flight() -> None:
             await caller
 
 
-async def test_a_lease_etcd_no_longer_has_fails_only_the_item_naming_it() -> None:
-    """etcd refuses a whole batch for one item's lost lease (nothing applied): the items are
-    sent again one by one, and only that one fails. Each caller used to retry once; a second
-    stale lease in the retry batch then failed healthy claims as 'etcd unavailable'."""
+async def test_a_lease_etcd_no_longer_has_fails_only_the_items_naming_it() -> None:
+    """etcd refuses a whole batch for one lost lease (nothing applied): the items go again
+    grouped by the leases they name, and only that lease's fail. Each caller used to retry
+    once; a second stale lease in the retry batch then failed healthy claims as 'etcd
+    unavailable'."""
     etcd = FakeEtcd()
     b = TxnBatcher(etcd, 1.0, max_items=8)  # type: ignore[arg-type]
     first = asyncio.create_task(b.submit("t", txn(b"/x"), (b"/x",)))
     await settle()
-    batched = [asyncio.create_task(b.submit("t", txn(k), (k,))) for k in (b"/ok", b"/stale", b"/fine")]
+    leases = {b"/ok": 1, b"/stale": 2, b"/fine": 1}
+    batched = [asyncio.create_task(b.submit("t", txn(k, lease), (k,))) for k, lease in leases.items()]
     await settle()
     etcd.answer(0)
     await first
@@ -159,11 +161,23 @@ async def test_a_lease_etcd_no_longer_has_fails_only_the_item_naming_it() -> Non
     assert batch_size(etcd.sent[1]) == 3
     etcd.answers[1].set_exception(LeaseGone("etcdserver: requested lease not found"))
     await settle()
-    assert [batch_size(r) for r in etcd.sent[2:]] == [1, 1, 1]  # each alone
+    assert [batch_size(r) for r in etcd.sent[2:]] == [2, 1]  # lease 1's two, lease 2's one
     etcd.answer(2)
     etcd.answers[3].set_exception(LeaseGone("etcdserver: requested lease not found"))
-    etcd.answer(4)
     ok, stale, fine = await asyncio.gather(*batched, return_exceptions=True)
     assert isinstance(stale, LeaseGone)
     assert isinstance(ok, rpc.TxnResponse) and ok.succeeded and isinstance(fine, rpc.TxnResponse)
+    # Closed while such a batch goes again: its callers are answered too.
+    first = asyncio.create_task(b.submit("t", txn(b"/x"), (b"/x",)))
+    await settle()
+    batched = [asyncio.create_task(b.submit("t", txn(k, lease), (k,))) for k, lease in leases.items()]
+    await settle()
+    etcd.answer(4)
+    await first
+    await settle()
+    etcd.answers[5].set_exception(LeaseGone("etcdserver: requested lease not found"))
+    await settle()
+    assert len(etcd.sent) == 8  # the two groups, on their way
     await b.close()
+    answers = await asyncio.gather(*batched, return_exceptions=True)
+    assert all(isinstance(a, StoreUnavailable) for a in answers), answers
