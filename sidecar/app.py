@@ -124,7 +124,8 @@ class Sidecar:
         self._tasks.append(asyncio.create_task(_supervise(run, name), name=f"sidecar-{name}"))
 
     async def stop(self, lease_grace_s: float = 1.0) -> None:
-        """Stop everything; idempotent."""
+        """Stop everything; idempotent. Registrations on their way get `lease_grace_s`, then
+        releases on their way as long again."""
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

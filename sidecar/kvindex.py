@@ -44,6 +44,50 @@ class KvBatch:
         return len(self.stored) + len(self.removed)
 
 
+class _Copies:
+    """One data-parallel rank's copies of each hash: a set, and the few cached twice."""
+
+    __slots__ = ("extra", "present")
+
+    def __init__(self) -> None:
+        self.present: set[int] = set()
+        self.extra: dict[int, int] = {}
+
+    def store(self, hashes: list[int]) -> None:
+        fresh = set(hashes)
+        if len(fresh) == len(hashes) and self.present.isdisjoint(fresh):
+            self.present |= fresh  # the common case: new blocks, one copy each
+            return
+        for h in hashes:
+            if h in self.present:
+                self.extra[h] = self.extra.get(h, 0) + 1
+            else:
+                self.present.add(h)
+
+    def remove(self, hashes: list[int]) -> list[int]:
+        """Take one copy of each of `hashes` away; -> those it had (a block never seen
+        stored on this rank is not its to remove)."""
+        gone = []
+        for h in hashes:
+            copies = self.extra.get(h)
+            if copies:
+                gone.append(h)
+                if copies == 1:
+                    del self.extra[h]
+                else:
+                    self.extra[h] = copies - 1
+            elif h in self.present:
+                self.present.discard(h)
+                gone.append(h)
+        return gone
+
+    def clear(self) -> list[int]:
+        """Take every copy away; -> them."""
+        gone = [*self.present, *(h for h, copies in self.extra.items() for _ in range(copies))]
+        self.present, self.extra = set(), {}
+        return gone
+
+
 class KvMirror:
     """Copies per hash of the engine's cache, and what changed since the last drain.
 
@@ -55,8 +99,8 @@ class KvMirror:
     """
 
     def __init__(self, ranks: int = 1) -> None:
-        self._ranks: list[dict[int, int]] | None = [{} for _ in range(ranks)] if ranks > 1 else None
-        """Copies per hash on each data-parallel rank (None: one rank, the union itself)."""
+        self._ranks: list[_Copies] | None = [_Copies() for _ in range(ranks)] if ranks > 1 else None
+        """Each data-parallel rank's copies (None: one rank, the union itself)."""
         self._present: set[int] = set()
         # Copies beyond the first, for the few hashes cached in several blocks.
         self._extra: dict[int, int] = {}
@@ -99,27 +143,16 @@ class KvMirror:
         if seq is not None and rank == 0:
             self.seq = seq
 
-    def _apply_rank(self, events: Iterable[KvEvent], mine: dict[int, int]) -> None:
+    def _apply_rank(self, events: Iterable[KvEvent], mine: _Copies) -> None:
         """One rank's events, as copies of the union: only what the rank holds leaves it."""
         for event in events:
             if isinstance(event, Stored):
-                for h in event.hashes:
-                    mine[h] = mine.get(h, 0) + 1
+                mine.store(event.hashes)
                 self._store(event.hashes)
             elif isinstance(event, Removed):
-                gone = []
-                for h in event.hashes:
-                    copies = mine.get(h)
-                    if copies:  # (else: a block never seen stored on this rank)
-                        gone.append(h)
-                        if copies == 1:
-                            del mine[h]
-                        else:
-                            mine[h] = copies - 1
-                self._remove(gone)
+                self._remove(mine.remove(event.hashes))
             elif isinstance(event, Cleared):
-                self._remove([h for h, copies in mine.items() for _ in range(copies)])
-                mine.clear()
+                self._remove(mine.clear())
 
     def _store(self, hashes: list[int]) -> None:
         present, baseline = self._present, self._baseline

@@ -99,6 +99,12 @@ class RegistrationQueue:
         self._items.extendleft(reversed(waiting))
         return found, dead
 
+    def take_all(self) -> list[LeaseDraft]:
+        """Every draft queued, taken out (none is sent any more)."""
+        taken = list(self._items)
+        self._items.clear()
+        return taken
+
     def landed(self, draft: LeaseDraft) -> None:
         """The try of a draft `pop` gave ended (however): its conversation's next may go."""
         self._flying.discard(_key(draft))
@@ -204,18 +210,11 @@ class LeaseSender:
 
     def abandon(self) -> int:
         """Drop what is still queued (the sidecar stops; counted, not registered); -> how many."""
-        count = 0
-        while True:
-            draft, dead = self._queue.pop(time.time(), self._instance.epoch)
-            for d, reason in dead:
-                self._drop(d, reason)
-            if draft is None:
-                break
-            self._queue.landed(draft)
+        left = self._queue.take_all()
+        for draft in left:
             self._drop(draft, "shutdown")
-            count += 1
         self._changed()
-        return count
+        return len(left)
 
     def submit(self, draft: LeaseDraft) -> None:
         """Queue a draft (never blocks)."""
@@ -378,12 +377,12 @@ class LeaseSender:
         except LeaseOpError as e:
             if e.code in TRANSIENT:
                 log.warning("lease.daemon.unavailable", code=e.code.name, address=self._link.address)
+            self._failed(draft, e.code, e.message, sent=e.sent)  # (before any await: it is counted)
             if e.stream_lost:
                 # Only a lost stream moves to another replica: the channel is shared with the
                 # node's Attach stream, and an op's own error or timeout (etcd slow, say) would
                 # not be better there.
                 await self._link.failover(channel)
-            self._failed(draft, e.code, e.message, sent=e.sent)
         else:
             self._queue.done(draft)
             self._backoff.reset()

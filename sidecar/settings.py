@@ -75,8 +75,9 @@ class KvEventSettings:
     replay_timeout_s: float = 2.0
     """A replay that has not ended after this long is given up."""
     ranks: int = 1
-    """The engine's data-parallel size: rank r publishes on both endpoints' port + r (an
-    ipc or inproc endpoint gets "_dp<r>"), as vLLM's publishers do; all are followed."""
+    """The engine's data-parallel ranks on this node: the endpoints are its first rank's,
+    and rank r after it publishes on both endpoints' TCP port + r, as vLLM's publishers
+    do; all are followed."""
 
     def for_rank(self, rank: int) -> KvEventSettings:
         """The endpoints rank `rank` of the engine publishes on."""
@@ -88,12 +89,10 @@ class KvEventSettings:
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:
-    """`endpoint` of data-parallel rank `rank`, as vLLM offsets it
-    (ZmqEventPublisher.offset_endpoint_port): a TCP port plus the rank, else a suffix."""
+    """TCP `endpoint` of data-parallel rank `rank` (counted from the first's), as vLLM
+    offsets it (ZmqEventPublisher.offset_endpoint_port): the port plus the rank."""
     if not endpoint or rank == 0:
         return endpoint
-    if endpoint.startswith(("ipc://", "inproc://")):
-        return f"{endpoint}_dp{rank}"
     base, _, port = endpoint.rpartition(":")
     return f"{base}:{int(port) + rank}"
 
@@ -186,12 +185,8 @@ class Settings:
             raise ValueError("KV-event flush interval, flush size and replay timeout must be positive")
         if not 1 <= k.ranks <= MAX_RANKS:
             raise ValueError(f"KV-event ranks (the engine's data-parallel size) must be in 1..{MAX_RANKS}")
-        for endpoint in (k.endpoint, k.replay_endpoint):
-            port = endpoint.rpartition(":")[2] if endpoint.startswith("tcp://") else ""
-            if k.ranks > 1 and port == "*":
-                raise ValueError(f"KV-event endpoint {endpoint!r}: ranks need a port number")
-            if port.isdigit() and int(port) + k.ranks - 1 > 65535:
-                raise ValueError(f"KV-event endpoint {endpoint!r}: port + ranks - 1 must be at most 65535")
+        if k.ranks > 1:
+            _rank_ports(k)
         if not 1 <= self.engine.blocks_ttl_s <= 3600:  # (the daemon refuses deadlines further out)
             raise ValueError("blocks TTL must be in 1..3600 s")
         d = self.daemon
@@ -246,6 +241,21 @@ def default_host() -> str:
 _ZMQ_ENDPOINT = re.compile(r"^(tcp://[^/\s]+:(\d+|\*)|ipc://\S+|inproc://\S+)$")
 
 
+def _rank_ports(k: KvEventSettings) -> None:
+    """Check the endpoints can name `k.ranks` ranks: TCP ports (vLLM offsets no other),
+    all in range, the publishers' apart from the replays' (ValueError)."""
+    runs = []
+    for endpoint in filter(None, (k.endpoint, k.replay_endpoint)):
+        port = endpoint.rpartition(":")[2]
+        if not endpoint.startswith("tcp://") or not port.isdigit():
+            raise ValueError(f"KV-event endpoint {endpoint!r}: ranks need a TCP port to add each rank to")
+        if int(port) + k.ranks - 1 > 65535:
+            raise ValueError(f"KV-event endpoint {endpoint!r}: port + ranks - 1 must be at most 65535")
+        runs.append(range(int(port), int(port) + k.ranks))
+    if len(runs) == 2 and set(runs[0]) & set(runs[1]):
+        raise ValueError("the ranks' KV-event ports and their replay ports overlap: move the replay port")
+
+
 def listen_address(s: Settings) -> tuple[str, int]:
     """(host, port) the tap binds."""
     return listen_host_port(s.tap.listen)
@@ -276,7 +286,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(
         "kv-events-ranks",
         k.ranks,
-        "the engine's --data-parallel-size: rank r publishes on the endpoints' port + r",
+        "the engine's data-parallel ranks on this node (the endpoints are the first's; rank r: port + r)",
         int,
     )
     add("tenant-header", t.tenant_header, "request header naming the tenant")

@@ -196,7 +196,6 @@ def test_a_data_parallel_engines_ranks_publish_on_their_own_endpoints() -> None:
     assert rank_endpoint("tcp://127.0.0.1:5557", 0) == "tcp://127.0.0.1:5557"
     assert rank_endpoint("tcp://127.0.0.1:5557", 3) == "tcp://127.0.0.1:5560"
     assert rank_endpoint("tcp://[::1]:5557", 1) == "tcp://[::1]:5558"
-    assert rank_endpoint("ipc:///run/kv", 2) == "ipc:///run/kv_dp2"
     assert rank_endpoint("", 2) == ""
     k = KvEventSettings(endpoint="tcp://h:5557", replay_endpoint="tcp://h:5657", ranks=2).for_rank(1)
     assert (k.endpoint, k.replay_endpoint) == ("tcp://h:5558", "tcp://h:5658")
@@ -217,6 +216,8 @@ def test_a_data_parallel_engines_ranks_publish_on_their_own_endpoints() -> None:
         {"kv_events": {"endpoint": "tcp://h:5557", "ranks": 257}},
         {"kv_events": {"endpoint": "tcp://h:65535", "ranks": 2}},  # rank 1 past the last port
         {"kv_events": {"endpoint": "tcp://h:*", "ranks": 2}},  # no port to add a rank to
+        {"kv_events": {"endpoint": "ipc:///run/kv", "ranks": 2}},  # (vLLM offsets TCP ports only)
+        {"kv_events": {"endpoint": "tcp://h:5557", "replay_endpoint": "tcp://h:5558", "ranks": 2}},
         {"tap": {"advertise_url": "10.0.0.1:8100"}},
         {"tap": {"advertise_engine_url": "off"}},
     ],

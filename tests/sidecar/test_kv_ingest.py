@@ -91,7 +91,8 @@ async def test_a_data_parallel_engine_is_followed_rank_by_rank(
     """vLLM with --data-parallel-size 2: each rank publishes its own cache on the ports
     plus its rank. The node's index is their union; one rank's reset leaves the other's
     blocks, those of a prefix both ranks hold too."""
-    pub, replay = _port_run(2), _port_run(2)
+    pub = _port_run(4)
+    replay = pub + 2
     ranks = [
         await start_emulator(role="both", kv_events_port=pub + r, kv_events_replay_port=replay + r)
         for r in range(2)

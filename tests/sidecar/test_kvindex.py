@@ -192,7 +192,7 @@ def test_data_parallel_ranks_fold_into_their_union(
             index = daemon_apply(index, m.drain())
             assert index == union
     m.forget()
-    assert not m.hashes() and all(not mine for mine in m._ranks or ())
+    assert not m.hashes() and all(not mine.present and not mine.extra for mine in m._ranks or ())
 
 
 def test_one_ranks_clear_leaves_the_other_ranks_blocks() -> None:

@@ -8,10 +8,12 @@ from typing import Any
 
 import aiohttp
 import grpc
+import pytest
 import structlog.testing
 
 from controlplane.daemon import Daemon
 from emulator import EmulatorServer
+from kvferry.leaseclient import LeaseStream
 from kvferry.v1 import leases_pb2, nodes_pb2
 from sidecar import Sidecar
 from tests.conftest import Client, DaemonFactory, EtcdProcess, daemon_settings, free_port
@@ -259,6 +261,39 @@ async def test_daemon_outage_leaves_traffic_alone_and_registrations_catch_up(
 
         await eventually(freed, within=10)
         assert newer["remote_request_id"] in d.engine.snapshot()["held_requests"]
+
+
+async def test_a_conversations_registration_waits_for_the_one_in_flight(
+    client: Client,
+    start_emulator: StartEmulator,
+    start_sidecar: StartSidecar,
+    http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Turn two finishes while turn one's registration is still on its way (the daemon slow
+    for it): turn two's waits, then goes. Sent together, the one landing last (turn one's
+    here) was the one kept, and the newer turn's retention lost."""
+    p = await start_emulator(role="prefill", enable_prefix_caching=False)
+    d = await start_emulator(role="decode")
+    sc = await start_sidecar(d)
+    await eventually(lambda: _alive_at(client, sc.settings.node_id, 1))
+    real = LeaseStream.register
+    calls = 0
+
+    async def slow_first(self: LeaseStream, req: Any, deadline_s: float) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await asyncio.sleep(0.5)
+        return await real(self, req, deadline_s)
+
+    monkeypatch.setattr(LeaseStream, "register", slow_first)
+    await _d_turn(http, p, sc, "ordered")
+    newer = await _d_turn(http, p, sc, "ordered", topic="harbours")
+    assert sc.leases is not None and await sc.leases.wait_idle(5)
+    assert sc.metrics.value("kvferry_sidecar_lease_registrations_total", outcome="sent") == 2
+    lease = await client.leases.Get(leases_pb2.GetLeaseRequest(conversation_id="ordered"))
+    assert lease.kv_transfer_params["remote_request_id"] == newer["remote_request_id"]
 
 
 async def test_registrations_a_stopping_sidecar_could_not_send_are_counted(
