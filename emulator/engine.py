@@ -91,6 +91,8 @@ class GenerationSpec:
     ignore_eos: bool = False
     kv_transfer_params: Mapping[str, Any] | None = None
     session_id: str | None = None
+    cache_salt: str | None = None
+    """The request's own prefix cache (vLLM's cache_salt): it hits only blocks of its salt."""
 
 
 @dataclass
@@ -245,7 +247,7 @@ class Engine:
         stats = PrefillStats(prompt_tokens=len(prompt))
         try:
             if self.pool.enable_caching:
-                hashes = self._hasher.hash_prompt(prompt)
+                hashes = self._hasher.hash_prompt(prompt, spec.cache_salt)
                 hits = self.pool.find_cached_prefix(hashes[: (len(prompt) - 1) // bs])
                 self.pool.touch(hits)
                 seq.blocks, seq.hashes, seq.prompt_hashes = hits, hashes[: len(hits)], hashes

@@ -68,15 +68,23 @@ class BlockHasher:
             head = self._parent_heads[len(parent)] = b"\x83" + _cbor_head(2, len(parent))
         return head
 
-    def hash_prompt(self, tokens: list[int]) -> list[bytes]:
+    def hash_prompt(self, tokens: list[int], cache_salt: str | None = None) -> list[bytes]:
         """``hash_blocks(tokens)`` for a whole prompt, starting from the longest prefix it
         shares with a prompt hashed before that began with the same block.
 
         A conversation's next turn repeats the previous prompt: comparing the token
         lists (in C) and copying its digests costs ~0.2 ms at 64k tokens, looking each
         block up in the memo 1.5 ms (on every long request, in no timing model).
+
+        With a `cache_salt` the first block's hash has it as its extra key, as vLLM's
+        (``generate_block_hash_extra_keys``), so the whole chain is the salt's own.
         """
         bs = self.block_size
+        if cache_salt is not None:
+            if len(tokens) < bs:
+                return []
+            first = hash_block_tokens(None, tokens[:bs], (cache_salt,), root=self.root)
+            return [first, *self.hash_blocks(tokens[bs:], parent=first)]
         key = tuple(tokens[:bs])
         known = self._prompts.pop(key, None)
         hashes: list[bytes] = []

@@ -81,6 +81,7 @@ class _Common(msgspec.Struct, kw_only=True):
     return_token_ids: bool | None = False
     session_id: str | None = None
     request_id: str | None = None
+    cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     ignore_eos: bool = False
     n: int | None = 1
@@ -346,6 +347,8 @@ async def _generate(
     chat: bool,
 ) -> web.StreamResponse:
     n = _num_sequences(body)
+    if body.cache_salt is not None and not body.cache_salt:
+        raise InvalidRequest("Parameter 'cache_salt' must be a non-empty string if provided.")
     given = request.headers.get("X-Request-Id") or body.request_id or uuid.uuid4().hex
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{given}"
     # The engine's own ids get a random suffix (vLLM #27987): a client's id, the same for
@@ -362,6 +365,7 @@ async def _generate(
             ignore_eos=body.ignore_eos,
             kv_transfer_params=body.kv_transfer_params,
             session_id=session_id,
+            cache_salt=body.cache_salt,
         )
         for k, sequence_id in enumerate(_sequence_ids(internal, len(prompts), n, chat))
     ]

@@ -183,3 +183,13 @@ def test_hash_prompt_equals_hashing_every_block(
         else:
             prompt = [token, *prompt]
         assert hasher.hash_prompt(list(prompt)) == block_hashes(prompt, 4)
+
+
+def test_a_salted_prompt_chains_from_its_salted_first_block() -> None:
+    """vLLM's generate_block_hash_extra_keys: the cache salt goes with the first block only."""
+    hasher = BlockHasher(4, b"root")
+    tokens = list(range(10))
+    salted = hasher.hash_prompt(tokens, "s")
+    first = hash_block_tokens(None, tokens[:4], ("s",), root=b"root")
+    assert salted == [first, hash_block_tokens(first, tokens[4:8], root=b"root")]
+    assert salted[0] != hasher.hash_prompt(tokens)[0] and hasher.hash_prompt(tokens[:3], "s") == []

@@ -113,6 +113,24 @@ async def test_chat_answer_shape(start_emulator: StartEmulator, http: Client) ->
 
 
 @async_test()
+async def test_a_cache_salt_has_a_prefix_cache_of_its_own(
+    start_emulator: StartEmulator, http: Client
+) -> None:
+    """As vLLM: the salt is the first block's extra key, so a salted request hits only blocks
+    of its own salt, and the answer is the same either way."""
+    emu = await start_emulator()
+    first = await http.chat(emu, conversation(), max_tokens=4, cache_salt="tenant-a")
+    assert first.status == 200 and first.count("cached") == 0
+    same = await http.chat(emu, conversation(), max_tokens=4, cache_salt="tenant-a")
+    assert same.count("cached") > 0 and same.content == first.content
+    for other in ({"cache_salt": "tenant-b"}, {}):
+        miss = await http.chat(emu, conversation(), max_tokens=4, **other)
+        assert miss.count("cached") == 0 and miss.content == first.content, other
+    empty = await http.chat(emu, conversation(), max_tokens=4, cache_salt="")
+    assert empty.status == 400 and "cache_salt" in empty.body["error"]["message"]
+
+
+@async_test()
 async def test_completions_plain_and_streamed(start_emulator: StartEmulator, http: Client) -> None:
     emu = await start_emulator()
     prompt = "Once upon a time, a ferry crossed the bay. " * 3
