@@ -103,7 +103,8 @@ async def test_two_turns_pull_the_decoders_blocks(start_emulator: StartEmulator,
 
 @async_test(timeout=15)
 async def test_pull_saves_prefill_time(start_emulator: StartEmulator, http: Client) -> None:
-    p = await start_emulator(enable_prefix_caching=False, prefill_ms_per_token=1.0, transfer_ms_per_block=1.0)
+    # (3 ms a token: a stall of a few hundred ms on a loaded machine stays far from the margin)
+    p = await start_emulator(enable_prefix_caching=False, prefill_ms_per_token=3.0, transfer_ms_per_block=1.0)
     d = await start_emulator()
     first = conversation()
     _, decode = await _turn(http, p, d, first)
@@ -119,11 +120,11 @@ async def test_pull_saves_prefill_time(start_emulator: StartEmulator, http: Clie
     prompt_len = recomputed.count("computed")
     assert reused.count("computed") < prompt_len / 4
     assert reused_s < recomputed_s / 2
-    assert recomputed_s >= prompt_len / 1000
+    assert recomputed_s >= 3 * prompt_len / 1000
     # The emulator's own work runs within the modeled steps, never instead of them: a pull
     # lasts at least its blocks' transfer time plus the computed tokens' prefill time.
     pulled_blocks = -(-reused.count("pulled") // 16)
-    assert reused_s >= (pulled_blocks + reused.count("computed")) / 1000
+    assert reused_s >= (pulled_blocks + 3 * reused.count("computed")) / 1000
 
 
 @async_test(timeout=15)

@@ -87,7 +87,7 @@ async def test_token_ids_reach_the_client_only_when_asked(
 async def test_streams_pass_through_unbuffered(
     start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession, tapped: bool
 ) -> None:
-    d = await start_emulator(role="decode", decode_ms_per_token=40)
+    d = await start_emulator(role="decode", decode_ms_per_token=100)  # (ms of jitter: small beside it)
     sc = await start_sidecar(d)
     headers = {"X-Conversation-Id": "slow"} if tapped else {}
     body = {"messages": first_turn(), "max_tokens": 20, "ignore_eos": True, "stream": True}
@@ -99,7 +99,7 @@ async def test_streams_pass_through_unbuffered(
             if raw.startswith(b"data: "):
                 arrivals.append(time.perf_counter() - began)
     total = arrivals[-1]
-    assert total >= 19 * 0.040  # the engine took its time
+    assert total >= 19 * 0.100  # the engine took its time
     assert arrivals[1] < total / 4, "the first token arrived only at the end: buffered"
     midway = sum(1 for t in arrivals if t < total / 2)
     assert 5 <= midway <= 15, f"tokens should trickle in, got arrivals {arrivals}"
