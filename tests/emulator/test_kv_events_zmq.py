@@ -39,7 +39,7 @@ async def _subscribe(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Soc
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
     sub.connect(endpoint)
-    await asyncio.sleep(0.3)  # let the subscription reach the publisher
+    await asyncio.sleep(1.0)  # let the subscription reach the publisher (ms; a loaded VM, more)
     return sub
 
 

@@ -368,14 +368,14 @@ async def test_a_claim_answered_late_has_ds_blocks_freed_through_p(
 
 
 class _SlowWrites:
-    """A Leases/Stream call whose writes take `delay_s` to leave (a stream still being set
-    up, a congested connection): ops sent in time reach the daemon late."""
+    """A Leases/Stream call whose writes leave only once `gate` is set (a stream still being
+    set up, a congested connection): ops sent in time reach the daemon late."""
 
-    def __init__(self, call: Any, delay_s: float) -> None:
-        self._call, self._delay = call, delay_s
+    def __init__(self, call: Any, gate: asyncio.Event) -> None:
+        self._call, self._gate = call, gate
 
     async def write(self, batch: Any) -> None:
-        await asyncio.sleep(self._delay)
+        await self._gate.wait()
         await self._call.write(batch)
 
     def __getattr__(self, name: str) -> Any:
@@ -457,7 +457,8 @@ async def test_a_claim_reaching_the_daemon_after_its_own_turn_registered_leaves_
     leases = slow.control._replica.leases
     await leases.close()  # (the stream opened at start) the next one is slow to send
     real = leases._stub
-    leases._stub = type("Stub", (), {"Stream": lambda self: _SlowWrites(real.Stream(), 1.0)})()
+    gate = asyncio.Event()
+    leases._stub = type("Stub", (), {"Stream": lambda self: _SlowWrites(real.Stream(), gate)})()
     second = {**body, "messages": next_turn(messages, one.text)}
     two = await ask(http, slow.url, second)
     assert two.status == 200 and (two.decision, two.reason) == ("SKIPPED", "daemon_timeout")
@@ -465,6 +466,7 @@ async def test_a_claim_reaching_the_daemon_after_its_own_turn_registered_leaves_
     get = leases_pb2.GetLeaseRequest(conversation_id="own-turn")
     registered = await stack.client.leases.Get(get)
     assert registered.request_id == two.headers["X-Request-ID"]  # turn two's own
+    gate.set()  # (only now does turn two's lookup reach the daemon)
 
     async def lookup_arrived() -> bool:
         return (await stack.client.leases.Get(get)).revision != registered.revision

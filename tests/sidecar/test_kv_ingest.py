@@ -43,6 +43,16 @@ async def index_of(client: Client, engine_id: str, expected: set[int]) -> bool:
     return any(s.engine_id == engine_id and s.cached_blocks == len(expected) for s in scores.scores)
 
 
+async def subscribed(sc: Sidecar, ranks: int = 1) -> None:
+    """Until the sidecar's KV-event ingest has caught up by replay, on each rank (its SUB
+    connected before): traffic sent earlier could fall between the two and be a gap."""
+
+    async def replayed() -> bool:
+        return sc.metrics.value("kvferry_sidecar_kv_replays_total", outcome="complete") >= ranks
+
+    await eventually(replayed)
+
+
 async def _traffic(http: aiohttp.ClientSession, url: str, topics: list[str]) -> None:
     for topic in topics:
         answer = await chat(http, url, first_turn(topic), max_tokens=20, ignore_eos=True)
@@ -55,6 +65,7 @@ async def test_the_index_follows_the_engine_through_evictions_and_resets(
     d = await start_emulator(role="both", num_blocks=48, **KV)
     sc = await start_sidecar(d)
     node_id = sc.settings.node_id
+    await subscribed(sc)
     await _traffic(http, sc.url, ["ferries", "harbours", "lighthouses", "tides"])  # 48 blocks: evictions
     await eventually(lambda: index_of(client, node_id, engine_cache(d)))
     assert engine_cache(d)
@@ -99,6 +110,7 @@ async def test_a_data_parallel_engine_is_followed_rank_by_rank(
     ]
     sc = await start_sidecar(ranks[0], kv_events__ranks=2)
     node_id = sc.settings.node_id
+    await subscribed(sc, ranks=2)
     await _traffic(http, sc.url, ["ferries"])
     await _traffic(http, ranks[1].http_url, ["harbours", "ferries"])  # (vLLM's DP balancer sent it there)
     both = engine_cache(ranks[0]) | engine_cache(ranks[1])
@@ -198,17 +210,17 @@ async def test_a_replay_longer_than_its_answer_timeout_completes(
 ) -> None:
     """vLLM replays up to 10,000 batches: the timeout is per answer, not for the whole
     replay (which then ended as a timeout, reset the index and paused replays for 5 s)."""
-    for seq in range(8):
+    for seq in range(20):
         await fake.publish(seq, _maps({"type": "BlockStored", "block_hashes": [seq + 1]}), deliver=False)
-    fake.replay_pace_s = 0.1  # 0.8 s in all, against a 0.4 s answer timeout
+    fake.replay_pace_s = 0.1  # 2 s in all, against a 1.5 s answer timeout (a stall is no timeout)
     d = await start_emulator(role="decode")
     sc = await start_sidecar(
         d,
         kv_events__endpoint=fake.endpoint,
         kv_events__replay_endpoint=fake.replay_endpoint,
-        kv_events__replay_timeout_s=0.4,
+        kv_events__replay_timeout_s=1.5,
     )
-    await eventually(lambda: index_of(client, sc.settings.node_id, set(range(1, 9))))
+    await eventually(lambda: index_of(client, sc.settings.node_id, set(range(1, 21))), within=15)
     assert sc.metrics.value("kvferry_sidecar_kv_replays_total", outcome="complete") == 1
     assert sc.metrics.value("kvferry_sidecar_kv_replays_total", outcome="timeout") == 0
 
@@ -297,11 +309,11 @@ async def test_changes_reach_the_daemon_without_waiting_for_a_heartbeat(
     began = loop.time()
     await fake.publish(0, _maps({"type": "BlockStored", "block_hashes": [1]}))
     await eventually(lambda: index_of(client, node_id, {1}))
-    assert loop.time() - began < 2.5
+    assert loop.time() - began < 4.0
     burst = list(range(10, 10 + 60 * 1024))  # several flushes' worth
     began = loop.time()
     for i in range(60):
         chunk = burst[i * 1024 : (i + 1) * 1024]
         await fake.publish(1 + i, _maps({"type": "BlockStored", "block_hashes": chunk}))
-    await eventually(lambda: index_of(client, node_id, {1, *burst}), within=8)
-    assert loop.time() - began < 5.0
+    await eventually(lambda: index_of(client, node_id, {1, *burst}), within=9)
+    assert loop.time() - began < 7.0
