@@ -115,6 +115,9 @@ class LeaseView:
 
 #: A listed lease's encoded bytes beyond its params and digests (ids, times, numbers).
 _LEASE_OVERHEAD = 256
+#: Most retentions one List call reads: with a filter few match (an engine's among 100k),
+#: the page ends short, even empty, with a token to go on from, not after the whole store.
+LIST_EXAMINED = 2000
 
 #: How long a Lookup sent with prompt_follows waits for its prompt.
 PROMPT_WAIT_S = 10.0
@@ -730,8 +733,11 @@ class ControlPlane:
         out: list[LeaseView] = []
         size = 0  # about the page's encoded bytes: it must fit a client's message limit
         full = False
-        while len(out) < page_size and not full:
-            batch, start = await self.store.list_retentions(prefix, start, page_size - len(out))
+        examined = 0
+        while len(out) < page_size and not full and examined < LIST_EXAMINED:
+            want = min(page_size - len(out), LIST_EXAMINED - examined)
+            batch, start = await self.store.list_retentions(prefix, start, want)
+            examined += len(batch)
             for s in batch:
                 r = s.retention
                 if (engine_id and r.engine_id != engine_id) or not (include_inactive or r.expires_at > now):

@@ -18,7 +18,8 @@ import grpc
 from google.protobuf import json_format
 
 from kvferry import logs
-from kvferry.flags import non_negative_int, positive_float
+from kvferry.digests import DIGEST_SIZE
+from kvferry.flags import non_negative_int, seconds
 from kvferry.releases import claim_release_body, engine_url, release_prefill
 from kvferry.structs import json_number, struct_to_dict
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
@@ -31,9 +32,7 @@ _ANSWER_JSON = "print the daemon's answer as JSON on one line"
 def add_arguments(sub: Any) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--daemon", default="127.0.0.1:50051", help="daemon address host:port")
-    common.add_argument(
-        "--timeout", type=positive_float, default=5.0, help="seconds to wait for each daemon call"
-    )
+    common.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for each daemon call")
     logs.add_level_flag(common, default=argparse.SUPPRESS)
 
     def command(parent: Any, name: str, help_text: str, json_help: str) -> argparse.ArgumentParser:
@@ -72,7 +71,13 @@ def add_arguments(sub: Any) -> None:
     nsub = nodes.add_subparsers(dest="action", required=True)
     nls = command(nsub, "ls", "list nodes", _LIST_JSON)
     nls.add_argument("--all", action="store_true", help="include nodes whose liveness lapsed")
-    nrm = command(nsub, "rm", "deregister a node: its liveness ends and its leases die with it", _ANSWER_JSON)
+    nrm = command(
+        nsub,
+        "rm",
+        "deregister a node: its liveness ends and its leases die with it (D keeps their blocks to "
+        "their TTL; a sidecar still attached registers it again: stop that first)",
+        _ANSWER_JSON,
+    )
     nrm.add_argument("engine_id")
     nodes.set_defaults(func=_nodes)
 
@@ -90,7 +95,7 @@ def _release_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--release-timeout",
-        type=positive_float,
+        type=seconds,
         default=60.0,
         help="seconds to wait for the prefill node to run the release (a busy P queues it)",
     )
@@ -123,7 +128,13 @@ def _integral(v: Any) -> Any:
 
 def _fail(e: grpc.RpcError) -> int:
     print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-    return 2 if e.code() is grpc.StatusCode.NOT_FOUND else 1
+    return 2 if e.code() in _THE_CALLERS else 1
+
+
+#: Answers about the request itself (exit 2, as "not found"), not the daemon failing (exit 1).
+_THE_CALLERS = frozenset(
+    {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
+)
 
 
 def _bad_input(e: Exception) -> int:
@@ -272,7 +283,7 @@ def _leases_ls(stub: leases_pb2_grpc.LeasesStub, a: argparse.Namespace) -> int:
                         lease.engine_id,
                         str(lease.generation),
                         str(lease.num_tokens),
-                        str(len(lease.block_digests) // 16),
+                        str(len(lease.block_digests) // DIGEST_SIZE),
                         lease.expires_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S"),
                     ]
                 )

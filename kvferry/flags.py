@@ -41,6 +41,15 @@ def positive_float(text: str) -> float:
     return value
 
 
+def seconds(text: str) -> float:
+    """A duration flag's value: more than 0, at most a day (a longer gRPC deadline
+    overflows to one already past, and every call fails at once)."""
+    value = positive_float(text)
+    if value > 86400:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at most 86400 (a day)")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:

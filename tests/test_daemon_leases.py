@@ -215,6 +215,31 @@ async def test_list_pages_and_filters(client: Client) -> None:
     assert sorted(seen) == [f"c/{i:02d}" for i in range(25)] and pages == 3
     only = await client.leases.List(leases_pb2.ListLeasesRequest(engine_id="d-1", page_size=100))
     assert len(only.leases) == 12 and {x.engine_id for x in only.leases} == {"d-1"}
+
+
+async def test_a_filtered_listing_reads_a_bounded_part_of_the_store_per_call(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine's few leases among many: each call reads a bounded number of retentions and
+    returns a short (even empty) page with a token, never the whole store in one call."""
+    from controlplane import service
+
+    monkeypatch.setattr(service, "LIST_EXAMINED", 5)
+    await client.nodes.Register(node_request("d-1"))
+    await client.nodes.Register(node_request("d-2", side_channel_port=5601))
+    for i in range(20):
+        await client.leases.Register(lease_request(f"c/{i:02d}", engine_id="d-2" if i == 13 else "d-1"))
+    seen, token, calls = [], "", 0
+    while True:
+        page = await client.leases.List(
+            leases_pb2.ListLeasesRequest(engine_id="d-2", page_size=100, page_token=token)
+        )
+        calls += 1
+        seen += [lease.conversation_id for lease in page.leases]
+        token = page.next_page_token
+        if not token:
+            break
+    assert seen == ["c/13"] and calls >= 4
     got = await client.leases.Get(leases_pb2.GetLeaseRequest(conversation_id="c/03"))
     assert got.engine_id == "d-1" and got.num_tokens == 1000 and got.expires_at.seconds > 0
 

@@ -122,6 +122,14 @@ async def test_cli_tables_and_json(daemon: Daemon, client: Client) -> None:
             kvferry, *action, b"\xff".decode("utf-8", "surrogateescape"), "--daemon", daemon.address
         )
         assert code == 2 and err.startswith("error: ") and "Traceback" not in err, (action, err)
+    # An id the daemon refuses (empty: "$CONV" unset in a script) is bad input, not a daemon
+    # failing: 2, not 1 (which a script may retry forever).
+    for bad in ("", "x" * 300):
+        code, _, err = await run(kvferry, "leases", "get", bad, "--daemon", daemon.address)
+        assert code == 2 and "INVALID_ARGUMENT" in err, (bad[:5], err)
+    # A deadline past what gRPC takes (every call failed at once) is refused up front.
+    code, _, err = await run(kvferry, "leases", "ls", "--timeout", "1e10", "--daemon", daemon.address)
+    assert code == 2 and "at most 86400" in err
 
 
 async def test_cli_revoke_sends_the_release_through_a_fitting_prefill_node(

@@ -423,7 +423,11 @@ class ListLeasesResponse(_message.Message):
     next_page_token: _builtins.str
     """Empty when this was the last page."""
     @_builtins.property
-    def leases(self) -> _containers.RepeatedCompositeFieldContainer[Global___Lease]: ...
+    def leases(self) -> _containers.RepeatedCompositeFieldContainer[Global___Lease]:
+        """A page may be short, even empty, while next_page_token is set: one call reads at
+        most a few thousand retentions (a filter may match few of them).
+        """
+
     def __init__(
         self,
         *,

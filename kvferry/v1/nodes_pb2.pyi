@@ -364,7 +364,9 @@ class ListNodesRequest(_message.Message):
     role: Global___Role.ValueType
     """Empty = all roles."""
     include_dead: _builtins.bool
-    """Include nodes whose liveness lapsed (kept until they re-register or deregister)."""
+    """Include nodes whose liveness lapsed (kept until they re-register, or until the
+    daemon collects them: --node-gc-after).
+    """
     local_only: _builtins.bool
     """indexed_blocks from this replica's KV-event index only. Each replica indexes the
     sidecars attached to it; without local_only it also asks the other replicas

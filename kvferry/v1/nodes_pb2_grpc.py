@@ -86,7 +86,9 @@ class NodesServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Deregister(self, request, context):
-        """Remove a node: its liveness ends at once and its retentions become dead.
+        """Remove a node: its liveness ends at once and its retentions become dead (D keeps
+        their blocks to their TTL). A sidecar still attached registers the node again, at a
+        new generation: stop it first to take a node out.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -39,7 +39,10 @@ class NodesStub:
     """
     List: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.ListNodesRequest, _nodes_pb2.ListNodesResponse]
     Deregister: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.DeregisterNodeRequest, _nodes_pb2.DeregisterNodeResponse]
-    """Remove a node: its liveness ends at once and its retentions become dead."""
+    """Remove a node: its liveness ends at once and its retentions become dead (D keeps
+    their blocks to their TTL). A sidecar still attached registers the node again, at a
+    new generation: stop it first to take a node out.
+    """
     Score: _grpc.UnaryUnaryMultiCallable[_nodes_pb2.ScoreRequest, _nodes_pb2.ScoreResponse]
     """How many leading blocks of a prompt each node's prefix cache holds (from
     the KV-event index), for routers choosing a prefill node.
@@ -56,7 +59,10 @@ class NodesAsyncStub(NodesStub):
     """
     List: _aio.UnaryUnaryMultiCallable[_nodes_pb2.ListNodesRequest, _nodes_pb2.ListNodesResponse]  # type: ignore[assignment]
     Deregister: _aio.UnaryUnaryMultiCallable[_nodes_pb2.DeregisterNodeRequest, _nodes_pb2.DeregisterNodeResponse]  # type: ignore[assignment]
-    """Remove a node: its liveness ends at once and its retentions become dead."""
+    """Remove a node: its liveness ends at once and its retentions become dead (D keeps
+    their blocks to their TTL). A sidecar still attached registers the node again, at a
+    new generation: stop it first to take a node out.
+    """
     Score: _aio.UnaryUnaryMultiCallable[_nodes_pb2.ScoreRequest, _nodes_pb2.ScoreResponse]  # type: ignore[assignment]
     """How many leading blocks of a prompt each node's prefix cache holds (from
     the KV-event index), for routers choosing a prefill node.
@@ -94,7 +100,10 @@ class NodesServicer(metaclass=_abc_1.ABCMeta):
         request: _nodes_pb2.DeregisterNodeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_nodes_pb2.DeregisterNodeResponse, _abc.Awaitable[_nodes_pb2.DeregisterNodeResponse]]:
-        """Remove a node: its liveness ends at once and its retentions become dead."""
+        """Remove a node: its liveness ends at once and its retentions become dead (D keeps
+        their blocks to their TTL). A sidecar still attached registers the node again, at a
+        new generation: stop it first to take a node out.
+        """
 
     @_abc_1.abstractmethod
     def Score(
