@@ -46,6 +46,8 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 LATE_ANSWER_S = 10.0
 """How long an answer given up on is still waited for when its caller wants it late."""
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # missing from the stubs
+CLOSE_WRITING_S = 1.0
+"""Longest a close waits for the stream to take its end of writing."""
 
 
 class LeaseStream:
@@ -298,8 +300,10 @@ class LeaseStream:
         call, reader, writer = self._call, self._reader, self._writer  # (an `_open` meanwhile makes new ones)
         self._call = None
         if call is not None:
-            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
-                await call.done_writing()
+            # (bounded: a stream still connecting to a replica that does not answer, or
+            # whose writes wait on flow control, must not hold up a stop)
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, TimeoutError):
+                await asyncio.wait_for(call.done_writing(), CLOSE_WRITING_S)
             call.cancel()
         await cancel_and_wait([writer, reader])
         self._fail_pending(LeaseOpError(grpc.StatusCode.CANCELLED, "lease stream closed"))

@@ -63,10 +63,18 @@ def _rotate(best: list[Node], tiebreak: int) -> Node:
 
 
 def choose_decode(
-    nodes: Sequence[Node], load: Mapping[str, int], tiebreak: int = 0, exclude: Collection[str] = ()
+    nodes: Sequence[Node],
+    load: Mapping[str, int],
+    tiebreak: int = 0,
+    exclude: Collection[str] = (),
+    block_size: int = 0,
 ) -> Node | None:
-    """The decode node with the fewest outstanding requests (None: there is none left)."""
+    """The decode node with the fewest outstanding requests (None: there is none left), of
+    `block_size` when any is: P's KV reaches D, and D's retention the next turn's digests,
+    in blocks of that size."""
     candidates = [n for n in nodes if n.decodes and n.engine_id not in exclude]
+    if block_size:
+        candidates = [n for n in candidates if n.block_size == block_size] or candidates
     if not candidates:
         return None
     least = min(load.get(n.engine_id, 0) for n in candidates)

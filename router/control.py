@@ -176,7 +176,10 @@ class ControlPlane:
         return reuse_of(answer_of(res))
 
     async def score(self, hashes: Sequence[int]) -> dict[str, int]:
-        """Leading cached blocks of a prompt per prefill node ({} on any failure)."""
+        """Leading cached blocks of a prompt per prefill node ({} on any failure, or while
+        the daemon is failing lookups: a turn does not wait for it to fail this too)."""
+        if not self.breaker.allows(time.monotonic()):
+            return {}
         replica = self._replica
         try:
             res = await replica.nodes.Score(

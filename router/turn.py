@@ -184,7 +184,7 @@ class Turn:
             # One model per turn: a model name no node reports (an adapter's) leaves every
             # node a candidate, and P's KV is only any use to a D of P's base model.
             self.nodes = nodes = serving(nodes, prefill.model)
-        decode = choose_decode(nodes, load, tiebreak)
+        decode = choose_decode(nodes, load, tiebreak, block_size=prefill.block_size if prefill else 0)
         if prefill is None or decode is None:
             return error_response(503, "no prefill or no decode node available", "ServiceUnavailableError")
         plain = plain_reason(self.body)

@@ -151,6 +151,12 @@ def test_decode_is_the_least_busy_and_ties_rotate() -> None:
     picks = {choose_decode(nodes, {"b1": 5}, t).engine_id for t in range(4)}  # type: ignore[union-attr]
     assert picks == {"d1", "d2"}
     assert choose_decode([Node("p", "prefill", "u")], {}) is None
+    # A D of P's block size first, however busy (P's KV, and the next turn's digests, are in
+    # blocks of that size); another only when there is none.
+    mixed = [*nodes, Node("d32", "decode", "http://d32", block_size=32)]
+    assert choose_decode(mixed, {"d1": 9, "d2": 9, "b1": 9}, block_size=32).engine_id == "d32"  # type: ignore[union-attr]
+    assert choose_decode(mixed, {"d1": 9, "d2": 9, "b1": 9}, block_size=16).engine_id != "d32"  # type: ignore[union-attr]
+    assert choose_decode(nodes, {}, block_size=64) is not None
 
 
 def test_prefill_prefers_the_cached_prefix_unless_much_busier() -> None:
@@ -508,3 +514,20 @@ def test_flags_are_read_as_pydantic_reads_them_in_lax_mode() -> None:
     assert input_problem("/v1/completions", body) is None
     assert body == {"prompt": "p", "stream": True, "echo": False, "return_token_ids": None}
     assert input_problem("/v1/completions", {"prompt": "p", "echo": "sure"}) == "'echo' must be a boolean."
+
+
+async def test_no_score_is_asked_while_the_breaker_holds_lookups_back() -> None:
+    """A failing daemon: a scored turn does not wait for Score to fail as well."""
+    import time
+
+    from router.control import ControlPlane
+    from router.settings import DaemonSettings
+
+    control = ControlPlane(["127.0.0.1:1"], DaemonSettings(addresses=("127.0.0.1:1",)))
+    asked: list[object] = []
+    control._replica.nodes.Score = lambda *a, **k: asked.append(a)  # type: ignore[method-assign]
+    control.breaker.record(False, time.monotonic())
+    try:
+        assert await control.score([1, 2]) == {} and asked == []
+    finally:
+        await control.close()
