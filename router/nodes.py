@@ -58,10 +58,31 @@ class DirectRoutes:
 
 
 class Load:
-    """Outstanding requests per node, as this router sent them."""
+    """Outstanding requests per node, as this router sent them; and the nodes it could not
+    connect to lately, which turns leave out while any other will do (a dead node has
+    nothing outstanding, so the least loaded choice would keep picking it until the
+    daemon's node list drops it: seconds)."""
 
-    def __init__(self) -> None:
+    def __init__(self, down_base_s: float = 2.0, down_max_s: float = 30.0) -> None:
         self._n: dict[str, int] = {}
+        self._down_base_s, self._down_max_s = down_base_s, down_max_s
+        self._down: dict[str, tuple[float, int]] = {}
+        """engine id -> (monotonic time until which it is left out, failures in a row)."""
+
+    def unreachable(self, engine_id: str, now: float) -> None:
+        """A request could not connect to the node: left out for 2 s, doubling while it
+        stays unreachable (at most 30 s)."""
+        failures = self._down.get(engine_id, (0.0, 0))[1] + 1
+        pause = min(self._down_base_s * 2 ** min(failures - 1, 30), self._down_max_s)
+        self._down[engine_id] = (now + pause, failures)
+
+    def reached(self, engine_id: str) -> None:
+        self._down.pop(engine_id, None)
+
+    def down(self, now: float) -> set[str]:
+        """The nodes left out now. (One left out no longer is tried again by the next turn
+        that chooses it: unreachable still, it is left out twice as long.)"""
+        return {e for e, (until, _) in self._down.items() if until > now}
 
     @property
     def view(self) -> Mapping[str, int]:

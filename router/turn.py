@@ -160,8 +160,9 @@ class Turn:
         self.tokens: list[int] | None = None
         self.tokenized_by: Node | None = None
         """The P that tokenized instead of the chosen one (unreachable): the prefill goes there."""
-        self.unreachable: set[str] = set()
-        """Prefill nodes this turn could not connect to (no release goes there)."""
+        self.unreachable: set[str] = shared.load.down(time.monotonic())
+        """Nodes this turn could not connect to, or the router lately (no request or release
+        goes there while another will do)."""
         self.reuse: Reuse | None = None
         self.log = log.bind(
             request_id=self.request_id,
@@ -179,12 +180,18 @@ class Turn:
         alone = decode_alone_reason(self.body)
         if alone is not None:
             return await self._decode_alone(tiebreak, alone)
-        prefill = choose_prefill(nodes, load, tiebreak=tiebreak)
+        down = self.unreachable
+        prefill = choose_prefill(nodes, load, exclude=down, tiebreak=tiebreak) or choose_prefill(
+            nodes, load, tiebreak=tiebreak
+        )
         if prefill is not None:
             # One model per turn: a model name no node reports (an adapter's) leaves every
             # node a candidate, and P's KV is only any use to a D of P's base model.
             self.nodes = nodes = serving(nodes, prefill.model)
-        decode = choose_decode(nodes, load, tiebreak, block_size=prefill.block_size if prefill else 0)
+        size = prefill.block_size if prefill else 0
+        decode = choose_decode(nodes, load, tiebreak, down, size) or choose_decode(
+            nodes, load, tiebreak, (), size
+        )
         if prefill is None or decode is None:
             return error_response(503, "no prefill or no decode node available", "ServiceUnavailableError")
         plain = plain_reason(self.body)
@@ -356,15 +363,23 @@ class Turn:
         url = self.s.direct.url(node)
         try:
             try:
-                return await self.s.engines.post(url + path, body, headers, timeout_s)
+                reply = await self.s.engines.post(url + path, body, headers, timeout_s)
             except UpstreamError as e:
                 if e.failure.kind is not FailureKind.CONNECT or not self.s.direct.unreachable(node, url):
                     raise
-            return await self.s.engines.post(node.url + path, body, headers, timeout_s)
+                reply = await self.s.engines.post(node.url + path, body, headers, timeout_s)
         except UpstreamError as e:
             if e.failure.kind is FailureKind.CONNECT:  # no prefill, retry or release goes there
-                self.unreachable.add(node.engine_id)
+                self._unreachable(node)
             raise
+        self.s.load.reached(node.engine_id)
+        return reply
+
+    def _unreachable(self, node: Node) -> None:
+        """`node` could not be connected to: this turn, and the next ones for a while, leave
+        it out."""
+        self.unreachable.add(node.engine_id)
+        self.s.load.unreachable(node.engine_id, time.monotonic())
 
     async def _score(self, prefill: Node) -> dict[str, int]:
         assert self.s.control is not None and self.tokens is not None
@@ -483,11 +498,17 @@ class Turn:
                 except UpstreamError as e:
                     self.s.metrics.upstream_error("decode", e.failure)
                     self.log.warning("router.decode.unreachable", node=node.engine_id, error=str(e))
-                    other = choose_decode(self.nodes, self.s.load.view, exclude=tried)
+                    if e.failure.kind is FailureKind.CONNECT:
+                        self._unreachable(node)
+                    load = self.s.load.view
+                    other = choose_decode(
+                        self.nodes, load, exclude=tried | self.unreachable
+                    ) or choose_decode(self.nodes, load, exclude=tried)
                     if other is not None and retry_decode_elsewhere(e.failure, True):
                         node = other
                         continue
                     return bad_gateway(_engine_message(None, e.failure, "decode"))
+                self.s.load.reached(node.engine_id)
                 return await self._decode_answer(node, upstream, t0, prefill_params)
 
     async def _decode_answer(

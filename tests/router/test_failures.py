@@ -1197,3 +1197,43 @@ async def test_a_lost_lease_stream_is_set_up_again_in_the_background() -> None:
     assert reuse.decision == "SKIPPED" and reuse.reason == "daemon_unavailable"
     assert cp._reopening is not None
     await cp.close()
+
+
+async def test_a_node_that_cannot_be_connected_to_is_left_out_for_a_while(
+    make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
+) -> None:
+    """A dead D has nothing outstanding, so the least loaded choice kept picking it (every
+    other turn, ties rotating) until the node list dropped it. Now one turn pays its failed
+    connect; the next ones leave it out."""
+    stack = await make_stack()
+    await stack.wait_nodes()
+    [p], [d] = stack.prefills, stack.decodes
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: refused
+    router = Router(
+        router_settings(
+            None, nodes__prefill_urls=(stack.sidecar(p).url,), nodes__decode_urls=(dead, stack.sidecar(d).url)
+        )
+    )
+    async with router:
+        body = {"messages": first_turn("dead ends"), "max_tokens": 4}
+        truth = await reference(CHAT, body)
+        for _ in range(6):
+            res = await ask(http, router.url, body)
+            assert res.status == 200 and res.text == truth
+        failed = router.metrics.value("kvferry_router_upstream_errors_total", role="decode", kind="connect")
+        assert failed <= 1
+
+
+def test_nodes_left_out_come_back_after_a_pause_that_doubles() -> None:
+    from router.nodes import Load
+
+    load = Load(down_base_s=2.0, down_max_s=5.0)
+    load.unreachable("n", 100.0)
+    assert load.down(101.9) == {"n"} and load.down(102.1) == set()
+    load.unreachable("n", 102.1)  # tried again, unreachable still: 4 s
+    assert load.down(106.0) == {"n"} and load.down(106.2) == set()
+    load.unreachable("n", 106.2)
+    assert load.down(111.1) == {"n"} and load.down(111.3) == set()  # (at most 5 s)
+    load.reached("n")
+    load.unreachable("n", 200.0)  # reached between: 2 s again
+    assert load.down(202.1) == set()
