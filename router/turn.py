@@ -202,9 +202,12 @@ class Turn:
             and worth_scoring(nodes)
             and cached_under_plain_hashes(self.body, nodes)
         )
-        if conversation or scoring:
-            prefill = await self._prepare(prefill, scoring, tiebreak)
-        params = await self._prefill(prefill)
+        # D is counted from its choice (`_decode` counts it from then on): turns arriving
+        # during this one's tokenizing, lookup and prefill see it taken, not idle.
+        with self.s.load.track(decode):
+            if conversation or scoring:
+                prefill = await self._prepare(prefill, scoring, tiebreak)
+            params = await self._prefill(prefill)
         if isinstance(params, web.Response):
             return params
         return await self._decode(decode, params)
@@ -214,7 +217,8 @@ class Turn:
         render as the engines would (see `reproducible`): plain P/D, nothing looked up,
         scored or retained. P and D get the request as the client sent it, no token ids."""
         self._skip(why)
-        params = await self._prefill(prefill)
+        with self.s.load.track(decode):  # (counted from its choice, as in `serve`)
+            params = await self._prefill(prefill)
         if isinstance(params, web.Response):
             return params
         return await self._decode(decode, params, retain=False)

@@ -1237,3 +1237,25 @@ def test_nodes_left_out_come_back_after_a_pause_that_doubles() -> None:
     load.reached("n")
     load.unreachable("n", 200.0)  # reached between: 2 s again
     assert load.down(202.1) == set()
+
+
+async def test_decode_is_counted_from_its_choice_not_from_its_request(
+    make_stack: MakeStack, http: aiohttp.ClientSession
+) -> None:
+    """D is chosen when the turn starts but asked only after the prefill: counted only then,
+    every turn arriving meanwhile saw it idle and piled onto it too."""
+    stack = await make_stack(decode=2, p_config={"prefill_ms_per_token": 2.0})
+    router = await stack.router()
+    assert router._shared is not None
+    view = router._shared.load.view
+    decodes = {n.engine_id for n in router._shared.directory.nodes if n.role == "decode"}
+    prefills = {n.engine_id for n in router._shared.directory.nodes if n.role == "prefill"}
+    turn = asyncio.ensure_future(ask(http, router.url, {"messages": first_turn("counted"), "max_tokens": 2}))
+
+    async def prefilling() -> bool:
+        return any(view.get(p, 0) for p in prefills)
+
+    await eventually(prefilling)
+    assert sum(view.get(d, 0) for d in decodes) == 1  # taken while P works
+    assert (await turn).status == 200
+    assert not any(view.values())  # (and given back)
