@@ -62,12 +62,18 @@ def node_of(n: nodes_pb2.Node) -> Node | None:
     )
 
 
+#: Lookups in a row a daemon replica answers late after which the next go to another.
+LATE_FAILOVER = 3
+
+
 class _Replica:
     def __init__(self, address: str) -> None:
         self.address = address
         self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self.leases = LeaseStream(self.channel)
         self.nodes = nodes_pb2_grpc.NodesStub(self.channel)
+        self.late = 0
+        """Lookups in a row it answered after their deadline (or never)."""
 
     async def close(self) -> None:
         await self.leases.close()
@@ -156,7 +162,11 @@ class ControlPlane:
             unreachable = e.code in _UNREACHABLE
             if late or unreachable:
                 self.breaker.record(False, time.monotonic())
-            if unreachable:
+            replica.late = replica.late + 1 if late else 0
+            # (a replica that keeps its connection but answers nothing in time: hung, or
+            # overloaded, is left as one that cannot be reached is)
+            if unreachable or replica.late >= LATE_FAILOVER:
+                replica.late = 0
                 self._failover(replica)
             if e.stream_lost:
                 self._reopen()
@@ -173,6 +183,7 @@ class ControlPlane:
             log.warning("router.lookup.crashed", address=replica.address, error=repr(e))
             return skipped(Skip.ERROR)
         self.breaker.record(True, time.monotonic())
+        replica.late = 0
         return reuse_of(answer_of(res))
 
     async def score(self, hashes: Sequence[int]) -> dict[str, int]:

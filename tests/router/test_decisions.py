@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -529,5 +530,43 @@ async def test_no_score_is_asked_while_the_breaker_holds_lookups_back() -> None:
     control.breaker.record(False, time.monotonic())
     try:
         assert await control.score([1, 2]) == {} and asked == []
+    finally:
+        await control.close()
+
+
+async def test_lookups_leave_a_replica_that_keeps_answering_late() -> None:
+    """A replica that keeps its connection but answers no lookup in time (hung, or
+    overloaded): after three in a row the next lookups go to another replica. Only one that
+    could not be reached was left before; lookups skipped reuse while a healthy one idled."""
+    import asyncio
+    import time
+
+    import grpc
+
+    from kvferry.leaseclient import LeaseOpError
+    from router.control import LATE_FAILOVER, ControlPlane
+    from router.settings import DaemonSettings
+
+    addresses = ("127.0.0.1:1", "127.0.0.1:2")
+    control = ControlPlane(list(addresses), DaemonSettings(addresses=addresses))
+
+    async def late(req: object, message: Any, *args: object) -> object:
+        message.close()  # (the prompt it would have sent)
+        raise LeaseOpError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline")
+
+    hung = control._replica
+    hung.leases.lookup_with_prompt = late  # type: ignore[method-assign]
+    try:
+        for i in range(LATE_FAILOVER):
+            assert control._replica is hung, i
+            control.breaker.open_until = 0.0  # (the breaker's pause over)
+            prompt: asyncio.Future[tuple[list[int], bytes] | None] = (
+                asyncio.get_running_loop().create_future()
+            )
+            prompt.set_result(None)
+            reuse = await control.lookup_early("", "c", prompt)
+            assert (reuse.decision, reuse.reason) == ("SKIPPED", "daemon_timeout")
+        assert control._replica is not hung and control._replica.address == addresses[1]
+        assert time.monotonic() < control.breaker.open_until  # (the breaker counted them)
     finally:
         await control.close()
