@@ -96,7 +96,10 @@ class LeasesServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Revoke(self, request, context):
-        """Delete a retention so it is never handed out.
+        """Delete a retention so it is never handed out (and the conversation's claim marker:
+        a retention a lookup already took is not found). The answer's release_params are the
+        only way to have D free the blocks: a revoke whose answer is lost (a deadline, etcd
+        slow) leaves them held to their TTL, and a retry finds nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -40,7 +40,11 @@ class LeasesStub:
     Get: _grpc.UnaryUnaryMultiCallable[_leases_pb2.GetLeaseRequest, _leases_pb2.Lease]
     List: _grpc.UnaryUnaryMultiCallable[_leases_pb2.ListLeasesRequest, _leases_pb2.ListLeasesResponse]
     Revoke: _grpc.UnaryUnaryMultiCallable[_leases_pb2.RevokeLeaseRequest, _leases_pb2.RevokeLeaseResponse]
-    """Delete a retention so it is never handed out."""
+    """Delete a retention so it is never handed out (and the conversation's claim marker:
+    a retention a lookup already took is not found). The answer's release_params are the
+    only way to have D free the blocks: a revoke whose answer is lost (a deadline, etcd
+    slow) leaves them held to their TTL, and a retry finds nothing.
+    """
     Stream: _grpc.StreamStreamMultiCallable[_leases_pb2.LeaseOpBatch, _leases_pb2.LeaseOpResultBatch]
     """Register and Lookup multiplexed on one long-lived stream, for sidecars and
     routers: same semantics as the unary calls, many in flight, results in
@@ -60,7 +64,11 @@ class LeasesAsyncStub(LeasesStub):
     Get: _aio.UnaryUnaryMultiCallable[_leases_pb2.GetLeaseRequest, _leases_pb2.Lease]  # type: ignore[assignment]
     List: _aio.UnaryUnaryMultiCallable[_leases_pb2.ListLeasesRequest, _leases_pb2.ListLeasesResponse]  # type: ignore[assignment]
     Revoke: _aio.UnaryUnaryMultiCallable[_leases_pb2.RevokeLeaseRequest, _leases_pb2.RevokeLeaseResponse]  # type: ignore[assignment]
-    """Delete a retention so it is never handed out."""
+    """Delete a retention so it is never handed out (and the conversation's claim marker:
+    a retention a lookup already took is not found). The answer's release_params are the
+    only way to have D free the blocks: a revoke whose answer is lost (a deadline, etcd
+    slow) leaves them held to their TTL, and a retry finds nothing.
+    """
     Stream: _aio.StreamStreamMultiCallable[_leases_pb2.LeaseOpBatch, _leases_pb2.LeaseOpResultBatch]  # type: ignore[assignment]
     """Register and Lookup multiplexed on one long-lived stream, for sidecars and
     routers: same semantics as the unary calls, many in flight, results in
@@ -107,7 +115,11 @@ class LeasesServicer(metaclass=_abc_1.ABCMeta):
         request: _leases_pb2.RevokeLeaseRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_leases_pb2.RevokeLeaseResponse, _abc.Awaitable[_leases_pb2.RevokeLeaseResponse]]:
-        """Delete a retention so it is never handed out."""
+        """Delete a retention so it is never handed out (and the conversation's claim marker:
+        a retention a lookup already took is not found). The answer's release_params are the
+        only way to have D free the blocks: a revoke whose answer is lost (a deadline, etcd
+        slow) leaves them held to their TTL, and a retry finds nothing.
+        """
 
     @_abc_1.abstractmethod
     def Stream(
