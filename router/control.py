@@ -73,7 +73,10 @@ class _Replica:
         self.leases = LeaseStream(self.channel)
         self.nodes = nodes_pb2_grpc.NodesStub(self.channel)
         self.late = 0
-        """Lookups in a row it answered after their deadline (or never)."""
+        """Lookups in a row it answered after their deadline (or never), each sent after the
+        one before was found late (those that were out together count once)."""
+        self.late_at = 0.0
+        """When the last late one was found (time.monotonic())."""
 
     async def close(self) -> None:
         await self.leases.close()
@@ -162,14 +165,18 @@ class ControlPlane:
             unreachable = e.code in _UNREACHABLE
             if late or unreachable:
                 self.breaker.record(False, time.monotonic())
-            replica.late = replica.late + 1 if late else 0
+            if late and now > replica.late_at:
+                replica.late, replica.late_at = replica.late + 1, time.monotonic()
+            elif not late:
+                replica.late = 0
             # (a replica that keeps its connection but answers nothing in time: hung, or
             # overloaded, is left as one that cannot be reached is)
-            if unreachable or replica.late >= LATE_FAILOVER:
-                replica.late = 0
+            failing_over = unreachable or replica.late >= LATE_FAILOVER
+            if failing_over:
+                replica.late, replica.late_at = 0, time.monotonic()  # (those still out: not counted)
                 self._failover(replica)
-            if e.stream_lost:
-                self._reopen()
+            if failing_over or e.stream_lost:
+                self._reopen()  # (the stream of the replica now used, set up before a turn needs it)
             log.info(
                 "router.lookup.failed",
                 address=replica.address,

@@ -70,11 +70,14 @@ class Load:
         """engine id -> (monotonic time until which it is left out, failures in a row)."""
 
     def unreachable(self, engine_id: str, now: float) -> None:
-        """A request could not connect to the node: left out for 2 s, doubling while it
-        stays unreachable (at most 30 s)."""
-        failures = self._down.get(engine_id, (0.0, 0))[1] + 1
-        pause = min(self._down_base_s * 2 ** min(failures - 1, 30), self._down_max_s)
-        self._down[engine_id] = (now + pause, failures)
+        """A request could not connect to the node: left out for 2 s, doubling each time it
+        is found unreachable again after a pause (at most 30 s). Failures during a pause
+        (turns that chose it before) do not lengthen it."""
+        until, failures = self._down.get(engine_id, (0.0, 0))
+        if now < until:
+            return
+        pause = min(self._down_base_s * 2 ** min(failures, 30), self._down_max_s)
+        self._down[engine_id] = (now + pause, failures + 1)
 
     def reached(self, engine_id: str) -> None:
         self._down.pop(engine_id, None)
@@ -82,6 +85,9 @@ class Load:
     def down(self, now: float) -> set[str]:
         """The nodes left out now. (One left out no longer is tried again by the next turn
         that chooses it: unreachable still, it is left out twice as long.)"""
+        forgotten = [e for e, (until, _) in self._down.items() if until < now - self._down_max_s]
+        for e in forgotten:  # (long past its pause: gone, or back without a word)
+            del self._down[e]
         return {e for e, (until, _) in self._down.items() if until > now}
 
     @property

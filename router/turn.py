@@ -160,9 +160,11 @@ class Turn:
         self.tokens: list[int] | None = None
         self.tokenized_by: Node | None = None
         """The P that tokenized instead of the chosen one (unreachable): the prefill goes there."""
-        self.unreachable: set[str] = shared.load.down(time.monotonic())
-        """Nodes this turn could not connect to, or the router lately (no request or release
-        goes there while another will do)."""
+        self.unreachable: set[str] = set()
+        """Nodes this turn could not connect to (no retry or release goes there)."""
+        self.down = shared.load.down(time.monotonic())
+        """Nodes the router could not connect to lately: a choice leaves them out while any
+        other will do (a preference: a retry may still go there)."""
         self.reuse: Reuse | None = None
         self.log = log.bind(
             request_id=self.request_id,
@@ -180,7 +182,7 @@ class Turn:
         alone = decode_alone_reason(self.body)
         if alone is not None:
             return await self._decode_alone(tiebreak, alone)
-        down = self.unreachable
+        down = self.down
         prefill = choose_prefill(nodes, load, exclude=down, tiebreak=tiebreak) or choose_prefill(
             nodes, load, tiebreak=tiebreak
         )
@@ -226,7 +228,10 @@ class Turn:
     async def _decode_alone(self, tiebreak: int, why: Skip) -> web.StreamResponse:
         """A request for several sequences, or a prompt given as embeddings: D serves it
         without P's params (see `single_sequence`), and nothing of it is retained."""
-        decode = choose_decode(self.nodes, self.s.load.view, tiebreak)
+        load = self.s.load.view
+        decode = choose_decode(self.nodes, load, tiebreak, self.down) or choose_decode(
+            self.nodes, load, tiebreak
+        )
         if decode is None:
             return error_response(503, "no decode node available", "ServiceUnavailableError")
         self._skip(why)
@@ -380,9 +385,10 @@ class Turn:
         return reply
 
     def _unreachable(self, node: Node) -> None:
-        """`node` could not be connected to: this turn, and the next ones for a while, leave
-        it out."""
+        """`node` could not be connected to: this turn leaves it out, and the next ones for a
+        while when they can."""
         self.unreachable.add(node.engine_id)
+        self.down.add(node.engine_id)
         self.s.load.unreachable(node.engine_id, time.monotonic())
 
     async def _score(self, prefill: Node) -> dict[str, int]:
@@ -504,10 +510,11 @@ class Turn:
                     self.log.warning("router.decode.unreachable", node=node.engine_id, error=str(e))
                     if e.failure.kind is FailureKind.CONNECT:
                         self._unreachable(node)
-                    load = self.s.load.view
+                    # (another of its block size first: it was chosen for P's)
+                    load, size = self.s.load.view, node.block_size
                     other = choose_decode(
-                        self.nodes, load, exclude=tried | self.unreachable
-                    ) or choose_decode(self.nodes, load, exclude=tried)
+                        self.nodes, load, exclude=tried | self.down, block_size=size
+                    ) or choose_decode(self.nodes, load, exclude=tried, block_size=size)
                     if other is not None and retry_decode_elsewhere(e.failure, True):
                         node = other
                         continue

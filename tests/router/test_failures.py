@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -1224,11 +1225,34 @@ async def test_a_node_that_cannot_be_connected_to_is_left_out_for_a_while(
         assert failed <= 1
 
 
+async def test_a_node_left_out_lately_is_still_a_retry_when_the_chosen_one_fails(
+    make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
+) -> None:
+    """Leaving lately unreachable nodes out is a preference: P2, left out though it is back,
+    still takes the retry when the P chosen instead cannot be reached (a 502 otherwise)."""
+    stack = await make_stack()
+    await stack.wait_nodes()
+    [p], [d] = stack.prefills, stack.decodes
+    dead = f"http://127.0.0.1:{free_port()}"
+    live = stack.sidecar(p).url
+    router = Router(
+        router_settings(None, nodes__prefill_urls=(dead, live), nodes__decode_urls=(stack.sidecar(d).url,))
+    )
+    async with router:
+        assert router._shared is not None
+        [back] = [n.engine_id for n in router._shared.directory.nodes if n.url == live]
+        router._shared.load.unreachable(back, time.monotonic())
+        body = {"messages": first_turn("second chances"), "max_tokens": 4}
+        res = await ask(http, router.url, body)
+        assert res.status == 200 and res.text == await reference(CHAT, body)
+
+
 def test_nodes_left_out_come_back_after_a_pause_that_doubles() -> None:
     from router.nodes import Load
 
     load = Load(down_base_s=2.0, down_max_s=5.0)
     load.unreachable("n", 100.0)
+    load.unreachable("n", 101.0)  # a turn that chose it before: the pause stays as it is
     assert load.down(101.9) == {"n"} and load.down(102.1) == set()
     load.unreachable("n", 102.1)  # tried again, unreachable still: 4 s
     assert load.down(106.0) == {"n"} and load.down(106.2) == set()
@@ -1237,6 +1261,8 @@ def test_nodes_left_out_come_back_after_a_pause_that_doubles() -> None:
     load.reached("n")
     load.unreachable("n", 200.0)  # reached between: 2 s again
     assert load.down(202.1) == set()
+    load.unreachable("gone", 300.0)
+    assert load.down(310.0) == set() and "gone" not in load._down  # (forgotten, long past)
 
 
 async def test_decode_is_counted_from_its_choice_not_from_its_request(
