@@ -194,7 +194,8 @@ def _release(
     if not resp.release_params.fields:
         return False, (
             "nothing to release (the lease had expired, or its node is not alive at the "
-            "generation it was registered under)"
+            "generation it was registered under: an engine that lost its sidecar still holds "
+            "them, to its TTL)"
         )
     try:
         listed = nodes.List(nodes_pb2.ListNodesRequest(), timeout=a.timeout).nodes
@@ -202,7 +203,7 @@ def _release(
         return False, f"could not list the nodes ({e.code().name}: {e.details()}); D frees them at its TTL"
     d = next((n for n in listed if n.engine_id == lease.engine_id), None)
     if d is None or d.generation != lease.generation:
-        return False, f"its node {lease.engine_id} is gone or restarted since: nothing is held"
+        return False, f"its node {lease.engine_id} is gone or restarted since: nothing to release it through"
     p = release_prefill(listed, d.model, lease.block_size)
     if p is None:
         return False, (
