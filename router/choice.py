@@ -62,17 +62,26 @@ def _rotate(best: list[Node], tiebreak: int) -> Node:
     return best[tiebreak % len(best)]
 
 
+def _preferred(candidates: list[Node], avoid: Collection[str]) -> list[Node]:
+    """`candidates` without those to `avoid`, unless that leaves none."""
+    if not avoid:
+        return candidates
+    return [n for n in candidates if n.engine_id not in avoid] or candidates
+
+
 def choose_decode(
     nodes: Sequence[Node],
     load: Mapping[str, int],
     tiebreak: int = 0,
     exclude: Collection[str] = (),
     block_size: int = 0,
+    avoid: Collection[str] = (),
 ) -> Node | None:
-    """The decode node with the fewest outstanding requests (None: there is none left), of
-    `block_size` when any is: P's KV reaches D, and D's retention the next turn's digests,
-    in blocks of that size."""
-    candidates = [n for n in nodes if n.decodes and n.engine_id not in exclude]
+    """The decode node with the fewest outstanding requests (None: there is none left):
+    not one to `avoid` (lately unreachable) while another is left, and of `block_size`
+    when any is (P's KV reaches D, and D's retention the next turn's digests, in blocks of
+    that size)."""
+    candidates = _preferred([n for n in nodes if n.decodes and n.engine_id not in exclude], avoid)
     if block_size:
         candidates = [n for n in candidates if n.block_size == block_size] or candidates
     if not candidates:
@@ -110,11 +119,13 @@ def choose_prefill(
     cached_blocks: Mapping[str, int] | None = None,
     *,
     exclude: Collection[str] = (),
+    avoid: Collection[str] = (),
     load_slack: int = 4,
     tiebreak: int = 0,
 ) -> Node | None:
-    """The prefill node for a prompt (None: there is none left)."""
-    candidates = prefill_candidates(nodes, exclude)
+    """The prefill node for a prompt (None: there is none left): not one to `avoid` (lately
+    unreachable) while another is left."""
+    candidates = _preferred(prefill_candidates(nodes, exclude), avoid)
     if not candidates:
         return None
     least = min(load.get(n.engine_id, 0) for n in candidates)

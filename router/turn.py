@@ -182,18 +182,13 @@ class Turn:
         alone = decode_alone_reason(self.body)
         if alone is not None:
             return await self._decode_alone(tiebreak, alone)
-        down = self.down
-        prefill = choose_prefill(nodes, load, exclude=down, tiebreak=tiebreak) or choose_prefill(
-            nodes, load, tiebreak=tiebreak
-        )
+        prefill = choose_prefill(nodes, load, avoid=self.down, tiebreak=tiebreak)
         if prefill is not None:
             # One model per turn: a model name no node reports (an adapter's) leaves every
             # node a candidate, and P's KV is only any use to a D of P's base model.
             self.nodes = nodes = serving(nodes, prefill.model)
         size = prefill.block_size if prefill else 0
-        decode = choose_decode(nodes, load, tiebreak, down, size) or choose_decode(
-            nodes, load, tiebreak, (), size
-        )
+        decode = choose_decode(nodes, load, tiebreak, block_size=size, avoid=self.down)
         if prefill is None or decode is None:
             return error_response(503, "no prefill or no decode node available", "ServiceUnavailableError")
         plain = plain_reason(self.body)
@@ -228,10 +223,7 @@ class Turn:
     async def _decode_alone(self, tiebreak: int, why: Skip) -> web.StreamResponse:
         """A request for several sequences, or a prompt given as embeddings: D serves it
         without P's params (see `single_sequence`), and nothing of it is retained."""
-        load = self.s.load.view
-        decode = choose_decode(self.nodes, load, tiebreak, self.down) or choose_decode(
-            self.nodes, load, tiebreak
-        )
+        decode = choose_decode(self.nodes, self.s.load.view, tiebreak, avoid=self.down)
         if decode is None:
             return error_response(503, "no decode node available", "ServiceUnavailableError")
         self._skip(why)
@@ -511,10 +503,13 @@ class Turn:
                     if e.failure.kind is FailureKind.CONNECT:
                         self._unreachable(node)
                     # (another of its block size first: it was chosen for P's)
-                    load, size = self.s.load.view, node.block_size
                     other = choose_decode(
-                        self.nodes, load, exclude=tried | self.down, block_size=size
-                    ) or choose_decode(self.nodes, load, exclude=tried, block_size=size)
+                        self.nodes,
+                        self.s.load.view,
+                        exclude=tried,
+                        block_size=node.block_size,
+                        avoid=self.down,
+                    )
                     if other is not None and retry_decode_elsewhere(e.failure, True):
                         node = other
                         continue
