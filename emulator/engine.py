@@ -262,6 +262,7 @@ class Engine:
             self.release(seq)
             raise
         self.metrics.prompt_tokens.inc(len(prompt))
+        self.metrics.prompt_sources(len(prompt), stats.local_cached_tokens, stats.pulled_tokens)
         log.debug("engine.prefill.done", request_id=spec.request_id, **vars(stats))
         return RunningRequest(self, spec, seq, stats)
 

@@ -28,6 +28,13 @@ class EngineMetrics(OwnRegistry):
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.").labels(
             **labels
         )
+        by_source = counter(
+            "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", ("source",)
+        )
+        self._prompt_sources = {
+            source: by_source.labels(**labels, source=source)
+            for source in ("local_compute", "local_cache_hit", "external_kv_transfer")
+        }
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         ).labels(**labels)
@@ -113,6 +120,13 @@ class EngineMetrics(OwnRegistry):
             for sample in metric.samples
             if sample.name.endswith("_total")
         )
+
+    def prompt_sources(self, prompt: int, cache_hit: int, pulled: int) -> None:
+        """Count one request's prompt tokens by where their KV came from, as vLLM does:
+        its prefix cache, another engine (a pull), or computed here."""
+        self._prompt_sources["local_cache_hit"].inc(cache_hit)
+        self._prompt_sources["external_kv_transfer"].inc(pulled)
+        self._prompt_sources["local_compute"].inc(prompt - cache_hit - pulled)
 
     def request_finished(self, reason: str) -> None:
         """Count one request that finished normally (stop or length)."""

@@ -1,0 +1,151 @@
+"""An engine as a child process: started in its own process group, ready when its
+``/health`` answers 200, stopped with SIGTERM (SIGKILL after a grace), restartable on
+the same ports. Used for real vLLM engines and for the emulator run the same way, so
+that a test or a benchmark drives both through one interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+
+class EngineFailed(RuntimeError):
+    """The engine process exited or did not become ready; the message holds its log's tail."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last lines of a log file (empty when there is none)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class EngineProcess:
+    """One engine process: a command line, its environment, its log and health URL."""
+
+    def __init__(
+        self,
+        name: str,
+        command: Sequence[str],
+        env: Mapping[str, str],
+        http_url: str,
+        log_path: Path,
+        cwd: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.command = list(command)
+        self.env = dict(env)
+        self.http_url = http_url
+        self.log_path = log_path
+        self.cwd = cwd
+        self.starts = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> None:
+        """Spawn the process (its output appended to the log); returns at once."""
+        if self.running():
+            raise RuntimeError(f"{self.name} is already running")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            out.write(f"\n=== start {self.starts + 1}: {' '.join(self.command)}\n".encode())
+            out.flush()
+            self._proc = subprocess.Popen(
+                self.command,
+                env=self.env,
+                cwd=self.cwd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.starts += 1
+
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        """Whether ``/health`` answers 200 now."""
+        try:
+            with urllib.request.urlopen(self.http_url + "/health", timeout=timeout_s) as r:
+                return int(r.status) == 200
+        except (OSError, urllib.error.URLError, ValueError):
+            return False
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Block until ``/health`` answers 200; -> seconds waited. Raises EngineFailed with
+        the log's tail when the process exits or the time runs out."""
+        started = time.monotonic()
+        deadline = started + timeout_s
+        while not self.healthy():
+            if self._proc is None or self._proc.poll() is not None:
+                code = None if self._proc is None else self._proc.returncode
+                raise EngineFailed(f"{self.name} exited ({code}):\n{log_tail(self.log_path)}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise EngineFailed(
+                    f"{self.name} not ready after {timeout_s:.0f} s:\n{log_tail(self.log_path)}"
+                )
+            time.sleep(0.25)
+        return time.monotonic() - started
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the process group, SIGKILL it after `grace_s`; idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(grace_s)
+        # Children a clean exit left behind (vLLM's engine core and workers) go too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5)
+
+    def kill(self) -> None:
+        """SIGKILL at once (a crash, as an operator or the OOM killer would cause)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+    def pause(self) -> None:
+        """SIGSTOP the whole group (a stalled engine: alive, silent)."""
+        if self._proc is not None:
+            os.killpg(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._proc is not None:
+            os.killpg(self._proc.pid, signal.SIGCONT)
+
+    def restart(self, timeout_s: float) -> float:
+        """Stop, start on the same command line (same ports), wait ready; -> seconds to ready."""
+        self.stop()
+        self.start()
+        return self.wait_ready(timeout_s)
