@@ -12,6 +12,9 @@ KVLoadFailurePolicy = Literal["fail", "recompute"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 KV_LOAD_FAILURE_POLICIES: tuple[KVLoadFailurePolicy, ...] = ("fail", "recompute")
 
+#: The vLLM release whose behaviour the emulator follows, as its ``/version`` says.
+VLLM_VERSION = "0.32.0"
+
 #: vLLM refuses to read remote blocks this close (seconds) to their expiry.
 EXPIRY_SAFETY_MARGIN_S = 5.0
 

@@ -1,8 +1,8 @@
 """vLLM's OpenAI-compatible HTTP surface over an emulated engine (aiohttp).
 
 Routes: ``/v1/chat/completions``, ``/v1/completions`` (SSE or JSON),
-``/v1/models``, ``/health``, ``/tokenize``, ``/detokenize``, ``/metrics``,
-``/reset_prefix_cache`` and the emulator-only ``/emulator/state``.
+``/v1/models``, ``/health``, ``/version``, ``/tokenize``, ``/detokenize``,
+``/metrics``, ``/reset_prefix_cache`` and the emulator-only ``/emulator/state``.
 
 Handlers parse and validate, call the engine, and shape the answer; domain
 errors become vLLM's ``{"error": {...}}`` bodies in one middleware. A stream's
@@ -30,7 +30,7 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from emulator.config import EmulatorConfig
+from emulator.config import VLLM_VERSION, EmulatorConfig
 from emulator.engine import Engine, GenerationSpec, RunningRequest
 from emulator.errors import EngineError, InvalidRequest, KVLoadFailed, ModelNotFound, error_body
 from emulator.tokenizer import (
@@ -186,6 +186,12 @@ def _engine(request: web.Request) -> Engine:
 async def health(request: web.Request) -> web.Response:
     """200 while the engine runs."""
     return web.Response(status=200)
+
+
+async def version(request: web.Request) -> web.Response:
+    """The vLLM version the emulator follows, as vLLM answers it (``{"version": ...}``;
+    ``vllm/entrypoints/serve/instrumentator/basic.py``, ``show_version``)."""
+    return json_response({"version": VLLM_VERSION})
 
 
 async def models(request: web.Request) -> web.Response:
@@ -704,6 +710,7 @@ def build_app(engine: Engine) -> web.Application:
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app[ENGINE_KEY] = engine
     app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)

@@ -32,6 +32,16 @@ async def test_health_models_tokenize(start_emulator: StartEmulator, http: Clien
 
 
 @async_test()
+async def test_version_is_the_vllm_release_followed(start_emulator: StartEmulator, http: Client) -> None:
+    """vLLM serves GET /version as {"version": "0.32.0"} (its multi-turn benchmark asks)."""
+    emu = await start_emulator()
+    async with http.session.get(emu.http_url + "/version") as response:
+        assert response.status == 200
+        assert response.content_type == "application/json"
+        assert await response.json() == {"version": "0.32.0"}
+
+
+@async_test()
 async def test_an_api_key_guards_the_v1_routes_as_in_vllm(
     start_emulator: StartEmulator, http: Client
 ) -> None:
@@ -49,7 +59,7 @@ async def test_an_api_key_guards_the_v1_routes_as_in_vllm(
         emu.http_url + "/v1/chat/completions", json={"messages": conversation(), "max_tokens": 2}, headers=key
     ) as r:
         assert r.status == 200
-    for path in ("/health", "/metrics"):  # outside /v1: open, as in vLLM
+    for path in ("/health", "/metrics", "/version"):  # outside /v1: open, as in vLLM
         async with session.get(emu.http_url + path) as r:
             assert r.status == 200, path
     assert (await http.post(emu, "/tokenize", {"prompt": "hi"})).status == 200
