@@ -32,7 +32,9 @@ class EmulatorConfig:
     port: int = 8000
     """HTTP port; 0 picks a free one (see ``EmulatorServer.http_port``)."""
     role: Role = "both"
-    """Deployment role: prefill, decode or both (reported, not enforced, like vLLM's kv_both)."""
+    """Deployment role: prefill, decode or both (reported, not enforced: what a request does
+    comes from its kv_transfer_params, as with vLLM's kv_role kv_producer, kv_consumer and
+    the deprecated kv_both)."""
     model: str = "kvferry/emulated-model"
     """Served model name; requests naming another model get a 404."""
     api_key: str = ""
