@@ -72,6 +72,10 @@ class EmulatorConfig:
     """Seconds a prefiller holds a request's blocks for its decoder before freeing them."""
     kv_load_failure_policy: KVLoadFailurePolicy = "fail"
     """What a failed KV pull does to the request: fail it (HTTP 500) or recompute."""
+    chat_prompt_token_ids: bool = True
+    """A chat request's ``kv_transfer_params.prompt_token_ids`` is its prompt, templating
+    skipped, as in vLLM 0.32 (vLLM PR 48145; `emulator.prompts`); False: rendered from the
+    messages all the same, as in releases before it. /v1/completions never takes them."""
     enable_prefix_caching: bool = True
     """Reuse locally cached blocks across requests (and publish KV events)."""
     prefill_ms_per_token: float = 0.0

@@ -33,6 +33,7 @@ from aiohttp.typedefs import Middleware
 from emulator.config import VLLM_VERSION, EmulatorConfig
 from emulator.engine import Engine, GenerationSpec, RunningRequest
 from emulator.errors import EngineError, InvalidRequest, KVLoadFailed, ModelNotFound, error_body
+from emulator.prompts import forwarded_prompt_ids
 from emulator.tokenizer import (
     VOCAB_SIZE,
     TemplateError,
@@ -269,7 +270,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = _engine(request)
     body = _decode_body(ChatCompletionRequest, await request.read())
     _check_model(engine.config, body.model)
-    prompt = _prompt_override(body.kv_transfer_params)
+    prompt = None
+    if engine.config.chat_prompt_token_ids:  # (vLLM 0.32: `emulator.prompts`)
+        prompt = forwarded_prompt_ids(body.kv_transfer_params, body.messages)
     if prompt is None:
         prompt = apply_chat_template(
             body.messages,
@@ -286,8 +289,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine = _engine(request)
     body = _decode_body(CompletionRequest, await request.read())
     _check_model(engine.config, body.model)
-    prompt = _prompt_override(body.kv_transfer_params)
-    prompts = _completion_prompts(body.prompt) if prompt is None else [prompt]
+    # (kv_transfer_params.prompt_token_ids is not the prompt here, in vLLM neither)
+    prompts = _completion_prompts(body.prompt)
     return await _generate(request, engine, body, prompts, body.max_tokens, chat=False)
 
 
@@ -305,16 +308,6 @@ def _completion_prompts(prompt: str | list[int | str | list[int]]) -> list[list[
     if len(batch) == len(prompt):
         return batch
     raise InvalidRequest("The prompt must be a string, token ids, or a list of strings or of token ids.")
-
-
-def _prompt_override(params: dict[str, Any] | None) -> list[int] | None:
-    """``kv_transfer_params.prompt_token_ids``: the prompt, templating skipped."""
-    if not params or params.get("prompt_token_ids") is None:
-        return None
-    try:  # a typed conversion checks every id in C (and copies the list)
-        return msgspec.convert(params["prompt_token_ids"], list[int])
-    except msgspec.ValidationError:
-        raise InvalidRequest("kv_transfer_params.prompt_token_ids must be token ids.") from None
 
 
 #: vLLM's defaults: ``VLLM_MAX_N_SEQUENCES``, and the temperature below which it samples greedily.

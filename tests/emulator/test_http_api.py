@@ -208,8 +208,9 @@ async def test_engine_id_is_per_start_unless_given(start_emulator: StartEmulator
 
 @async_test()
 async def test_prompt_token_ids_are_checked(start_emulator: StartEmulator, http: Client) -> None:
+    """As vLLM 0.32's chat path checks them (renderers/online_renderer.py)."""
     emu = await start_emulator()
-    not_ids = "kv_transfer_params.prompt_token_ids must be token ids."
+    not_ids = "`kv_transfer_params['prompt_token_ids']` must be a non-empty list of non-negative integers."
     outside = "The prompt contains token ids outside the vocabulary."
     for ids, message in (
         ([104, True], not_ids),
@@ -217,8 +218,8 @@ async def test_prompt_token_ids_are_checked(start_emulator: StartEmulator, http:
         ("104", not_ids),
         ([104, None], not_ids),
         ([104, 258], outside),
-        ([-1, 104], outside),
-        ([], "The prompt must contain at least one token."),
+        ([-1, 104], not_ids),
+        ([], not_ids),
     ):
         answer = await http.chat(
             emu, conversation(), max_tokens=2, kv_transfer_params={"prompt_token_ids": ids}
@@ -229,6 +230,49 @@ async def test_prompt_token_ids_are_checked(start_emulator: StartEmulator, http:
     )
     assert ok.status == 200 and ok.body["prompt_token_ids"] == [104, 257]
     assert (await http.post(emu, "/detokenize", {"tokens": [104, 258]})).status == 400
+
+
+_IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+@async_test()
+async def test_which_requests_take_forwarded_prompt_token_ids(
+    start_emulator: StartEmulator, http: Client
+) -> None:
+    """vLLM 0.32 takes kv_transfer_params.prompt_token_ids as a chat request's prompt (PR
+    48145), not a completion's; releases before it render every chat request themselves
+    (chat_prompt_token_ids off). Messages with media are rendered, the ids left unchecked."""
+    forwarded = [104, 105, 257]
+    rendered = (await http.post(await start_emulator(), "/tokenize", {"messages": conversation()})).body
+    for taken, emu in (
+        (True, await start_emulator()),
+        (False, await start_emulator(chat_prompt_token_ids=False)),
+    ):
+        chat = await http.chat(
+            emu,
+            conversation(),
+            max_tokens=2,
+            return_token_ids=True,
+            kv_transfer_params={"prompt_token_ids": forwarded},
+        )
+        assert chat.status == 200
+        assert chat.body["prompt_token_ids"] == (forwarded if taken else rendered["tokens"]), taken
+        completion = await http.post(
+            emu,
+            "/v1/completions",
+            {
+                "prompt": "hi",
+                "max_tokens": 2,
+                "return_token_ids": True,
+                "kv_transfer_params": {"prompt_token_ids": forwarded},
+            },
+        )
+        assert completion.status == 200
+        assert completion.body["choices"][0]["prompt_token_ids"] == list(b"hi"), taken
+    media = [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, _IMAGE]}]
+    answer = await http.chat(emu, media, max_tokens=2, kv_transfer_params={"prompt_token_ids": "not ids"})
+    # rendered, not read: the emulator's template takes no images (vLLM's would)
+    assert answer.status == 400 and "text content" in answer.body["error"]["message"]
 
 
 @async_test()
