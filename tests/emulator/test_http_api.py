@@ -6,6 +6,7 @@ import asyncio
 import time
 
 from emulator import EmulatorServer
+from router.upstream import tokenize_request
 from tests.emulator.conftest import StartEmulator
 from tests.emulator.helpers import Client, async_test, conversation
 from tests.polling import eventually
@@ -230,6 +231,35 @@ async def test_prompt_token_ids_are_checked(start_emulator: StartEmulator, http:
     )
     assert ok.status == 200 and ok.body["prompt_token_ids"] == [104, 257]
     assert (await http.post(emu, "/detokenize", {"tokens": [104, 258]})).status == 400
+
+
+_TOOL = {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}
+
+
+@async_test()
+async def test_tokenize_renders_what_the_chat_request_renders(
+    start_emulator: StartEmulator, http: Client
+) -> None:
+    """What the router asks /tokenize (router.upstream.tokenize_request) is the prompt the
+    engine computes for the chat request itself, for every field vLLM's /tokenize takes:
+    the engines render the prompt, the router digests /tokenize's ids."""
+    emu = await start_emulator()
+    messages = conversation()
+    for fields in (
+        {},
+        {"tools": [_TOOL]},
+        {"chat_template_kwargs": {"enable_thinking": False, "tools": [_TOOL]}},
+        {"add_generation_prompt": False},
+        {"add_generation_prompt": False, "continue_final_message": True},
+        {"add_special_tokens": True, "chat_template": "{{ messages }}"},
+    ):
+        body = {"messages": messages, "max_tokens": 1, **fields}
+        asked = tokenize_request("/v1/chat/completions", body)
+        assert isinstance(asked, dict)
+        tokenized = await http.post(emu, "/tokenize", asked)
+        chat = await http.chat(emu, **{**body, "return_token_ids": True})
+        assert chat.status == 200 and tokenized.status == 200, fields
+        assert chat.body["prompt_token_ids"] == tokenized.body["tokens"], fields
 
 
 _IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
