@@ -350,8 +350,9 @@ async def through_front_door(http: aiohttp.ClientSession, url: str, body: dict[s
 
 class ClientDirect:
     """Reuse with no front door: the client keeps D's last ``kv_transfer_params`` per
-    conversation and sends P, then D's sidecar, the bodies the router would (the prompt's
-    token ids, from its own tokenizer: P's /tokenize, before the turn's clock starts). The
+    conversation and sends P, then D's sidecar, the bodies the router sends with
+    --forward-prompt-token-ids (the prompt's token ids, which the emulator takes as vLLM
+    0.32 does, from its own tokenizer: P's /tokenize, before the turn's clock starts). The
     fewest hops and the least work any reuse of a turn can take on these engines, so its
     share of the ideal speedup is the most that any router (or proxy) could reach here."""
 

@@ -114,9 +114,9 @@ class Publisher:
         while True:
             client, _, start = await self.router.recv_multipart()
             first = int.from_bytes(start, "big", signed=True)
-            for seq, payload in self.kept[first:]:
-                await self.router.send_multipart([client, b"", seq, payload])
-            await self.router.send_multipart([client, b"", encode_seq(-1), b""])
+            for seq, payload in self.kept[first:]:  # (vLLM 0.32's shape: the topic frame, here empty)
+                await self.router.send_multipart([client, b"", b"", seq, payload])
+            await self.router.send_multipart([client, b"", b"", encode_seq(-1), b""])
 
     def publish_all(self, payloads: list[bytes]) -> None:
         for payload in payloads:

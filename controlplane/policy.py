@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from controlplane.records import NodeState, Retention
+from controlplane.records import Claim, NodeState, Retention
 from kvferry.digests import DIGEST_SIZE, common_prefix_blocks
 
 # The keys P needs in order to pull (vLLM NixlConnector, P side).
@@ -180,6 +180,17 @@ def decide(
         )
     handout = Handout(reusable, math.ceil(reusable / retention.block_size))
     return Decision(True, reason, detail, handout, reusable, None, engine)
+
+
+def decide_claimed(claim: Claim, now: float) -> Decision:
+    """RECOMPUTE for a conversation whose retention a claim took (its marker is what is
+    left): expired once the retention's deadline, when the marker knows it, has passed
+    (nothing of it is held any more, whether or not that claim handed it out), else
+    already_claimed."""
+    taken = f"taken {now - claim.claimed_at:.1f}s ago"
+    if claim.expires_at and now >= claim.expires_at:
+        return Decision(False, Reason.EXPIRED, f"expired {now - claim.expires_at:.1f}s ago ({taken})")
+    return Decision(False, Reason.ALREADY_CLAIMED, f"handed out {now - claim.claimed_at:.1f}s ago")
 
 
 def _verified_tokens(retention: Retention, prompt: Prompt) -> int | tuple[Reason, str]:

@@ -85,9 +85,14 @@ class HeldSummary(msgspec.Struct, frozen=True):
 class Claim(msgspec.Struct, frozen=True):
     """Left behind when a retention was handed out, so later lookups can say why. (The
     claim transaction writes it without reading the retention first: it does not know the
-    engine; a marker an older version wrote with one decodes all the same.)"""
+    engine, nor the deadline; a marker an older version wrote with an engine decodes all
+    the same.)"""
 
     claimed_at: float
+    expires_at: float = 0.0
+    """The deadline of the retention the claim took, when the daemon wrote it in after the
+    claim (it does for a retention it found expired or about to: `policy.decide_claimed`
+    then answers expired past it); 0 = not known."""
 
 
 class NodeState(msgspec.Struct, frozen=True):

@@ -28,6 +28,7 @@ from controlplane.policy import (
     Prompt,
     Reason,
     decide,
+    decide_claimed,
     digest_problem,
     holds_null_blocks,
     param_problems,
@@ -528,7 +529,7 @@ class ControlPlane:
             raise InvalidArgument("prompt_follows is for claiming lookups, not peek")
         if later is None:
             self._check_prompt(q.prompt_tokens, q.prompt_digests)
-        now = self._clock()
+        now = claimed_at = self._clock()
         prompt = Prompt(q.prompt_tokens, q.prompt_digests)
         missing = ""  # why a prompt_follows lookup has no usable prompt
         retention: Retention | None = None
@@ -580,6 +581,8 @@ class ControlPlane:
                 )
             raise
         claimed = retention is not None and not q.peek
+        if claimed and decision.reason is Reason.EXPIRED and got is not None:
+            await self._note_deadline(tenant, q.conversation_id, got[0], claimed_at)
         metrics.lookup(decision.pull, decision.reason.value)
         if claimed:
             metrics.claim("pull" if decision.pull else "release" if decision.release else "dead")
@@ -592,6 +595,20 @@ class ControlPlane:
             claimed=claimed,
         )
         return LookupResult(decision, claimed, retention.params if retention else b"")
+
+    async def _note_deadline(
+        self, tenant: str, conversation_id: str, outcome: ClaimOutcome, claimed_at: float
+    ) -> None:
+        """The claim took a retention expired or about to: its deadline goes into the marker,
+        so that the lookups meeting the marker past it answer expired (`decide_claimed`),
+        not already_claimed. (Only then: doing it for every claim would double each turn's
+        etcd writes. One write failing leaves the marker as it was.)"""
+        assert outcome.taken is not None
+        claim = Claim(claimed_at=claimed_at, expires_at=outcome.taken.expires_at)
+        try:
+            await self.store.note_claim_deadline(tenant, conversation_id, outcome.marker_revision, claim)
+        except StoreUnavailable as e:
+            log.warning("lookup.claim_deadline.failed", conversation_id=conversation_id, error=str(e))
 
     def _check_prompt(self, tokens: int, digests: bytes | None) -> None:
         if not 0 <= tokens <= self._limits.max_tokens:
@@ -684,9 +701,7 @@ class ControlPlane:
         policy = self.settings.policy
         if retention is None:
             if claim is not None:
-                return Decision(
-                    False, Reason.ALREADY_CLAIMED, f"handed out {now - claim.claimed_at:.1f}s ago"
-                )
+                return decide_claimed(claim, now)
             return decide(None, None, prompt, policy, now)
         node = await self.nodes.get(retention.engine_id)
         decision = decide(retention, node, prompt, policy, now)

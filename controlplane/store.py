@@ -383,6 +383,20 @@ class EtcdStore:
         resp = await self._with_gc_lease(r.expires_at, now, write)
         return bool(resp.succeeded)
 
+    async def note_claim_deadline(
+        self, tenant: str, conversation_id: str, marker_revision: int, claim: Claim
+    ) -> bool:
+        """Write `claim` (carrying the deadline of the retention taken) over the marker a
+        claim left at `marker_revision`, on the marker's own GC lease; not when a later
+        claim, a put-back or a revoke changed the marker since. -> whether it was written."""
+        ckey = self.keys.claim(tenant, conversation_id)
+        put = rpc.PutRequest(key=ckey, value=encode(claim), ignore_lease=True)
+        txn = rpc.TxnRequest(
+            compare=[_mod_is(ckey, marker_revision)], success=[rpc.RequestOp(request_put=put)]
+        )
+        resp = await self._batcher.submit("claim_deadline", txn, (ckey,))
+        return bool(resp.succeeded)
+
     async def read(self, tenant: str, conversation_id: str) -> tuple[Stored | None, Claim | None]:
         """The conversation's retention and claim marker, linearizably, without touching them."""
         key = self.keys.retention(tenant, conversation_id)

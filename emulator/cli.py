@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=_DEFAULTS.kv_load_failure_policy,
         help="on a failed pull: fail the request or recompute",
     )
+    add(
+        "--chat-prompt-token-ids",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS.chat_prompt_token_ids,
+        help="take a chat request's kv_transfer_params.prompt_token_ids as its prompt, as vLLM 0.32 "
+        "does (--no-...: render the messages, as releases before vLLM PR 48145)",
+    )
     add("--prefill-ms-per-token", type=finite_float, default=_DEFAULTS.prefill_ms_per_token)
     add("--decode-ms-per-token", type=finite_float, default=_DEFAULTS.decode_ms_per_token)
     add("--transfer-ms-per-block", type=finite_float, default=_DEFAULTS.transfer_ms_per_block)
@@ -114,6 +121,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         decoder_kv_blocks_ttl=args.decoder_kv_blocks_ttl,
         kv_abort_timeout=args.kv_abort_timeout,
         kv_load_failure_policy=args.kv_load_failure_policy,
+        chat_prompt_token_ids=args.chat_prompt_token_ids,
         enable_prefix_caching=args.enable_prefix_caching,
         prefill_ms_per_token=args.prefill_ms_per_token,
         decode_ms_per_token=args.decode_ms_per_token,

@@ -12,6 +12,9 @@ KVLoadFailurePolicy = Literal["fail", "recompute"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 KV_LOAD_FAILURE_POLICIES: tuple[KVLoadFailurePolicy, ...] = ("fail", "recompute")
 
+#: The vLLM release whose behaviour the emulator follows, as its ``/version`` says.
+VLLM_VERSION = "0.32.0"
+
 #: vLLM refuses to read remote blocks this close (seconds) to their expiry.
 EXPIRY_SAFETY_MARGIN_S = 5.0
 
@@ -29,7 +32,9 @@ class EmulatorConfig:
     port: int = 8000
     """HTTP port; 0 picks a free one (see ``EmulatorServer.http_port``)."""
     role: Role = "both"
-    """Deployment role: prefill, decode or both (reported, not enforced, like vLLM's kv_both)."""
+    """Deployment role: prefill, decode or both (reported, not enforced: what a request does
+    comes from its kv_transfer_params, as with vLLM's kv_role kv_producer, kv_consumer and
+    the deprecated kv_both)."""
     model: str = "kvferry/emulated-model"
     """Served model name; requests naming another model get a 404."""
     api_key: str = ""
@@ -67,6 +72,10 @@ class EmulatorConfig:
     """Seconds a prefiller holds a request's blocks for its decoder before freeing them."""
     kv_load_failure_policy: KVLoadFailurePolicy = "fail"
     """What a failed KV pull does to the request: fail it (HTTP 500) or recompute."""
+    chat_prompt_token_ids: bool = True
+    """A chat request's ``kv_transfer_params.prompt_token_ids`` is its prompt, templating
+    skipped, as in vLLM 0.32 (vLLM PR 48145; `emulator.prompts`); False: rendered from the
+    messages all the same, as in releases before it. /v1/completions never takes them."""
     enable_prefix_caching: bool = True
     """Reuse locally cached blocks across requests (and publish KV events)."""
     prefill_ms_per_token: float = 0.0

@@ -3,8 +3,11 @@
 PUB: multipart ``[topic, seq, payload]``, ``seq`` from 0 per publisher start.
 ROUTER (replay): a request is one 8-byte big-endian start seq (from a REQ
 socket, or a DEALER sending an empty delimiter first); the answer is one
-``[seq, payload]`` message per buffered batch with seq >= start, then
-``[-1, b""]``. Only the last ``buffer_steps`` batches are kept.
+``[topic, seq, payload]`` message per buffered batch with seq >= start, then
+``[b"", -1, b""]``, as vLLM 0.32 sends them (``vllm/distributed/kv_events.py``,
+``ZmqEventPublisher._service_replay``: the topic frame is there even when the topic
+is empty; releases before it sent ``[seq, payload]`` and ``[-1, b""]``). Only the
+last ``buffer_steps`` batches are kept.
 
 Events emitted within one event-loop turn are published as one batch, the way
 vLLM publishes the events of one scheduler step together.
@@ -140,8 +143,8 @@ class KVEventPublisher:
             start = int.from_bytes(start_frame, "big")
             for seq, payload in list(self._buffer):
                 if seq >= start:
-                    await self._replay.send_multipart([client, b"", encode_seq(seq), payload])
-            await self._replay.send_multipart([client, b"", END_SEQ, b""])
+                    await self._replay.send_multipart([client, b"", self._topic, encode_seq(seq), payload])
+            await self._replay.send_multipart([client, b"", b"", END_SEQ, b""])
 
     async def close(self) -> None:
         """Publish what is pending, stop the tasks and close the sockets."""

@@ -1,8 +1,8 @@
 """vLLM's OpenAI-compatible HTTP surface over an emulated engine (aiohttp).
 
 Routes: ``/v1/chat/completions``, ``/v1/completions`` (SSE or JSON),
-``/v1/models``, ``/health``, ``/tokenize``, ``/detokenize``, ``/metrics``,
-``/reset_prefix_cache`` and the emulator-only ``/emulator/state``.
+``/v1/models``, ``/health``, ``/version``, ``/tokenize``, ``/detokenize``,
+``/metrics``, ``/reset_prefix_cache`` and the emulator-only ``/emulator/state``.
 
 Handlers parse and validate, call the engine, and shape the answer; domain
 errors become vLLM's ``{"error": {...}}`` bodies in one middleware. A stream's
@@ -30,9 +30,10 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from emulator.config import EmulatorConfig
+from emulator.config import VLLM_VERSION, EmulatorConfig
 from emulator.engine import Engine, GenerationSpec, RunningRequest
 from emulator.errors import EngineError, InvalidRequest, KVLoadFailed, ModelNotFound, error_body
+from emulator.prompts import forwarded_prompt_ids
 from emulator.tokenizer import (
     VOCAB_SIZE,
     TemplateError,
@@ -188,6 +189,12 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+async def version(request: web.Request) -> web.Response:
+    """The vLLM version the emulator follows, as vLLM answers it (``{"version": ...}``;
+    ``vllm/entrypoints/serve/instrumentator/basic.py``, ``show_version``)."""
+    return json_response({"version": VLLM_VERSION})
+
+
 async def models(request: web.Request) -> web.Response:
     """The one served model."""
     config = _engine(request).config
@@ -263,7 +270,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = _engine(request)
     body = _decode_body(ChatCompletionRequest, await request.read())
     _check_model(engine.config, body.model)
-    prompt = _prompt_override(body.kv_transfer_params)
+    prompt = None
+    if engine.config.chat_prompt_token_ids:  # (vLLM 0.32: `emulator.prompts`)
+        prompt = forwarded_prompt_ids(body.kv_transfer_params, body.messages)
     if prompt is None:
         prompt = apply_chat_template(
             body.messages,
@@ -280,8 +289,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine = _engine(request)
     body = _decode_body(CompletionRequest, await request.read())
     _check_model(engine.config, body.model)
-    prompt = _prompt_override(body.kv_transfer_params)
-    prompts = _completion_prompts(body.prompt) if prompt is None else [prompt]
+    # (kv_transfer_params.prompt_token_ids is not the prompt here, in vLLM neither)
+    prompts = _completion_prompts(body.prompt)
     return await _generate(request, engine, body, prompts, body.max_tokens, chat=False)
 
 
@@ -299,16 +308,6 @@ def _completion_prompts(prompt: str | list[int | str | list[int]]) -> list[list[
     if len(batch) == len(prompt):
         return batch
     raise InvalidRequest("The prompt must be a string, token ids, or a list of strings or of token ids.")
-
-
-def _prompt_override(params: dict[str, Any] | None) -> list[int] | None:
-    """``kv_transfer_params.prompt_token_ids``: the prompt, templating skipped."""
-    if not params or params.get("prompt_token_ids") is None:
-        return None
-    try:  # a typed conversion checks every id in C (and copies the list)
-        return msgspec.convert(params["prompt_token_ids"], list[int])
-    except msgspec.ValidationError:
-        raise InvalidRequest("kv_transfer_params.prompt_token_ids must be token ids.") from None
 
 
 #: vLLM's defaults: ``VLLM_MAX_N_SEQUENCES``, and the temperature below which it samples greedily.
@@ -704,6 +703,7 @@ def build_app(engine: Engine) -> web.Application:
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app[ENGINE_KEY] = engine
     app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)

@@ -91,3 +91,24 @@ class Outage:
                 logger.info(recovered_event, failed_s=round(lasted, 1))
         elif self.failed(now):
             logger.warning(failed_event, failing_s=round(now - self.since, 1), **fields)
+
+
+class Throttle:
+    """Says when one more of a repeated warning is worth a log line: the first, then at
+    most one per `every_s`, telling how many were left out meanwhile (a flood of bad
+    frames would otherwise write one line each, thousands a second). Count every one
+    elsewhere (a metric): this only thins the log."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self._every_s = every_s
+        self._logged_at: float | None = None
+        self._left_out = 0
+
+    def due(self, now: float) -> int | None:
+        """One more at `now` -> None when it is not to be logged, else how many were left
+        out since the last line."""
+        if self._logged_at is not None and now - self._logged_at < self._every_s:
+            self._left_out += 1
+            return None
+        left_out, self._left_out, self._logged_at = self._left_out, 0, now
+        return left_out

@@ -105,22 +105,25 @@ def plain_reason(body: Mapping[str, Any]) -> Skip | None:
 
 
 def reproducible(body: Mapping[str, Any]) -> bool:
-    """Whether P's /tokenize renders the prompt the request itself would get, so that the
-    token ids sent to P and D (which then skip their own rendering) are the request's.
+    """Whether P's /tokenize renders the prompt the engines themselves render for the
+    request, so that the digests verified against D's blocks are of the prompt P computes
+    (and token ids forwarded to engines that skip their own rendering are the request's).
 
     Not when the prompt depends on what /tokenize is not told: `truncate_prompt_tokens`
-    (the request's prompt is cut; the tokenized one is not), `tool_choice: "none"`
-    with tools (an engine started with --exclude-tools-when-tool-choice-none renders the
-    request without the tools; /tokenize, which has no tool_choice, with them), or what
-    a chat request hands its template that vLLM's TokenizeChatRequest has no field for:
-    `documents` (RAG documents) and `reasoning_effort` (thinking on or off)."""
+    (the request's prompt is cut; the tokenized one is not), a `tool_choice` other than
+    "auto" with tools ("none": an engine started with --exclude-tools-when-tool-choice-none
+    renders the request without the tools; "required" or a named function: vLLM 0.32's
+    Kimi K3 renderer puts it in the prompt, renderers/kimi_k3.py), `response_format`
+    (the same renderer's), or what a chat request hands its template that vLLM's
+    TokenizeChatRequest has no field for: `documents` (RAG documents) and
+    `reasoning_effort` (thinking on or off)."""
     if any(body.get(name) is not None for name in _UNTOKENIZABLE):
         return False
-    return not (body.get("tool_choice") == "none" and body.get("tools"))
+    return not (body.get("tools") and body.get("tool_choice") not in (None, "auto"))
 
 
 #: Request fields that change the prompt and that /tokenize cannot be given.
-_UNTOKENIZABLE = ("truncate_prompt_tokens", "documents", "reasoning_effort")
+_UNTOKENIZABLE = ("truncate_prompt_tokens", "documents", "reasoning_effort", "response_format")
 
 
 def text_only(body: Mapping[str, Any]) -> bool:
@@ -165,7 +168,8 @@ def reuse_of(answer: LookupAnswer) -> Reuse:
 
 
 def prefill_kv_params(reuse: Reuse | None, prompt_token_ids: Sequence[int] | None) -> dict[str, Any]:
-    """kv_transfer_params for the prefill request."""
+    """kv_transfer_params for the prefill request (with `prompt_token_ids` only for engines
+    that take them: `UpstreamSettings.forward_prompt_token_ids`)."""
     kv = dict(reuse.remote) if reuse is not None and reuse.remote else {}
     kv.update(FRESH)
     if prompt_token_ids is not None:
@@ -196,13 +200,14 @@ def prefill_body(body: Mapping[str, Any], kv_params: dict[str, Any]) -> dict[str
 def decode_body(
     body: Mapping[str, Any], prefill_params: Mapping[str, Any] | None, prompt_token_ids: Sequence[int] | None
 ) -> dict[str, Any]:
-    """The client's request as the decode node gets it: P's params, the prompt's token ids.
+    """The client's request as the decode node gets it: P's params (and `prompt_token_ids`,
+    given only for engines that take them; D renders the prompt itself otherwise).
 
     Without P's params (none came back, or D serves alone) D gets no kv_transfer_params at
     all, token ids neither: vLLM's connector takes any request with params and no
     do_remote_decode for a decode-side one, and pins its blocks when it finishes, but
     tracks their expiry only for one that came with a prefill's params; those blocks
-    would never be freed. D then renders the prompt itself."""
+    would never be freed."""
     out = _engine_body(body)
     if not prefill_params:
         out.pop("kv_transfer_params", None)

@@ -80,6 +80,12 @@ class UpstreamSettings:
     """Longest a tokenize request may take; a slower one means serving that turn without reuse."""
     api_key: str = ""
     """Bearer key to send the engines; "" = forward the client's Authorization header."""
+    forward_prompt_token_ids: bool = False
+    """Put the prompt's token ids (from P's /tokenize) in P's and D's kv_transfer_params
+    (``prompt_token_ids``) on chat requests, for engines that take them instead of
+    rendering the messages again: vLLM 0.32 does (PR 48145), earlier releases ignore them
+    (64k ids per turn of a long prompt, sent twice for nothing). Off: each engine renders
+    the request itself, which /tokenize renders alike (`router.decisions.reproducible`)."""
     max_releases_in_flight: int = 256
     """Most releases on their way at once, of both kinds: of P's blocks after D refused a
     turn, and of D's blocks after a lookup answered too late. A node that is slow to
@@ -154,6 +160,10 @@ def _bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, not {value!r}")
 
 
+def _flag(value: bool | str) -> bool:
+    return value if isinstance(value, bool) else _bool(value)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The router's flags; each defaults to KVFERRY_ROUTER_<FLAG>."""
     d = Settings()
@@ -178,6 +188,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add("api-key", "", "bearer key(s) clients must present on /v1/, comma-separated; empty = no check")
     add("engine-api-key", d.upstream.api_key, "bearer key for the engines (default: the client's)")
+    add(
+        "forward-prompt-token-ids",
+        "false",
+        "put the prompt's token ids in the engines' kv_transfer_params on chat requests, for "
+        "engines that take them (vLLM >= 0.32); false: the engines render the prompt themselves",
+        _bool,
+    )
     add("connect-timeout", d.upstream.connect_timeout_s, "seconds to connect to an engine", float)
     add("prefill-timeout", d.upstream.prefill_timeout_s, "longest a prefill request may take, s", float)
     add(
@@ -215,9 +232,10 @@ def from_args(a: argparse.Namespace) -> Settings:
             prefill_timeout_s=float(a.prefill_timeout),
             decode_idle_timeout_s=float(a.decode_idle_timeout),
             api_key=a.engine_api_key,
+            forward_prompt_token_ids=_flag(a.forward_prompt_token_ids),
         ),
         reuse=ReuseSettings(
-            enabled=a.reuse if isinstance(a.reuse, bool) else _bool(a.reuse),
+            enabled=_flag(a.reuse),
             tenant_header=a.tenant_header,
             digest_cache_bytes=int(a.digest_cache_mb * (1 << 20)),  # (a finite float: kvferry.flags)
         ),

@@ -4,13 +4,15 @@
 2. With a conversation id: tokenize once (P's ``/tokenize``), digest the prompt
    (``kvferry.digests``, the sidecar's function), and ``Lookup`` under a short
    deadline (`router.control`); with several caching P, score them meanwhile.
-3. P: the daemon's params (a pull, a release, or fresh ones) plus the prompt's
-   token ids, ``max_tokens: 1``, not streamed. A failure is retried once as
-   `router.decisions.retry_after` says. Tokenize and prefill requests go to the
-   engine itself when its sidecar advertised it (nothing on that path needs the tap).
-4. D, through its sidecar: P's params, the token ids, the conversation and
-   tenant headers (the sidecar registers D's blocks for the next turn). D's
-   answer goes to the client as it comes (`router.relay`).
+3. P: the daemon's params (a pull, a release, or fresh ones), ``max_tokens: 1``,
+   not streamed; P renders the prompt itself, as /tokenize did (the token ids go
+   along only with ``--forward-prompt-token-ids``, on chat requests: `_forwarded_ids`).
+   A failure is retried once as `router.decisions.retry_after` says. Tokenize and
+   prefill requests go to the engine itself when its sidecar advertised it (nothing
+   on that path needs the tap).
+4. D, through its sidecar: P's params, the conversation and tenant headers (the
+   sidecar registers D's blocks for the next turn). D's answer goes to the client
+   as it comes (`router.relay`).
 
 Engine 4xx answers reach the client as the engine gave them; engine 5xx and
 unreachable engines become a 502 JSON error. When D refuses a turn, the blocks P kept
@@ -351,6 +353,13 @@ class Turn:
             self.log.info("router.tokenize.refused", node=asked.engine_id, status=reply.status)
         return tokens
 
+    def _forwarded_ids(self) -> list[int] | None:
+        """The prompt's token ids for P's and D's kv_transfer_params: only when the engines
+        take them (``--forward-prompt-token-ids``: vLLM >= 0.32 reads them on its chat path
+        alone), else None and each engine renders the request itself."""
+        forward = self.s.settings.upstream.forward_prompt_token_ids
+        return self.tokens if forward and self.path.endswith("/chat/completions") else None
+
     def _twin_prefill(self, node: Node) -> Node | None:
         """Another prefill node that tokenizes exactly like `node` (None: there is none)."""
         return choose_prefill(alike(self.nodes, node), self.s.load.view, exclude={node.engine_id})
@@ -395,7 +404,7 @@ class Turn:
         attempt = 0
         while True:
             tried.add(node.engine_id)
-            kv = prefill_kv_params(self.reuse if remote else None, self.tokens)
+            kv = prefill_kv_params(self.reuse if remote else None, self._forwarded_ids())
             payload = encode(prefill_body(self.body, kv))
             reply: Reply | None = None
             t0 = time.perf_counter()
@@ -487,7 +496,7 @@ class Turn:
     async def _decode(
         self, node: Node, prefill_params: dict[str, Any] | None, retain: bool = True
     ) -> web.StreamResponse:
-        payload = encode(decode_body(self.body, prefill_params, self.tokens))
+        payload = encode(decode_body(self.body, prefill_params, self._forwarded_ids()))
         t0 = time.perf_counter()
         tried: set[str] = set()
         while True:

@@ -14,7 +14,10 @@ Only the block hashes matter to the index. A hash is a 64-bit int (masked to
 64 bits: old releases sent Python's signed ``hash()``) or raw digest bytes, of
 which the low 64 bits are taken, big-endian (what vLLM puts in int events).
 An event of an unknown type is skipped and counted; anything else that does
-not decode makes the payload malformed (`MalformedPayload`). Pure: no I/O.
+not decode makes the payload malformed (`MalformedPayload`).
+
+The frames around a payload: `decode_seq` (the seq frame), and `replay_answer`
+(a replay message, in the shape of current vLLM or of older releases). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -221,6 +224,46 @@ class Decoder:
         if isinstance(tag, str) and tag not in _KNOWN_TAGS:
             return False, None  # a newer event type: not ours to understand
         raise MalformedPayload(f"malformed {tag!r} event")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayAnswer:
+    """One message of a replay, as a DEALER receives it."""
+
+    seq: int
+    """The batch's seq; -1 ends the replay."""
+    payload: bytes
+
+    @property
+    def end(self) -> bool:
+        return self.seq == -1
+
+
+def replay_answer(frames: list[bytes]) -> ReplayAnswer:
+    """One replay message in either shape; ValueError when it is neither.
+
+    After the DEALER's empty delimiter frame, vLLM >= 0.32 (and current
+    ``vllm/distributed/kv_events.py``) sends ``[topic, seq, payload]`` per batch, the
+    topic frame there even when the topic is empty, and ends with ``[b"", seq -1,
+    b""]``; older releases (and SGLang) send ``[seq, payload]`` and end with ``[seq -1,
+    b""]``. The two are told apart by their frame count (4 and 3 with the delimiter), and
+    each frame is checked (an empty delimiter, an 8-byte seq, no seq below -1): a
+    message of one shape never reads as the other."""
+    if not frames or frames[0] != b"":
+        raise ValueError("replay answer without the empty delimiter frame")
+    if len(frames) == 4:  # [b"", topic, seq, payload]
+        seq_frame, payload = frames[2], frames[3]
+    elif len(frames) == 3:  # [b"", seq, payload]
+        seq_frame, payload = frames[1], frames[2]
+    else:
+        raise ValueError(
+            f"replay answer of {len(frames)} frames: expected [b'', topic, seq, payload] "
+            "or [b'', seq, payload]"
+        )
+    seq = decode_seq(seq_frame)
+    if seq < -1:
+        raise ValueError(f"replay answer with seq {seq}")
+    return ReplayAnswer(seq, payload)
 
 
 def decode_seq(frame: bytes) -> int:

@@ -2,13 +2,15 @@
 
 SUB to the engine's PUB endpoint: multipart ``[topic, seq, payload]``. On
 start, and whenever the seq jumps, the missing batches are asked of the replay
-endpoint (DEALER: ``[b"", start seq]`` -> ``[b"", seq, payload]`` ... until seq
--1) before going on; SUB keeps queueing live messages meanwhile, and those the
-replay already covered are skipped (see `SeqTracker`). A seq going backwards is
+endpoint (DEALER: ``[b"", start seq]`` -> ``[b"", topic, seq, payload]`` ... until
+seq -1, or ``[b"", seq, payload]`` from older releases: `replay_answer`) before
+going on; SUB keeps queueing live messages meanwhile, and those the replay
+already covered are skipped (see `SeqTracker`). A seq going backwards is
 a new engine process (`EngineInstance.restart`). What cannot be replayed (no
 replay endpoint, the engine's buffer no longer reaches back, a replay timing
 out) makes the next batch a reset: the daemon gets the mirror as it stands.
-A payload that does not decode is counted and skipped, never fatal.
+A payload (or a message) that does not decode is counted and skipped, never fatal;
+the warnings about them are thinned (`kvferry.logs.Throttle`).
 """
 
 from __future__ import annotations
@@ -20,8 +22,18 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from kvferry.logs import Throttle
 from sidecar.engine import EngineInstance
-from sidecar.kvevents import Cleared, Decoder, MalformedPayload, Removed, Stored, decode_seq, encode_seq
+from sidecar.kvevents import (
+    Cleared,
+    Decoder,
+    MalformedPayload,
+    Removed,
+    Stored,
+    decode_seq,
+    encode_seq,
+    replay_answer,
+)
 from sidecar.kvindex import KvMirror, SeqTracker, Verdict, replay_outcome
 from sidecar.metrics import SidecarMetrics
 from sidecar.settings import KvEventSettings
@@ -34,6 +46,8 @@ REPLAY_COOLDOWN_S = 5.0
 REPLAY_WHOLE_TIMEOUTS = 30
 #: Messages handled between two yields to the event loop.
 _YIELD_EVERY = 64
+#: At most one warning about malformed messages this often (each is counted all the same).
+MALFORMED_LOG_EVERY_S = 10.0
 
 
 class KvIngest:
@@ -60,6 +74,7 @@ class KvIngest:
         self._tracker = SeqTracker()
         self._decoder = Decoder()
         self._replay_after = 0.0
+        self._malformed_log = Throttle(MALFORMED_LOG_EVERY_S)
         instance.on_restart(self._engine_restarted)
 
     def _engine_restarted(self) -> None:
@@ -166,7 +181,9 @@ class KvIngest:
 
     def _malformed(self, seq: int | None, error: str) -> None:
         self._metrics.kv_malformed.inc()
-        log.warning("kvevents.payload.malformed", seq=seq, error=error)
+        left_out = self._malformed_log.due(asyncio.get_running_loop().time())
+        if left_out is not None:
+            log.warning("kvevents.payload.malformed", seq=seq, error=error, left_out=left_out)
 
     async def _catch_up(self, start: int) -> None:
         """Replay from `start` and fold in what comes back."""
@@ -191,16 +208,18 @@ class KvIngest:
             while True:
                 async with asyncio.timeout_at(min(whole, loop.time() + self._s.replay_timeout_s)):
                     frames = await dealer.recv_multipart()
-                if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:
-                    self._malformed(None, "replay answer is not [b'', seq, payload]")
+                try:
+                    answer = replay_answer(frames)
+                except ValueError as e:
+                    self._malformed(None, str(e))
                     continue
-                seq = decode_seq(frames[1])
-                if seq == -1:
+                if answer.end:
                     break
+                seq = answer.seq
                 self._metrics.kv_payloads.labels("replay").inc()
                 seqs.append(seq)
                 if seq >= self._tracker.expected:
-                    self._apply(frames[2], seq)
+                    self._apply(answer.payload, seq)
                 if len(seqs) % _YIELD_EVERY == 0:  # (queued answers come back without a suspension)
                     await asyncio.sleep(0)
             if not replay_outcome(start, seqs):

@@ -13,6 +13,7 @@ from controlplane.daemon import Daemon
 from kvferry.v1 import leases_pb2
 from tests.conftest import Client
 from tests.factories import d_params, lease_request, lookup_request, node_request, tokens
+from tests.polling import eventually
 
 
 async def test_finished_turn_is_pulled_once_then_recomputed(client: Client) -> None:
@@ -111,6 +112,27 @@ async def test_expired_past_deadline(make_daemon, connect) -> None:  # type: ign
     assert resp.reason == "expired" and not resp.HasField("release_params")
     listed = await c.leases.List(leases_pb2.ListLeasesRequest())
     assert not listed.leases, "expired leases are not listed as live"
+
+
+async def test_the_claim_marker_of_an_expired_retention_says_expired(client: Client) -> None:
+    """A lookup that took a retention past its deadline handed nothing out: the lookups
+    after it, meeting its claim marker, said already_claimed ("handed out 0.3s ago")."""
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("conv-late", expires_in=1.0))
+    deadline = time.time() + 1.0
+
+    async def past_deadline() -> bool:  # (still in etcd: its GC lease outlives the deadline)
+        return time.time() > deadline + 0.1
+
+    await eventually(past_deadline)
+    first = await client.leases.Lookup(lookup_request("conv-late"))
+    assert first.decision == leases_pb2.RECOMPUTE and first.reason == "expired" and first.claimed
+    assert not first.HasField("release_params")
+    again = await client.leases.Lookup(lookup_request("conv-late"))
+    assert again.decision == leases_pb2.RECOMPUTE and again.reason == "expired"
+    assert not again.claimed and not again.HasField("release_params")
+    peek = await client.leases.Lookup(lookup_request("conv-late", peek=True))
+    assert peek.reason == "expired"
 
 
 async def test_tenants_never_see_each_other(client: Client) -> None:

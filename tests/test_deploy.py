@@ -241,3 +241,64 @@ def test_the_dashboard_is_grafana_json_with_a_prometheus_variable() -> None:
     panels = [p for p in dash["panels"] if p["type"] != "row"]
     assert panels and all(p["targets"] and p["datasource"]["uid"] == "${datasource}" for p in panels)
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+
+
+# -- the engines' roles ----------------------------------------------------------------------------
+
+#: The NixlConnector kv_role each kind of node gets (vLLM 0.32 deprecates kv_both for it).
+KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+_KV_BOTH = re.compile(r'"kv_role"\s*:\s*"kv_both"')
+
+
+def _kv_transfer_config(args: list[str]) -> dict[str, Any]:
+    (value,) = [a.split("=", 1)[1] for a in args if a.startswith("--kv-transfer-config=")]
+    config: dict[str, Any] = json.loads(value)
+    return config
+
+
+def _pods() -> Iterator[tuple[str, dict[str, Any]]]:
+    for path in sorted((DEPLOY / "kubernetes").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc["kind"] in ("Deployment", "StatefulSet"):
+                yield path.name, doc["spec"]["template"]["spec"]
+
+
+def test_each_vllm_pod_has_the_kv_role_of_its_sidecars_role() -> None:
+    engines = 0
+    for name, pod in _pods():
+        vllm = [c for c in pod["containers"] if c["image"].startswith("vllm/")]
+        if not vllm:
+            continue
+        (engine,) = vllm
+        (sidecar,) = [c for c in pod["containers"] if "kvferry" in c["image"]]
+        role = _container_env(sidecar["env"])["KVFERRY_SIDECAR_ROLE"]
+        config = _kv_transfer_config([str(a) for a in engine["args"]])
+        assert config["kv_connector"] == "NixlConnector", name
+        assert config["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True, name
+        assert config["kv_role"] == KV_ROLE[role], f"{name}: a {role} node with {config['kv_role']}"
+        engines += 1
+    assert engines == 2  # one prefill, one decode StatefulSet
+
+
+def test_each_emulated_engine_has_the_role_of_its_sidecar() -> None:
+    services = yaml.safe_load((DEPLOY / "compose" / "compose.yaml").read_text())["services"]
+    pairs = 0
+    for name, service in services.items():
+        if service["command"][0] != "sidecar":
+            continue
+        engine = services[service["network_mode"].removeprefix("service:")]
+        (role,) = [a.split("=", 1)[1] for a in engine["command"] if a.startswith("--role=")]
+        assert role == service["environment"]["KVFERRY_SIDECAR_ROLE"], name
+        pairs += 1
+    assert pairs == 2
+
+
+def test_the_documented_vllm_command_has_the_current_kv_roles() -> None:
+    readme = (DEPLOY / "README.md").read_text()
+    (documented,) = re.findall(r"--kv-transfer-config '([^']*)'", readme)
+    config = json.loads(documented)
+    assert config["kv_role"] == KV_ROLE["prefill"] and '"kv_role": "kv_consumer"' in readme
+    assert config["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
+    for path in [*DEPLOY.rglob("*"), DEPLOY.parent / "README.md"]:
+        if path.is_file() and path.suffix in (".md", ".yaml", ".yml", ".service", ".json", ""):
+            assert not _KV_BOTH.search(path.read_text(errors="replace")), f"{path}: kv_role kv_both"

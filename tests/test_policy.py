@@ -18,10 +18,11 @@ from controlplane.policy import (
     Reason,
     apply_handout,
     decide,
+    decide_claimed,
     holds_null_blocks,
     param_problems,
 )
-from controlplane.records import NodeRecord, NodeState, Retention, Role
+from controlplane.records import Claim, NodeRecord, NodeState, Retention, Role
 from kvferry.digests import DIGEST_SIZE, block_digests, common_prefix_blocks, seed
 from tests.factories import d_params
 
@@ -267,3 +268,12 @@ def test_struct_handout_equals_dict_handout(n_blocks: int, keep: int | None, tok
     out = struct_pb2.Struct()
     convert.apply_handout(stored.SerializeToString(), Handout(tokens, keep), out)
     assert convert.struct_to_dict(out) == apply_handout(params, Handout(tokens, keep))
+
+
+def test_a_claim_marker_says_expired_once_its_retentions_deadline_passed() -> None:
+    taken = decide_claimed(Claim(claimed_at=NOW - 3), NOW)
+    assert (taken.pull, taken.reason) == (False, Reason.ALREADY_CLAIMED)  # (deadline not known)
+    before = decide_claimed(Claim(claimed_at=NOW - 3, expires_at=NOW + 2), NOW)
+    assert before.reason == Reason.ALREADY_CLAIMED
+    after = decide_claimed(Claim(claimed_at=NOW - 3, expires_at=NOW - 1), NOW)
+    assert (after.pull, after.reason, after.release) == (False, Reason.EXPIRED, None)

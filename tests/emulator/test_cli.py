@@ -49,6 +49,7 @@ def test_flags() -> None:
             "--decode-ms-per-token=5",
             "--transfer-ms-per-block=0.5",
             "--no-prefix-caching",
+            "--no-chat-prompt-token-ids",
             "--max-model-len=8192",
         ]
     )
@@ -56,6 +57,7 @@ def test_flags() -> None:
     assert (config.role, config.block_size, config.num_blocks, config.engine_id) == ("decode", 32, 100, "e1")
     assert (config.kv_events_port, config.kv_events_replay_port, config.kv_events_topic) == (5557, 5558, "t")
     assert not config.bidirectional_kv_xfer and not config.enable_prefix_caching
+    assert not config.chat_prompt_token_ids  # (on by default: vLLM 0.32)
     assert config.kv_recompute_threshold == 128 and config.decoder_kv_blocks_ttl == 60
     assert config.kv_load_failure_policy == "recompute" and config.max_model_len == 8192
     assert (config.prefill_ms_per_token, config.decode_ms_per_token, config.transfer_ms_per_block) == (

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 from emulator import EmulatorServer
+from router.upstream import tokenize_request
 from tests.emulator.conftest import StartEmulator
 from tests.emulator.helpers import Client, async_test, conversation
 from tests.polling import eventually
@@ -32,6 +33,16 @@ async def test_health_models_tokenize(start_emulator: StartEmulator, http: Clien
 
 
 @async_test()
+async def test_version_is_the_vllm_release_followed(start_emulator: StartEmulator, http: Client) -> None:
+    """vLLM serves GET /version as {"version": "0.32.0"} (its multi-turn benchmark asks)."""
+    emu = await start_emulator()
+    async with http.session.get(emu.http_url + "/version") as response:
+        assert response.status == 200
+        assert response.content_type == "application/json"
+        assert await response.json() == {"version": "0.32.0"}
+
+
+@async_test()
 async def test_an_api_key_guards_the_v1_routes_as_in_vllm(
     start_emulator: StartEmulator, http: Client
 ) -> None:
@@ -49,7 +60,7 @@ async def test_an_api_key_guards_the_v1_routes_as_in_vllm(
         emu.http_url + "/v1/chat/completions", json={"messages": conversation(), "max_tokens": 2}, headers=key
     ) as r:
         assert r.status == 200
-    for path in ("/health", "/metrics"):  # outside /v1: open, as in vLLM
+    for path in ("/health", "/metrics", "/version"):  # outside /v1: open, as in vLLM
         async with session.get(emu.http_url + path) as r:
             assert r.status == 200, path
     assert (await http.post(emu, "/tokenize", {"prompt": "hi"})).status == 200
@@ -198,8 +209,9 @@ async def test_engine_id_is_per_start_unless_given(start_emulator: StartEmulator
 
 @async_test()
 async def test_prompt_token_ids_are_checked(start_emulator: StartEmulator, http: Client) -> None:
+    """As vLLM 0.32's chat path checks them (renderers/online_renderer.py)."""
     emu = await start_emulator()
-    not_ids = "kv_transfer_params.prompt_token_ids must be token ids."
+    not_ids = "`kv_transfer_params['prompt_token_ids']` must be a non-empty list of non-negative integers."
     outside = "The prompt contains token ids outside the vocabulary."
     for ids, message in (
         ([104, True], not_ids),
@@ -207,8 +219,8 @@ async def test_prompt_token_ids_are_checked(start_emulator: StartEmulator, http:
         ("104", not_ids),
         ([104, None], not_ids),
         ([104, 258], outside),
-        ([-1, 104], outside),
-        ([], "The prompt must contain at least one token."),
+        ([-1, 104], not_ids),
+        ([], not_ids),
     ):
         answer = await http.chat(
             emu, conversation(), max_tokens=2, kv_transfer_params={"prompt_token_ids": ids}
@@ -219,6 +231,78 @@ async def test_prompt_token_ids_are_checked(start_emulator: StartEmulator, http:
     )
     assert ok.status == 200 and ok.body["prompt_token_ids"] == [104, 257]
     assert (await http.post(emu, "/detokenize", {"tokens": [104, 258]})).status == 400
+
+
+_TOOL = {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}
+
+
+@async_test()
+async def test_tokenize_renders_what_the_chat_request_renders(
+    start_emulator: StartEmulator, http: Client
+) -> None:
+    """What the router asks /tokenize (router.upstream.tokenize_request) is the prompt the
+    engine computes for the chat request itself, for every field vLLM's /tokenize takes:
+    the engines render the prompt, the router digests /tokenize's ids."""
+    emu = await start_emulator()
+    messages = conversation()
+    for fields in (
+        {},
+        {"tools": [_TOOL]},
+        {"chat_template_kwargs": {"enable_thinking": False, "tools": [_TOOL]}},
+        {"add_generation_prompt": False},
+        {"add_generation_prompt": False, "continue_final_message": True},
+        {"add_special_tokens": True, "chat_template": "{{ messages }}"},
+    ):
+        body = {"messages": messages, "max_tokens": 1, **fields}
+        asked = tokenize_request("/v1/chat/completions", body)
+        assert isinstance(asked, dict)
+        tokenized = await http.post(emu, "/tokenize", asked)
+        chat = await http.chat(emu, **{**body, "return_token_ids": True})
+        assert chat.status == 200 and tokenized.status == 200, fields
+        assert chat.body["prompt_token_ids"] == tokenized.body["tokens"], fields
+
+
+_IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+@async_test()
+async def test_which_requests_take_forwarded_prompt_token_ids(
+    start_emulator: StartEmulator, http: Client
+) -> None:
+    """vLLM 0.32 takes kv_transfer_params.prompt_token_ids as a chat request's prompt (PR
+    48145), not a completion's; releases before it render every chat request themselves
+    (chat_prompt_token_ids off). Messages with media are rendered, the ids left unchecked."""
+    forwarded = [104, 105, 257]
+    rendered = (await http.post(await start_emulator(), "/tokenize", {"messages": conversation()})).body
+    for taken, emu in (
+        (True, await start_emulator()),
+        (False, await start_emulator(chat_prompt_token_ids=False)),
+    ):
+        chat = await http.chat(
+            emu,
+            conversation(),
+            max_tokens=2,
+            return_token_ids=True,
+            kv_transfer_params={"prompt_token_ids": forwarded},
+        )
+        assert chat.status == 200
+        assert chat.body["prompt_token_ids"] == (forwarded if taken else rendered["tokens"]), taken
+        completion = await http.post(
+            emu,
+            "/v1/completions",
+            {
+                "prompt": "hi",
+                "max_tokens": 2,
+                "return_token_ids": True,
+                "kv_transfer_params": {"prompt_token_ids": forwarded},
+            },
+        )
+        assert completion.status == 200
+        assert completion.body["choices"][0]["prompt_token_ids"] == list(b"hi"), taken
+    media = [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, _IMAGE]}]
+    answer = await http.chat(emu, media, max_tokens=2, kv_transfer_params={"prompt_token_ids": "not ids"})
+    # rendered, not read: the emulator's template takes no images (vLLM's would)
+    assert answer.status == 400 and "text content" in answer.body["error"]["message"]
 
 
 @async_test()

@@ -49,8 +49,12 @@ async def _receive(sub: zmq.asyncio.Socket) -> tuple[int, KVEventBatch]:
     return decode_seq(seq), decode_batch(payload)
 
 
-async def _replay(ctx: zmq.asyncio.Context, endpoint: str, start: int) -> list[tuple[int, bytes]]:
-    """Everything a DEALER gets for one replay request, up to the end marker."""
+async def _replay(
+    ctx: zmq.asyncio.Context, endpoint: str, start: int, topic: str = ""
+) -> list[tuple[int, bytes]]:
+    """Everything a DEALER gets for one replay request, up to the end marker, in vLLM
+    0.32's shape: ``[b"", topic, seq, payload]`` per batch (the topic frame there even
+    when empty), ``[b"", b"", seq -1, b""]`` at the end."""
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(endpoint)
@@ -58,11 +62,12 @@ async def _replay(ctx: zmq.asyncio.Context, endpoint: str, start: int) -> list[t
         await dealer.send_multipart([b"", encode_seq(start)])
         answers: list[tuple[int, bytes]] = []
         while True:
-            empty, seq, payload = await asyncio.wait_for(dealer.recv_multipart(), timeout=3)
+            empty, topic_frame, seq, payload = await asyncio.wait_for(dealer.recv_multipart(), timeout=3)
             assert empty == b""
             if seq == END_SEQ:
-                assert payload == b""
+                assert (topic_frame, payload) == (b"", b"")
                 return answers
+            assert topic_frame == topic.encode()
             answers.append((decode_seq(seq), payload))
     finally:
         dealer.close()
@@ -126,18 +131,18 @@ async def test_replay_returns_buffered_batches(
     live = [await _receive(sub) for _ in range(3)]
     assert [seq for seq, _ in live] == [0, 1, 2]
 
-    replayed = await _replay(zctx, emu.kv_events_replay_endpoint, 0)
+    replayed = await _replay(zctx, emu.kv_events_replay_endpoint, 0, TOPIC)
     assert [seq for seq, _ in replayed] == [0, 1, 2]
     assert [decode_batch(payload) for _, payload in replayed] == [batch for _, batch in live]
-    assert [seq for seq, _ in await _replay(zctx, emu.kv_events_replay_endpoint, 2)] == [2]
-    assert await _replay(zctx, emu.kv_events_replay_endpoint, 99) == []
+    assert [seq for seq, _ in await _replay(zctx, emu.kv_events_replay_endpoint, 2, TOPIC)] == [2]
+    assert await _replay(zctx, emu.kv_events_replay_endpoint, 99, TOPIC) == []
 
     req = zctx.socket(zmq.REQ)  # a REQ client gets the first answer
     req.setsockopt(zmq.LINGER, 0)
     req.connect(emu.kv_events_replay_endpoint)
     await req.send(encode_seq(1))
-    seq, payload = await asyncio.wait_for(req.recv_multipart(), timeout=3)
-    assert decode_seq(seq) == 1 and payload == replayed[1][1]
+    topic, seq, payload = await asyncio.wait_for(req.recv_multipart(), timeout=3)
+    assert topic == TOPIC.encode() and decode_seq(seq) == 1 and payload == replayed[1][1]
     req.close()
     sub.close()
 
@@ -154,7 +159,7 @@ async def test_eviction_and_reset_events(
     a = await http.chat(emu, first, max_tokens=1, return_token_ids=True)
     await http.chat(emu, second, max_tokens=1)
     await asyncio.sleep(0.05)
-    batches = [decode_batch(p) for _, p in await _replay(zctx, str(emu.kv_events_replay_endpoint), 0)]
+    batches = [decode_batch(p) for _, p in await _replay(zctx, str(emu.kv_events_replay_endpoint), 0, TOPIC)]
     removed = [h for e in _events(batches) if isinstance(e, BlockRemoved) for h in e.block_hashes]
     first_hashes = [external_block_hash(h) for h in block_hashes(a.body["prompt_token_ids"], 16)]
     assert removed  # the second conversation needed blocks the first one had cached
@@ -165,7 +170,7 @@ async def test_eviction_and_reset_events(
     async with http.session.post(emu.http_url + "/reset_prefix_cache") as response:
         assert response.status == 200
     await asyncio.sleep(0.05)
-    batches = [decode_batch(p) for _, p in await _replay(zctx, str(emu.kv_events_replay_endpoint), 0)]
+    batches = [decode_batch(p) for _, p in await _replay(zctx, str(emu.kv_events_replay_endpoint), 0, TOPIC)]
     assert isinstance(_events(batches)[-1], AllBlocksCleared)
     assert (await http.state(emu))["cached_blocks"] == 0
 

@@ -30,6 +30,7 @@ from router.decisions import (
     decode_body,
     prefill_body,
     prefill_kv_params,
+    reproducible,
     retry_after,
     retry_decode_elsewhere,
     reuse_of,
@@ -457,6 +458,8 @@ def test_flags_make_settings() -> None:
     s = _parse("--daemon", "a:1,b:2", "--prefill", "http://p/", "--decode", "http://d", "--reuse", "false")
     assert s.daemon.addresses == ("a:1", "b:2") and s.nodes.prefill_urls == ("http://p",)
     assert s.reuse.enabled is False and s.daemon.lookup_deadline_s == 0.05
+    assert s.upstream.forward_prompt_token_ids is False  # (the engines render the prompt)
+    assert _parse("--daemon", "a:1", "--forward-prompt-token-ids", "true").upstream.forward_prompt_token_ids
     with pytest.raises(ValueError, match="daemon"):
         _parse()
     with pytest.raises(ValueError, match="http"):
@@ -575,3 +578,28 @@ async def test_lookups_leave_a_replica_that_keeps_answering_late() -> None:
         assert time.monotonic() < control.breaker.open_until  # (the breaker counted them)
     finally:
         await control.close()
+
+
+def test_a_prompt_is_reproducible_when_tokenize_renders_what_the_engines_do() -> None:
+    """/tokenize takes messages, tools, chat_template(_kwargs), add_generation_prompt,
+    continue_final_message, add_special_tokens: nothing else may shape the prompt."""
+    hi = {"messages": [{"role": "user", "content": "hi"}]}
+    tool = {"type": "function", "function": {"name": "ls"}}
+    for body in (
+        hi,
+        {**hi, "tools": [tool]},
+        {**hi, "tools": [tool], "tool_choice": "auto"},
+        {**hi, "tool_choice": "required"},  # (no tools: vLLM renders no tool choice)
+        {**hi, "chat_template_kwargs": {"enable_thinking": False}, "continue_final_message": True},
+    ):
+        assert reproducible(body), body
+    for body in (
+        {**hi, "tools": [tool], "tool_choice": "none"},
+        {**hi, "tools": [tool], "tool_choice": "required"},
+        {**hi, "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "ls"}}},
+        {**hi, "response_format": {"type": "json_object"}},
+        {**hi, "documents": []},
+        {**hi, "reasoning_effort": "low"},
+        {"prompt": "hi", "truncate_prompt_tokens": 5},
+    ):
+        assert not reproducible(body), body

@@ -629,6 +629,8 @@ async def fakes_with_a_lease(
 
 
 async def test_what_the_engines_receive(daemon: Daemon, http: aiohttp.ClientSession) -> None:
+    """P and D render the prompt themselves, as /tokenize did for the router: no token ids
+    in their params (engines that do not take them would get 64k ids a turn for nothing)."""
     async with fake_engine() as p, fake_engine() as d:
         settings = on_fakes(daemon, p, d)
         async with Router(settings) as router:
@@ -648,15 +650,13 @@ async def test_what_the_engines_receive(daemon: Daemon, http: aiohttp.ClientSess
     assert path == "/tokenize" and tok == {"model": "fake", "messages": body["messages"]}
     (_, p_headers, p_body) = p.requests[1]
     assert p_body["stream"] is False and p_body["max_tokens"] == 1 and "stream_options" not in p_body
-    assert p_body["kv_transfer_params"] == {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "prompt_token_ids": list(range(40)),
-    }
+    assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+    assert p_body["messages"] == body["messages"]
     [(_, d_headers, d_body)] = d.requests
     assert d_body["stream"] is True and d_body["max_tokens"] == 50
     assert d_body["kv_transfer_params"]["do_remote_prefill"] is True
-    assert d_body["kv_transfer_params"]["prompt_token_ids"] == list(range(40))
+    assert "prompt_token_ids" not in d_body["kv_transfer_params"]
+    assert d_body["messages"] == body["messages"]
     for _, _, sent in [*p.requests, *d.requests]:
         assert "conversation_id" not in sent and "secret-conv" not in json.dumps(sent)
     assert d_headers["x-conversation-id"] == "secret-conv"
@@ -665,6 +665,28 @@ async def test_what_the_engines_receive(daemon: Daemon, http: aiohttp.ClientSess
     assert p_headers["x-request-id"] == d_headers["x-request-id"]
     assert d_headers["authorization"] == "Bearer sk-1" and d_headers["traceparent"] == "00-ab-cd-01"
     assert d_headers["accept-encoding"] == "identity"  # the router reads D's answer
+
+
+async def test_forwarded_prompt_token_ids_go_on_chat_requests_only(
+    daemon: Daemon, http: aiohttp.ClientSession
+) -> None:
+    """--forward-prompt-token-ids: for engines that take a chat request's token ids in its
+    kv_transfer_params instead of rendering it again (vLLM 0.32); a completion's are never
+    read there (its prompt is text or token ids already)."""
+    async with fake_engine() as p, fake_engine() as d:
+        settings = on_fakes(daemon, p, d, upstream__forward_prompt_token_ids=True)
+        async with Router(settings) as router:
+            chat = {"messages": [{"role": "user", "content": "hi"}], "conversation_id": "c1", "stream": True}
+            assert (await ask(http, router.url, chat)).status == 200
+            completion = {"prompt": "hi", "conversation_id": "c2", "stream": True}
+            assert (await ask(http, router.url, completion, path=COMPLETIONS)).status == 200
+    prefills = [(path, sent) for path, _, sent in p.requests if path != "/tokenize"]
+    assert [path for path, _ in prefills] == [CHAT, COMPLETIONS]
+    assert prefills[0][1]["kv_transfer_params"]["prompt_token_ids"] == list(range(40))
+    assert "prompt_token_ids" not in prefills[1][1]["kv_transfer_params"]
+    (_, _, d_chat), (_, _, d_completion) = d.requests
+    assert d_chat["kv_transfer_params"]["prompt_token_ids"] == list(range(40))
+    assert "prompt_token_ids" not in d_completion["kv_transfer_params"]
 
 
 async def test_several_answers_or_prompts_go_to_d_alone_without_params(
@@ -906,6 +928,22 @@ _TOOL = {"type": "function", "function": {"name": "ls", "parameters": {"type": "
         ),
         (
             {"messages": [{"role": "user", "content": "hi"}], "tools": [_TOOL], "tool_choice": "none"},
+            "prompt_not_reproducible",
+        ),
+        (  # (vLLM 0.32's Kimi K3 renderer puts these in the prompt; /tokenize has no field)
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [_TOOL], "tool_choice": "required"},
+            "prompt_not_reproducible",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [_TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "ls"}},
+            },
+            "prompt_not_reproducible",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
             "prompt_not_reproducible",
         ),
         (

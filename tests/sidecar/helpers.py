@@ -75,10 +75,12 @@ class FakePublisher:
 
     `publish` sends ``[topic, seq, payload]`` on PUB (unless ``deliver=False``: the
     message is lost on the way, but kept for replay, like a slow joiner or a
-    dropped message); the ROUTER answers replays from the kept messages.
+    dropped message); the ROUTER answers replays from the kept messages, in vLLM
+    0.32's shape (``[topic, seq, payload]`` ... ``[b"", -1, b""]``), or with
+    ``legacy_replay`` in older releases' and SGLang's (``[seq, payload]`` ... ``[-1, b""]``).
     """
 
-    def __init__(self, topic: bytes = b"") -> None:
+    def __init__(self, topic: bytes = b"", legacy_replay: bool = False) -> None:
         self.ctx = zmq.asyncio.Context()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -93,6 +95,7 @@ class FakePublisher:
         self.replays: list[int] = []
         self.replay_pace_s = 0.0
         """A pause before each replayed message (a long replay)."""
+        self.legacy_replay = legacy_replay
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -103,13 +106,15 @@ class FakePublisher:
             client, _, start = await self.router.recv_multipart()
             first = int.from_bytes(start, "big", signed=True)
             self.replays.append(first)
+            topic = [] if self.legacy_replay else [self.topic]
             for seq, payload in list(self.kept):
                 if seq >= first:
                     await asyncio.sleep(self.replay_pace_s)
                     await self.router.send_multipart(
-                        [client, b"", seq.to_bytes(8, "big", signed=True), payload]
+                        [client, b"", *topic, seq.to_bytes(8, "big", signed=True), payload]
                     )
-            await self.router.send_multipart([client, b"", (-1).to_bytes(8, "big", signed=True), b""])
+            end = [] if self.legacy_replay else [b""]
+            await self.router.send_multipart([client, b"", *end, (-1).to_bytes(8, "big", signed=True), b""])
 
     async def publish(self, seq: int, payload: bytes, deliver: bool = True) -> None:
         self.kept.append((seq, payload))

@@ -19,6 +19,7 @@ from kvferry.blockhash import external_block_hash
 from kvferry.v1 import nodes_pb2
 from sidecar import Sidecar
 from tests.conftest import Client, DaemonFactory, free_port
+from tests.factories import VECTORS
 from tests.polling import eventually
 from tests.sidecar.conftest import StartEmulator, StartSidecar
 from tests.sidecar.helpers import FakePublisher, chat, first_turn
@@ -203,6 +204,73 @@ async def test_a_batch_too_deeply_nested_to_decode_is_skipped_and_the_next_ones_
     await eventually(lambda: index_of(client, sc.settings.node_id, {1, 12, 13, 14, 15}))
     assert sc.metrics.value("kvferry_sidecar_kv_events_malformed_total") == 1
     assert fake.replays == [0]  # the start's catch-up only: nothing was missing
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["vllm-0.32-shape", "older-shape"])
+async def test_a_late_joiner_catches_up_from_either_replay_shape(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, legacy: bool
+) -> None:
+    """vLLM 0.32 answers a replay with [topic, seq, payload] and ends it with [b"", -1, b""]
+    (the sidecar read those as malformed, never saw the end, timed out and reset the index);
+    older releases and SGLang with [seq, payload] and [-1, b""]. Both are followed, with
+    payloads vLLM's own classes encoded."""
+    fake = FakePublisher(topic=b"kv", legacy_replay=legacy)
+    await fake.start()
+    try:
+        await fake.publish(0, (VECTORS / "kv_events_batch_vllm_0.33.0.msgpack").read_bytes(), deliver=False)
+        await fake.publish(
+            1, (VECTORS / "kv_events_batch_bytes_hashes_vllm_0.33.0.msgpack").read_bytes(), deliver=False
+        )
+        await fake.publish(2, _maps({"type": "BlockStored", "block_hashes": [7]}), deliver=False)
+        d = await start_emulator(role="decode")
+        sc = await start_sidecar(
+            d,
+            kv_events__endpoint=fake.endpoint,
+            kv_events__replay_endpoint=fake.replay_endpoint,
+            kv_events__topic="kv",
+        )
+        # batch 0 stores and then clears everything; batch 1 stores one block by its raw digest
+        digest = int.from_bytes(bytes(range(32))[-8:], "big")
+        await eventually(lambda: index_of(client, sc.settings.node_id, {digest, 7}), within=15)
+        assert sc.metrics.value("kvferry_sidecar_kv_replays_total", outcome="complete") == 1
+        assert sc.metrics.value("kvferry_sidecar_kv_payloads_total", source="replay") == 3
+        assert sc.metrics.value("kvferry_sidecar_kv_events_malformed_total") == 0
+    finally:
+        await fake.close()
+
+
+async def test_a_flood_of_malformed_messages_is_counted_and_logged_sparingly(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, fake: FakePublisher
+) -> None:
+    """An engine (or anything else on the endpoint) sending bad frames in a tight loop: each
+    is counted, the log gets a line now and then (it got one per message)."""
+    d = await start_emulator(role="decode")
+    sc = await start_sidecar(
+        d, kv_events__endpoint=fake.endpoint, kv_events__replay_endpoint=fake.replay_endpoint
+    )
+    seq = 0
+
+    async def live() -> bool:  # (until the SUB is connected: a message before that is lost)
+        nonlocal seq
+        await fake.publish(seq, _maps({"type": "BlockStored", "block_hashes": [seq + 1]}))
+        seq += 1
+        return sc.metrics.value("kvferry_sidecar_kv_payloads_total", source="live") > 0
+
+    await eventually(live, within=10, interval=0.1)
+    with capture_logs() as logs:
+        for _ in range(500):
+            await fake.pub.send_multipart([b"", b"not a seq"])  # two frames, not three
+        await eventually(lambda: _at_least(sc, "kvferry_sidecar_kv_events_malformed_total", 500), within=10)
+    warnings = [e for e in logs if e["event"] == "kvevents.payload.malformed"]
+    assert 1 <= len(warnings) <= 2, len(warnings)  # (a second, should the flood straddle 10 s)
+    assert sc.metrics.value("kvferry_sidecar_kv_events_malformed_total") == 500
+    # and the stream goes on
+    await fake.publish(seq, _maps({"type": "BlockStored", "block_hashes": [1000]}))
+    await eventually(lambda: index_of(client, sc.settings.node_id, {*range(1, seq + 1), 1000}))
+
+
+async def _at_least(sc: Sidecar, name: str, value: float) -> bool:
+    return sc.metrics.value(name) >= value
 
 
 async def test_a_replay_longer_than_its_answer_timeout_completes(

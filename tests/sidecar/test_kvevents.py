@@ -11,10 +11,12 @@ from sidecar.kvevents import (
     Decoder,
     MalformedPayload,
     Removed,
+    ReplayAnswer,
     Stored,
     decode_seq,
     encode_seq,
     hash64,
+    replay_answer,
 )
 from tests.factories import VECTORS
 
@@ -161,3 +163,46 @@ def test_seq_frames() -> None:
     assert encode_seq(1) == b"\x00" * 7 + b"\x01"
     with pytest.raises(ValueError):
         decode_seq(b"\x00" * 4)
+
+
+_SEQ7 = (7).to_bytes(8, "big", signed=True)
+_END = (-1).to_bytes(8, "big", signed=True)
+
+
+def test_replay_answers_of_current_vllm() -> None:
+    """vLLM 0.32 (kv_events.py `_service_replay`): [topic, seq, payload] after the DEALER's
+    delimiter, the topic frame there even when empty; the end is [b"", seq -1, b""]."""
+    assert replay_answer([b"", b"kv", _SEQ7, b"batch"]) == ReplayAnswer(7, b"batch")
+    assert replay_answer([b"", b"", _SEQ7, b"batch"]) == ReplayAnswer(7, b"batch")
+    # a topic that happens to be 8 bytes long is still a topic: the count decides
+    assert replay_answer([b"", b"8-bytes!", _SEQ7, b"batch"]) == ReplayAnswer(7, b"batch")
+    end = replay_answer([b"", b"", _END, b""])
+    assert end.end and end.payload == b""
+
+
+def test_replay_answers_of_older_releases() -> None:
+    """Older vLLM releases and SGLang: [seq, payload]; the end is [seq -1, b""]."""
+    assert replay_answer([b"", _SEQ7, b"batch"]) == ReplayAnswer(7, b"batch")
+    assert replay_answer([b"", _SEQ7, b""]) == ReplayAnswer(
+        7, b""
+    )  # (an empty payload: the decoder's to judge)
+    end = replay_answer([b"", _END, b""])
+    assert end.end and end.payload == b""
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [],
+        [b"", _SEQ7],  # too few
+        [b"", b"kv", _SEQ7, b"batch", b"more"],  # too many
+        [b"x", b"kv", _SEQ7, b"batch"],  # no empty delimiter
+        [b"x", _SEQ7, b"batch"],
+        [b"", b"kv", b"\x07", b"batch"],  # seq frame not 8 bytes
+        [b"", b"kv", _SEQ7],  # current shape's frames, older one's count: the seq is "kv"
+        [b"", (-2).to_bytes(8, "big", signed=True), b""],
+    ],
+)
+def test_a_replay_answer_of_neither_shape_is_refused(frames: list[bytes]) -> None:
+    with pytest.raises(ValueError):
+        replay_answer(frames)
