@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a prefiller holds blocks for its decoder",
     )
     add(
+        "--stream-kv-transfer-params",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS.stream_kv_transfer_params,
+        help="a stream's final chunk carries kv_transfer_params (vLLM PR 40186; 0.32 streams carry none)",
+    )
+    add(
         "--kv-load-failure-policy",
         choices=KV_LOAD_FAILURE_POLICIES,
         default=_DEFAULTS.kv_load_failure_policy,

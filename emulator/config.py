@@ -68,8 +68,13 @@ class EmulatorConfig:
     """As a prefiller, recompute instead of pulling when fewer tokens than this would be pulled."""
     decoder_kv_blocks_ttl: float = 480.0
     """Seconds a decoder keeps a finished request's blocks pinned for a prefiller to pull."""
-    kv_abort_timeout: float = 480.0
-    """Seconds a prefiller holds a request's blocks for its decoder before freeing them."""
+    kv_abort_timeout: float = 30.0
+    """Seconds a prefiller holds a request's blocks for its decoder before freeing them
+    (vLLM 0.32: the NixlConnector's ``kv_lease_duration``, 30 s; releases before it:
+    VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s)."""
+    stream_kv_transfer_params: bool = False
+    """A stream's final chunk carries ``kv_transfer_params`` (the change proposed in vLLM PR
+    40186, issue 36308); off, as in vLLM 0.32, only non-streamed answers carry them."""
     kv_load_failure_policy: KVLoadFailurePolicy = "fail"
     """What a failed KV pull does to the request: fail it (HTTP 500) or recompute."""
     chat_prompt_token_ids: bool = True

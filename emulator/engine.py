@@ -135,6 +135,8 @@ class RunningRequest:
         self.finish_reason: str | None = None
         self.kv_transfer_params: dict[str, Any] | None = None
         """Set on a normal finish when the engine holds the blocks for a remote reader."""
+        self.streams_params = engine.config.stream_kv_transfer_params
+        """Whether a stream's last chunk carries `kv_transfer_params` (vLLM PR 40186)."""
 
     async def tokens(self) -> AsyncGenerator[tuple[int, bool], None]:
         """Yield ``(token, is_last)``; the request is finished before the last one."""
@@ -369,6 +371,23 @@ class Engine:
             view = memoryview(data)
             for block, start in zip(local, range(0, len(data), size), strict=True):
                 block.kv[:] = view[start : start + size]
+
+    def kv_transfer_rejected(self, params: Mapping[str, Any] | None) -> None:
+        """A request refused before admission came with these params: if they are a
+        prefill's (``do_remote_prefill``), tell their holder it may free the blocks, as
+        vLLM's serving layer does (PR 41269: an empty receive, notify only). Nothing was
+        allocated here, so nothing is kept."""
+        if not params or not params.get("do_remote_prefill"):
+            return
+        try:
+            source = parse_remote(params, PullDirection.FROM_PREFILLER)
+        except (ValueError, TypeError):
+            source = None
+        if source is None:  # vLLM's scheduler reads these keys unchecked: its engine dies
+            self.metrics.connector_faults.inc()
+            log.error("engine.connector_fault", reason="rejected_request_without_remote_blocks")
+            return
+        self._notify_later(PullPlan(PullAction.SKIP, "rejected_before_admission", source))
 
     def _notify_later(self, plan: PullPlan) -> None:
         """Send the notify beside the request, as NIXL does: the holder learns it may free

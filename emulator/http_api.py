@@ -6,8 +6,11 @@ Routes: ``/v1/chat/completions``, ``/v1/completions`` (SSE or JSON),
 
 Handlers parse and validate, call the engine, and shape the answer; domain
 errors become vLLM's ``{"error": {...}}`` bodies in one middleware. A stream's
-final chunk (the one with ``finish_reason``) carries ``kv_transfer_params`` as
-vLLM >= 0.33 does; a JSON answer carries them at the top level. Each answer has
+final chunk (the one with ``finish_reason``) carries ``kv_transfer_params`` only with
+``stream_kv_transfer_params`` (vLLM PR 40186; 0.32 streams carry none); a JSON answer
+carries them at the top level. A request refused before admission that came with a
+prefill's params (``do_remote_prefill``) has the engine tell their holder to free the
+blocks, as vLLM's serving layer does (PR 41269); nothing is kept for it here. Each answer has
 ``X-Kvferry-Emulator-*`` headers telling where the prompt's KV came from.
 
 ``n`` > 1 and batched completion prompts run one engine request per sequence, as
@@ -20,7 +23,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, TypeVar
@@ -115,6 +118,7 @@ class CompletionRequest(_Common, kw_only=True):
     # a text, token ids, or a batch of texts or of token id lists
     prompt: str | list[int | str | list[int]]
     max_tokens: int | None = 16
+    use_beam_search: bool = False
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -269,6 +273,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     """OpenAI chat completion."""
     engine = _engine(request)
     body = _decode_body(ChatCompletionRequest, await request.read())
+    with _rejection_cleanup(engine, body):
+        return await _chat(request, engine, body)
+
+
+async def _chat(request: web.Request, engine: Engine, body: ChatCompletionRequest) -> web.StreamResponse:
     _check_model(engine.config, body.model)
     prompt = None
     if engine.config.chat_prompt_token_ids:  # (vLLM 0.32: `emulator.prompts`)
@@ -288,10 +297,31 @@ async def completions(request: web.Request) -> web.StreamResponse:
     """OpenAI (legacy) completion."""
     engine = _engine(request)
     body = _decode_body(CompletionRequest, await request.read())
+    with _rejection_cleanup(engine, body):
+        if body.stream and body.use_beam_search:  # (vLLM's first check, before the model's)
+            raise InvalidRequest("Streaming is not currently supported with beam search")
+        if body.use_beam_search:
+            raise InvalidRequest("The emulator does not do beam search.")
+        return await _completion(request, engine, body)
+
+
+async def _completion(request: web.Request, engine: Engine, body: CompletionRequest) -> web.StreamResponse:
     _check_model(engine.config, body.model)
     # (kv_transfer_params.prompt_token_ids is not the prompt here, in vLLM neither)
     prompts = _completion_prompts(body.prompt)
     return await _generate(request, engine, body, prompts, body.max_tokens, chat=False)
+
+
+@contextlib.contextmanager
+def _rejection_cleanup(engine: Engine, body: _Common) -> Iterator[None]:
+    """A request refused before the engine admitted it (a bad model, prompt or setting)
+    that came with a prefill's params: the engine tells their holder to free the blocks,
+    as vLLM's ``_with_kv_transfer_rejection_cleanup`` does (PR 41269)."""
+    try:
+        yield
+    except (InvalidRequest, ModelNotFound):
+        engine.kv_transfer_rejected(body.kv_transfer_params)
+        raise
 
 
 def _completion_prompts(prompt: str | list[int | str | list[int]]) -> list[list[int]]:
@@ -664,7 +694,7 @@ def _token_chunk(shape: _Shape, token: int, last: bool) -> dict[str, Any]:
         choice["prompt_token_ids"] = shape.prompt_token_ids()
     chunk = shape.envelope([choice], chunk=True)
     if last:
-        if running.kv_transfer_params is not None:
+        if running.kv_transfer_params is not None and running.streams_params:
             chunk["kv_transfer_params"] = running.kv_transfer_params
         shape.extras(chunk)
     return chunk

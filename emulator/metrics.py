@@ -28,9 +28,7 @@ class EngineMetrics(OwnRegistry):
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.").labels(
             **labels
         )
-        by_source = counter(
-            "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", ("source",)
-        )
+        by_source = counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", ("source",))
         self._prompt_sources = {
             source: by_source.labels(**labels, source=source)
             for source in ("local_compute", "local_cache_hit", "external_kv_transfer")

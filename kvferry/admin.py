@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import http.client
 import json
 import os
 import socket
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -20,7 +22,7 @@ from google.protobuf import json_format
 from kvferry import logs
 from kvferry.digests import DIGEST_SIZE
 from kvferry.flags import non_negative_int, seconds
-from kvferry.releases import claim_release_body, engine_url, release_prefill
+from kvferry.releases import TICK_DELAYS_S, engine_url, release_body, release_prefill, released, tick_body
 from kvferry.structs import json_number, struct_to_dict
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
@@ -210,7 +212,7 @@ def _release(
             f"no alive prefill node serves {d.model!r} with block size {lease.block_size}; "
             "D frees them at its TTL"
         )
-    body = json.dumps(claim_release_body(p.model or None, struct_to_dict(resp.release_params))).encode()
+    params = struct_to_dict(resp.release_params)
     headers = {"Content-Type": "application/json"}
     if a.engine_api_key:
         headers["Authorization"] = f"Bearer {a.engine_api_key}"
@@ -220,17 +222,34 @@ def _release(
     urls = list(dict.fromkeys(u.rstrip("/") for u in (engine_url(p), p.http_url) if u))
     for i, url in enumerate(urls):
         try:
-            request = urllib.request.Request(url + "/v1/completions", body, headers, method="POST")
-            with urllib.request.urlopen(request, timeout=a.release_timeout) as r:
-                r.read()
-            return True, f"through prefill node {p.engine_id}"
-        except urllib.error.HTTPError as e:  # (before URLError: it is one) P answered
-            return False, f"prefill node {p.engine_id} refused the release: HTTP {e.code} {_error_text(e)}"
+            status, text = _post(url, release_body(p.model or None, params), headers, a.release_timeout)
         except (OSError, ValueError, http.client.HTTPException) as e:  # unreachable, timed out, garbled
             if i + 1 < len(urls) and _not_connected(e):
                 continue
             return False, f"prefill node {p.engine_id} ({url}) did not take it: {e}; D frees them at its TTL"
+        if not released(status):
+            return False, f"prefill node {p.engine_id} refused the release: HTTP {status} {text}"
+        waited = 0.0
+        for delay in TICK_DELAYS_S:  # (a step for an idle P to send the notification in)
+            time.sleep(delay - waited)
+            waited = delay
+            with contextlib.suppress(OSError, ValueError, http.client.HTTPException):
+                _post(url, tick_body(p.model or None), headers, a.release_timeout)
+        return True, f"through prefill node {p.engine_id}"
     raise AssertionError("unreachable: a node to release through has a URL")
+
+
+def _post(url: str, body: dict[str, Any], headers: dict[str, str], timeout: float) -> tuple[int, str]:
+    """POST `body` to the engine's /v1/completions: -> (HTTP status, error text or "")."""
+    request = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), headers, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            r.read()
+            return int(r.status), ""
+    except urllib.error.HTTPError as e:  # (before URLError: it is one) the engine answered
+        return e.code, _error_text(e)
 
 
 def _not_connected(e: Exception) -> bool:

@@ -1,13 +1,31 @@
-"""Requests that only make an engine free KV blocks ("releases"): one-token completions
-whose kv_transfer_params hold the other side's params with nothing to transfer. vLLM's
-connector then only sends the notification that frees the blocks on the other side.
-The router sends them, and a decode node's sidecar (for a retention replaced before
-any turn claimed it)."""
+"""Requests that only make an engine free KV blocks on another ("releases").
+
+A release is a completion request that carries the holder's kv_transfer_params as a
+prefill's (``do_remote_prefill``) and is refused before admission: vLLM's serving layer
+then has its connector notify the holder, which frees the blocks (PR 41269, "notify P
+on pre-admission rejection"), and the engine that took the release allocates nothing,
+so nothing is pinned anywhere. `stream` with `use_beam_search` on /v1/completions is
+the refusal: vLLM checks it first, whatever the model or prompt (HTTP 400).
+
+Released this way: D's blocks of a claim no turn will use, or of a revoked or replaced
+retention (sent to a prefill node: the router, the sidecars, `kvferry leases revoke`),
+and P's blocks of a turn D refused (sent to that D). The old way, a one-token request
+with nothing to pull, made the engine that took it keep its own blocks for a reader
+that never comes (P: its kv_lease_duration; D: decoder_kv_blocks_ttl, 480 s).
+
+A notification needs the engine's NIXL handshake with the holder; vLLM makes one in the
+background and sends the notification at the engine's next step. An idle engine takes
+no step, so a release is followed by ticks: tiny requests with no params (nothing kept),
+sent after the handshake has had time (`TICK_DELAYS_S`).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from kvferry.v1 import nodes_pb2
@@ -38,43 +56,79 @@ def notifiable(params: Mapping[str, Any]) -> bool:
 _NOTIFY_KEYS = ("remote_engine_id", "remote_request_id", "remote_host")
 
 
-def release_body(
-    model: Any, prefill_params: Mapping[str, Any], prompt_token_ids: Sequence[int] | None
-) -> dict[str, Any]:
-    """A one-token completion handing D P's params with nothing to pull, for a turn D
-    refused: D's connector then only notifies P (vLLM sends the notification alone when a
-    request has nothing to load), and P frees the blocks it kept for the turn now rather
-    than at its timeout (480 s by default). A bidirectional D keeps this request's one
-    block for its own TTL (it keeps every request that came with a prefill's params);
-    D's sidecar registers nothing, as no conversation is named."""
-    kv = {**nothing_to_pull(prefill_params), "do_remote_decode": False}
-    kv.pop("prompt_token_ids", None)  # the prompt is the one token below
-    return _one_token(model, kv, list(prompt_token_ids[:1]) if prompt_token_ids else _RELEASE_PROMPT)
-
-
-def claim_release_body(model: Any, decode_params: Mapping[str, Any]) -> dict[str, Any]:
-    """A one-token completion handing P D's params (a pull's or a release's) with nothing
-    to pull, for a claim whose answer came after its turn went on without it: P's connector
-    only notifies D, which frees the conversation's blocks now rather than at its TTL
-    (480 s by default). P keeps this request's one block until its own timeout, as a
-    producer keeps every request's blocks for a D that may read them."""
-    kv = {**nothing_to_pull(decode_params), "do_remote_decode": True, "do_remote_prefill": False}
+def release_body(model: Any, holder_params: Mapping[str, Any]) -> dict[str, Any]:
+    """The release of the blocks `holder_params` name (an engine's own params, as it
+    answered them: D's for D's blocks, P's for P's), for another engine to take."""
+    kv = {**holder_params, "do_remote_prefill": True, "do_remote_decode": False, "remote_num_tokens": 0}
     kv.pop("prompt_token_ids", None)
-    return _one_token(model, kv, _RELEASE_PROMPT)
-
-
-def _one_token(model: Any, kv: dict[str, Any], prompt: str | list[int]) -> dict[str, Any]:
-    out: dict[str, Any] = {"prompt": prompt, "max_tokens": 1, "stream": False, "kv_transfer_params": kv}
+    body: dict[str, Any] = {
+        "prompt": _RELEASE_PROMPT,
+        "max_tokens": 1,
+        "stream": True,
+        "use_beam_search": True,
+        "kv_transfer_params": kv,
+    }
     if isinstance(model, str):
-        out["model"] = model
-    return out
+        body["model"] = model
+    return body
+
+
+def released(status: int) -> bool:
+    """Whether an engine's answer to `release_body` is the refusal that frees the blocks
+    (any other answer: the release did not reach the connector, or was served)."""
+    return status == 400
+
+
+DEFAULT_TICK_DELAYS_S = (0.25, 2.0)
+
+
+def tick_delays(raw: str | None) -> tuple[float, ...]:
+    """Seconds after a release to send each tick, from ``KVFERRY_RELEASE_TICKS_S``
+    (comma-separated; empty = no ticks, for engines that are never idle); unset or not
+    numbers: the default (a handshake takes milliseconds on a LAN)."""
+    if raw is None:
+        return DEFAULT_TICK_DELAYS_S
+    try:
+        delays = tuple(sorted(float(x) for x in raw.split(",") if x.strip()))
+    except ValueError:
+        return DEFAULT_TICK_DELAYS_S
+    return delays if all(0 <= d <= 60 for d in delays) else DEFAULT_TICK_DELAYS_S
+
+
+TICK_DELAYS_S = tick_delays(os.environ.get("KVFERRY_RELEASE_TICKS_S"))
+
+
+def tick_body(model: Any) -> dict[str, Any]:
+    """A one-token request with no kv_transfer_params: a step for an idle engine to send
+    a deferred notification in; nothing is kept for it."""
+    body: dict[str, Any] = {"prompt": _RELEASE_PROMPT, "max_tokens": 1, "stream": False}
+    if isinstance(model, str):
+        body["model"] = model
+    return body
+
+
+#: POSTs a body to the engine's /v1/completions and answers the HTTP status (raises on failure).
+Post = Callable[[dict[str, Any]], Awaitable[int]]
+
+
+async def send_release(post: Post, model: Any, holder_params: Mapping[str, Any]) -> int:
+    """Send a release through `post`, and when it took, the ticks after it; -> the
+    release's HTTP status (`released` says whether it took). Ticks are best effort."""
+    status = await post(release_body(model, holder_params))
+    if released(status):
+        waited = 0.0
+        for delay in TICK_DELAYS_S:
+            await asyncio.sleep(delay - waited)
+            waited = delay
+            with contextlib.suppress(Exception):  # (a lost tick costs only a later step)
+                await post(tick_body(model))
+    return status
 
 
 def release_prefill(nodes: Iterable[nodes_pb2.Node], model: str, block_size: int) -> nodes_pb2.Node | None:
     """An alive prefill node to send D a release through: one serving `model` with
     `block_size` (D's params are in D's blocks of that model; "" and 0 match any) and an
-    HTTP address, picked at random (each keeps the release's one block until its own
-    timeout, so they share the cost). None when there is none."""
+    HTTP address, picked at random. None when there is none."""
     fits = [
         n
         for n in nodes

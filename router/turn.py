@@ -23,11 +23,10 @@ to do) changes what the client gets, only how fast.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +38,7 @@ from prometheus_client import Counter
 from kvferry.blockhash import block_hashes, external_block_hash
 from kvferry.digests import DIGEST_SIZE, DigestCache, seed_for
 from kvferry.hops import NO_RETENTION_HEADER
-from kvferry.releases import claim_release_body, nothing_to_pull, release_body
+from kvferry.releases import Post, nothing_to_pull, released, send_release
 from router.choice import (
     Node,
     alike,
@@ -612,20 +611,22 @@ class Turn:
 
     def _release_later(self, node: Node, params: Mapping[str, Any]) -> None:
         """D refused the turn, so nothing will pull what P kept for it: have it freed now,
-        beside the client's error answer, not before it. D, handed P's params with nothing
-        to pull (`release_body`), has its connector notify P."""
+        beside the client's error answer, not before it. D, handed P's params in a release
+        (`kvferry.releases`), has its connector notify P, and keeps nothing itself."""
         model = node.model or self.body.get("model")  # D's own name: the client's may be what D refused
-        payload = encode(release_body(model, params, self.tokens))
         headers = self._engine_headers(f"{self.request_id}-release")
-        post = functools.partial(self.s.engines.post, node.url + "/v1/completions", payload, headers)
-        self._release(node, "decode", "prefill", post, self.s.metrics.prefill_releases)
+
+        async def post(body: dict[str, Any]) -> int:
+            return (await self.s.engines.post(node.url + "/v1/completions", encode(body), headers)).status
+
+        self._release(node, "prefill", model, params, post, self.s.metrics.prefill_releases)
 
     def _release_claim(self, near: Node, remote: Mapping[str, Any] | None) -> None:
         """The daemon claimed the conversation's blocks on D for this turn (`remote`: a
         pull's or a release's params; None = none were held), and no P request will carry
         them: the lookup answered after its deadline, its client left, or P failed the
         request that carried them. Have D free them now rather than at its TTL: P, handed
-        D's params with nothing to pull (`claim_release_body`), has its connector notify D.
+        D's params in a release (`kvferry.releases`), has its connector notify D.
         The release goes to the least loaded other P of `near`'s kind (D's params are for
         its block size) this turn could connect to, else to `near`: `near` may refuse
         anything now (a 429), or be slow to (a timeout)."""
@@ -633,18 +634,23 @@ class Turn:
             return
         like = alike(self.nodes, near)
         node = choose_prefill(like, self.s.load.view, exclude=self.unreachable | {near.engine_id}) or near
-        payload = encode(claim_release_body(node.model or self.body.get("model"), remote))
         request_id = f"{self.request_id}-claim-release"
-        post = functools.partial(
-            self._post_prefill_node, node, "/v1/completions", payload, request_id=request_id
+
+        async def post(body: dict[str, Any]) -> int:
+            reply = await self._post_prefill_node(
+                node, "/v1/completions", encode(body), request_id=request_id
+            )
+            return reply.status
+
+        self._release(
+            node, "claim", node.model or self.body.get("model"), remote, post, self.s.metrics.claim_releases
         )
-        self._release(node, "prefill", "claim", post, self.s.metrics.claim_releases)
 
     def _release(
-        self, node: Node, role: str, what: str, post: Callable[[], Awaitable[Reply]], outcomes: Counter
+        self, node: Node, what: str, model: Any, params: Mapping[str, Any], post: Post, outcomes: Counter
     ) -> None:
-        """Send a release (`what`: a prefill's blocks, a claim's) to `node` in its `role`, in
-        the background; not when the most allowed are already on their way (then the
+        """Send a release (`what`: a prefill's blocks, a claim's) of `params` through `node`,
+        in the background; not when the most allowed are already on their way (then the
         holder's timeout frees the blocks)."""
         in_flight = len(self.s.releases)
         if in_flight >= self.s.settings.upstream.max_releases_in_flight:
@@ -655,18 +661,18 @@ class Turn:
         async def send() -> None:
             """Best effort: the holder's timeout frees the blocks otherwise. `post` takes as
             long as a prefill may (the engines' default timeout): a release waits its turn on
-            a busy engine, and one given up before the engine scheduled it notifies no one."""
+            a busy engine."""
+            detail = ""
             try:
-                reply = await post()
+                status = await send_release(post, model, params)
             except UpstreamError as e:
                 outcome, detail = "failed", str(e)
             except Exception as e:  # a background task: nothing else would see it
                 self.log.exception(f"router.{what}.release_error", node=node.engine_id)
                 outcome, detail = "error", repr(e)
             else:
-                outcome = "released" if reply.status == 200 else "refused"
-                failure = Failure(FailureKind.STATUS, reply.status)
-                detail = "" if reply.status == 200 else _engine_message(reply, failure, role)
+                outcome = "released" if released(status) else "refused"
+                detail = "" if released(status) else f"the engine answered {status}"
             outcomes.labels(outcome).inc()
             self.log.info(
                 f"router.{what}.release", node=node.engine_id, outcome=outcome, detail=detail or None

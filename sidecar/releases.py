@@ -4,8 +4,8 @@ A conversation's retention is replaced by its next turn's when that turn did not
 it (it skipped the lookup: daemon down, breaker open, a late lookup that left it alone).
 D still holds those blocks, and no one will pull them: the daemon hands their params
 back with the registration that replaced them, and this sidecar has a prefill node
-send D the notification that frees them (`claim_release_body`, as the router releases
-a late claim), rather than D holding them to its TTL. Best effort: a failure leaves them
+send D the notification that frees them (a release, `kvferry.releases`, as the router
+releases a late claim), rather than D holding them to its TTL. Best effort: a failure leaves them
 to the TTL, as before.
 """
 
@@ -19,7 +19,7 @@ import aiohttp
 import grpc
 import structlog
 
-from kvferry.releases import claim_release_body, engine_url, release_prefill
+from kvferry.releases import engine_url, release_prefill, released, send_release
 from kvferry.v1 import nodes_pb2
 from sidecar.daemon import TRANSIENT, Backoff, DaemonLink
 from sidecar.metrics import SidecarMetrics
@@ -39,8 +39,7 @@ _LIST_TRIES = 12
 
 class Releaser:
     """Sends each release through an alive prefill node of the same model and block size
-    (one picked at random: they all pin the request's one block until their own timeout),
-    in the background."""
+    (one picked at random), in the background."""
 
     def __init__(
         self, settings: Settings, link: DaemonLink, http: aiohttp.ClientSession, metrics: SidecarMetrics
@@ -80,14 +79,19 @@ class Releaser:
             url, served = prefill
             key = self._s.engine.api_key  # (the deployment's engines share vLLM's --api-key)
             headers = {"Authorization": f"Bearer {key}"} if key else None
-            async with self._http.post(
-                url + "/v1/completions",
-                json=claim_release_body(served or None, params),
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=_TIMEOUT_S),
-            ) as r:
-                await r.read()
-                outcome = "released" if r.status == 200 else "refused"
+
+            async def post(body: dict[str, Any]) -> int:
+                async with self._http.post(
+                    url + "/v1/completions",
+                    json=body,
+                    headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=_TIMEOUT_S),
+                ) as r:
+                    await r.read()
+                    return r.status
+
+            status = await send_release(post, served or None, params)
+            outcome = "released" if released(status) else "refused"
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise

@@ -34,6 +34,14 @@ hypothesis.settings.register_profile(
 hypothesis.settings.load_profile("kvferry")
 
 
+# Releases send no ticks in the tests (kvferry.releases reads this when first imported, as
+# do the CLI's processes; nothing imported above imports it): the emulator's notifications
+# are never deferred, and a tick is one more request each fake engine would have to tell
+# apart. The real-vLLM scenarios keep them (tests/scenarios/backends.py).
+if os.environ.get("KVFERRY_ENGINES") != "vllm":
+    os.environ.setdefault("KVFERRY_RELEASE_TICKS_S", "")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -212,12 +220,13 @@ async def no_leaked_tasks() -> AsyncIterator[None]:
 
 
 class FakeCompletions:
-    """An HTTP server answering /v1/completions with `status` (an engine taking releases);
-    `got` holds each request's JSON body and Authorization header."""
+    """An HTTP server answering /v1/completions with `status` (an engine taking releases:
+    400, the refusal that carries one, `kvferry.releases`); `got` holds each request's JSON
+    body and Authorization header."""
 
     def __init__(self) -> None:
         self.got: list[tuple[dict[str, Any], str | None]] = []
-        self.status = 200
+        self.status = 400
         self.url = ""
 
 

@@ -168,6 +168,9 @@ async def test_cli_revoke_sends_the_release_through_a_fitting_prefill_node(
         kv = body["kv_transfer_params"]
         assert auth == "Bearer k1" and body["model"] == "test-model" and body["max_tokens"] == 1
         assert kv["remote_num_tokens"] == 0 and kv["remote_engine_id"] == "d-1"
+        # refused before admission (nothing kept on P), and the refusal notifies D
+        assert body["stream"] is True and body["use_beam_search"] is True
+        assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False
         assert kv["remote_block_ids"] == [list(range(100, 163))]  # D's blocks, every one
         assert all(type(i) is int for i in kv["remote_block_ids"][0])  # as ints, not 100.0
 

@@ -344,9 +344,23 @@ async def test_pull_for_a_diverged_prompt_changes_the_answer(
 
 
 @async_test(timeout=15)
-async def test_stream_final_chunk_carries_params(start_emulator: StartEmulator, http: Client) -> None:
+async def test_streams_carry_no_params_as_in_vllm_0_32(start_emulator: StartEmulator, http: Client) -> None:
     p = await start_emulator(enable_prefix_caching=False)
     d = await start_emulator()
+    messages = conversation()
+    prefill = await http.prefill(p, messages)
+    body = {"messages": messages, "max_tokens": 16, "stream": True, "kv_transfer_params": prefill.params}
+    events = await http.stream(d, "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]" and len(events) > 2
+    assert not any("kv_transfer_params" in e for e in events[:-1])
+    assert d.engine.snapshot()["held_requests"]  # D keeps the blocks all the same (bidirectional)
+
+
+async def test_stream_final_chunk_carries_params_with_pr_40186(
+    start_emulator: StartEmulator, http: Client
+) -> None:
+    p = await start_emulator(enable_prefix_caching=False)
+    d = await start_emulator(stream_kv_transfer_params=True)
     messages = conversation()
     prefill = await http.prefill(p, messages)
     events = await http.stream(
