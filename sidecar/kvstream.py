@@ -5,7 +5,8 @@ start, and whenever the seq jumps, the missing batches are asked of the replay
 endpoint (DEALER: ``[b"", start seq]`` -> ``[b"", seq, payload]`` ... until seq
 -1) before going on; SUB keeps queueing live messages meanwhile, and those the
 replay already covered are skipped (see `SeqTracker`). A seq going backwards is
-a new engine process (`EngineInstance.restart`). What cannot be replayed (no
+a new engine process (`EngineInstance.restart`); the publisher going away puts
+the engine in doubt at once (kvmonitor.py). What cannot be replayed (no
 replay endpoint, the engine's buffer no longer reaches back, a replay timing
 out) makes the next batch a reset: the daemon gets the mirror as it stands.
 A payload that does not decode is counted and skipped, never fatal.
@@ -20,9 +21,11 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from kvferry.tasks import cancel_and_wait
 from sidecar.engine import EngineInstance
 from sidecar.kvevents import Cleared, Decoder, MalformedPayload, Removed, Stored, decode_seq, encode_seq
 from sidecar.kvindex import KvMirror, SeqTracker, Verdict, replay_outcome
+from sidecar.kvmonitor import watch_publisher
 from sidecar.metrics import SidecarMetrics
 from sidecar.settings import KvEventSettings
 
@@ -73,6 +76,9 @@ class KvIngest:
         sub.setsockopt(zmq.RCVHWM, 0)  # never drop: a gap costs a replay, a queue only memory
         sub.setsockopt(zmq.SUBSCRIBE, self._s.topic.encode())
         sub.connect(self._s.endpoint)
+        monitor = asyncio.create_task(
+            watch_publisher(sub, self._instance, self._rank), name="kvevents-monitor"
+        )
         sync: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
         log.info(
             "kvevents.subscribed",
@@ -99,6 +105,7 @@ class KvIngest:
                     if handled % _YIELD_EVERY == 0:
                         await asyncio.sleep(0)
         finally:
+            await cancel_and_wait([monitor])
             sub.close(linger=0)
 
     async def _on_message(self, frames: list[bytes]) -> None:
