@@ -58,8 +58,11 @@ milliseconds).
 5. Sidecar and engine restarted together (a pod restart): the old sidecar's stream
    ends when it dies, so the daemon suspends the node then; the new sidecar
    registers the new process (its start time differs) at a new generation. A pod
-   whose connections vanish without a FIN is noticed by the daemon's keepalive
-   pings (seconds), else its liveness lapses at the TTL.
+   whose connections vanish without a FIN (its network torn down first) is left
+   alive until its liveness lapses (the TTL, 10 s) or the daemon's keepalive pings
+   end the stream: a window only an engine starting faster than that can use
+   (vLLM takes a minute), which a sidecar suspending its node at its own start,
+   before it knows the engine, would close (not done: no RPC for it yet).
 """
 
 from __future__ import annotations
