@@ -129,6 +129,8 @@ class Daemon:
             # of the stop, not before the process may exit (a restart is that much quicker).
             httpd = self._metrics_httpd
             threading.Thread(target=lambda: (httpd.shutdown(), httpd.server_close()), daemon=True).start()
+        if self.control_plane is not None:
+            self.control_plane.stopping = True  # (the streams it ends suspend no node)
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._server is not None:

@@ -133,7 +133,10 @@ def decide(
             False, Reason.EXPIRED, f"expired {now - retention.expires_at:.1f}s ago", engine_id=engine
         )
     if node is None or not node.alive:
-        return Decision(False, Reason.NODE_GONE, f"node {engine} is not alive", engine_id=engine)
+        detail = f"node {engine} is not alive"
+        if node is not None and node.record.suspended_at:
+            detail += " (suspended: no sidecar vouches for its engine process)"
+        return Decision(False, Reason.NODE_GONE, detail, engine_id=engine)
     if node.record.generation != retention.generation:
         return Decision(
             False,

@@ -50,6 +50,11 @@ class NodeRecord(msgspec.Struct, frozen=True):
     # When the engine process started (Unix seconds; 0 = unknown): the same start time
     # registered again is the same process (see NodeRegistration.engine_started_at).
     engine_started_at: float = 0.0
+    # Set when the node was suspended: its sidecar's Attach stream ended, so nobody vouches
+    # for the engine process any more. Its liveness ended at once (its retentions answer
+    # node_gone) and the generation stays: registered again with it by a sidecar that
+    # confirmed the same process, the retentions are good again; a new process gets a new one.
+    suspended_at: float = 0.0
 
 
 class Retention(msgspec.Struct, frozen=True):

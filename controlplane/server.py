@@ -117,6 +117,7 @@ def node_message(state: NodeState, held: tuple[int, int] = (0, 0)) -> nodes_pb2.
         live_leases=held[0],
         held_tokens=held[1],
         engine_url=r.engine_url,
+        suspended=bool(r.suspended_at),
     )
 
 

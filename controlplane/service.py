@@ -238,6 +238,8 @@ class ControlPlane:
         self._streams: dict[str, object] = {}  # engine id -> the Attach stream its index follows
         self._putting_back: set[asyncio.Task[None]] = set()  # see _put_back
         self._claiming: set[asyncio.Future[_Claimed]] = set()  # claims sent before their prompt
+        self.stopping = False
+        """Set when the replica stops: the Attach streams it ends suspend no node."""
 
     # -- nodes ----------------------------------------------------------------
 
@@ -320,6 +322,10 @@ class ControlPlane:
         state, _ = await self.store.get_node(engine_id)
         if state is None or state.record.removed_at:
             raise NotFound(f"node {engine_id} is not registered")
+        if state.record.suspended_at:
+            raise FailedPrecondition(
+                f"node {engine_id} is suspended (its last Attach stream ended): register it"
+            )
         if generation != state.record.generation:
             raise FailedPrecondition(
                 f"node {engine_id} is registered at generation {state.record.generation}, not {generation}"
@@ -353,6 +359,26 @@ class ControlPlane:
         if self._streams.get(rec.engine_id) is stream:
             del self._streams[rec.engine_id]
             self.index.drop(rec.engine_id)
+        if not self.stopping:
+            task = asyncio.get_running_loop().create_task(self._suspend(rec), name="suspend-node")
+            self._putting_back.add(task)
+            task.add_done_callback(self._putting_back.discard)
+
+    async def _suspend(self, rec: NodeRecord) -> None:
+        """Suspend the node an Attach stream spoke for, now that it ended: nobody vouches for
+        its engine process until a sidecar registers it again (see NodeRecord.suspended_at;
+        a stream a newer registration replaced suspends nothing). Not while this replica
+        stops: its sidecars re-register elsewhere. Failing, the liveness lapses at its TTL."""
+        try:
+            suspended = await self.store.suspend_node(rec, self._clock())
+        except StoreUnavailable as e:
+            log.warning("node.suspend.failed", engine_id=rec.engine_id, error=str(e))
+            return
+        if suspended is not None:
+            held, revision = suspended
+            self.nodes.put(NodeState(held, False), revision)
+            metrics.NODE_REGISTRATIONS.labels("suspended").inc()
+            log.info("node.suspended", engine_id=rec.engine_id, generation=rec.generation)
 
     async def score(self, hashes: list[int], role: int) -> list[tuple[str, int]]:
         """Alive nodes (of `role`, 0 = any) by how many leading prompt blocks they cache."""
@@ -705,8 +731,10 @@ class ControlPlane:
             return decide(None, None, prompt, policy, now)
         node = await self.nodes.get(retention.engine_id)
         decision = decide(retention, node, prompt, policy, now)
-        if decision.reason in (Reason.NODE_GONE, Reason.NODE_RESTARTED):
-            # The cached view may be a moment old: confirm before giving up the reuse.
+        if decision.pull or decision.reason in (Reason.NODE_GONE, Reason.NODE_RESTARTED):
+            # The cached view may be a moment old: confirm before giving up the reuse, and
+            # before a pull, which must not reach a node suspended or registered anew since
+            # (another process behind the same engine id: see sidecar/identity.py).
             node = await self.nodes.get(retention.engine_id, fresh=True)
             decision = decide(retention, node, prompt, policy, now)
         return decision

@@ -165,7 +165,7 @@ def _exists(key: bytes) -> rpc.Compare:
 def _is_alive(rec: NodeRecord, alive_generation: int | None) -> bool:
     """The liveness rule: not deregistered, and the liveness key (None = absent) holds the
     record's generation (a key left by an older generation does not count)."""
-    return not rec.removed_at and alive_generation == rec.generation
+    return not rec.removed_at and not rec.suspended_at and alive_generation == rec.generation
 
 
 def _node_state(node_kvs: Sequence[Any], alive_kvs: Sequence[Any]) -> tuple[NodeState | None, int]:
@@ -621,7 +621,9 @@ class EtcdStore:
         if ttl:
             return ttl, rec
         current, revision = await self.get_node(rec.engine_id)
-        if current is None or current.record.removed_at or current.record.generation != rec.generation:
+        if current is None or current.record.generation != rec.generation:
+            return 0, rec
+        if current.record.removed_at or current.record.suspended_at:  # (a late heartbeat: no revival)
             return 0, rec
         if current.record.lease_id != rec.lease_id:  # renewed meanwhile (another stream or replica)
             ttl = await self._refresh(current.record.lease_id)
@@ -661,6 +663,35 @@ class EtcdStore:
         if state.record.lease_id:
             await self.revoke_lease_quietly(state.record.lease_id)
         return True
+
+    async def suspend_node(self, rec: NodeRecord, now: float) -> tuple[NodeRecord, int] | None:
+        """End the liveness of registration `rec` at once, keeping its generation (see
+        NodeRecord.suspended_at): only while the node's record is still that registration
+        (same generation, same liveness lease), so an Attach stream that ends late never
+        suspends the registration that replaced it. -> (the suspended record, its mod
+        revision), None when there was nothing to suspend."""
+        state, revision = await self.get_node(rec.engine_id)
+        if state is None:
+            return None
+        cur = state.record
+        if (
+            cur.removed_at
+            or cur.suspended_at
+            or (cur.generation, cur.lease_id) != (rec.generation, rec.lease_id)
+        ):
+            return None
+        k = self.keys
+        held = msgspec.structs.replace(cur, suspended_at=now, lease_id=0)
+        resp = await self._txn(
+            "suspend_node",
+            [_mod_is(k.node(rec.engine_id), revision)],
+            [_put(k.node(rec.engine_id), encode(held)), _delete(k.alive_key(rec.engine_id))],
+            [],
+        )
+        if not resp.succeeded:  # registered again meanwhile
+            return None
+        await self.revoke_lease_quietly(cur.lease_id)
+        return held, int(resp.header.revision)
 
     async def collect_node(self, engine_id: str, expect_revision: int, generation: int) -> bool:
         """Delete a dead node's record, raising the generation floor to its generation in

@@ -1,6 +1,7 @@
 """The emulated engine: prefill with prefix caching and remote pulls, decode, holds.
 
-One engine per process start (a generation, with a fresh ``engine_id``). It
+One engine per process start (a generation, with a fresh agent name, and a fresh
+``engine_id`` unless one is configured, as vLLM's ``kv_transfer_config.engine_id``). It
 owns the block pool and the side channel through which other engines read the
 blocks it holds for them. Prefill work is serialized through one lock, the
 "GPU", so concurrent requests queue; remote pulls and decode steps are not
@@ -38,6 +39,7 @@ from emulator.metrics import EngineMetrics
 from emulator.sidechannel import (
     Notify,
     ReadBlocks,
+    RemoteAgents,
     SideChannelServer,
     TransferError,
     notify_remote,
@@ -210,8 +212,9 @@ class Engine:
         self._notifies: set[asyncio.Task[None]] = set()
         self._freed = asyncio.Event()
         self._holds = HeldBlockTable(
-            self.engine_id, self._free, self.pool.blocks, self.metrics.kv_reads_unheld.inc
+            self.engine_id, self._free, self.pool.blocks, self.metrics.kv_reads_unheld.inc, str(uuid.uuid4())
         )
+        self._agents = RemoteAgents()  # the handshakes with the engines it pulls from
         self._side_channel = SideChannelServer(
             self._holds, config.side_channel_host, config.side_channel_port
         )
@@ -352,19 +355,26 @@ class Engine:
         assert source is not None
         first = plan.first_local_block
         local = seq.blocks[first : first + len(plan.remote_block_ids)]
-        request = ReadBlocks(
-            engine_id=source.engine_id,
-            request_id=source.request_id,
-            block_ids=list(plan.remote_block_ids),
-            registration_generation=source.registration_generation,
-        )
         # The read and the copy are the emulated transfer: they run within its modeled time.
         async with _modeled(self.config.transfer_ms_per_block * len(local)):
+            agent = ""
             try:
                 async with asyncio.timeout(self.config.side_channel_timeout):
+                    agent = await self._agents.agent(source.host, source.port, source.engine_id)
+                    request = ReadBlocks(
+                        engine_id=source.engine_id,
+                        request_id=source.request_id,
+                        block_ids=list(plan.remote_block_ids),
+                        registration_generation=source.registration_generation,
+                        agent=agent,
+                    )
                     data = await read_remote_blocks(source.host, source.port, request)
             except TimeoutError as exc:
+                self._agents.failed(source.engine_id, agent)
                 raise TransferError(f"read from {source.host}:{source.port} timed out") from exc
+            except TransferError:
+                self._agents.failed(source.engine_id, agent)
+                raise
             size = self.config.block_size * kvmodel.SLOT_BYTES
             if len(data) != size * len(local):
                 raise TransferError("remote block size differs from the local one")
@@ -400,11 +410,14 @@ class Engine:
     async def _notify(self, plan: PullPlan) -> None:
         source = plan.source
         assert source is not None
-        notify = Notify(engine_id=source.engine_id, request_id=source.request_id)
+        agent = ""
         try:
             async with asyncio.timeout(self.config.side_channel_timeout):
+                agent = await self._agents.agent(source.host, source.port, source.engine_id)
+                notify = Notify(engine_id=source.engine_id, request_id=source.request_id, agent=agent)
                 await notify_remote(source.host, source.port, notify)
         except (TransferError, TimeoutError) as exc:
+            self._agents.failed(source.engine_id, agent)
             log.info("engine.kv_notify.failed", error=str(exc), reason=plan.reason)
 
     async def _compute_prompt(self, seq: _Sequence, stats: PrefillStats) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 
 from emulator.blocks import Block
-from emulator.sidechannel import Notify, ReadBlocks, SideChannelError
+from emulator.sidechannel import Handshake, Notify, ReadBlocks, SideChannelError
 
 log = structlog.get_logger(__name__)
 
@@ -57,8 +57,11 @@ class HeldBlockTable:
         free: Callable[[list[Block]], None],
         memory: Sequence[Block],
         on_unheld_read: Callable[[], None] = lambda: None,
+        agent: str = "",
     ) -> None:
         self._engine_id = engine_id
+        self.agent = agent
+        """This process's agent (vLLM: its NIXL agent's name, a uuid4 per process)."""
         self._free = free
         self._memory = memory  # every block of the engine, by block id: what a reader can reach
         self._on_unheld_read = on_unheld_read
@@ -83,13 +86,21 @@ class HeldBlockTable:
             log.info("engine.blocks.expired", request_id=request_id)
             self._free(hold.blocks)
 
-    def _check_engine(self, engine_id: str) -> None:
+    def _check_engine(self, engine_id: str, agent: str = "") -> None:
         if engine_id != self._engine_id:  # another agent's memory: the transfer cannot start
             raise SideChannelError(f"unknown engine {engine_id!r}")
+        if agent and agent != self.agent:  # a handshake of a process that is gone
+            raise SideChannelError(f"unknown agent {agent!r}: its process is gone")
+
+    def handshake(self, request: Handshake) -> str:
+        """This process's agent, for a puller expecting engine `request.engine_id`."""
+        if request.engine_id != self._engine_id:  # (vLLM: "Remote NIXL agent engine ID mismatch")
+            raise SideChannelError(f"engine id mismatch: {request.engine_id!r} expected, this is another")
+        return self.agent
 
     def read_blocks(self, request: ReadBlocks) -> bytes:
         """KV of the blocks asked for, concatenated in that order (a copy), held or not."""
-        self._check_engine(request.engine_id)
+        self._check_engine(request.engine_id, request.agent)
         generation = request.registration_generation
         if generation is not None and generation != REGISTRATION_GENERATION:
             raise SideChannelError(f"stale registration generation {generation}")
@@ -112,7 +123,7 @@ class HeldBlockTable:
 
     def release_blocks(self, request: Notify) -> None:
         """The reader is done: free the request's blocks (an unknown request: logged only)."""
-        self._check_engine(request.engine_id)
+        self._check_engine(request.engine_id, request.agent)
         hold = self._holds.pop(request.request_id, None)
         if hold is None:
             log.error(

@@ -1,10 +1,19 @@
 """The emulated NIXL side channel: block reads and notifications over TCP.
 
 Every engine listens at its ``remote_host:remote_port``. A message is a 4-byte
-big-endian length followed by a msgspec-msgpack struct. A puller sends
-``ReadBlocks`` (answered with the raw KV of those blocks, copied) and then
-``Notify`` (the holder frees the request's blocks). Errors come back as
-``Reply(ok=False, error=...)`` and surface as ``TransferError``.
+big-endian length followed by a msgspec-msgpack struct. A puller handshakes once
+per remote engine id (``Handshake``: the holder's agent, a name drawn per process
+start like vLLM's NIXL agent's uuid4), then sends ``ReadBlocks`` (answered with
+the raw KV of those blocks, copied) and ``Notify`` (the holder frees the request's
+blocks), both naming that agent. Errors come back as ``Reply(ok=False, error=...)``
+and surface as ``TransferError``.
+
+The puller keeps its handshakes (`RemoteAgents`) as vLLM's NIXL worker does
+(``_remote_agents``, never re-validated; base_worker.py ``_ensure_handshake``,
+``add_remote_agent``): an engine restarted under the same fixed engine id is, to a
+puller holding a handshake of the old process, an agent that is gone (the read
+fails, and the handshake is dropped, so the next one handshakes again); to one
+holding none, the new process, whose memory it reads at the old block ids.
 
 A read's answer carries the blocks' KV as one buffer, the blocks' contents in
 the order asked for, so that neither side builds or walks one object per block.
@@ -29,6 +38,12 @@ _HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 
+class Handshake(msgspec.Struct, tag="handshake"):
+    """Ask for the holder's agent, expecting engine `engine_id` (vLLM checks the id too)."""
+
+    engine_id: str
+
+
 class ReadBlocks(msgspec.Struct, tag="read"):
     """Ask for the KV of blocks held for a request."""
 
@@ -36,6 +51,8 @@ class ReadBlocks(msgspec.Struct, tag="read"):
     request_id: str
     block_ids: list[int]
     registration_generation: int | None = None
+    agent: str = ""
+    """The holder's agent as the puller's handshake named it ("": not checked)."""
 
 
 class Notify(msgspec.Struct, tag="notify"):
@@ -43,17 +60,21 @@ class Notify(msgspec.Struct, tag="notify"):
 
     engine_id: str
     request_id: str
+    agent: str = ""
+    """The holder's agent as the puller's handshake named it ("": not checked)."""
 
 
 class Reply(msgspec.Struct, tag="reply"):
-    """Answer to a read or notify; ``data`` holds the KV of the blocks read, concatenated."""
+    """Answer to a message; ``data`` holds the KV of the blocks read, concatenated, and
+    ``agent`` the holder's agent (to a handshake)."""
 
     ok: bool
     error: str = ""
     data: bytes = b""
+    agent: str = ""
 
 
-Message = ReadBlocks | Notify | Reply
+Message = Handshake | ReadBlocks | Notify | Reply
 
 _encoder = msgspec.msgpack.Encoder()
 _GARBLED: tuple[type[Exception], ...] = (*UNDECODABLE, ValueError)
@@ -71,6 +92,10 @@ class TransferError(Exception):
 
 class BlockHolder(Protocol):
     """What the server asks of the engine."""
+
+    def handshake(self, request: Handshake) -> str:
+        """The holder's agent; raises SideChannelError when it is not engine `engine_id`."""
+        ...
 
     def read_blocks(self, request: ReadBlocks) -> bytes:
         """KV of the requested blocks, concatenated in order; raises SideChannelError to refuse."""
@@ -147,6 +172,8 @@ class SideChannelServer:
 
     def _answer(self, message: Message) -> Reply:
         try:
+            if isinstance(message, Handshake):
+                return Reply(ok=True, agent=self._holder.handshake(message))
             if isinstance(message, ReadBlocks):
                 return Reply(ok=True, data=self._holder.read_blocks(message))
             if isinstance(message, Notify):
@@ -200,3 +227,23 @@ async def read_remote_blocks(host: str, port: int, request: ReadBlocks) -> bytes
 async def notify_remote(host: str, port: int, request: Notify) -> None:
     """Tell a holder to free a request's blocks."""
     await _call(host, port, request)
+
+
+class RemoteAgents:
+    """A puller's handshakes, by remote engine id (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._agents: dict[str, str] = {}
+
+    async def agent(self, host: str, port: int, engine_id: str) -> str:
+        """The agent of remote engine `engine_id`: the cached handshake's, else a new one's."""
+        agent = self._agents.get(engine_id)
+        if agent is None:
+            reply = await _call(host, port, Handshake(engine_id))
+            agent = self._agents[engine_id] = reply.agent
+        return agent
+
+    def failed(self, engine_id: str, agent: str) -> None:
+        """A transfer naming `agent` failed: its handshake is dropped (made again next time)."""
+        if self._agents.get(engine_id) == agent:
+            del self._agents[engine_id]

@@ -341,7 +341,7 @@ def _nodes(a: argparse.Namespace) -> int:
             nodes_pb2.Role.Name(n.role),
             n.model,
             str(n.generation),
-            "yes" if n.alive else "no",
+            "yes" if n.alive else "suspended" if n.suspended else "no",
             f"{n.side_channel_host}:{n.side_channel_port}",
             n.http_url,
             str(n.live_leases),

@@ -59,7 +59,7 @@ class Sidecar:
         settings.validate()
         self.settings = settings
         self.metrics = SidecarMetrics()
-        self.instance = EngineInstance(self.metrics)
+        self.instance = EngineInstance(self.metrics, settings.engine.health_failures)
         self.mirror = KvMirror(settings.kv_events.ranks)
         self.port = 0
         self._link = DaemonLink(settings.daemon.addresses)
@@ -92,7 +92,7 @@ class Sidecar:
             self._runner, self.port = await start_server(tap.app(), host, port)
             self.node.tap_port = self.port
             http = self._http
-            self._spawn(lambda: watch_health(http, s.engine, self.instance, self.metrics), "health")
+            self._spawn(lambda: watch_health(http, s.engine, self.instance), "health")
             self._spawn(self.node.run, "node")
             self._spawn(self.leases.run, "leases")
             if s.kv_events.endpoint:

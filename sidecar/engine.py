@@ -1,23 +1,26 @@
 """The engine process the sidecar fronts: its identity across restarts, its health, its facts.
 
-An *epoch* is one engine process as far as the sidecar can tell. Three signals
-say a new process is running: ``/health`` came back after failing, the KV-event
-seq went backwards, or D's params name a ``remote_engine_id`` not seen in this
-epoch. Each starts a new epoch: the node re-registers with generation 0 (the
-daemon assigns the next generation, so the old process's retentions are dead),
-the KV mirror is dropped and the daemon told to drop its index, and queued
-registrations of the old epoch are discarded. Signals of one restart that
-arrive one after another cost at most an extra generation (fail safe).
+An *epoch* is one engine process as far as the sidecar can tell. A new epoch
+starts when a probe finds another process identity (or, for an engine showing
+none, answers again after failing), when the KV-event seq goes backwards, or
+when D's params name a ``remote_engine_id`` not seen in this epoch. The node then
+registers with generation 0 (the daemon assigns the next generation, so the old
+process's retentions are dead), the KV mirror is dropped and the daemon told to
+drop its index, and queued registrations of the old epoch are discarded. Signals
+of one restart that arrive one after another cost at most an extra generation.
 
-`HealthTracker` decides on probe results; `EngineInstance` holds the state and
+Between "the process is in doubt" and "its identity is confirmed" the engine is
+*suspended* (`up` clear): no Attach stream, so the daemon suspends the node and
+hands none of its retentions out, without voiding them (see identity.py for the
+states and the fencing argument).
+
+`IdentityTracker` decides on probe results; `EngineInstance` holds the state and
 tells listeners; `watch_health` and `learn_facts` do the HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 import aiohttp
 import structlog
 
+from sidecar.identity import Answer, Identity, IdentityTracker, Step, identity_of
 from sidecar.metrics import SidecarMetrics
 from sidecar.settings import EngineSettings
 
@@ -33,47 +37,6 @@ log = structlog.get_logger(__name__)
 DEFAULT_BLOCK_SIZE = 16
 _DP_SUFFIX = re.compile(r"_dp\d+$")
 _CACHE_INFO_BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
-_PROCESS_START = re.compile(r"^process_start_time_seconds(?:\{[^}]*\})?\s+(\S+)", re.MULTILINE)
-
-
-class Health(enum.Enum):
-    STARTING = "starting"
-    UP = "up"
-    DOWN = "down"
-
-
-class Transition(enum.Enum):
-    UP = "up"
-    """First answer since the sidecar started."""
-    DOWN = "down"
-    """Failed the configured number of probes in a row."""
-    RESTARTED = "restarted"
-    """Answers again after being down: a new process, as far as anyone can tell."""
-
-
-@dataclass
-class HealthTracker:
-    """Probe results -> transitions. Pure."""
-
-    failures_to_down: int
-    state: Health = Health.STARTING
-    failures: int = 0
-
-    def observe(self, ok: bool) -> Transition | None:
-        if ok:
-            self.failures = 0
-            if self.state is Health.STARTING:
-                self.state = Health.UP
-                return Transition.UP
-            if self.state is Health.DOWN:
-                self.state = Health.UP
-                return Transition.RESTARTED
-            return None
-        self.failures += 1
-        if self.state is Health.UP and self.failures >= self.failures_to_down:
-            self.state = Health.DOWN
-            return Transition.DOWN
-        return None
 
 
 def normalize_engine_id(engine_id: str) -> str:
@@ -87,24 +50,32 @@ class EngineFacts:
 
     model: str
     block_size: int
-    started_at: float = 0.0
-    """When the engine process started (its /metrics process_start_time_seconds; 0 =
-    unknown): the daemon keeps the generation of a process it knows (a sidecar restart)."""
+    identity: Identity | None = None
+    """The process the facts were read from (None = it shows none)."""
+
+    @property
+    def started_at(self) -> float:
+        """When the engine process started, as far as it shows (0 = unknown): the daemon
+        keeps the generation of a process it knows (a sidecar restart)."""
+        return self.identity.value if self.identity else 0.0
 
 
 class EngineInstance:
-    """Which engine process is current, whether it answers, and its generation at the daemon."""
+    """Which engine process is current, whether it is vouched for, and its generation."""
 
-    def __init__(self, metrics: SidecarMetrics) -> None:
+    def __init__(self, metrics: SidecarMetrics, failures_to_down: int = 1) -> None:
         self._metrics = metrics
+        self.tracker = IdentityTracker(failures_to_down)
         self.epoch = 0
         self.generation: int | None = None
         """The daemon's generation for the current epoch (None until registered)."""
         self.facts: EngineFacts | None = None
         self.up = asyncio.Event()
-        """Set while the engine answers /health."""
+        """Set while the engine answers and its process identity is confirmed."""
         self.registered = asyncio.Event()
         """Set while `generation` is known for the current epoch."""
+        self.probe_now = asyncio.Event()
+        """Set to have the engine probed at once (a signal put its process in doubt)."""
         self._engine_ids: set[str] = set()
         self._listeners: list[Callable[[], None]] = []
         self._watchers: list[Callable[[], None]] = []
@@ -118,15 +89,46 @@ class EngineInstance:
         self._watchers.append(watcher)
 
     def set_up(self, up: bool) -> None:
-        """The engine answers /health (or stopped answering)."""
+        """The engine is vouched for (or no longer)."""
         if up:
             self.up.set()
         else:
             self.up.clear()
+        self._metrics.engine_up.set(1 if up else 0)
         self._notify()
 
+    def observe(self, answer: Answer, identity: Identity | None) -> Step:
+        """Apply one probe's result."""
+        step = self.tracker.observe(answer, identity)
+        if step is Step.RESTART:
+            self._new_epoch("identity" if identity is not None else "health")
+        if step in (Step.UP, Step.RESUME, Step.RESTART):
+            self.set_up(True)
+            log.info("engine.up", step=step.value, epoch=self.epoch, identity=identity)
+        elif step is Step.SUSPEND:
+            self._suspended(answer.value)
+        return step
+
+    def suspend(self, signal: str) -> None:
+        """A signal puts the engine process in doubt: suspended until a probe confirms it."""
+        self.probe_now.set()
+        if self.tracker.suspend():
+            self._suspended(signal)
+
+    def _suspended(self, signal: str) -> None:
+        self._metrics.engine_suspensions.labels(signal).inc()
+        log.warning("engine.suspended", signal=signal, epoch=self.epoch, failures=self.tracker.failures)
+        self.set_up(False)
+
     def restart(self, signal: str) -> None:
-        """A new engine process: new epoch, generation unknown, listeners told."""
+        """A new engine process (a signal other than a probe said so): new epoch, suspended
+        until a probe reads the new process's identity."""
+        self.tracker.forget()
+        self._new_epoch(signal)
+        self.probe_now.set()
+        self.set_up(False)
+
+    def _new_epoch(self, signal: str) -> None:
         self.epoch += 1
         self.generation = None
         self.facts = None
@@ -164,48 +166,36 @@ class EngineInstance:
         self._notify()
 
 
-async def probe(session: aiohttp.ClientSession, url: str, timeout_s: float) -> bool:
-    """Whether the engine's /health answers 200."""
+async def probe(session: aiohttp.ClientSession, url: str, timeout_s: float) -> tuple[Answer, Identity | None]:
+    """Whether the engine's /health answers 200, and (then) the identity on its /metrics."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
-        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-            return r.status == 200
+        async with session.get(url + "/health", timeout=timeout) as r:
+            if r.status != 200:
+                return Answer.FAILED, None
+        async with session.get(url + "/metrics", timeout=timeout) as r:
+            return Answer.OK, identity_of(await r.text()) if r.status == 200 else None
+    except aiohttp.ClientConnectorError as e:
+        refused = isinstance(e.os_error, ConnectionRefusedError)
+        return (Answer.REFUSED if refused else Answer.FAILED), None
     except (aiohttp.ClientError, TimeoutError, OSError):
-        return False
+        return Answer.FAILED, None
 
 
 async def watch_health(
-    session: aiohttp.ClientSession,
-    settings: EngineSettings,
-    instance: EngineInstance,
-    metrics: SidecarMetrics,
+    session: aiohttp.ClientSession, settings: EngineSettings, instance: EngineInstance
 ) -> None:
-    """Probe /health forever and apply the transitions to `instance`."""
-    tracker = HealthTracker(settings.health_failures)
+    """Probe the engine forever (every `health_interval_s`, at once when asked) and apply
+    what each probe found to `instance`."""
     while True:
-        ok = await probe(session, settings.url, settings.health_timeout_s)
-        transition = tracker.observe(ok)
-        if transition is Transition.RESTARTED:
-            instance.restart("health")
-        if transition in (Transition.UP, Transition.RESTARTED):
-            instance.set_up(True)
-            metrics.engine_up.set(1)
-            log.info("engine.up", url=settings.url, epoch=instance.epoch)
-        elif transition is Transition.DOWN:
-            instance.set_up(False)
-            metrics.engine_up.set(0)
-            log.warning("engine.down", url=settings.url, failures=tracker.failures)
-        await asyncio.sleep(settings.health_interval_s)
-
-
-def started_at_of(metrics_text: str) -> float:
-    """The engine process's start (Unix seconds) from ``process_start_time_seconds``, 0.0
-    when not exposed (vLLM with several API servers serves multiprocess metrics without it)."""
-    m = _PROCESS_START.search(metrics_text)
-    try:
-        value = float(m.group(1)) if m else 0.0
-    except ValueError:  # (not a number: an engine's bug; the generation is then not kept)
-        return 0.0
-    return value if math.isfinite(value) and value > 0 else 0.0
+        instance.probe_now.clear()
+        answer, identity = await probe(session, settings.url, settings.health_timeout_s)
+        instance.observe(answer, identity)
+        try:
+            async with asyncio.timeout(settings.health_interval_s):
+                await instance.probe_now.wait()
+        except TimeoutError:
+            pass
 
 
 def block_size_of(metrics_text: str) -> int | None:
@@ -215,8 +205,8 @@ def block_size_of(metrics_text: str) -> int | None:
 
 
 async def learn_facts(session: aiohttp.ClientSession, settings: EngineSettings) -> EngineFacts:
-    """Model and block size (configured, else asked of the engine) and when the engine
-    process started; raises aiohttp errors."""
+    """Model and block size (configured, else asked of the engine) and the engine process's
+    identity; raises aiohttp errors."""
     timeout = aiohttp.ClientTimeout(total=settings.health_timeout_s)
     model = settings.model
     if not model:
@@ -245,4 +235,4 @@ async def learn_facts(session: aiohttp.ClientSession, settings: EngineSettings) 
         if learned is None:
             log.warning("engine.block_size.unknown", assumed=DEFAULT_BLOCK_SIZE)
         block_size = learned or DEFAULT_BLOCK_SIZE
-    return EngineFacts(model, block_size, started_at_of(text))
+    return EngineFacts(model, block_size, identity_of(text))

@@ -6,7 +6,8 @@ endpoint (DEALER: ``[b"", start seq]`` -> ``[b"", topic, seq, payload]`` ... unt
 seq -1, or ``[b"", seq, payload]`` from older releases: `replay_answer`) before
 going on; SUB keeps queueing live messages meanwhile, and those the replay
 already covered are skipped (see `SeqTracker`). A seq going backwards is
-a new engine process (`EngineInstance.restart`). What cannot be replayed (no
+a new engine process (`EngineInstance.restart`); the publisher going away puts
+the engine in doubt at once (kvmonitor.py). What cannot be replayed (no
 replay endpoint, the engine's buffer no longer reaches back, a replay timing
 out) makes the next batch a reset: the daemon gets the mirror as it stands.
 A payload (or a message) that does not decode is counted and skipped, never fatal;
@@ -23,6 +24,7 @@ import zmq
 import zmq.asyncio
 
 from kvferry.logs import Throttle
+from kvferry.tasks import cancel_and_wait
 from sidecar.engine import EngineInstance
 from sidecar.kvevents import (
     Cleared,
@@ -35,6 +37,7 @@ from sidecar.kvevents import (
     replay_answer,
 )
 from sidecar.kvindex import KvMirror, SeqTracker, Verdict, replay_outcome
+from sidecar.kvmonitor import watch_publisher
 from sidecar.metrics import SidecarMetrics
 from sidecar.settings import KvEventSettings
 
@@ -88,6 +91,9 @@ class KvIngest:
         sub.setsockopt(zmq.RCVHWM, 0)  # never drop: a gap costs a replay, a queue only memory
         sub.setsockopt(zmq.SUBSCRIBE, self._s.topic.encode())
         sub.connect(self._s.endpoint)
+        monitor = asyncio.create_task(
+            watch_publisher(sub, self._instance, self._rank), name="kvevents-monitor"
+        )
         sync: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
         log.info(
             "kvevents.subscribed",
@@ -114,6 +120,7 @@ class KvIngest:
                     if handled % _YIELD_EVERY == 0:
                         await asyncio.sleep(0)
         finally:
+            await cancel_and_wait([monitor])
             sub.close(linger=0)
 
     async def _on_message(self, frames: list[bytes]) -> None:

@@ -89,5 +89,17 @@ class SidecarMetrics(OwnRegistry):
         self.engine_restarts = Counter(
             "kvferry_sidecar_engine_restarts", "Engine restarts detected, by signal", ["signal"], registry=r
         )
-        self.engine_up = Gauge("kvferry_sidecar_engine_up", "1 while the engine answers /health", registry=r)
+        self.engine_suspensions = Counter(
+            "kvferry_sidecar_engine_suspensions",
+            "Times the engine process was put in doubt (its node suspended until a probe confirms "
+            "its identity), by signal: failed (probes), refused (nothing listening), kv_disconnect "
+            "(its KV-event publisher went away), facts (another process answered)",
+            ["signal"],
+            registry=r,
+        )
+        self.engine_up = Gauge(
+            "kvferry_sidecar_engine_up",
+            "1 while the engine answers and its process identity is confirmed",
+            registry=r,
+        )
         self.attached = Gauge("kvferry_sidecar_attached", "1 while an Attach stream is open", registry=r)

@@ -1,24 +1,33 @@
 """The node at the daemon: Nodes/Register, then one Nodes/Attach stream held open.
 
-While the engine answers /health the session keeps an Attach stream open,
-heartbeating every third of the liveness TTL and sending the KV mirror's
-changes (at the latest `flush_interval_s` after the first one, at once when
-`flush_hashes` are pending). Every new stream starts with a reset batch: the
-daemon's index of the node is rebuilt from the mirror.
+While the engine is vouched for (it answers, and its process identity is
+confirmed: engine.py) the session keeps an Attach stream open, heartbeating
+every third of the liveness TTL and sending the KV mirror's changes (at the
+latest `flush_interval_s` after the first one, at once when `flush_hashes` are
+pending). Every new stream starts with a reset batch: the daemon's index of the
+node is rebuilt from the mirror. A stream that ends suspends the node at the
+daemon (identity.py), so the engine in doubt closes it at once.
 
-Registration: a new engine epoch registers with generation 0 (the daemon
-assigns the next one). A refusal of the known generation (hello or heartbeat
-answered FAILED_PRECONDITION or NOT_FOUND: the liveness lapsed, the record was
-removed or replaced) re-registers the same generation, the same engine process
-still holding its blocks; if the daemon refuses that too (a newer generation
-is registered), generation 0. Unreachable daemon: backoff, failover, retry;
-traffic through the tap is not affected.
+Registration: before every stream, since the last one's end suspended the node.
+The current epoch's known generation is registered again (the same engine
+process still holding its blocks); a new epoch registers with generation 0 (the
+daemon assigns the next one), as does a node whose known generation the daemon
+refuses (a newer one is registered). A refused hello or heartbeat
+(FAILED_PRECONDITION or NOT_FOUND) means the same: register again.
+
+Failing over: the liveness lapses a TTL after the last heartbeat the daemon
+could apply, so a replica that leaves a heartbeat unanswered (or answered
+without refreshing the liveness: its etcd in trouble) for a quarter of the TTL,
+or a call for as long, is given up for the next one: with heartbeats every
+third of the TTL the node is registered elsewhere well within it. Traffic
+through the tap is not affected.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -101,7 +110,9 @@ class NodeSession:
         self._metrics = metrics
         self._registered_epoch: int | None = None
         self._generation = 0
-        self._refused = False
+        self._ttl = float(settings.daemon.liveness_ttl_s)
+        # A call, or a heartbeat, left unanswered this long gives the replica up.
+        self._give_up_s = min(settings.daemon.rpc_timeout_s, self._ttl / 4)
         self._wakeup = asyncio.Event()
         self._kv_since: float | None = None
         self.tap_port = 0
@@ -129,13 +140,12 @@ class NodeSession:
             channel = self._link.channel()
             try:
                 epoch = self._instance.epoch
-                await self._ensure_registered(channel, epoch)
+                await self._register(channel, epoch)
                 if await self._attached(channel, epoch):
                     backoff.reset()
                 continue
             except grpc.aio.AioRpcError as e:
                 if e.code() in _REFUSED:
-                    self._refused = True
                     self._instance.unregistered()
                     self._metrics.attaches.labels("refused").inc()
                     log.info("node.refused", code=e.code().name, detail=e.details())
@@ -166,6 +176,10 @@ class NodeSession:
         if facts is None:
             epoch = self._instance.epoch
             facts = await learn_facts(self._http, self._s.engine)
+            if facts.identity != self._instance.tracker.known:
+                # Read from another process than the one vouched for: in doubt until probed.
+                self._instance.suspend("facts")
+                raise aiohttp.ClientPayloadError("the engine's process changed while its facts were read")
             if self._instance.epoch == epoch:  # not learned from a process that is gone
                 self._instance.facts = facts
             log.info("engine.facts", model=facts.model, block_size=facts.block_size)
@@ -191,12 +205,10 @@ class NodeSession:
             no_restart_seen=self._instance.epoch == 0,
         )
 
-    async def _ensure_registered(self, channel: grpc.aio.Channel, epoch: int) -> None:
-        if self._registered_epoch == epoch and not self._refused:
-            return
+    async def _register(self, channel: grpc.aio.Channel, epoch: int) -> None:
         facts = await self._facts()
         stub = self._link.nodes(channel)
-        timeout = self._s.daemon.rpc_timeout_s
+        timeout = self._give_up_s
         # The same engine process keeps its generation; a new one asks for the next.
         known = self._generation if self._registered_epoch == epoch else 0
         try:
@@ -209,7 +221,6 @@ class NodeSession:
             resp = await stub.Register(self._request(facts, 0), timeout=timeout)
         self._registered_epoch = epoch
         self._generation = resp.node.generation
-        self._refused = False
         self._metrics.node_registrations.labels("restarted" if resp.restarted else "ok").inc()
         log.info(
             "node.register.complete",
@@ -231,11 +242,11 @@ class NodeSession:
                     hello=nodes_pb2.AttachHello(engine_id=self._s.node_id, generation=generation)
                 )
             )
-            async with asyncio.timeout(self._s.daemon.rpc_timeout_s):
+            async with asyncio.timeout(self._give_up_s):
                 first = await call.read()
             if not isinstance(first, nodes_pb2.AttachResponse):
                 raise _LinkLost()  # the daemon closed the stream
-            ttl = first.ttl_seconds or self._s.daemon.liveness_ttl_s
+            ttl = first.ttl_seconds or self._ttl
             self._metrics.attaches.labels("ok").inc()
             self._metrics.attached.set(1)
             log.info("node.attach.open", engine_id=self._s.node_id, generation=generation, ttl_s=ttl)
@@ -264,7 +275,7 @@ class NodeSession:
                 msg = await call.read()
                 if not isinstance(msg, nodes_pb2.AttachResponse):
                     return  # end of stream
-                if msg.HasField("heartbeat_ack"):
+                if msg.HasField("heartbeat_ack") and msg.ttl_seconds > 0:  # (0: not refreshed)
                     acked[0] = loop.time()
                     self._metrics.heartbeats.labels("acked").inc()
         finally:
@@ -276,12 +287,13 @@ class NodeSession:
         reader: asyncio.Task[None],
         acked: list[float],
         epoch: int,
-        ttl: int,
+        ttl: float,
     ) -> None:
         loop = asyncio.get_running_loop()
         kv = self._s.kv_events
-        interval = max(ttl / 3.0, 0.05)
+        interval = max(min(ttl, self._ttl) / 3.0, 0.05)
         next_beat = loop.time()
+        unacked_since = math.inf  # when the oldest heartbeat not answered yet went out
         seq = 0
         while self._instance.epoch == epoch and self._instance.up.is_set():
             self._wakeup.clear()  # before acting: a wake-up while writing below is not lost
@@ -289,20 +301,25 @@ class NodeSession:
                 reader.result()  # raises the stream's error
                 raise _LinkLost()  # the daemon ended the stream
             now = loop.time()
-            if now - acked[0] > ttl:
+            if acked[0] >= unacked_since:
+                unacked_since = math.inf
+            if now - unacked_since > self._give_up_s:
                 raise _LinkLost()
             if now >= next_beat:
                 seq += 1
                 await call.write(nodes_pb2.AttachRequest(heartbeat=nodes_pb2.Heartbeat(seq=seq)))
                 self._metrics.heartbeats.labels("sent").inc()
                 next_beat = now + interval
+                unacked_since = min(unacked_since, now)
             since = self._kv_since
             if since is not None and (
                 now >= since + kv.flush_interval_s or self._mirror.pending >= kv.flush_hashes
             ):
                 await self._send_kv(call)
             since = self._kv_since
-            wake_at = next_beat if since is None else min(next_beat, since + kv.flush_interval_s)
+            wake_at = min(next_beat, unacked_since + self._give_up_s)
+            if since is not None:
+                wake_at = min(wake_at, since + kv.flush_interval_s)
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
             # that lands as the event fires, and this loop would then never stop.
             with contextlib.suppress(TimeoutError):

@@ -99,8 +99,9 @@ async def test_kv_events_feed_the_index_and_score(client: Client) -> None:
     queue.put_nowait(None)
     call.cancel()
 
-    async def dropped() -> bool:  # a detached node's index would go stale
-        listed = {n.engine_id: n for n in (await client.nodes.List(nodes_pb2.ListNodesRequest())).nodes}
+    async def dropped() -> bool:  # a detached node's index would go stale (and it is suspended)
+        request = nodes_pb2.ListNodesRequest(include_dead=True)
+        listed = {n.engine_id: n for n in (await client.nodes.List(request)).nodes}
         return listed["p-1"].indexed_blocks == 0
 
     await eventually(dropped)

@@ -60,6 +60,7 @@ class Node(_message.Message):
     HELD_TOKENS_FIELD_NUMBER: _builtins.int
     INDEXED_BLOCKS_FIELD_NUMBER: _builtins.int
     ENGINE_URL_FIELD_NUMBER: _builtins.int
+    SUSPENDED_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     role: Global___Role.ValueType
     model: _builtins.str
@@ -85,6 +86,12 @@ class Node(_message.Message):
     """The engine's own OpenAI server, for requests no tap needs to see (tokenize and
     prefill); "" = only through http_url.
     """
+    suspended: _builtins.bool
+    """No sidecar vouches for the engine process since its Attach stream ended (the engine
+    stopped answering, or it or its sidecar restarted): not alive, its retentions answer
+    node_gone, and its generation is kept until a sidecar registers it again (the same
+    process keeps it, a new one gets the next).
+    """
     @_builtins.property
     def registered_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -104,10 +111,11 @@ class Node(_message.Message):
         held_tokens: _builtins.int = ...,
         indexed_blocks: _builtins.int = ...,
         engine_url: _builtins.str = ...,
+        suspended: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["registered_at", b"registered_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "block_size", b"block_size", "engine_id", b"engine_id", "engine_url", b"engine_url", "generation", b"generation", "held_tokens", b"held_tokens", "http_url", b"http_url", "indexed_blocks", b"indexed_blocks", "live_leases", b"live_leases", "model", b"model", "registered_at", b"registered_at", "role", b"role", "side_channel_host", b"side_channel_host", "side_channel_port", b"side_channel_port"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "block_size", b"block_size", "engine_id", b"engine_id", "engine_url", b"engine_url", "generation", b"generation", "held_tokens", b"held_tokens", "http_url", b"http_url", "indexed_blocks", b"indexed_blocks", "live_leases", b"live_leases", "model", b"model", "registered_at", b"registered_at", "role", b"role", "side_channel_host", b"side_channel_host", "side_channel_port", b"side_channel_port", "suspended", b"suspended"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -514,3 +514,38 @@ async def test_decode_side_params_without_a_prefills_pin_the_blocks_and_count_as
         and pinned.params["remote_request_id"] in (await http.state(d))["held_requests"]
     )
     assert d.engine.metrics.total(faults) == 1
+
+
+async def test_a_d_restarted_under_its_fixed_engine_id_as_vllm_p_sees_it(
+    start_emulator: StartEmulator, http: Client
+) -> None:
+    """vLLM's P caches its handshake per engine id and never checks it again: with D
+    restarted under the same fixed engine id, a P holding a handshake of the old process
+    fails the read (the agent is gone), and handshakes again next time; a P holding none
+    handshakes with the new process and reads its memory at the old block ids, silently
+    (counted as an unheld read by the new D). The emulator checked nothing of the kind:
+    every read handshook anew."""
+    from tests.conftest import free_port
+
+    fixed = {"engine_id": "d-fixed", "side_channel_port": free_port()}
+    cached = await start_emulator(enable_prefix_caching=False, kv_load_failure_policy="recompute")
+    fresh = await start_emulator(enable_prefix_caching=False, kv_load_failure_policy="recompute")
+    d = await start_emulator(**fixed)
+    first = conversation()
+    _, one = await _turn(http, cached, d, first)
+    _, two = await _turn(http, cached, d, _next_turn(first, one.content))
+    assert one.params is not None and two.params is not None
+    assert (await http.prefill(cached, _next_turn(first, one.content), one.params)).pull == "pulled"
+
+    await d.stop()
+    again = await start_emulator(**fixed)
+    assert again.engine_id == d.engine_id
+    turn = _next_turn(_next_turn(first, one.content), two.content)
+    failed = await http.prefill(cached, turn, two.params)
+    assert failed.status == 200 and failed.pull == "recomputed:transfer_error"
+    stale = await http.prefill(fresh, turn, two.params)
+    assert stale.status == 200 and stale.pull == "pulled"  # wrong KV, and nobody told
+    assert (await http.state(again))["unheld_reads"] == 1
+    # The failed read dropped the old handshake: the next read reaches the new process.
+    assert (await http.prefill(cached, turn, two.params)).pull == "pulled"
+    assert (await http.state(again))["unheld_reads"] == 2

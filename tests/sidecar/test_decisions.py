@@ -9,15 +9,8 @@ import grpc
 import pytest
 
 from sidecar.drafts import LeaseDraft
-from sidecar.engine import (
-    EngineInstance,
-    Health,
-    HealthTracker,
-    Transition,
-    block_size_of,
-    normalize_engine_id,
-    started_at_of,
-)
+from sidecar.engine import EngineInstance, block_size_of, normalize_engine_id
+from sidecar.identity import Answer, Identity, IdentityTracker, State, Step, identity_of, started_at_of
 from sidecar.leases import RegistrationQueue, dead_reason, retry_decision
 from sidecar.metrics import SidecarMetrics
 from sidecar.node import advertised_engine_url, advertised_url
@@ -31,16 +24,61 @@ from sidecar.settings import (
     rank_endpoint,
 )
 
+OK, FAILED, REFUSED = Answer.OK, Answer.FAILED, Answer.REFUSED
+ONE, TWO = Identity("start", 1.0), Identity("start", 2.0)
 
-def test_health_transitions() -> None:
-    t = HealthTracker(failures_to_down=2)
-    assert t.observe(False) is None and t.state is Health.STARTING  # engine still loading
-    assert t.observe(True) is Transition.UP
-    assert t.observe(False) is None  # one failed probe is a blip
-    assert t.observe(True) is None
-    assert t.observe(False) is None and t.observe(False) is Transition.DOWN
-    assert t.observe(False) is None
-    assert t.observe(True) is Transition.RESTARTED and t.state is Health.UP
+
+def test_a_stall_is_not_a_restart() -> None:
+    """Probes failing then answering with the same process identity: suspended, then the
+    same process again (it kept its blocks). A D stalled ~9 s was counted as restarted,
+    every retention of it dead while D kept their blocks pinned."""
+    t = IdentityTracker(failures_to_down=2)
+    assert t.observe(FAILED) is Step.NONE and t.state is State.STARTING  # engine still loading
+    assert t.observe(OK, ONE) is Step.UP
+    assert t.observe(FAILED) is Step.NONE  # one failed probe is a blip
+    assert t.observe(OK, ONE) is Step.NONE
+    assert t.observe(FAILED) is Step.NONE and t.observe(FAILED) is Step.SUSPEND
+    assert t.observe(FAILED) is Step.NONE
+    assert t.observe(OK, ONE) is Step.RESUME and t.state is State.UP
+
+
+def test_another_process_is_a_restart_whenever_a_probe_sees_it() -> None:
+    t = IdentityTracker(failures_to_down=3)
+    t.observe(OK, ONE)
+    assert t.observe(OK, TWO) is Step.RESTART and t.known == TWO  # faster than the health window
+    assert t.observe(REFUSED) is Step.SUSPEND  # nothing listens: at once, not after 3 failures
+    assert t.observe(OK, ONE) is Step.RESTART
+
+
+def test_an_identity_that_cannot_be_read_is_no_confirmation() -> None:
+    t = IdentityTracker(failures_to_down=2)
+    t.observe(OK, ONE)
+    assert t.observe(OK, None) is Step.NONE and t.observe(OK, None) is Step.SUSPEND
+    assert t.observe(OK, ONE) is Step.RESUME
+    assert t.suspend() and not t.suspend()  # (a signal: kv_disconnect, say)
+    assert t.observe(OK, ONE) is Step.RESUME
+
+
+def test_an_engine_showing_no_identity_is_restarted_after_any_doubt() -> None:
+    """Fail safe, as before identities: back after failing is a new process."""
+    t = IdentityTracker(failures_to_down=1)
+    assert t.observe(OK, None) is Step.UP and t.observe(OK, None) is Step.NONE
+    assert t.observe(FAILED) is Step.SUSPEND
+    assert t.observe(OK, None) is Step.RESTART
+    t.forget()  # (a new epoch on another signal: the next identity is its own)
+    assert t.observe(OK, ONE) is Step.UP
+
+
+def test_the_identity_falls_back_to_the_counters_creation() -> None:
+    text = (
+        "process_start_time_seconds 1.7e+09\n"
+        'vllm:prompt_tokens_created{engine="0"} 1.8e+09\n'
+        "vllm:generation_tokens_created 1.75e+09\n"
+    )
+    assert identity_of(text) == Identity("start", 1.7e9)
+    multiprocess = text.split("\n", 1)[1]  # (several API servers: no process collector)
+    assert identity_of(multiprocess) == Identity("created", 1.75e9)
+    assert identity_of("vllm:prompt_tokens_total 3\n") is None
 
 
 def test_engine_ids_per_dp_rank_are_one_engine() -> None:

@@ -1,0 +1,114 @@
+"""A node nobody vouches for is suspended, and a pull is decided on the node as it stands.
+
+An engine restarted under a fixed engine id is the same id to P, which then reads the
+new process's memory at the old block ids (sidecar/identity.py). The daemon's part:
+a node whose sidecar's Attach stream ended hands no retention out until a sidecar
+registers it again (its generation kept: a stall voids nothing), and a pull is never
+decided on a replica's cached view of the node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from controlplane.daemon import Daemon
+from kvferry.v1 import leases_pb2, nodes_pb2
+from tests.conftest import Client, DaemonFactory
+from tests.factories import lease_request, lookup_request, node_request
+from tests.polling import eventually
+from tests.test_claims_and_nodes import AttachStream, hello
+
+
+async def _node(client: Client, engine_id: str = "d-1") -> nodes_pb2.Node:
+    nodes = (await client.nodes.List(nodes_pb2.ListNodesRequest(include_dead=True))).nodes
+    [node] = [n for n in nodes if n.engine_id == engine_id]
+    return node
+
+
+async def test_a_node_whose_stream_ended_is_suspended_and_keeps_its_generation(
+    daemon: Daemon, client: Client
+) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("c"))
+    stream = AttachStream(client)
+    await stream.send(hello("d-1"))
+    await stream.close()
+
+    async def suspended() -> bool:
+        return (await _node(client)).suspended
+
+    await eventually(suspended)
+    node = await _node(client)
+    assert not node.alive and node.generation == 1
+    peek = await client.leases.Lookup(lookup_request("c", peek=True))
+    assert (peek.decision, peek.reason) == (leases_pb2.RECOMPUTE, "node_gone")
+    assert "suspended" in peek.detail
+    refused = AttachStream(client)  # a hello does not revive it: a registration must
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await refused.send(hello("d-1"))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "suspended" in str(e.value.details())
+    finally:
+        await refused.close()
+
+    # The same process, confirmed by its sidecar, registers its generation again.
+    again = await client.nodes.Register(node_request("d-1", generation=1))
+    assert again.node.generation == 1 and not again.node.suspended and not again.restarted
+    assert (await client.leases.Lookup(lookup_request("c"))).decision == leases_pb2.PULL
+
+
+async def test_a_stream_ending_after_a_newer_registration_suspends_nothing(
+    daemon: Daemon, client: Client
+) -> None:
+    """The sidecar failed over and registered through another replica: the old stream's
+    end, seen late, must not suspend the registration that replaced it."""
+    assert daemon.control_plane is not None
+    await client.nodes.Register(node_request("d-1"))
+    old = AttachStream(client)
+    await old.send(hello("d-1"))
+    await client.nodes.Register(node_request("d-1", generation=1))  # (a new liveness lease)
+    await old.close()
+    await eventually(lambda: _stream_count(daemon, 0))
+    await daemon.control_plane.settle()
+    node = await _node(client)
+    assert node.alive and not node.suspended
+
+
+async def _stream_count(daemon: Daemon, n: int) -> bool:
+    assert daemon.control_plane is not None
+    return len(daemon.control_plane._streams) == n and not daemon.control_plane._putting_back
+
+
+async def test_a_stopping_replica_suspends_none_of_its_nodes(make_daemon: DaemonFactory, connect) -> None:  # type: ignore[no-untyped-def]
+    """Its sidecars fail over and re-register elsewhere; suspending them all on the way out
+    would make every retention of theirs node_gone for that while (a rolling upgrade)."""
+    a = await make_daemon()
+    b = await make_daemon(etcd=a.settings.etcd)
+    ca, cb = connect(a), connect(b)
+    await ca.nodes.Register(node_request("d-1"))
+    stream = AttachStream(ca)
+    await stream.send(hello("d-1"))
+    await a.stop()
+    await stream.close()
+    node = await _node(cb)
+    assert node.alive and not node.suspended
+
+
+async def test_a_pull_is_not_decided_on_a_stale_view_of_the_node(make_daemon: DaemonFactory, connect) -> None:  # type: ignore[no-untyped-def]
+    """D restarted and was registered anew through replica A; replica B's cached view
+    still had the old generation alive, and B handed the old process's retention out
+    (to a P that would read the new process's memory) until its next refresh."""
+    a = await make_daemon()
+    stale = replace(a.settings, nodes=replace(a.settings.nodes, cache_refresh_s=60.0))
+    b = await make_daemon(stale)
+    ca, cb = connect(a), connect(b)
+    await ca.nodes.Register(node_request("d-1"))
+    await ca.leases.Register(lease_request("c"))
+    await cb.leases.Register(lease_request("warm"))  # B has cached generation 1, alive
+    again = await ca.nodes.Register(node_request("d-1", engine_started_at=2.0))
+    assert again.node.generation == 2
+    answer = await cb.leases.Lookup(lookup_request("c"))
+    assert (answer.decision, answer.reason) == (leases_pb2.RECOMPUTE, "node_restarted")
