@@ -70,6 +70,8 @@ class Router:
                 lambda: {
                     "prefill": sum(n.prefills for n in directory.nodes),
                     "decode": sum(n.decodes for n in directory.nodes),
+                    "lapsed": len(directory.view.lapsed),
+                    "failing": len(directory.view.failing),
                 }
             )
             with contextlib.suppress(TimeoutError):

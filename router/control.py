@@ -25,6 +25,7 @@ from kvferry.v1 import leases_pb2, nodes_pb2, nodes_pb2_grpc
 from router.choice import Node
 from router.decisions import Breaker, LookupAnswer, Reuse, Skip, reuse_of, skipped
 from router.settings import DaemonSettings
+from router.view import Listed
 
 log = structlog.get_logger(__name__)
 
@@ -211,17 +212,20 @@ class ControlPlane:
             return {}
         return {s.engine_id: s.cached_blocks for s in res.scores}
 
-    async def list_nodes(self) -> list[Node] | None:
-        """The alive nodes (None: the daemon could not be asked)."""
+    async def list_nodes(self) -> list[Listed] | None:
+        """Every node the daemon knows, those whose liveness lapsed too (None: the daemon
+        could not be asked)."""
         replica = self._replica
         try:
-            res = await replica.nodes.List(nodes_pb2.ListNodesRequest(), timeout=self._s.rpc_timeout_s)
+            res = await replica.nodes.List(
+                nodes_pb2.ListNodesRequest(include_dead=True), timeout=self._s.rpc_timeout_s
+            )
         except grpc.aio.AioRpcError as e:
             if e.code() in _UNREACHABLE or e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
                 self._failover(replica)
             log.debug("router.nodes.list_failed", address=replica.address, code=e.code().name)
             return None
-        return [node for n in res.nodes if n.alive and (node := node_of(n)) is not None]
+        return [Listed(node, n.alive, n.generation) for n in res.nodes if (node := node_of(n)) is not None]
 
     async def owed_answers(self, timeout_s: float) -> None:
         """Until the lookups answered after their turn gave up on them have had their answers

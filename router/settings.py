@@ -80,6 +80,14 @@ class UpstreamSettings:
     """Longest a tokenize request may take; a slower one means serving that turn without reuse."""
     api_key: str = ""
     """Bearer key to send the engines; "" = forward the client's Authorization header."""
+    health_interval_s: float = 1.0
+    """Seconds between the router's /health probes of each node the daemon listed (through
+    its sidecar). A node failing them is left out whatever the daemon says; a node the
+    daemon lists as lapsed (its etcd or itself impaired) is kept while it answers them."""
+    health_timeout_s: float = 5.0
+    """A /health probe slower than this failed (generous: a busy engine is not a dead one)."""
+    health_failures: int = 3
+    """Failed probes in a row after which a node is left out (until it answers again)."""
     max_releases_in_flight: int = 256
     """Most releases on their way at once, of both kinds: of P's blocks after D refused a
     turn, and of D's blocks after a lookup answered too late. A node that is slow to
@@ -137,6 +145,8 @@ class Settings:
         timeouts = (u.connect_timeout_s, u.prefill_timeout_s, u.tokenize_timeout_s, u.decode_idle_timeout_s)
         if min(timeouts) <= 0:
             raise ValueError("upstream timeouts must be positive")
+        if u.health_interval_s <= 0 or u.health_timeout_s <= 0 or u.health_failures < 1:
+            raise ValueError("health interval and timeout must be positive, failures at least 1")
         if u.max_releases_in_flight < 1:
             raise ValueError("upstream max_releases_in_flight must be at least 1")
 
@@ -186,6 +196,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "longest D may send nothing (before or within its answer), s",
         float,
     )
+    add("health-interval", d.upstream.health_interval_s, "seconds between node /health probes", float)
+    add("health-failures", d.upstream.health_failures, "failed probes after which a node is left out", int)
     add("max-body-bytes", d.server.max_body_bytes, "largest request body accepted", int)
     add("shutdown-grace", d.server.shutdown_grace_s, "seconds answers in flight get to end on SIGTERM", float)
 
@@ -214,6 +226,8 @@ def from_args(a: argparse.Namespace) -> Settings:
             connect_timeout_s=float(a.connect_timeout),
             prefill_timeout_s=float(a.prefill_timeout),
             decode_idle_timeout_s=float(a.decode_idle_timeout),
+            health_interval_s=float(a.health_interval),
+            health_failures=int(a.health_failures),
             api_key=a.engine_api_key,
         ),
         reuse=ReuseSettings(
