@@ -24,8 +24,9 @@ from aiohttp.typedefs import Middleware
 from kvferry.decoding import UNDECODABLE, lax_bool
 from router.choice import Node, prefill_candidates
 from router.decisions import Failure, FailureKind
+from router.errors import bad_gateway, error_response
 from router.identity import api_key_of
-from router.turn import Shared, Turn, bad_gateway, error_response
+from router.turn import Shared, Turn
 from router.upstream import Reply, UpstreamError
 
 log = structlog.get_logger(__name__)

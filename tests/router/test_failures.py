@@ -337,7 +337,11 @@ async def test_without_a_daemon_turns_are_served_without_reuse(
             assert res.status == 200 and (res.decision, res.reason) == ("SKIPPED", expect)
             assert res.text == await reference(CHAT, body)
 
-    late = Router(router_settings(stack.daemon, daemon__lookup_deadline_s=1e-6, **nodes))
+    late = Router(
+        router_settings(
+            stack.daemon, daemon__lookup_deadline_s=1e-6, daemon__lookup_recompute_share=0, **nodes
+        )
+    )
     async with late:
         res = await ask(http, late.url, body)
         assert res.status == 200 and (res.decision, res.reason) == ("SKIPPED", "daemon_timeout")
@@ -353,7 +357,7 @@ async def test_a_claim_answered_late_has_ds_blocks_freed_through_p(
     stack, d, body, one, first = await one_turn_held(make_stack, http, "lateness", "late-claim")
     messages = body["messages"]
 
-    late = await stack.router(daemon__lookup_deadline_s=1e-6)
+    late = await stack.router(daemon__lookup_deadline_s=1e-6, daemon__lookup_recompute_share=0)
     second = {**body, "messages": next_turn(messages, one.text)}
     two = await ask(http, late.url, second)
     assert two.status == 200 and (two.decision, two.reason) == ("SKIPPED", "daemon_timeout")
