@@ -118,7 +118,9 @@ class Turn:
 
     def __init__(self, shared: Shared, request: web.Request, path: str, body: dict[str, Any]) -> None:
         self.s = shared
-        self.request = request
+        self.request: web.Request | None = request
+        """Until the turn ends (see `serve`)."""
+        self._client_headers = request.headers
         self.path = path
         self.body = body
         self.started = time.perf_counter()
@@ -148,6 +150,15 @@ class Turn:
     # -- the turn ---------------------------------------------------------------------
 
     async def serve(self) -> web.StreamResponse:
+        try:
+            return await self._serve()
+        finally:
+            # A lookup answered late (up to `late_answer_s`, minutes) still has this turn
+            # release its claim: it keeps what that needs, not the request and its prompt.
+            self.request, self.tokens = None, None
+            self.body = {"model": self.body.get("model")}
+
+    async def _serve(self) -> web.StreamResponse:
         nodes = self.nodes
         load = self.s.load.view
         tiebreak = next(self.s.tickets)
@@ -454,7 +465,7 @@ class Turn:
         return self._engine_headers(self.request_id, extra)
 
     def _engine_headers(self, turn_id: str, extra: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
-        return self.s.engines.headers(self.request.headers, turn_id, extra, self.answer_id)
+        return self.s.engines.headers(self._client_headers, turn_id, extra, self.answer_id)
 
     def _reuse_headers(self) -> dict[str, str]:
         r = self.reuse
@@ -553,7 +564,9 @@ class Turn:
         self, node: Node, upstream: aiohttp.ClientResponse, headers: Mapping[str, str]
     ) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
-        await resp.prepare(self.request)
+        request = self.request
+        assert request is not None  # (the turn is being served)
+        await resp.prepare(request)
         scrubber = SseScrubber()
         first = True
         try:
@@ -574,8 +587,8 @@ class Turn:
             # D broke off mid-answer: cut the client's connection so it sees a truncated answer.
             self.s.metrics.upstream_error("decode", Failure(FailureKind.PROTOCOL))
             self.log.warning("router.decode.broke_off", node=node.engine_id, error=str(e) or type(e).__name__)
-            if self.request.transport is not None:
-                self.request.transport.close()
+            if request.transport is not None:
+                request.transport.close()
             return resp
         if scrubber.error is None:
             self._observe_end()
