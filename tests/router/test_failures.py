@@ -544,6 +544,8 @@ class FakeEngine:
         self.model = "fake"
         self.models_status = 200
         self.models_auth: list[str] = []
+        self.version = ""
+        """What its GET /version reports ("" = no such route: 404)."""
         self.answers: list[int] = []
         """Statuses the next generation requests get, in turn (0: no answer until the peer
         hangs up, -1: a sidecar's "never delivered" 502); then the usual answers."""
@@ -590,6 +592,11 @@ class FakeEngine:
         await resp.write_eof()
         return resp
 
+    async def show_version(self, request: web.Request) -> web.Response:
+        if not self.version:
+            raise web.HTTPNotFound()
+        return web.json_response({"version": self.version})
+
     async def models(self, request: web.Request) -> web.Response:
         self.models_auth.append(request.headers.get("Authorization", ""))
         if self.models_status != 200:
@@ -607,6 +614,7 @@ async def fake_engine(
     app.router.add_post("/v1/chat/completions", fake.generate)
     app.router.add_post("/v1/completions", fake.generate)
     app.router.add_get("/v1/models", fake.models)
+    app.router.add_get("/version", fake.show_version)
     async with serve_app(app) as fake.url:
         yield fake
 
