@@ -51,7 +51,8 @@ CLOSE_WRITING_S = 1.0
 
 
 class LeaseStream:
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, late_answer_s: float = LATE_ANSWER_S) -> None:
+        self._late_answer_s = late_answer_s
         self._stub = leases_pb2_grpc.LeasesStub(channel)
         self._call: Any = None
         self._reader: asyncio.Task[None] | None = None
@@ -79,13 +80,14 @@ class LeaseStream:
         self,
         req: leases_pb2.LookupRequest,
         prompt: Awaitable[leases_pb2.LookupPrompt | None],
-        deadline_s: float,
+        deadline_s: float | Callable[[], float],
         late: Callable[[leases_pb2.LookupResponse], None] | None = None,
     ) -> leases_pb2.LookupResponse:
         """A Lookup sent before its prompt is known: the daemon claims the retention while
         `prompt` is awaited, then decides on it. `deadline_s` counts from when the prompt
-        is ready (the work before it has deadlines of its own). An answer that comes after
-        the deadline, or after the caller was cancelled (up to LATE_ANSWER_S), goes to
+        is ready (the work before it has deadlines of its own); a callable is asked for it
+        then (a deadline that depends on the prompt). An answer that comes after the
+        deadline, or after the caller was cancelled (up to `late_answer_s`), goes to
         `late`: what the daemon claimed for it. (A lookup that had not left by then never
         does: nothing is claimed for it.)
 
@@ -111,12 +113,13 @@ class LeaseStream:
     async def _op(
         self,
         op: leases_pb2.LeaseOp,
-        deadline_s: float,
+        deadline_s: float | Callable[[], float],
         before_deadline: Callable[[int], Awaitable[None]] | None = None,
         late: Callable[[leases_pb2.LeaseOpResult], None] | None = None,
     ) -> leases_pb2.LeaseOpResult:
         """Send `op`, run `before_deadline(op.id)` if given, then wait up to `deadline_s`
-        (and, with `late`, hand it an answer that comes after that)."""
+        (asked then, when a callable) and, with `late`, hand it an answer that comes after
+        that."""
         op.id = next(self._ids)
         fut: asyncio.Future[leases_pb2.LeaseOpResult] = asyncio.get_running_loop().create_future()
         self._pending[op.id] = fut
@@ -126,6 +129,8 @@ class LeaseStream:
             self._enqueue(op)
             if before_deadline is not None:
                 await before_deadline(op.id)
+            if callable(deadline_s):
+                deadline_s = deadline_s()
             async with asyncio.timeout(deadline_s):
                 res = await (fut if late is None else asyncio.shield(fut))
         except asyncio.CancelledError:  # the caller went away
@@ -177,7 +182,7 @@ class LeaseStream:
         fut: asyncio.Future[leases_pb2.LeaseOpResult],
         late: Callable[[leases_pb2.LeaseOpResult], None],
     ) -> None:
-        """Keep waiting, up to LATE_ANSWER_S, for the answer to an op whose caller gave up;
+        """Keep waiting, up to `late_answer_s`, for the answer to an op whose caller gave up;
         `late` gets it unless it is an error (or the stream broke meanwhile)."""
 
         def give_up() -> None:
@@ -196,7 +201,7 @@ class LeaseStream:
             if res.WhichOneof("result") != "error":
                 late(res)
 
-        timer = asyncio.get_running_loop().call_later(LATE_ANSWER_S, give_up)
+        timer = asyncio.get_running_loop().call_later(self._late_answer_s, give_up)
         self._owed.add(fut)
         fut.add_done_callback(answered)
 

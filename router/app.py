@@ -26,6 +26,7 @@ from router.control import ControlPlane
 from router.http_api import build_app
 from router.metrics import RouterMetrics
 from router.nodes import DirectRoutes, Load, NodeDirectory
+from router.patience import PrefillRates
 from router.settings import Settings
 from router.turn import Shared
 from router.upstream import Engines
@@ -70,6 +71,8 @@ class Router:
                 lambda: {
                     "prefill": sum(n.prefills for n in directory.nodes),
                     "decode": sum(n.decodes for n in directory.nodes),
+                    "lapsed": len(directory.view.lapsed),
+                    "failing": len(directory.view.failing),
                 }
             )
             with contextlib.suppress(TimeoutError):
@@ -94,6 +97,7 @@ class Router:
                 tickets=itertools.count(),
                 direct=DirectRoutes(),
                 digests=DigestCache(s.reuse.digest_cache_bytes),
+                rates=PrefillRates(s.daemon.prefill_s_per_token),
             )
             self._runner = web.AppRunner(
                 build_app(shared),

@@ -25,6 +25,7 @@ from kvferry.v1 import leases_pb2, nodes_pb2, nodes_pb2_grpc
 from router.choice import Node
 from router.decisions import Breaker, LookupAnswer, Reuse, Skip, reuse_of, skipped
 from router.settings import DaemonSettings
+from router.view import Listed
 
 log = structlog.get_logger(__name__)
 
@@ -67,10 +68,10 @@ LATE_FAILOVER = 3
 
 
 class _Replica:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, late_answer_s: float) -> None:
         self.address = address
         self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        self.leases = LeaseStream(self.channel)
+        self.leases = LeaseStream(self.channel, late_answer_s)
         self.nodes = nodes_pb2_grpc.NodesStub(self.channel)
         self.late = 0
         """Lookups in a row it answered after their deadline (or never), each sent after the
@@ -88,7 +89,7 @@ class ControlPlane:
 
     def __init__(self, addresses: Sequence[str], settings: DaemonSettings) -> None:
         self._s = settings
-        self._replicas = [_Replica(a) for a in addresses]
+        self._replicas = [_Replica(a, settings.late_answer_s) for a in addresses]
         self._current = 0
         self.breaker = Breaker(settings.breaker_base_s, settings.breaker_max_s)
         self._reopening: asyncio.Task[None] | None = None
@@ -131,23 +132,30 @@ class ControlPlane:
         prompt: asyncio.Future[tuple[list[int], bytes] | None],
         answered_late: Callable[[Reuse], None] | None = None,
         request_id: str = "",
+        wait_s: Callable[[int], float] | None = None,
     ) -> Reuse:
         """Claim the conversation's retention for a prompt; any failure = serve without reuse.
 
         Sent before the prompt is known: the daemon claims while `prompt` (the token ids
         and their digests; None = none could be made) is still being computed, so the
-        claim's round trip overlaps tokenizing. The deadline counts from the prompt. An
-        answer after the deadline goes to `answered_late` (the daemon claimed for it all the same).
+        claim's round trip overlaps tokenizing. The deadline counts from the prompt: what
+        `wait_s` says for its token count (default: the base lookup deadline). An answer
+        after the deadline goes to `answered_late` (the daemon claimed for it all the same).
         `request_id` is the turn's, which D's sidecar registers: a retention registered for it is
         not this lookup's to claim."""
         req = leases_pb2.LookupRequest(tenant=tenant, conversation_id=conversation_id, request_id=request_id)
+        tokens = 0
 
         async def message() -> leases_pb2.LookupPrompt | None:
+            nonlocal tokens
             made = await prompt
             if made is None:
                 return None
-            tokens, digests = made
-            return leases_pb2.LookupPrompt(prompt_tokens=len(tokens), prompt_digests=digests)
+            tokens = len(made[0])
+            return leases_pb2.LookupPrompt(prompt_tokens=tokens, prompt_digests=made[1])
+
+        def deadline_s() -> float:
+            return self._s.lookup_deadline_s if wait_s is None else wait_s(tokens)
 
         now = time.monotonic()
         if not self.breaker.allows(now):
@@ -157,7 +165,7 @@ class ControlPlane:
             res = await replica.leases.lookup_with_prompt(
                 req,
                 message(),
-                self._s.lookup_deadline_s,
+                deadline_s,
                 None if answered_late is None else lambda res: answered_late(reuse_of(answer_of(res))),
             )
         except LeaseOpError as e:
@@ -211,17 +219,20 @@ class ControlPlane:
             return {}
         return {s.engine_id: s.cached_blocks for s in res.scores}
 
-    async def list_nodes(self) -> list[Node] | None:
-        """The alive nodes (None: the daemon could not be asked)."""
+    async def list_nodes(self) -> list[Listed] | None:
+        """Every node the daemon knows, those whose liveness lapsed too (None: the daemon
+        could not be asked)."""
         replica = self._replica
         try:
-            res = await replica.nodes.List(nodes_pb2.ListNodesRequest(), timeout=self._s.rpc_timeout_s)
+            res = await replica.nodes.List(
+                nodes_pb2.ListNodesRequest(include_dead=True), timeout=self._s.rpc_timeout_s
+            )
         except grpc.aio.AioRpcError as e:
             if e.code() in _UNREACHABLE or e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
                 self._failover(replica)
             log.debug("router.nodes.list_failed", address=replica.address, code=e.code().name)
             return None
-        return [node for n in res.nodes if n.alive and (node := node_of(n)) is not None]
+        return [Listed(node, n.alive, n.generation) for n in res.nodes if (node := node_of(n)) is not None]
 
     async def owed_answers(self, timeout_s: float) -> None:
         """Until the lookups answered after their turn gave up on them have had their answers

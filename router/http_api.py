@@ -3,6 +3,7 @@
 Routes: ``/v1/chat/completions`` and ``/v1/completions`` (streaming or not, one
 `router.turn.Turn` each), ``/v1/models`` (merged from a prefill node per model),
 ``/health`` (200 while there is a prefill and a decode node to route to),
+``/version`` (vLLM's: the engines' version),
 ``/metrics`` (Prometheus). Bad client input gets vLLM's 400 error shape. With API
 keys set, /v1/ routes answer 401 to a client without one of them, as vLLM does.
 """
@@ -21,11 +22,13 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from kvferry import __version__ as KVFERRY_VERSION
 from kvferry.decoding import UNDECODABLE, lax_bool
 from router.choice import Node, prefill_candidates
 from router.decisions import Failure, FailureKind
+from router.errors import bad_gateway, error_response
 from router.identity import api_key_of
-from router.turn import Shared, Turn, bad_gateway, error_response
+from router.turn import Shared, Turn
 from router.upstream import Reply, UpstreamError
 
 log = structlog.get_logger(__name__)
@@ -182,6 +185,37 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": list(cards.values())})
 
 
+#: Nodes asked for their version before the router answers with its own.
+_VERSION_ASKED = 3
+
+
+def version_of(answer: Any) -> str:
+    """The version in a vLLM /version answer ("" = none)."""
+    v = answer.get("version") if isinstance(answer, dict) else None
+    return v if isinstance(v, str) and v else ""
+
+
+async def version(request: web.Request) -> web.Response:
+    """vLLM's ``GET /version`` (its benchmarks ask for it): ``{"version": ...}``, the version
+    of the engines behind the router as the least loaded node that answers reports it
+    (what a client asking compares against is the engine serving it), else kvferry's own;
+    ``kvferry_version`` is the router's in every answer."""
+    shared = request.app[SHARED_KEY]
+    headers = shared.engines.headers(request.headers, f"kvf-{uuid.uuid4().hex}")
+    timeout_s = shared.settings.upstream.health_timeout_s
+    nodes = sorted(shared.directory.nodes, key=lambda n: shared.load.view.get(n.engine_id, 0))
+    engines = ""
+    for node in nodes[:_VERSION_ASKED]:
+        try:
+            reply = await shared.engines.get(node.url + "/version", headers, timeout_s)
+        except UpstreamError:
+            continue
+        engines = version_of(reply.json()) if reply.status == 200 else ""
+        if engines:
+            break
+    return web.json_response({"version": engines or KVFERRY_VERSION, "kvferry_version": KVFERRY_VERSION})
+
+
 async def health(request: web.Request) -> web.Response:
     nodes = request.app[SHARED_KEY].directory.nodes
     ok = any(n.prefills for n in nodes) and any(n.decodes for n in nodes)
@@ -204,5 +238,6 @@ def build_app(shared: Shared) -> web.Application:
     app.router.add_post(COMPLETIONS_PATH, completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
     return app

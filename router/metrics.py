@@ -87,6 +87,17 @@ class RouterMetrics(OwnRegistry):
         self.nodes = Gauge(
             "kvferry_router_nodes", "Nodes the router routes to, by role", ["role"], registry=r
         )
+        self.nodes_lapsed = Gauge(
+            "kvferry_router_nodes_lapsed",
+            "Nodes routed to that the daemon lists as not alive (their liveness lapsed: etcd, "
+            "the daemon or the way to it impaired), kept while their engines answer /health",
+            registry=r,
+        )
+        self.nodes_failing = Gauge(
+            "kvferry_router_nodes_failing",
+            "Nodes the daemon lists that the router leaves out: they fail its /health probes",
+            registry=r,
+        )
         self.digest_blocks = Counter(
             "kvferry_router_digest_blocks",
             "Prompt blocks digested for lookups, by how: hashed, or reused from the "
@@ -110,5 +121,8 @@ class RouterMetrics(OwnRegistry):
         self.upstream_errors.labels(role, kind).inc()
 
     def track_nodes(self, counts: Callable[[], dict[str, int]]) -> None:
+        """Node gauges read from `counts()`: prefill and decode (nodes routed to), lapsed, failing."""
         for role in ("prefill", "decode"):
             self.nodes.labels(role).set_function(lambda role=role: counts().get(role, 0))  # type: ignore[misc]
+        self.nodes_lapsed.set_function(lambda: counts().get("lapsed", 0))
+        self.nodes_failing.set_function(lambda: counts().get("failing", 0))

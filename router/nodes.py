@@ -1,9 +1,10 @@
 """The engines the router knows, kept fresh, and how busy each one is.
 
-Nodes come from the daemon (``Nodes/List``, alive ones, refreshed every
-`nodes_refresh_s`; the last good list is kept while the daemon cannot be asked)
-or, when given on the command line, are fixed: then each one's model is
-learned from its ``/v1/models`` unless the settings name it.
+Nodes come from the daemon (``Nodes/List``, refreshed every `nodes_refresh_s`), as
+the router's own view keeps them (`router.view`: the daemon's word on which nodes
+exist, the router's own /health probes on which answer; `router.health`), or, when
+given on the command line, are fixed: then each one's model is learned from its
+``/v1/models`` unless the settings name it.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ import aiohttp
 import structlog
 
 from kvferry.logs import Outage
+from kvferry.tasks import cancel_and_wait
 from router.choice import Node
 from router.control import ControlPlane
+from router.health import HealthProbes
 from router.settings import Settings
 from router.upstream import authorization
+from router.view import NodeView
 
 log = structlog.get_logger(__name__)
 
@@ -132,7 +136,7 @@ def base_model_of(models: Any) -> str:
 
 
 class NodeDirectory:
-    """The current node list."""
+    """The current node list: `nodes`, the nodes to route to."""
 
     def __init__(self, settings: Settings, control: ControlPlane | None, http: aiohttp.ClientSession) -> None:
         self._s = settings
@@ -145,6 +149,9 @@ class NodeDirectory:
         )
         self.ready = asyncio.Event()
         self._outage = Outage()
+        self.view = NodeView(settings.upstream.health_failures)
+        """The discovered nodes as the daemon lists them and the router's probes find them."""
+        self.probes = HealthProbes(http, settings.upstream, lambda: self.view.probed_nodes, self._probed)
 
     async def refresh(self) -> None:
         if self.static:
@@ -155,16 +162,31 @@ class NodeDirectory:
             self._outage.report(
                 log, listed is not None, "router.nodes.list_failed", "router.nodes.list_recovered"
             )
-            if listed is not None:
-                if {n.engine_id for n in listed} != {n.engine_id for n in self.nodes}:
-                    log.info(
-                        "router.nodes.changed",
-                        prefill=[n.engine_id for n in listed if n.prefills],
-                        decode=[n.engine_id for n in listed if n.decodes],
-                    )
-                self.nodes = listed
+            if listed is not None:  # (else: the nodes as they were, while they answer their probes)
+                lapsed = self.view.lapsed
+                self.view.listed(listed)
+                self._changed()
+                if self.view.lapsed != lapsed and self.view.lapsed:
+                    log.warning("router.nodes.kept_lapsed", nodes=self.view.lapsed)
         if self.nodes:
             self.ready.set()
+
+    def _probed(self, engine_id: str, url: str, ok: bool) -> None:
+        if self.view.probed(engine_id, url, ok):
+            log.warning("router.nodes.health", node=engine_id, url=url, answers=ok)
+            self._changed()
+
+    def _changed(self) -> None:
+        """The view changed: route to what it says now."""
+        nodes = self.view.nodes
+        if [n.engine_id for n in nodes] != [n.engine_id for n in self.nodes]:
+            log.info(
+                "router.nodes.changed",
+                prefill=[n.engine_id for n in nodes if n.prefills],
+                decode=[n.engine_id for n in nodes if n.decodes],
+                failing=self.view.failing or None,
+            )
+        self.nodes = nodes
 
     async def _learn_model(self, node: Node) -> Node:
         try:
@@ -181,9 +203,14 @@ class NodeDirectory:
         return replace(node, model=model) if model else node
 
     async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self._s.daemon.nodes_refresh_s)
-            try:
-                await self.refresh()
-            except Exception:  # keep refreshing whatever one round did
-                log.exception("router.nodes.refresh_failed")
+        """Refresh the list forever; probe the discovered nodes meanwhile."""
+        probing = None if self.static else asyncio.create_task(self.probes.run(), name="router-health")
+        try:
+            while True:
+                await asyncio.sleep(self._s.daemon.nodes_refresh_s)
+                try:
+                    await self.refresh()
+                except Exception:  # keep refreshing whatever one round did
+                    log.exception("router.nodes.refresh_failed")
+        finally:
+            await cancel_and_wait([probing])

@@ -36,7 +36,23 @@ class DaemonSettings:
     addresses: tuple[str, ...] = ()
     """Daemon replicas (host:port); empty = no daemon: static nodes, no reuse."""
     lookup_deadline_s: float = 0.05
-    """A lookup slower than this is given up and the turn served without reuse."""
+    """The base of a lookup's wait, from when the prompt is known: a lookup slower than its
+    wait is given up and the turn served without reuse (see `router.patience`)."""
+    lookup_recompute_share: float = 0.25
+    """Share of the prompt's estimated recompute time a lookup may wait on top of the base
+    (a pull spares that time; waiting risks it): 0 = the base alone."""
+    lookup_max_wait_s: float = 1.0
+    """Longest a lookup is waited for, however long the prompt (a daemon that answers at all
+    answers in milliseconds; beyond a second it is in trouble, and waiting only costs);
+    never less than the base."""
+    prefill_s_per_token: float = 1e-4
+    """Estimated prefill seconds per prompt token until the router has measured its own
+    prefills (fresh ones of at least 256 computed tokens, per model): 100 us is a 7-8B
+    model on one GPU, about 3 s for 32k tokens."""
+    late_answer_s: float = 120.0
+    """How long a lookup given up on (late, or its client gone) is still awaited: what the
+    daemon claimed for it is released through P when it comes (D would hold it to its TTL,
+    480 s by default). A daemon that hung, or waited on a stalled etcd, answers late."""
     score_deadline_s: float = 0.05
     """Same for Nodes/Score (prefill choice by cached prefix)."""
     rpc_timeout_s: float = 2.0
@@ -86,6 +102,14 @@ class UpstreamSettings:
     rendering the messages again: vLLM 0.32 does (PR 48145), earlier releases ignore them
     (64k ids per turn of a long prompt, sent twice for nothing). Off: each engine renders
     the request itself, which /tokenize renders alike (`router.decisions.reproducible`)."""
+    health_interval_s: float = 1.0
+    """Seconds between the router's /health probes of each node the daemon listed (through
+    its sidecar). A node failing them is left out whatever the daemon says; a node the
+    daemon lists as lapsed (its etcd or itself impaired) is kept while it answers them."""
+    health_timeout_s: float = 5.0
+    """A /health probe slower than this failed (generous: a busy engine is not a dead one)."""
+    health_failures: int = 3
+    """Failed probes in a row after which a node is left out (until it answers again)."""
     max_releases_in_flight: int = 256
     """Most releases on their way at once, of both kinds: of P's blocks after D refused a
     turn, and of D's blocks after a lookup answered too late. A node that is slow to
@@ -124,9 +148,20 @@ class Settings:
         d = self.daemon
         if any(":" not in a for a in d.addresses):
             raise ValueError("daemon addresses must be host:port")
-        for name in ("lookup_deadline_s", "score_deadline_s", "rpc_timeout_s", "nodes_refresh_s"):
+        positive = (
+            "lookup_deadline_s",
+            "lookup_max_wait_s",
+            "score_deadline_s",
+            "rpc_timeout_s",
+            "nodes_refresh_s",
+        )
+        for name in positive:
             if getattr(d, name) <= 0:
                 raise ValueError(f"daemon {name} must be positive")
+        if not 0 <= d.lookup_recompute_share <= 1:
+            raise ValueError("daemon lookup_recompute_share must be in 0..1")
+        if d.prefill_s_per_token < 0 or d.late_answer_s < 0:
+            raise ValueError("daemon prefill_s_per_token and late_answer_s must be >= 0")
         if not 0 < d.breaker_base_s <= d.breaker_max_s:
             raise ValueError("breaker base must be positive and at most the breaker maximum")
         n = self.nodes
@@ -143,6 +178,8 @@ class Settings:
         timeouts = (u.connect_timeout_s, u.prefill_timeout_s, u.tokenize_timeout_s, u.decode_idle_timeout_s)
         if min(timeouts) <= 0:
             raise ValueError("upstream timeouts must be positive")
+        if u.health_interval_s <= 0 or u.health_timeout_s <= 0 or u.health_failures < 1:
+            raise ValueError("health interval and timeout must be positive, failures at least 1")
         if u.max_releases_in_flight < 1:
             raise ValueError("upstream max_releases_in_flight must be at least 1")
 
@@ -176,7 +213,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("decode", "", "decode node URL(s) (their sidecars), comma-separated")
     add("model", d.nodes.model, "base model of the static nodes (default: learned from /v1/models)")
     add("block-size", d.nodes.block_size, "tokens per KV block of the static nodes", int)
-    add("lookup-deadline", d.daemon.lookup_deadline_s, "seconds a lookup may take", float)
+    add("lookup-deadline", d.daemon.lookup_deadline_s, "base seconds a lookup may take", float)
+    add(
+        "lookup-recompute-share",
+        d.daemon.lookup_recompute_share,
+        "share of the prompt's estimated recompute time a lookup may wait on top (0..1)",
+        float,
+    )
+    add("lookup-max-wait", d.daemon.lookup_max_wait_s, "longest a lookup is waited for, s", float)
+    add(
+        "prefill-s-per-token",
+        d.daemon.prefill_s_per_token,
+        "estimated prefill seconds per token until measured",
+        float,
+    )
     add("nodes-refresh", d.daemon.nodes_refresh_s, "seconds between node list refreshes", float)
     add("reuse", "true", "KV reuse across turns (false: plain P/D serving)", _bool)
     add("tenant-header", d.reuse.tenant_header, "header naming the tenant when there is no API key")
@@ -203,6 +253,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "longest D may send nothing (before or within its answer), s",
         float,
     )
+    add("health-interval", d.upstream.health_interval_s, "seconds between node /health probes", float)
+    add("health-failures", d.upstream.health_failures, "failed probes after which a node is left out", int)
     add("max-body-bytes", d.server.max_body_bytes, "largest request body accepted", int)
     add("shutdown-grace", d.server.shutdown_grace_s, "seconds answers in flight get to end on SIGTERM", float)
 
@@ -219,6 +271,9 @@ def from_args(a: argparse.Namespace) -> Settings:
         daemon=DaemonSettings(
             addresses=_split(a.daemon),
             lookup_deadline_s=float(a.lookup_deadline),
+            lookup_recompute_share=float(a.lookup_recompute_share),
+            lookup_max_wait_s=float(a.lookup_max_wait),
+            prefill_s_per_token=float(a.prefill_s_per_token),
             nodes_refresh_s=float(a.nodes_refresh),
         ),
         nodes=NodeSettings(
@@ -231,6 +286,8 @@ def from_args(a: argparse.Namespace) -> Settings:
             connect_timeout_s=float(a.connect_timeout),
             prefill_timeout_s=float(a.prefill_timeout),
             decode_idle_timeout_s=float(a.decode_idle_timeout),
+            health_interval_s=float(a.health_interval),
+            health_failures=int(a.health_failures),
             api_key=a.engine_api_key,
             forward_prompt_token_ids=_flag(a.forward_prompt_token_ids),
         ),

@@ -23,6 +23,7 @@ to do) changes what the client gets, only how fast.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 import uuid
@@ -67,9 +68,11 @@ from router.decisions import (
     skipped,
     spends_retry,
 )
+from router.errors import bad_gateway, engine_message, error_response, passthrough
 from router.identity import CONVERSATION_HEADER, Identity, identify
 from router.metrics import RouterMetrics
 from router.nodes import DirectRoutes, Load, NodeDirectory
+from router.patience import Patience, PrefillRates, lookup_wait_s
 from router.relay import SseScrubber, scrub_json
 from router.settings import Settings
 from router.upstream import (
@@ -93,37 +96,6 @@ SIDECAR_TENANT_HEADER = "X-Kvferry-Tenant"
 _PASSED_RESPONSE_HEADERS = (hdrs.CONTENT_TYPE, "X-Request-Id")
 
 
-def error_response(status: int, message: str, kind: str) -> web.Response:
-    """A vLLM-shaped error answer."""
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return web.Response(body=encode(body), status=status, content_type="application/json")
-
-
-def bad_gateway(message: str) -> web.Response:
-    return error_response(502, message, "BadGatewayError")
-
-
-def _passthrough(reply: Reply) -> web.Response:
-    """An engine's 4xx answer, as the engine gave it."""
-    if reply.json() is not None:
-        return web.Response(body=reply.body, status=reply.status, content_type="application/json")
-    text = reply.body.decode(errors="replace")[:2000] or f"engine answered {reply.status}"
-    return error_response(reply.status, text, "BadRequestError" if reply.status == 400 else "EngineError")
-
-
-def _engine_message(reply: Reply | None, failure: Failure, role: str) -> str:
-    detail = ""
-    if reply is not None:
-        obj = reply.json()
-        err = obj.get("error") if isinstance(obj, dict) else None
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            detail = err["message"]
-        elif reply.body:
-            detail = reply.body.decode(errors="replace")[:500]
-    what = f"status {failure.status}" if failure.kind is FailureKind.STATUS else failure.kind.value
-    return f"{role} engine failed ({what}){': ' + detail if detail else ''}"
-
-
 @dataclass
 class Shared:
     """What every turn of one router uses."""
@@ -137,6 +109,8 @@ class Shared:
     tickets: itertools.count[int]
     direct: DirectRoutes
     digests: DigestCache
+    rates: PrefillRates
+    """Prefill seconds per token, as measured: how long lookups are waited for."""
     releases: set[asyncio.Task[None]] = field(default_factory=set)
     """Releases of P's blocks still on their way (`Turn._release_later`)."""
 
@@ -146,7 +120,9 @@ class Turn:
 
     def __init__(self, shared: Shared, request: web.Request, path: str, body: dict[str, Any]) -> None:
         self.s = shared
-        self.request = request
+        self.request: web.Request | None = request
+        """Until the turn ends (see `serve`)."""
+        self._client_headers = request.headers
         self.path = path
         self.body = body
         self.started = time.perf_counter()
@@ -176,6 +152,15 @@ class Turn:
     # -- the turn ---------------------------------------------------------------------
 
     async def serve(self) -> web.StreamResponse:
+        try:
+            return await self._serve()
+        finally:
+            # A lookup answered late (up to `late_answer_s`, minutes) still has this turn
+            # release its claim: it keeps what that needs, not the request and its prompt.
+            self.request, self.tokens = None, None
+            self.body = {"model": self.body.get("model")}
+
+    async def _serve(self) -> web.StreamResponse:
         nodes = self.nodes
         load = self.s.load.view
         tiebreak = next(self.s.tickets)
@@ -259,6 +244,7 @@ class Turn:
                     prompt,
                     answered_late=lambda reuse: self._release_claim(prefill, reuse.remote),
                     request_id=self.request_id,
+                    wait_s=functools.partial(self._lookup_wait_s, prefill, scoring),
                 )
             )
             made = await prompt
@@ -294,6 +280,12 @@ class Turn:
         if self.reuse is not None:
             self.s.metrics.lookup(self.reuse)
         return prefill
+
+    def _lookup_wait_s(self, prefill: Node, scoring: bool, prompt_tokens: int) -> float:
+        d = self.s.settings.daemon
+        patience = Patience(d.lookup_deadline_s, d.lookup_recompute_share, d.lookup_max_wait_s)
+        rate = self.s.rates.s_per_token(prefill.model)
+        return lookup_wait_s(patience, prompt_tokens, rate, d.score_deadline_s if scoring else 0.0)
 
     async def _prompt(self, prefill: Node) -> Made | None:
         """The prompt's token ids (P's /tokenize) and their digests (None: P could not
@@ -422,7 +414,10 @@ class Turn:
             if reply is not None:
                 answer = reply.json() if reply.status == 200 else None
                 if isinstance(answer, dict):
-                    self.s.metrics.stage.labels("prefill").observe(time.perf_counter() - t0)
+                    elapsed = time.perf_counter() - t0
+                    self.s.metrics.stage.labels("prefill").observe(elapsed)
+                    if self.tokens and not (remote and self.reuse is not None and self.reuse.pull):
+                        self.s.rates.observe(node.model, len(self.tokens), elapsed)  # (P computed all)
                     params = answer.get("kv_transfer_params")
                     return params if isinstance(params, dict) else None
                 kind = FailureKind.STATUS if reply.status != 200 else FailureKind.PROTOCOL
@@ -449,8 +444,8 @@ class Turn:
             )
             if retry is None:
                 if failure.client_error and reply is not None:
-                    return _passthrough(reply)
-                return bad_gateway(_engine_message(reply, failure, "prefill"))
+                    return passthrough(reply)
+                return bad_gateway(engine_message(reply, failure, "prefill"))
             self.s.metrics.prefill_retries.labels(retry.value).inc()
             if spends_retry(retry, bool(remote)):
                 attempt += 1
@@ -479,7 +474,7 @@ class Turn:
         return self._engine_headers(self.request_id, extra)
 
     def _engine_headers(self, turn_id: str, extra: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
-        return self.s.engines.headers(self.request.headers, turn_id, extra, self.answer_id)
+        return self.s.engines.headers(self._client_headers, turn_id, extra, self.answer_id)
 
     def _reuse_headers(self) -> dict[str, str]:
         r = self.reuse
@@ -521,7 +516,7 @@ class Turn:
                     if other is not None and retry_decode_elsewhere(e.failure, True):
                         node = other
                         continue
-                    return bad_gateway(_engine_message(None, e.failure, "decode"))
+                    return bad_gateway(engine_message(None, e.failure, "decode"))
                 self.s.load.reached(node.engine_id)
                 return await self._decode_answer(node, upstream, t0, prefill_params)
 
@@ -557,8 +552,8 @@ class Turn:
             self.s.metrics.upstream_error("decode", failure)
             self.log.info("router.decode.refused", node=node.engine_id, status=upstream.status)
             if failure.client_error:
-                return _passthrough(reply)
-            return bad_gateway(_engine_message(reply, failure, "decode"))
+                return passthrough(reply)
+            return bad_gateway(engine_message(reply, failure, "decode"))
         headers = self._reuse_headers()
         for name in _PASSED_RESPONSE_HEADERS:
             if name in upstream.headers and name not in headers:
@@ -578,7 +573,9 @@ class Turn:
         self, node: Node, upstream: aiohttp.ClientResponse, headers: Mapping[str, str]
     ) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
-        await resp.prepare(self.request)
+        request = self.request
+        assert request is not None  # (the turn is being served)
+        await resp.prepare(request)
         scrubber = SseScrubber()
         first = True
         try:
@@ -599,8 +596,8 @@ class Turn:
             # D broke off mid-answer: cut the client's connection so it sees a truncated answer.
             self.s.metrics.upstream_error("decode", Failure(FailureKind.PROTOCOL))
             self.log.warning("router.decode.broke_off", node=node.engine_id, error=str(e) or type(e).__name__)
-            if self.request.transport is not None:
-                self.request.transport.close()
+            if request.transport is not None:
+                request.transport.close()
             return resp
         if scrubber.error is None:
             self._observe_end()

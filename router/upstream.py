@@ -185,13 +185,16 @@ class Engines:
         out.update(extra)
         return out
 
+    def _timeout(self, timeout_s: float | None) -> aiohttp.ClientTimeout:
+        if timeout_s is None:
+            return self._bounded
+        return aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._s.connect_timeout_s)
+
     async def post(
         self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float | None = None
     ) -> Reply:
         """POST and read the whole answer (bounded by `timeout_s`, default the prefill timeout)."""
-        timeout = self._bounded
-        if timeout_s is not None:
-            timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._s.connect_timeout_s)
+        timeout = self._timeout(timeout_s)
         try:
             async with self._http.post(url, data=body, headers=headers, timeout=timeout) as r:
                 raw = await r.read()
@@ -200,9 +203,10 @@ class Engines:
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             raise UpstreamError(_failure_of(e), f"{url}: {str(e) or type(e).__name__}") from e
 
-    async def get(self, url: str, headers: Mapping[str, str]) -> Reply:
+    async def get(self, url: str, headers: Mapping[str, str], timeout_s: float | None = None) -> Reply:
+        """GET and read the whole answer (bounded by `timeout_s`, default the prefill timeout)."""
         try:
-            async with self._http.get(url, headers=headers, timeout=self._bounded) as r:
+            async with self._http.get(url, headers=headers, timeout=self._timeout(timeout_s)) as r:
                 return Reply(r.status, await r.read(), r.headers.get(hdrs.CONTENT_TYPE, ""))
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             raise UpstreamError(_failure_of(e), f"{url}: {str(e) or type(e).__name__}") from e

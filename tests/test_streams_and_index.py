@@ -378,13 +378,13 @@ async def test_a_lost_lease_stream_says_so() -> None:
         await channel.close(None)
 
 
-def _stream_on(call: Any) -> tuple[Any, grpc.aio.Channel]:
+def _stream_on(call: Any, late_answer_s: float = 10.0) -> tuple[Any, grpc.aio.Channel]:
     """A LeaseStream whose Leases/Stream call is `call` (the test's), and its channel
     (never used; close it)."""
     from kvferry.leaseclient import LeaseStream
 
     channel = grpc.aio.insecure_channel("127.0.0.1:9")
-    stream = LeaseStream(channel)
+    stream = LeaseStream(channel, late_answer_s)
     stream._stub = type("Stub", (), {"Stream": lambda self: call})()
     return stream, channel
 
@@ -437,18 +437,14 @@ class _ScriptedCall:
         pass
 
 
-async def test_late_answers_reach_the_hook_only_when_they_are_answers(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_late_answers_reach_the_hook_only_when_they_are_answers() -> None:
     """A lookup given up on (deadline, cancelled caller) still hands a later answer to its
-    hook; not an error answer, not after LATE_ANSWER_S, not when the stream ends first.
-    Nothing is left behind either way."""
-    from kvferry import leaseclient
+    hook; not an error answer, not after the stream's late_answer_s, not when the stream
+    ends first. Nothing is left behind either way."""
     from kvferry.leaseclient import LeaseOpError
 
-    monkeypatch.setattr(leaseclient, "LATE_ANSWER_S", 0.2)
     first = _ScriptedCall()
-    stream, channel = _stream_on(first)
+    stream, channel = _stream_on(first, late_answer_s=0.2)
     hooked: list[leases_pb2.LookupResponse] = []
 
     async def given_up(conversation: str) -> None:
@@ -463,7 +459,7 @@ async def test_late_answers_reach_the_hook_only_when_they_are_answers(
     await given_up("error")  # op 1
     first.answer(leases_pb2.LeaseOpResult(id=1, error=leases_pb2.OpError(code=14, message="etcd down")))
     await given_up("expired")  # op 2
-    await asyncio.sleep(0.3)  # past LATE_ANSWER_S: no longer waited for
+    await asyncio.sleep(0.3)  # past late_answer_s: no longer waited for
     first.answer(leases_pb2.LeaseOpResult(id=2, lookup=leases_pb2.LookupResponse(reason="too late")))
     await given_up("answered")  # op 3
     first.answer(

@@ -45,8 +45,9 @@ def emulator_config(**changes: Any) -> EmulatorConfig:
 
 
 def sidecar_for(
-    emu: EmulatorServer, daemon: Daemon, role: str, advertise_engine_url: str = ""
+    emu: EmulatorServer, daemon: Daemon, role: str, advertise_engine_url: str = "", daemon_address: str = ""
 ) -> SidecarSettings:
+    """A sidecar's settings for `emu`, on `daemon` (at `daemon_address` when given: a proxy)."""
     return SidecarSettings(
         engine=EngineSettings(
             url=emu.http_url,
@@ -62,7 +63,9 @@ def sidecar_for(
             endpoint=emu.kv_events_endpoint or "",
             replay_endpoint=emu.kv_events_replay_endpoint or "",
         ),
-        daemon=SidecarDaemonSettings(addresses=(daemon.address,), liveness_ttl_s=10, backoff_max_s=0.3),
+        daemon=SidecarDaemonSettings(
+            addresses=(daemon_address or daemon.address,), liveness_ttl_s=10, backoff_max_s=0.3
+        ),
         tap=TapSettings(listen="127.0.0.1:0", advertise_engine_url=advertise_engine_url),
     )
 
@@ -96,6 +99,8 @@ class Stack:
     decodes: list[EmulatorServer] = field(default_factory=list)
     sidecars: dict[int, Sidecar] = field(default_factory=dict)
     routers: list[Router] = field(default_factory=list)
+    sidecar_daemon: str = ""
+    """The daemon's address as the sidecars reach it ("" = its own)."""
 
     def sidecar(self, emu: EmulatorServer) -> Sidecar:
         return self.sidecars[id(emu)]
@@ -106,7 +111,7 @@ class Stack:
         emu = EmulatorServer(emulator_config(role=role, **config), shutdown_timeout=0.5)
         await emu.start()
         (self.prefills if role == "prefill" else self.decodes).append(emu)
-        sc = Sidecar(sidecar_for(emu, self.daemon, role, advertise_engine_url))
+        sc = Sidecar(sidecar_for(emu, self.daemon, role, advertise_engine_url, self.sidecar_daemon))
         await sc.start()
         self.sidecars[id(emu)] = sc
         return emu
@@ -162,7 +167,8 @@ async def make_stack(
     make_daemon: DaemonFactory, connect: Callable[[Daemon], Client]
 ) -> AsyncIterator[MakeStack]:
     """Start a deployment: `prefill` and `decode` engines (emulator config as `p_config`/`d_config`;
-    `p_engine_url` is the P sidecars' advertise_engine_url)."""
+    `p_engine_url` is the P sidecars' advertise_engine_url; `sidecar_daemon` the daemon's
+    address as the sidecars reach it)."""
     stacks: list[Stack] = []
 
     async def make(
@@ -172,9 +178,10 @@ async def make_stack(
         d_config: dict[str, Any] | None = None,
         daemon: Daemon | None = None,
         p_engine_url: str = "",
+        sidecar_daemon: str = "",
     ) -> Stack:
         d = daemon or await make_daemon()
-        stack = Stack(d, connect(d))
+        stack = Stack(d, connect(d), sidecar_daemon=sidecar_daemon)
         stacks.append(stack)
         for _ in range(prefill):
             await stack.add_engine("prefill", p_engine_url, **(p_config or {}))

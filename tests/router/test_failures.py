@@ -337,7 +337,11 @@ async def test_without_a_daemon_turns_are_served_without_reuse(
             assert res.status == 200 and (res.decision, res.reason) == ("SKIPPED", expect)
             assert res.text == await reference(CHAT, body)
 
-    late = Router(router_settings(stack.daemon, daemon__lookup_deadline_s=1e-6, **nodes))
+    late = Router(
+        router_settings(
+            stack.daemon, daemon__lookup_deadline_s=1e-6, daemon__lookup_recompute_share=0, **nodes
+        )
+    )
     async with late:
         res = await ask(http, late.url, body)
         assert res.status == 200 and (res.decision, res.reason) == ("SKIPPED", "daemon_timeout")
@@ -353,7 +357,7 @@ async def test_a_claim_answered_late_has_ds_blocks_freed_through_p(
     stack, d, body, one, first = await one_turn_held(make_stack, http, "lateness", "late-claim")
     messages = body["messages"]
 
-    late = await stack.router(daemon__lookup_deadline_s=1e-6)
+    late = await stack.router(daemon__lookup_deadline_s=1e-6, daemon__lookup_recompute_share=0)
     second = {**body, "messages": next_turn(messages, one.text)}
     two = await ask(http, late.url, second)
     assert two.status == 200 and (two.decision, two.reason) == ("SKIPPED", "daemon_timeout")
@@ -540,6 +544,8 @@ class FakeEngine:
         self.model = "fake"
         self.models_status = 200
         self.models_auth: list[str] = []
+        self.version = ""
+        """What its GET /version reports ("" = no such route: 404)."""
         self.answers: list[int] = []
         """Statuses the next generation requests get, in turn (0: no answer until the peer
         hangs up, -1: a sidecar's "never delivered" 502); then the usual answers."""
@@ -586,6 +592,11 @@ class FakeEngine:
         await resp.write_eof()
         return resp
 
+    async def show_version(self, request: web.Request) -> web.Response:
+        if not self.version:
+            raise web.HTTPNotFound()
+        return web.json_response({"version": self.version})
+
     async def models(self, request: web.Request) -> web.Response:
         self.models_auth.append(request.headers.get("Authorization", ""))
         if self.models_status != 200:
@@ -603,6 +614,7 @@ async def fake_engine(
     app.router.add_post("/v1/chat/completions", fake.generate)
     app.router.add_post("/v1/completions", fake.generate)
     app.router.add_get("/v1/models", fake.models)
+    app.router.add_get("/version", fake.show_version)
     async with serve_app(app) as fake.url:
         yield fake
 

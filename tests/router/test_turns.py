@@ -84,7 +84,7 @@ async def test_tokenize_and_prefill_skip_the_p_sidecar_when_it_advertises_the_en
     """Through P's tap only when it advertised no engine URL, or one this router cannot
     reach (then the router falls back to the tap, and stays there)."""
     stack = await make_stack(p_engine_url=advertised)
-    router = await stack.router()
+    router = await stack.router(upstream__health_interval_s=3600)  # (its /health probes pass the tap)
     [p] = stack.prefills
     listed = await stack.client.nodes.List(nodes_pb2.ListNodesRequest())
     engine_urls = {n.engine_id: n.engine_url for n in listed.nodes}
