@@ -75,7 +75,15 @@ def flag_adder(p: argparse.ArgumentParser, env_prefix: str) -> Callable[..., Non
 
 
 #: Variables any kvferry process reads besides its own flags' (and the tests' own).
-SHARED_VARIABLES = frozenset({"KVFERRY_LOG_LEVEL", "KVFERRY_TEST_ETCD"})
+SHARED_VARIABLES = frozenset(
+    {
+        "KVFERRY_LOG_LEVEL",
+        "KVFERRY_RELEASE_TICKS_S",  # (kvferry.releases: every process that sends releases)
+        "KVFERRY_TEST_ETCD",  # (the test suite's)
+        "KVFERRY_ENGINES",
+        "KVFERRY_VLLM_PYTHON",
+    }
+)
 #: Every process's prefix. The daemon's is a prefix of the others': their variables
 #: are not the daemon's business.
 PREFIXES = ("KVFERRY_", "KVFERRY_SIDECAR_", "KVFERRY_ROUTER_")

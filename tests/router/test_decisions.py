@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvferry.releases import claim_release_body
+from kvferry.releases import release_body, released, tick_body
 from router.choice import (
     Node,
     alike,
@@ -244,15 +244,20 @@ def test_a_claim_answered_late_is_released_through_p_with_nothing_to_pull() -> N
     """P, handed D's params with remote_num_tokens 0, pulls nothing and notifies D, which
     frees the blocks: the same for a late pull's params as for a release's."""
     for params in (D_PARAMS, {**D_PARAMS, "remote_num_tokens": 0, "prompt_token_ids": [1, 2]}):
-        body = claim_release_body("m", params)
+        body = release_body("m", params)
         kv = body["kv_transfer_params"]
-        assert kv["do_remote_decode"] is True and kv["do_remote_prefill"] is False
+        # a prefill's params, in a request vLLM refuses before admission (stream with beam
+        # search): its connector notifies the holder, and the engine allocates nothing
+        assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False
+        assert (body["stream"], body["use_beam_search"]) == (True, True)
         assert kv["remote_num_tokens"] == 0 and "prompt_token_ids" not in kv
         assert kv["remote_block_ids"] == D_PARAMS["remote_block_ids"]
         assert kv["remote_request_id"] == "r1" and kv["remote_engine_id"] == "d1"
-        assert (body["model"], body["max_tokens"], body["stream"]) == ("m", 1, False)
+        assert (body["model"], body["max_tokens"]) == ("m", 1)
         assert body["prompt"]
-    assert "model" not in claim_release_body(None, D_PARAMS)
+    assert "model" not in release_body(None, D_PARAMS)
+    assert released(400) and not released(200) and not released(404)
+    assert "kv_transfer_params" not in tick_body("m") and tick_body("m")["stream"] is False
 
 
 def test_nothing_to_hand_over_means_fresh_params() -> None:

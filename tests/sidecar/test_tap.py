@@ -43,7 +43,7 @@ async def _lease(client: Client, conversation: str, tenant: str = "") -> leases_
 async def test_token_ids_reach_the_client_only_when_asked(
     start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession, client: Client
 ) -> None:
-    p, d = await _pd(start_emulator)
+    p, d = await _pd(start_emulator, stream_kv_transfer_params=True)  # (vLLM PR 40186)
     sc = await start_sidecar(d)
     messages = first_turn()
     conv = {"X-Conversation-Id": "ids"}
