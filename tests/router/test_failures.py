@@ -105,9 +105,10 @@ async def test_engine_client_errors_pass_through(make_stack: MakeStack, http: ai
 async def test_a_turn_d_refuses_frees_what_p_kept_for_it(
     make_stack: MakeStack, http: aiohttp.ClientSession
 ) -> None:
-    """P keeps the prompt's blocks for D to pull (vLLM: up to 480 s). A request only D
-    refuses (P is asked for one token: an answer too long for the context passes there)
-    leaves nothing to pull them, so the router has D release them."""
+    """P keeps the prompt's blocks for D to pull (vLLM 0.32: its kv_lease_duration, 30 s;
+    480 s before). A request only D refuses (P is asked for one token: an answer too long
+    for the context passes there) leaves nothing to pull them, so the router has D release
+    them, in a request D refuses before admission: D keeps nothing for it either."""
     stack = await make_stack()
     router = await stack.router()
     [p], [d] = stack.prefills, stack.decodes
@@ -127,9 +128,9 @@ async def test_a_turn_d_refuses_frees_what_p_kept_for_it(
             return done == n and not p.engine.snapshot()["held_requests"]
 
         await eventually(released)
-    # The price: D keeps each release's one block for its TTL, as it keeps every request
-    # that came with a prefill's params; the whole prompt on P was the alternative.
-    assert [len(h["blocks"]) for h in d.engine.snapshot()["held_requests"].values()] == [1, 1, 1]
+    # The release was refused before admission (kvferry.releases): D allocated nothing, so
+    # nothing is held anywhere (the old one-token release pinned a block on D for its TTL).
+    assert d.engine.snapshot()["held_requests"] == {}
     assert d.engine.metrics.total("kvferry_emulator:kv_pulled_tokens") == 0
 
 
