@@ -551,7 +551,8 @@ class FakeEngine:
         """What its GET /version reports ("" = no such route: 404)."""
         self.answers: list[int] = []
         """Statuses the next generation requests get, in turn (0: no answer until the peer
-        hangs up, -1: a sidecar's "never delivered" 502); then the usual answers."""
+        hangs up, -1: a sidecar's "never delivered" 502); then the usual answers (a release,
+        a streamed beam search, gets vLLM's 400: `kvferry.releases`)."""
 
     async def tokenize(self, request: web.Request) -> web.Response:
         self.requests.append(("/tokenize", _lower(request.headers), await request.json()))
@@ -563,6 +564,12 @@ class FakeEngine:
         body = await request.json()
         self.requests.append((request.path, _lower(request.headers), body))
         status = self.answers.pop(0) if self.answers else 200
+        beam_stream = body.get("stream") and body.get("use_beam_search")
+        if status == 200 and request.path == COMPLETIONS and beam_stream:
+            # vLLM's first check of a completion: a release is refused before admission
+            message = "Streaming is not currently supported with beam search"
+            error = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+            return web.json_response({"error": error}, status=400)
         if status == 0:
             while request.transport is not None and not request.transport.is_closing():  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
@@ -927,6 +934,8 @@ async def test_params_p_failed_with_are_released(
     [(_, _, release)] = [(path, h, body) for path, h, body in p.requests if path == COMPLETIONS]
     kv = release["kv_transfer_params"]
     assert release["max_tokens"] == 1 and kv["remote_request_id"] == "req-1" and kv["remote_num_tokens"] == 0
+    assert release["stream"] is True and release["use_beam_search"] is True  # refused: P keeps nothing
+    assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False  # ...and notifies D
     assert d.requests == []
 
 
