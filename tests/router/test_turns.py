@@ -31,7 +31,9 @@ Reference = Callable[[str, dict[str, Any]], Awaitable[str]]
 async def test_a_turn_after_a_finished_turn_pulls_and_answers_the_same(
     make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
 ) -> None:
-    stack = await make_stack()
+    """Streamed turns are captured when D's stream carries its params (vLLM PR 40186; 0.32's
+    streams carry none), and the client never sees them; a JSON turn after them pulls too."""
+    stack = await make_stack(d_config={"stream_kv_transfer_params": True})  # (vLLM PR 40186)
     router = await stack.router()
     [p] = stack.prefills
     messages = first_turn("ferries")
@@ -154,14 +156,16 @@ async def test_completions_with_a_session_id_pull_too(
     router = await stack.router()
     prompt = "Once upon a time a ferry crossed the bay. " * 12
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": 30, "session_id": "story"}
-    one = await ask(http, router.url, {**body, "stream": True}, path=COMPLETIONS)
-    assert one.status == 200 and one.events[-1] == "[DONE]"
+    # (turn one is not streamed: vLLM 0.32's streams carry no params, so D's answer to a
+    # streamed turn registers nothing to pull)
+    one = await ask(http, router.url, body, path=COMPLETIONS)
+    assert one.status == 200 and one.body["object"] == "text_completion"
     assert one.text == await reference(COMPLETIONS, body)
     await stack.registrations_idle()
     body2 = {**body, "prompt": prompt + one.text + " The end?"}
-    two = await ask(http, router.url, body2, path=COMPLETIONS)
+    two = await ask(http, router.url, {**body2, "stream": True}, path=COMPLETIONS)
     assert two.status == 200 and two.decision == "PULL", dict(two.headers)
-    assert two.body["object"] == "text_completion"
+    assert two.events[-1] == "[DONE]"
     assert two.text == await reference(COMPLETIONS, body2)
 
 
@@ -178,17 +182,19 @@ async def test_a_clients_request_id_names_its_answers_and_every_turn_still_pulls
     messages = first_turn("request ids")
     body: dict[str, Any] = {"messages": messages, "max_tokens": 30, "conversation_id": "rid"}
     mine = {"X-Request-Id": "agent-42"}
-    one = await ask(http, router.url, {**body, "stream": True}, mine)
+    # (turn one is not streamed: vLLM 0.32's streams carry no params to retain)
+    one = await ask(http, router.url, body, mine)
     assert one.status == 200 and one.headers["X-Request-Id"] == "agent-42"
-    assert {e["id"] for e in one.events if isinstance(e, dict)} == {"chatcmpl-agent-42"}
+    assert one.body["id"] == "chatcmpl-agent-42"
     await stack.registrations_idle()
     get = leases_pb2.GetLeaseRequest(conversation_id="rid")
     assert (await stack.client.leases.Get(get)).request_id.startswith("kvf-")  # the turn's own id
     second = {**body, "messages": next_turn(messages, one.text)}
     before = pulled_tokens(p)
-    two = await ask(http, router.url, second, mine)
+    two = await ask(http, router.url, {**second, "stream": True}, mine)
     assert two.status == 200 and two.decision == "PULL", dict(two.headers)
-    assert two.body["id"] == "chatcmpl-agent-42" and two.headers["X-Request-Id"] == "agent-42"
+    assert {e["id"] for e in two.events if isinstance(e, dict)} == {"chatcmpl-agent-42"}
+    assert two.headers["X-Request-Id"] == "agent-42"
     assert pulled_tokens(p) - before == two.reused > 0
     assert two.text == await reference(CHAT, {k: v for k, v in second.items() if k != "conversation_id"})
     # With none in the header, the body's request_id is the one, as vLLM takes it.
