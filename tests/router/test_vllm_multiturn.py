@@ -13,6 +13,11 @@ text files, user turns of ``num_tokens``, dataset answers only sizing
 The client sends what the benchmark sends with ``--send-conversation-id``: the
 history with the *actual* previous answers, a body ``conversation_id``, an
 ``X-Session-ID`` header, ``stream`` with ``stream_options.include_usage: false``.
+
+Every turn streams, so what it reuses depends on D's streams: vLLM 0.32's carry no
+``kv_transfer_params``, so D's sidecar registers nothing and every turn is computed
+whole (and answered right); with vLLM PR 40186 (the emulator's
+``stream_kv_transfer_params``) every turn after the first pulls.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from tests.router.conftest import MakeStack
-from tests.router.helpers import CHAT, ask
+from tests.router.helpers import CHAT, ask, pulled_tokens
 
 Reference = Callable[[str, dict[str, Any]], Awaitable[str]]
 Conversations = dict[str, list[dict[str, str]]]
@@ -127,8 +133,13 @@ async def _run_conversation(
     return sent
 
 
+@pytest.mark.parametrize("streams_params", [False, True], ids=["vllm-0.32", "vllm-pr-40186"])
 async def test_vllm_multi_turn_benchmark_input_runs_through_the_router(
-    tmp_path: Path, make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference
+    tmp_path: Path,
+    make_stack: MakeStack,
+    http: aiohttp.ClientSession,
+    reference: Reference,
+    streams_params: bool,
 ) -> None:
     words = [
         "ferry",
@@ -155,8 +166,9 @@ async def test_vllm_multi_turn_benchmark_input_runs_through_the_router(
     )
     assert load_input(tmp_path / "sharegpt.json") == conversations
 
-    stack = await make_stack()
+    stack = await make_stack(d_config={"stream_kv_transfer_params": streams_params})
     router = await stack.router()
+    [d] = stack.decodes
     runs = await asyncio.gather(
         *(
             _run_conversation(http, router.url, cid, msgs, stack.registrations_idle)
@@ -165,10 +177,27 @@ async def test_vllm_multi_turn_benchmark_input_runs_through_the_router(
     )
     turns = [t for run in runs for t in run]
     later = [res for run in runs for _, res in run[1:]]
-    assert all(res.decision == "PULL" for res in later), [
-        (r.decision, r.reason) for r in later if r.decision != "PULL"
-    ]
     assert all(run[0][1].reason == "no_lease" for run in runs)
     for body, res in turns:
         assert res.text == await reference(CHAT, body)
-    assert router.metrics.value("kvferry_router_reused_tokens_total") == sum(r.reused for r in later) > 0
+    outcomes = {
+        outcome: stack.sidecar(d).metrics.registry.get_sample_value(
+            "kvferry_sidecar_turns_total", {"outcome": outcome}
+        )
+        or 0.0
+        for outcome in ("captured", "no_params")
+    }
+    if streams_params:  # every turn's answer is retained, and the next turn pulls it
+        assert all(res.decision == "PULL" for res in later), [
+            (r.decision, r.reason) for r in later if r.decision != "PULL"
+        ]
+        assert outcomes == {"captured": len(turns), "no_params": 0}
+        reused = router.metrics.value("kvferry_router_reused_tokens_total")
+        assert reused == sum(r.reused for r in later) > 0
+    else:  # D's streams name no blocks: nothing is retained, each turn is computed whole
+        assert all((r.decision, r.reason) == ("RECOMPUTE", "no_lease") for r in later), [
+            (r.decision, r.reason) for r in later
+        ]
+        assert outcomes == {"captured": 0, "no_params": len(turns)}
+        assert router.metrics.value("kvferry_router_reused_tokens_total") == 0
+        assert sum(pulled_tokens(p) for p in stack.prefills) == 0
