@@ -42,7 +42,11 @@ async def mirrored(dep: Deployment, sidecar: Sidecar) -> None:
         held = await reference.blocks()
         mirror = sidecar.mirror.hashes()
         listed = await dep.client.nodes.List(nodes_pb2.ListNodesRequest())
-        [node] = [n for n in listed.nodes if n.engine_id == node_id]
+        alive = [n for n in listed.nodes if n.engine_id == node_id]
+        if not alive:  # (a stopped sidecar's node is suspended until it registers again)
+            seen[:] = [f"node {node_id} is not alive at the daemon"]
+            return False
+        [node] = alive
         seen[:] = [
             f"D holds {len(held)}, mirror {len(mirror)} ({len(mirror - held)} not held, "
             f"{len(held - mirror)} missing), daemon indexes {node.indexed_blocks}"
