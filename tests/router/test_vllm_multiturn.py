@@ -169,12 +169,16 @@ async def test_vllm_multi_turn_benchmark_input_runs_through_the_router(
     stack = await make_stack(d_config={"stream_kv_transfer_params": streams_params})
     router = await stack.router()
     [d] = stack.decodes
-    runs = await asyncio.gather(
-        *(
-            _run_conversation(http, router.url, cid, msgs, stack.registrations_idle)
+
+    async def settle() -> None:
+        await stack.registrations_idle(20)  # (8 conversations at once on a busy 2-core machine)
+
+    async with asyncio.TaskGroup() as group:  # (one failing cancels the others: none is left running)
+        tasks = [
+            group.create_task(_run_conversation(http, router.url, cid, msgs, settle))
             for cid, msgs in conversations.items()
-        )
-    )
+        ]
+    runs = [t.result() for t in tasks]
     turns = [t for run in runs for t in run]
     later = [res for run in runs for _, res in run[1:]]
     assert all(run[0][1].reason == "no_lease" for run in runs)
