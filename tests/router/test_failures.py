@@ -372,6 +372,12 @@ async def test_a_claim_answered_late_has_ds_blocks_freed_through_p(
 
     await eventually(released)
     assert len(d.engine.snapshot()["held_requests"]) == 1  # turn two's, for the next turn
+    [p] = stack.prefills
+
+    async def nothing_on_p() -> bool:  # (turn two's prompt: until D has pulled it)
+        return not p.engine.snapshot()["held_requests"]
+
+    await eventually(nothing_on_p)  # P refused the release before admission: it kept nothing
     assert unheld_reads(stack.decodes) == 0
 
 
