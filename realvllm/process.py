@@ -7,10 +7,13 @@ that a test or a benchmark drives both through one interface.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -36,6 +39,17 @@ def log_tail(path: Path, lines: int = 40) -> str:
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies (a test
+    run killed by its timeout leaves no engine behind; the engine stops its own children)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 class EngineProcess:
@@ -82,6 +96,11 @@ class EngineProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                # (only from the main thread: the signal comes when the *thread* that
+                # started the child ends, and a worker thread's end is no reason)
+                preexec_fn=_die_with_parent
+                if threading.current_thread() is threading.main_thread()
+                else None,
             )
         self.starts += 1
 
