@@ -135,6 +135,14 @@ class MultiturnProxyStandIn:
             answer = json.loads(await r.read())
         if answer.get("kv_transfer_params"):
             req["kv_transfer_params"] = answer["kv_transfer_params"]
+        if not req.get("stream"):  # (vLLM 0.32 returns D's params only in a JSON answer)
+            async with self.http.post(self.d_url + CHAT, data=json.dumps(req), headers=headers) as r:
+                raw = await r.read()
+                status = r.status
+            answer = json.loads(raw)
+            if answer.get("kv_transfer_params") and conversation:
+                self.cache[conversation] = answer["kv_transfer_params"]
+            return web.Response(body=raw, status=status, content_type="application/json")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         async with self.http.post(

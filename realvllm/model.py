@@ -46,6 +46,10 @@ class ModelSpec:
     max_len: int = 65536
     seed: int = 0
 
+    def key(self) -> str:
+        """A name for a directory of this model (the same spec, the same name)."""
+        return "-".join(f"{k}{v}" for k, v in asdict(self).items())
+
     def flags(self) -> list[str]:
         """The command-line flags of `main` that make this spec."""
         return [f"--{name.replace('_', '-')}={value}" for name, value in asdict(self).items()]

@@ -113,6 +113,16 @@ class Deployment:
                     return
                 await asyncio.sleep(0.05)
 
+    async def wait_routable(self, timeout_s: float = 60.0) -> None:
+        """Until every router routes to every sidecar's node (after an engine came back, its
+        probes have to see it answer again)."""
+        want = {sc.settings.node_id for sc in self.sidecars.values()}
+        async with asyncio.timeout(timeout_s):
+            for r in self.routers:
+                assert r.directory is not None
+                while not want <= {n.engine_id for n in r.directory.view.nodes}:
+                    await asyncio.sleep(0.05)
+
     async def start_router(self, **changes: Any) -> Router:
         await self.wait_nodes()
         r = Router(router_settings(self.daemon, **changes))

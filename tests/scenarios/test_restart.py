@@ -38,6 +38,7 @@ async def test_d_restarted_between_turns_is_never_pulled_from(deployment: Deploy
     one = await reused_turn(dep, {**body, "messages": messages, "conversation_id": conversation})
 
     await asyncio.to_thread(dep.engines.decode.respawn, engine_id)
+    await dep.wait_routable()  # (the routers' own probes saw D down; a client meanwhile gets a 503)
 
     pulled = (await scrape(dep.http, dep.engines.prefill.http_url)).pulled_tokens
     second = {**body, "messages": next_turn(messages, one.text)}
@@ -52,6 +53,7 @@ async def test_d_restarted_between_turns_is_never_pulled_from(deployment: Deploy
     # its first read then fails, the router serves that turn again without reuse, and P
     # handshakes anew.)
     await dep.wait_nodes()
+    await dep.wait_routable()
     other = dep.conversation("after the restart")
     messages = first_turn("what the cache holds after a restart", size=8)
     for _ in range(3):
