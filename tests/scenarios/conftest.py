@@ -120,7 +120,9 @@ class Deployment:
         async with asyncio.timeout(timeout_s):
             for r in self.routers:
                 assert r.directory is not None
-                while not want <= {n.engine_id for n in r.directory.view.nodes}:
+                while True:
+                    if want <= {n.engine_id for n in r.directory.view.nodes}:
+                        break
                     await asyncio.sleep(0.05)
 
     async def start_router(self, **changes: Any) -> Router:
