@@ -4,8 +4,8 @@ A sidecar attaches to one replica, and that replica alone indexes its KV events.
 that `Nodes/Score` on any replica scores every prefill node, each replica announces
 its address in etcd (a key of its own under a lease of its own, gone within `ttl_s`
 of a crash) and asks the others for their own index's scores (`local_only`), merging
-each node's best count; `Nodes/List` likewise takes each node's largest indexed block
-count. A peer that does not answer within the deadline is left out
+each node's best count; `Nodes/List` likewise takes each node's largest counts from
+its sidecar (controlplane.attached). A peer that does not answer within the deadline is left out
 (its nodes score 0 from this answer, as they did before), and left alone for
 `backoff_s`: a dead or unreachable one must not cost every scoring turn the deadline.
 """
@@ -21,6 +21,7 @@ from typing import TypeVar
 import grpc
 import structlog
 
+from controlplane.attached import AttachedCounts
 from controlplane.errors import StoreUnavailable
 from controlplane.store import EtcdStore
 from kvferry.v1 import nodes_pb2, nodes_pb2_grpc
@@ -104,16 +105,18 @@ class Peers:
             "Score", lambda stub, deadline: stub.Score(local, timeout=deadline), time_left_s
         )
 
-    async def indexed(self, time_left_s: float | None) -> dict[str, int]:
-        """Each node's indexed block count at the other replicas (those that answered in
-        time), the largest where several index it."""
+    async def attached_counts(self, time_left_s: float | None) -> dict[str, AttachedCounts]:
+        """Each node's counts from its sidecar (indexed blocks, uncaptured turns, unretained
+        blocks) at the other replicas (those that answered in time), the largest of each
+        where several have some."""
         local = nodes_pb2.ListNodesRequest(include_dead=True, local_only=True)
-        out: dict[str, int] = {}
+        out: dict[str, AttachedCounts] = {}
         for answer in await self._ask(
             "List", lambda stub, deadline: stub.List(local, timeout=deadline), time_left_s
         ):
             for n in answer.nodes:
-                out[n.engine_id] = max(out.get(n.engine_id, 0), n.indexed_blocks)
+                counts = AttachedCounts(n.indexed_blocks, n.uncaptured_turns, n.unretained_blocks)
+                out[n.engine_id] = counts.merged(out.get(n.engine_id, AttachedCounts()))
         return out
 
     async def _ask(

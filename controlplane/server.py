@@ -21,6 +21,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from controlplane import metrics
+from controlplane.attached import AttachedCounts
 from controlplane.blockindex import IndexUpdate
 from controlplane.convert import apply_handout, struct_to_dict
 from controlplane.errors import (
@@ -191,6 +192,8 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
                 elif kind == "heartbeat":
                     if rec is None:
                         raise InvalidArgument("the first message on Attach must be hello")
+                    beat = msg.heartbeat
+                    self._cp.report(rec, beat.uncaptured_turns, beat.unretained_blocks, stream)
                     try:
                         ttl, rec = await self._cp.heartbeat(rec)
                     except StoreUnavailable as e:
@@ -198,7 +201,8 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
                         # resumes when etcd is back.
                         log.warning("node.heartbeat.store_unavailable", engine_id=rec.engine_id, error=str(e))
                         ttl = 0
-                    yield nodes_pb2.AttachResponse(heartbeat_ack=msg.heartbeat, ttl_seconds=ttl)
+                    ack = nodes_pb2.Heartbeat(seq=beat.seq)
+                    yield nodes_pb2.AttachResponse(heartbeat_ack=ack, ttl_seconds=ttl)
                 elif kind == "kv_events":
                     if rec is None:
                         raise InvalidArgument("the first message on Attach must be hello")
@@ -221,16 +225,16 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
         self, request: nodes_pb2.ListNodesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> nodes_pb2.ListNodesResponse:
         role, dead = int(request.role), request.include_dead
-        # A node's index is at the replica its sidecar is attached to (the router gates
-        # scoring on these counts: a node attached elsewhere would read 0 here). A peer
+        # A node's index and counts are at the replica its sidecar is attached to (the router
+        # gates scoring on these: a node attached elsewhere would read 0 here). A peer
         # asking for this replica's own counts gets them from memory, no etcd read.
-        elsewhere: dict[str, int] = {}
+        elsewhere: dict[str, AttachedCounts] = {}
         if request.local_only:
             states = await self._cp.list_nodes(role, dead, fresh=False)
         elif self._peers is None:
             states = await self._cp.list_nodes(role, dead)
         else:
-            asking = asyncio.ensure_future(self._peers.indexed(context.time_remaining()))
+            asking = asyncio.ensure_future(self._peers.attached_counts(context.time_remaining()))
             try:
                 states = await self._cp.list_nodes(role, dead)
             except BaseException:  # (etcd out, say: no use asking the peers meanwhile)
@@ -242,7 +246,12 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
         for st in states:
             engine = st.record.engine_id
             m = node_message(st, held.get(engine, (0, 0)))
-            m.indexed_blocks = max(self._cp.index.count(engine), elsewhere.get(engine, 0))
+            counts = self._cp.attached_counts(engine)
+            if engine in elsewhere:
+                counts = counts.merged(elsewhere[engine])
+            m.indexed_blocks = counts.indexed_blocks
+            m.uncaptured_turns = counts.uncaptured_turns
+            m.unretained_blocks = counts.unretained_blocks
             nodes.append(m)
         return nodes_pb2.ListNodesResponse(nodes=nodes)
 

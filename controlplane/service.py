@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 
 from controlplane import metrics
+from controlplane.attached import AttachedCounts
 from controlplane.blockindex import MAX_BLOCKS_PER_NODE, BlockIndex, IndexUpdate
 from controlplane.convert import remote_request_of
 from controlplane.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound, StoreUnavailable
@@ -236,6 +237,7 @@ class ControlPlane:
         self.held: dict[str, tuple[int, int]] = {}
         self.index = BlockIndex()
         self._streams: dict[str, object] = {}  # engine id -> the Attach stream its index follows
+        self._reports: dict[str, AttachedCounts] = {}  # engine id -> its stream's last heartbeat's
         self._putting_back: set[asyncio.Task[None]] = set()  # see _put_back
         self._claiming: set[asyncio.Future[_Claimed]] = set()  # claims sent before their prompt
         self.stopping = False
@@ -334,6 +336,7 @@ class ControlPlane:
             # What the previous stream indexed is its sidecar's view: the new one starts
             # from its own reset (or sends no KV events at all).
             self.index.drop(engine_id)
+            self._reports.pop(engine_id, None)
         self._streams[engine_id] = stream
         return state.record
 
@@ -353,12 +356,23 @@ class ControlPlane:
             log.warning("index.overflow", engine_id=rec.engine_id, max_blocks=MAX_BLOCKS_PER_NODE)
         metrics.INDEXED_HASHES.inc(len(update.stored) + len(update.removed))
 
+    def report(self, rec: NodeRecord, uncaptured_turns: int, unretained_blocks: int, stream: object) -> None:
+        """Keep what a heartbeat of an attached node's sidecar counted (in memory)."""
+        if self._streams.get(rec.engine_id) is stream:
+            self._reports[rec.engine_id] = AttachedCounts(0, uncaptured_turns, unretained_blocks)
+
+    def attached_counts(self, engine_id: str) -> AttachedCounts:
+        """What this replica knows of the node from its sidecar."""
+        counts = self._reports.get(engine_id, AttachedCounts())
+        return replace(counts, indexed_blocks=self.index.count(engine_id))
+
     def detach(self, rec: NodeRecord, stream: object) -> None:
         """An Attach stream ended: if the node's index followed it, the index would go stale,
         so drop it (a sidecar that re-attached meanwhile keeps the newer stream's)."""
         if self._streams.get(rec.engine_id) is stream:
             del self._streams[rec.engine_id]
             self.index.drop(rec.engine_id)
+            self._reports.pop(rec.engine_id, None)
         if not self.stopping:
             task = asyncio.get_running_loop().create_task(self._suspend(rec), name="suspend-node")
             self._putting_back.add(task)

@@ -82,10 +82,15 @@ async def test_kv_events_feed_the_index_and_score(client: Client) -> None:
     ]
     for b in batches:
         queue.put_nowait(nodes_pb2.AttachRequest(kv_events=b))
-    queue.put_nowait(nodes_pb2.AttachRequest(heartbeat=nodes_pb2.Heartbeat(seq=1)))
-    await call.read()  # the heartbeat ack: everything before it was applied
+    beat = nodes_pb2.Heartbeat(seq=1, uncaptured_turns=4, unretained_blocks=9)
+    queue.put_nowait(nodes_pb2.AttachRequest(heartbeat=beat))
+    ack = await call.read()  # the heartbeat ack: everything before it was applied
+    assert ack.heartbeat_ack == nodes_pb2.Heartbeat(seq=1)  # (the counts are not sent back)
     listed = {n.engine_id: n for n in (await client.nodes.List(nodes_pb2.ListNodesRequest())).nodes}
     assert listed["p-1"].indexed_blocks == 3 and listed["p-2"].indexed_blocks == 0
+    # The sidecar's counts of turns whose blocks D pins with no retention, as it last said.
+    assert (listed["p-1"].uncaptured_turns, listed["p-1"].unretained_blocks) == (4, 9)
+    assert (listed["p-2"].uncaptured_turns, listed["p-2"].unretained_blocks) == (0, 0)
     score = await client.nodes.Score(
         nodes_pb2.ScoreRequest(block_hashes=[1, 2, 9, 10], role=nodes_pb2.PREFILL)
     )
@@ -102,7 +107,7 @@ async def test_kv_events_feed_the_index_and_score(client: Client) -> None:
     async def dropped() -> bool:  # a detached node's index would go stale (and it is suspended)
         request = nodes_pb2.ListNodesRequest(include_dead=True)
         listed = {n.engine_id: n for n in (await client.nodes.List(request)).nodes}
-        return listed["p-1"].indexed_blocks == 0
+        return listed["p-1"].indexed_blocks == 0 and listed["p-1"].unretained_blocks == 0
 
     await eventually(dropped)
 
@@ -136,7 +141,8 @@ async def test_score_on_any_replica_sees_every_replicas_sidecars(make_daemon, co
     ca, cb = connect(a), connect(b)
     queue, call = await _two_prefills_p1_attached(ca)  # p-1's sidecar attaches to replica a
     queue.put_nowait(nodes_pb2.AttachRequest(kv_events=nodes_pb2.KvEventBatch(seq=0, stored=[1, 2, 3])))
-    queue.put_nowait(nodes_pb2.AttachRequest(heartbeat=nodes_pb2.Heartbeat(seq=1)))
+    beat = nodes_pb2.Heartbeat(seq=1, uncaptured_turns=2, unretained_blocks=5)
+    queue.put_nowait(nodes_pb2.AttachRequest(heartbeat=beat))
     await call.read()
     ask = nodes_pb2.ScoreRequest(block_hashes=[1, 2, 9], role=nodes_pb2.PREFILL)
 
@@ -149,11 +155,17 @@ async def test_score_on_any_replica_sees_every_replicas_sidecars(make_daemon, co
     assert [(s.engine_id, s.cached_blocks) for s in scores.scores] == [("p-1", 2), ("p-2", 0)]
     local = await cb.nodes.Score(nodes_pb2.ScoreRequest(block_hashes=[1, 2, 9], local_only=True))
     assert {s.engine_id: s.cached_blocks for s in local.scores} == {"p-1": 0, "p-2": 0}
+
     # Nodes/List's counts too (a router asks Score only when some node indexes blocks).
+    def counts(listed: nodes_pb2.ListNodesResponse) -> dict[str, tuple[int, int, int]]:
+        return {
+            n.engine_id: (n.indexed_blocks, n.uncaptured_turns, n.unretained_blocks) for n in listed.nodes
+        }
+
     listed = await cb.nodes.List(nodes_pb2.ListNodesRequest())
-    assert {n.engine_id: n.indexed_blocks for n in listed.nodes} == {"p-1": 3, "p-2": 0}
+    assert counts(listed) == {"p-1": (3, 2, 5), "p-2": (0, 0, 0)}
     listed = await cb.nodes.List(nodes_pb2.ListNodesRequest(local_only=True))
-    assert {n.engine_id: n.indexed_blocks for n in listed.nodes} == {"p-1": 0, "p-2": 0}
+    assert counts(listed) == {"p-1": (0, 0, 0), "p-2": (0, 0, 0)}
     queue.put_nowait(None)
     call.cancel()
 
@@ -174,7 +186,7 @@ async def test_a_peer_that_does_not_answer_is_left_alone_for_a_while() -> None:
     assert await peers.scores(ask, 1.0) == []
     assert asked == []  # not asked again
     assert "List" not in dead.skip_until  # (each kind of call on its own)
-    assert await peers.indexed(1.0) == {} and dead.skip_until["List"] > 0
+    assert await peers.attached_counts(1.0) == {} and dead.skip_until["List"] > 0
     await peers._follow({})  # gone from etcd: its channel closes
     assert peers.addresses == []
     await peers.close()

@@ -61,6 +61,8 @@ class Node(_message.Message):
     INDEXED_BLOCKS_FIELD_NUMBER: _builtins.int
     ENGINE_URL_FIELD_NUMBER: _builtins.int
     SUSPENDED_FIELD_NUMBER: _builtins.int
+    UNCAPTURED_TURNS_FIELD_NUMBER: _builtins.int
+    UNRETAINED_BLOCKS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     role: Global___Role.ValueType
     model: _builtins.str
@@ -92,6 +94,16 @@ class Node(_message.Message):
     node_gone, and its generation is kept until a sidecar registers it again (the same
     process keeps it, a new one gets the next).
     """
+    uncaptured_turns: _builtins.int
+    """Turns whose D blocks the node's sidecar saw pinned with no retention naming them
+    (streamed answers without kv_transfer_params: vLLM without PR 40186), since the
+    sidecar started, as its last heartbeat said (the replica it is attached to; see
+    ListNodesRequest.local_only). Such a turn's next turn recomputes.
+    """
+    unretained_blocks: _builtins.int
+    """Blocks those turns keep pinned on D now (until decoder_kv_blocks_ttl), as the
+    sidecar counts them: the engine's process restarting drops them.
+    """
     @_builtins.property
     def registered_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -112,10 +124,12 @@ class Node(_message.Message):
         indexed_blocks: _builtins.int = ...,
         engine_url: _builtins.str = ...,
         suspended: _builtins.bool = ...,
+        uncaptured_turns: _builtins.int = ...,
+        unretained_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["registered_at", b"registered_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "block_size", b"block_size", "engine_id", b"engine_id", "engine_url", b"engine_url", "generation", b"generation", "held_tokens", b"held_tokens", "http_url", b"http_url", "indexed_blocks", b"indexed_blocks", "live_leases", b"live_leases", "model", b"model", "registered_at", b"registered_at", "role", b"role", "side_channel_host", b"side_channel_host", "side_channel_port", b"side_channel_port", "suspended", b"suspended"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "block_size", b"block_size", "engine_id", b"engine_id", "engine_url", b"engine_url", "generation", b"generation", "held_tokens", b"held_tokens", "http_url", b"http_url", "indexed_blocks", b"indexed_blocks", "live_leases", b"live_leases", "model", b"model", "registered_at", b"registered_at", "role", b"role", "side_channel_host", b"side_channel_host", "side_channel_port", b"side_channel_port", "suspended", b"suspended", "uncaptured_turns", b"uncaptured_turns", "unretained_blocks", b"unretained_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -239,15 +253,25 @@ class Heartbeat(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SEQ_FIELD_NUMBER: _builtins.int
+    UNCAPTURED_TURNS_FIELD_NUMBER: _builtins.int
+    UNRETAINED_BLOCKS_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
+    uncaptured_turns: _builtins.int
+    """The sidecar's count of uncaptured turns (Node.uncaptured_turns) and the blocks they
+    pin now (Node.unretained_blocks); the daemon keeps the last ones it got in memory.
+    Unset in an acknowledgement.
+    """
+    unretained_blocks: _builtins.int
     def __init__(
         self,
         *,
         seq: _builtins.int = ...,
+        uncaptured_turns: _builtins.int = ...,
+        unretained_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["seq", b"seq", "uncaptured_turns", b"uncaptured_turns", "unretained_blocks", b"unretained_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -376,9 +400,9 @@ class ListNodesRequest(_message.Message):
     daemon collects them: --node-gc-after).
     """
     local_only: _builtins.bool
-    """indexed_blocks from this replica's KV-event index only. Each replica indexes the
-    sidecars attached to it; without local_only it also asks the other replicas
-    (local_only) and answers each node's largest count.
+    """indexed_blocks, uncaptured_turns and unretained_blocks from this replica only. Each
+    replica holds them for the sidecars attached to it; without local_only it also asks
+    the other replicas (local_only) and answers each node's largest counts.
     """
     def __init__(
         self,

@@ -1,0 +1,30 @@
+"""What a node's sidecar tells its replica over the Attach stream, beyond liveness.
+
+Kept in the memory of the replica the sidecar is attached to (never in etcd: no write
+per heartbeat), dropped when the stream ends, and merged across replicas by Nodes/List,
+each node's largest counts (only the replica it is attached to has any). Pure data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AttachedCounts:
+    """A node's counts as its sidecar reported them (see the proto's Node fields)."""
+
+    indexed_blocks: int = 0
+    """Blocks in the engine's prefix cache per its KV events (the replica's index)."""
+    uncaptured_turns: int = 0
+    """Turns the engine pinned blocks for that no retention names, since the sidecar started."""
+    unretained_blocks: int = 0
+    """The blocks those turns pin now."""
+
+    def merged(self, other: AttachedCounts) -> AttachedCounts:
+        """The largest of each count."""
+        return AttachedCounts(
+            max(self.indexed_blocks, other.indexed_blocks),
+            max(self.uncaptured_turns, other.uncaptured_turns),
+            max(self.unretained_blocks, other.unretained_blocks),
+        )
