@@ -346,10 +346,13 @@ def _nodes(a: argparse.Namespace) -> int:
             n.http_url,
             str(n.live_leases),
             str(n.held_tokens),
+            str(n.uncaptured_turns),
+            str(n.unretained_blocks),
         ]
         for n in resp.nodes
     ]
-    _print_table(
-        rows, ["ENGINE", "ROLE", "MODEL", "GEN", "ALIVE", "SIDE CHANNEL", "HTTP", "LEASES", "TOKENS"]
-    )
+    # (UNCAPTURED: turns the engine pinned blocks for without saying which, e.g. streamed
+    # answers without kv_transfer_params; UNRETAINED: the blocks they pin now)
+    header = ["ENGINE", "ROLE", "MODEL", "GEN", "ALIVE", "SIDE CHANNEL", "HTTP", "LEASES", "TOKENS"]
+    _print_table(rows, [*header, "UNCAPTURED", "UNRETAINED"])
     return 0

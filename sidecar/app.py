@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any
@@ -33,6 +34,7 @@ from sidecar.node import NodeSession
 from sidecar.releases import Releaser
 from sidecar.settings import Settings, listen_address
 from sidecar.tap import Tap, start_server
+from sidecar.unretained import UnretainedLedger
 
 log = structlog.get_logger(__name__)
 
@@ -61,6 +63,10 @@ class Sidecar:
         self.metrics = SidecarMetrics()
         self.instance = EngineInstance(self.metrics, settings.engine.health_failures)
         self.mirror = KvMirror(settings.kv_events.ranks)
+        self.unretained = UnretainedLedger(settings.engine.blocks_ttl_s)
+        """Blocks the engine pins for turns no retention names (see sidecar.unretained)."""
+        self.instance.on_restart(lambda: self.unretained.restart(self.instance.epoch))
+        self.metrics.unretained_blocks.set_function(lambda: self.unretained.blocks(time.monotonic()))
         self.port = 0
         self._link = DaemonLink(settings.daemon.addresses)
         self._http: aiohttp.ClientSession | None = None
@@ -86,8 +92,10 @@ class Sidecar:
             )
             self._releaser = Releaser(s, self._link, self._http, self.metrics)
             self.leases = LeaseSender(s, self.instance, self._link, self.metrics, self._releaser)
-            self.node = NodeSession(s, self.instance, self.mirror, self._link, self._http, self.metrics)
-            tap = Tap(s, self._http, self.instance, self.leases, self.metrics)
+            self.node = NodeSession(
+                s, self.instance, self.mirror, self._link, self._http, self.metrics, self.unretained
+            )
+            tap = Tap(s, self._http, self.instance, self.leases, self.metrics, self.unretained)
             host, port = listen_address(s)
             self._runner, self.port = await start_server(tap.app(), host, port)
             self.node.tap_port = self.port

@@ -53,6 +53,9 @@ class RequestPlan:
     """Read the answer for D's params (decode and both nodes)."""
     request_id: str = ""
     """The request's id (the router's id of the turn), registered with the retention."""
+    with_prefill_params: bool = False
+    """The request came with a prefill's kv_transfer_params (``do_remote_prefill``): a
+    decode engine with bidirectional transfer pins its blocks when it finishes normally."""
 
 
 def conversation_of(headers: Mapping[str, str], body: Mapping[str, Any]) -> str:
@@ -80,9 +83,16 @@ class _Head(msgspec.Struct):
     return_token_ids: Any = msgspec.UNSET
     model: Any = msgspec.UNSET
     echo: Any = msgspec.UNSET
+    kv_transfer_params: msgspec.Raw = msgspec.Raw()
+    """Kept as bytes: decoded (only its flag) when the request names a conversation."""
+
+
+class _KvHead(msgspec.Struct):
+    do_remote_prefill: Any = None
 
 
 _head_decode = msgspec.json.Decoder(_Head).decode
+_kv_head_decode = msgspec.json.Decoder(_KvHead).decode
 _ASK_IDS = b'"return_token_ids":true'
 
 
@@ -131,7 +141,17 @@ def plan_request(
         strip_token_ids=ask_ids,
         capture=capture,
         request_id=_request_id(headers),
+        with_prefill_params=capture and _from_prefill(head.kv_transfer_params),
     )
+
+
+def _from_prefill(raw: msgspec.Raw) -> bool:
+    """Whether a request's kv_transfer_params are a prefill's (truthy ``do_remote_prefill``,
+    as vLLM's connector reads it)."""
+    try:
+        return bool(raw) and bool(_kv_head_decode(raw).do_remote_prefill)
+    except UNDECODABLE:  # (not an object: the engine refuses the request)
+        return False
 
 
 def _flag(value: Any) -> bool:
@@ -198,6 +218,13 @@ class TurnObserver:
     params_seen_at: float = 0.0
     failed: bool = False
     choices: set[int] = field(default_factory=set)
+    stop_reason: Any = None
+    """vLLM's stop_reason: a string when a stop string ended the answer (the engine aborted
+    the request then, and kept nothing), a token id, or None."""
+    finished_at: float = 0.0
+    """`time.monotonic()` when the finish reason came (D had finished)."""
+    usage: tuple[int, int] | None = None
+    """(prompt tokens, completion tokens) when the answer reported its usage."""
     prompt_ids_json: bytes | None = None
     """The prompt's ids as the engine's JSON list, cut out of an event (`cut_prompt_ids`) and
     decoded only once the turn has finished: off the path of the first token."""
@@ -220,6 +247,11 @@ class TurnObserver:
         if isinstance(params, dict):
             self.params = params
             self.params_seen_at = time.time()
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            prompt_n, output_n = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if type(prompt_n) is int and type(output_n) is int:
+                self.usage = (prompt_n, output_n)
         choices = obj.get("choices")
         if isinstance(choices, list):
             for choice in choices:
@@ -243,6 +275,8 @@ class TurnObserver:
             reason = choice.get("finish_reason")
             if isinstance(reason, str):
                 self.finish_reason = reason
+                self.stop_reason = choice.get("stop_reason")
+                self.finished_at = time.monotonic()
         if self.strip_token_ids:
             for key in _CHOICE_IDS:
                 if key in choice:

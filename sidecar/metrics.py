@@ -48,6 +48,17 @@ class SidecarMetrics(OwnRegistry):
             ["reason"],
             registry=r,
         )
+        self.uncaptured_turns = Counter(
+            "kvferry_sidecar_uncaptured_turns",
+            "Turns the engine pinned blocks for without saying which (streamed answers without "
+            "kv_transfer_params: vLLM without PR 40186): no retention, the next turn recomputes",
+            registry=r,
+        )
+        self.unretained_blocks = Gauge(
+            "kvferry_sidecar_unretained_blocks",
+            "Blocks the engine pins now for uncaptured turns, until its decoder_kv_blocks_ttl",
+            registry=r,
+        )
         self.lease_queue = Gauge(
             "kvferry_sidecar_lease_queue", "Registrations waiting to be sent", registry=r
         )

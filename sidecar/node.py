@@ -4,8 +4,10 @@ While the engine is vouched for (it answers, and its process identity is
 confirmed: engine.py) the session keeps an Attach stream open, heartbeating
 every third of the liveness TTL and sending the KV mirror's changes (at the
 latest `flush_interval_s` after the first one, at once when `flush_hashes` are
-pending). Every new stream starts with a reset batch: the daemon's index of the
-node is rebuilt from the mirror. A stream that ends suspends the node at the
+pending). Each heartbeat carries the sidecar's count of uncaptured turns and the
+blocks they pin (sidecar.unretained), which the daemon shows on the node. Every
+new stream starts with a reset batch: the daemon's index of the node is rebuilt
+from the mirror. A stream that ends suspends the node at the
 daemon (identity.py), so the engine in doubt closes it at once.
 
 Registration: before every stream, since the last one's end suspended the node.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -42,6 +45,7 @@ from sidecar.engine import EngineFacts, EngineInstance, learn_facts
 from sidecar.kvindex import KvBatch, KvMirror
 from sidecar.metrics import SidecarMetrics
 from sidecar.settings import Settings, listen_address
+from sidecar.unretained import UnretainedLedger
 
 log = structlog.get_logger(__name__)
 
@@ -101,6 +105,7 @@ class NodeSession:
         link: DaemonLink,
         http: aiohttp.ClientSession,
         metrics: SidecarMetrics,
+        unretained: UnretainedLedger | None = None,
     ) -> None:
         self._s = settings
         self._instance = instance
@@ -108,6 +113,7 @@ class NodeSession:
         self._link = link
         self._http = http
         self._metrics = metrics
+        self._unretained = unretained
         self._registered_epoch: int | None = None
         self._generation = 0
         self._ttl = float(settings.daemon.liveness_ttl_s)
@@ -307,7 +313,7 @@ class NodeSession:
                 raise _LinkLost()
             if now >= next_beat:
                 seq += 1
-                await call.write(nodes_pb2.AttachRequest(heartbeat=nodes_pb2.Heartbeat(seq=seq)))
+                await call.write(nodes_pb2.AttachRequest(heartbeat=self._heartbeat(seq)))
                 self._metrics.heartbeats.labels("sent").inc()
                 next_beat = now + interval
                 unacked_since = min(unacked_since, now)
@@ -325,6 +331,14 @@ class NodeSession:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(wake_at - loop.time(), 0.0)):
                     await self._wakeup.wait()
+
+    def _heartbeat(self, seq: int) -> nodes_pb2.Heartbeat:
+        """A heartbeat, with what the daemon shows of the node's uncaptured turns."""
+        beat = nodes_pb2.Heartbeat(seq=seq)
+        if self._unretained is not None:
+            beat.uncaptured_turns = self._unretained.turns
+            beat.unretained_blocks = self._unretained.blocks(time.monotonic())
+        return beat
 
     async def _send_kv(self, call: _AttachCall) -> None:
         self._kv_since = None

@@ -6,8 +6,10 @@ A generation request naming a conversation is rewritten (see
 ``sidecar.capture.plan_request``) and its answer read on the way through; when
 the engine finished it normally with D's ``kv_transfer_params``, the turn is
 drafted into a retention and queued for registration — after the answer, and
-never delaying it. Anything the engine does with bad input is passed back as
-the engine answered it. ``/kvferry/metrics`` is the sidecar's own.
+never delaying it. A streamed turn D finished without saying which blocks it
+keeps (vLLM without PR 40186) goes in the ledger of blocks no retention names
+(``sidecar.unretained``). Anything the engine does with bad input is passed back
+as the engine answered it. ``/kvferry/metrics`` is the sidecar's own.
 """
 
 from __future__ import annotations
@@ -23,10 +25,18 @@ from multidict import CIMultiDict
 from kvferry.hops import NO_RETENTION_HEADER, NOT_DELIVERED_HEADER, never_delivered
 from sidecar.capture import RequestPlan, SseRewriter, TurnObserver, plan_request, rewrite_json
 from sidecar.drafts import draft_lease
-from sidecar.engine import EngineInstance
+from sidecar.engine import DEFAULT_BLOCK_SIZE, EngineInstance
 from sidecar.leases import LeaseSender
 from sidecar.metrics import SidecarMetrics
 from sidecar.settings import Settings
+from sidecar.unretained import (
+    STREAM_WITHOUT_PARAMS,
+    UnretainedLedger,
+    computed_tokens,
+    outcome_of,
+    pinned_blocks,
+    warning_detail,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -96,6 +106,7 @@ class Tap:
         instance: EngineInstance,
         leases: LeaseSender,
         metrics: SidecarMetrics,
+        unretained: UnretainedLedger,
     ) -> None:
         self._s = settings
         self._base = settings.engine.url
@@ -103,6 +114,7 @@ class Tap:
         self._instance = instance
         self._leases = leases
         self._metrics = metrics
+        self._unretained = unretained
         self._capture = settings.engine.role != "prefill"
         self._side_channel_host = settings.side_channel_host
 
@@ -123,6 +135,7 @@ class Tap:
             request.method, request.path, request.headers, body, self._s.tap.tenant_header, capture
         )
         tapped = plan is not None
+        epoch = self._instance.epoch  # (the engine process the request goes to)
         self._metrics.proxied.labels("yes" if tapped else "no").inc()
         try:
             upstream = await self._http.request(
@@ -144,9 +157,9 @@ class Tap:
                     self._metrics.turns.labels("engine_status").inc()
                 return await self._pass(request, upstream)
             if content_type.startswith("text/event-stream"):
-                return await self._stream(request, upstream, plan)
+                return await self._stream(request, upstream, plan, epoch)
             if "json" in content_type:
-                return await self._json(upstream, plan)
+                return await self._json(upstream, plan, epoch)
             self._metrics.turns.labels("not_json").inc()
             return await self._pass(request, upstream)
         finally:
@@ -179,7 +192,7 @@ class Tap:
         request.protocol.force_close()
         return resp
 
-    async def _json(self, upstream: aiohttp.ClientResponse, plan: RequestPlan) -> web.Response:
+    async def _json(self, upstream: aiohttp.ClientResponse, plan: RequestPlan, epoch: int) -> web.Response:
         observer = TurnObserver(strip_token_ids=plan.strip_token_ids)
         try:
             raw = await upstream.read()
@@ -187,13 +200,13 @@ class Tap:
             self._metrics.upstream_errors.labels("mid_answer").inc()
             return _bad_gateway(f"engine failed: {e}", delivered=True)
         body = rewrite_json(raw, observer)
-        self._conclude(observer, plan)
+        self._conclude(observer, plan, epoch, streamed=False)
         return web.Response(
             body=body, status=upstream.status, headers=response_headers(upstream.headers, body is not raw)
         )
 
     async def _stream(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, plan: RequestPlan
+        self, request: web.Request, upstream: aiohttp.ClientResponse, plan: RequestPlan, epoch: int
     ) -> web.StreamResponse:
         observer = TurnObserver(strip_token_ids=plan.strip_token_ids)
         sse = SseRewriter(observer)
@@ -214,14 +227,19 @@ class Tap:
             return resp
         finally:
             # Also when the client left: if the engine finished the turn, D holds the blocks.
-            self._conclude(observer, plan)
+            self._conclude(observer, plan, epoch, streamed=True)
 
-    def _conclude(self, observer: TurnObserver, plan: RequestPlan) -> None:
+    def _conclude(self, observer: TurnObserver, plan: RequestPlan, epoch: int, streamed: bool) -> None:
         """Draft and queue the retention the answer describes (no I/O, never raises)."""
         try:
             turn = observer.finished()
             if isinstance(turn, str):
+                turn = outcome_of(
+                    turn, observer, streamed=streamed, with_prefill_params=plan.with_prefill_params
+                )
                 self._metrics.turns.labels(turn).inc()
+                if turn == STREAM_WITHOUT_PARAMS:
+                    self._uncaptured(observer, plan, epoch)
                 return
             epoch = self._instance.observe_engine_id(turn.params.get("remote_engine_id"))
             draft = draft_lease(
@@ -243,6 +261,25 @@ class Tap:
             self._leases.submit(draft)
         except Exception:  # a bug here must not cost the client its answer
             log.exception("tap.capture.failed", conversation_id=plan.conversation_id)
+
+    def _uncaptured(self, observer: TurnObserver, plan: RequestPlan, epoch: int) -> None:
+        """A turn whose blocks D pinned without saying which: into the ledger, and the first
+        of the engine process's told to the operator."""
+        facts = self._instance.facts
+        block_size = facts.block_size if facts else self._s.engine.block_size or DEFAULT_BLOCK_SIZE
+        tokens = computed_tokens(observer)
+        blocks = None if tokens is None else pinned_blocks(tokens, block_size)
+        self._metrics.uncaptured_turns.inc()
+        if self._unretained.add(epoch, blocks, observer.finished_at or time.monotonic()):
+            log.warning(
+                "tap.stream.uncaptured",
+                detail=warning_detail(self._unretained.ttl_s),
+                epoch=epoch,
+                conversation_id=plan.conversation_id,
+                blocks=blocks,
+            )
+        else:
+            log.debug("tap.stream.uncaptured", conversation_id=plan.conversation_id, blocks=blocks)
 
 
 async def start_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
