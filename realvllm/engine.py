@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from realvllm.process import EngineProcess, free_port
+from realvllm.process import EngineProcess, PortTaken, free_port
 
 Role = Literal["prefill", "decode"]
 
@@ -71,10 +71,8 @@ class VllmEngine(EngineProcess):
     def __init__(self, spec: EngineSpec, python: Path, log_dir: Path, host: str = "127.0.0.1") -> None:
         self.spec = spec
         self.host = host
-        self.http_port = free_port(host)
-        self.side_channel_port = free_port(host)
-        self.kv_events_port = free_port(host) if spec.kv_events else 0
-        self.kv_events_replay_port = free_port(host) if spec.kv_events else 0
+        self.python = python
+        self._pick_ports()
         name = f"vllm-{spec.role}-{self.http_port}"
         super().__init__(
             name,
@@ -83,6 +81,13 @@ class VllmEngine(EngineProcess):
             f"http://{host}:{self.http_port}",
             log_dir / f"{name}.log",
         )
+
+    def _pick_ports(self) -> None:
+        host = self.host
+        self.http_port = free_port(host)
+        self.side_channel_port = free_port(host)
+        self.kv_events_port = free_port(host) if self.spec.kv_events else 0
+        self.kv_events_replay_port = free_port(host) if self.spec.kv_events else 0
 
     @property
     def side_channel_host(self) -> str:
@@ -175,7 +180,16 @@ class VllmEngine(EngineProcess):
 
     def ready(self, timeout_s: float = 600.0) -> float:
         """Wait until the engine serves, then calm its spinning threads; -> seconds waited."""
-        waited = self.wait_ready(timeout_s)
+        try:
+            waited = self.wait_ready(timeout_s)
+        except PortTaken:
+            if self.starts != 1:
+                raise  # (a restart keeps its ports: the scenario means the same address)
+            self._pick_ports()
+            self.command, self.env = self._command(self.python), self._env()
+            self.http_url = f"http://{self.host}:{self.http_port}"
+            self.start()
+            waited = self.wait_ready(timeout_s)
         if self.pid is not None:
             unpin(self.pid)
         return waited

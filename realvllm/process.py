@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,11 +26,52 @@ class EngineFailed(RuntimeError):
     """The engine process exited or did not become ready; the message holds its log's tail."""
 
 
+class PortTaken(EngineFailed):
+    """A port the engine was told to listen on was taken before it could bind it."""
+
+
+_PORT_FLOOR = 10000
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux: 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
+    for address in {host, "0.0.0.0"}:
+        with socket.socket() as s:
+            try:
+                s.bind((address, port))
+            except OSError:
+                return False
+    return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on `host` and on the wildcard address right now, never handed out
+    before by this process, and below the kernel's ephemeral range: an engine binds its
+    ports a minute after they are picked, and a port from that range can meanwhile be
+    taken by any outgoing connection on the machine (a CI run lost its D that way)."""
+    ceiling = _ephemeral_floor()
+    with _handed_out_lock:
+        for _ in range(500):
+            if ceiling <= _PORT_FLOOR:
+                break
+            port = random.randrange(_PORT_FLOOR, ceiling)
+            if port not in _handed_out and _bindable(host, port):
+                _handed_out.add(port)
+                return port
+        with socket.socket() as s:  # (no room below the ephemeral range: the kernel's pick)
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        _handed_out.add(port)
+        return port
 
 
 def log_tail(path: Path, lines: int = 40) -> str:
@@ -50,6 +92,7 @@ def _die_with_parent() -> None:
 
 
 _PR_SET_PDEATHSIG = 1
+_PORT_TAKEN = b"Address already in use"
 
 
 class EngineProcess:
@@ -72,6 +115,7 @@ class EngineProcess:
         self.cwd = cwd
         self.starts = 0
         self._proc: subprocess.Popen[bytes] | None = None
+        self._log_start = 0
 
     @property
     def pid(self) -> int | None:
@@ -86,6 +130,7 @@ class EngineProcess:
             raise RuntimeError(f"{self.name} is already running")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
+            self._log_start = out.tell()
             out.write(f"\n=== start {self.starts + 1}: {' '.join(self.command)}\n".encode())
             out.flush()
             self._proc = subprocess.Popen(
@@ -121,6 +166,10 @@ class EngineProcess:
             if self._proc is None or self._proc.poll() is not None:
                 code = None if self._proc is None else self._proc.returncode
                 raise EngineFailed(f"{self.name} exited ({code}):\n{log_tail(self.log_path)}")
+            if self._log_says(_PORT_TAKEN):
+                # (vLLM's side-channel thread dies on it and the engine waits forever)
+                self.stop()
+                raise PortTaken(f"{self.name}: a port was taken:\n{log_tail(self.log_path)}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise EngineFailed(
@@ -128,6 +177,15 @@ class EngineProcess:
                 )
             time.sleep(0.25)
         return time.monotonic() - started
+
+    def _log_says(self, needle: bytes) -> bool:
+        """Whether this start's part of the log contains `needle`."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_start)
+                return needle in log.read()
+        except OSError:
+            return False
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM the process group, SIGKILL it after `grace_s`; idempotent."""

@@ -24,6 +24,7 @@ from controlplane.embedded import EmbeddedEtcd
 from controlplane.settings import EtcdSettings, GcSettings, NodeSettings, ServerSettings, Settings
 from emulator import EmulatorServer
 from kvferry.v1 import leases_pb2_grpc, nodes_pb2_grpc
+from realvllm import process
 from tests.emulator.helpers import config as emulator_config
 
 # No per-example deadline: one example stalled by a full GC or a lost CPU on a loaded 2-core
@@ -43,9 +44,8 @@ if os.environ.get("KVFERRY_ENGINES") != "vllm":
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port on loopback for a process a test starts (see realvllm.process.free_port)."""
+    return process.free_port()
 
 
 class EtcdProcess:

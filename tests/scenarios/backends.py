@@ -126,12 +126,11 @@ class RealEngine(VllmEngine):
     def __init__(self, spec: EngineSpec, python: Path, log_dir: Path) -> None:
         super().__init__(spec, python, log_dir)
         self.role = spec.role
-        self._python = python
 
     def respawn(self, engine_id: str | None) -> float:
         self.stop()
         self.spec = replace(self.spec, engine_id=engine_id)
-        self.command = self._command(self._python)
+        self.command = self._command(self.python)
         self.start()
         return self.ready()
 
