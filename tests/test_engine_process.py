@@ -43,8 +43,7 @@ def test_an_engine_that_lost_a_port_fails_at_once_and_a_later_start_is_judged_af
     lost = [
         sys.executable,
         "-c",
-        "import time; print('zmq.error.ZMQError: Address already in use', flush=True); "
-        "time.sleep(600)",
+        "import time; print('zmq.error.ZMQError: Address already in use', flush=True); time.sleep(600)",
     ]
     engine = EngineProcess("e", lost, {}, f"http://127.0.0.1:{port}", tmp_path / "e.log")
     engine.start()
