@@ -130,7 +130,10 @@ def engine_config(role: str, **changes: Any) -> EmulatorConfig:
         side_channel_host="127.0.0.1",
         side_channel_port=0,
         max_model_len=131072,
-        **changes,
+        # (vLLM with PR 40186: a stream's final chunk carries D's params, so streamed turns
+        # are retained; 0.32 without it gets no reuse on streamed turns, shown apart by the
+        # scenario suite and bench.real_vllm)
+        **{"stream_kv_transfer_params": True, **changes},
     )
 
 
