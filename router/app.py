@@ -22,7 +22,7 @@ from kvferry.digests import DigestCache
 from kvferry.hops import KEEPALIVE_S
 from kvferry.tasks import cancel_and_wait
 from kvferry.urls import listen_host_port, local_address
-from router.control import ControlPlane
+from router.daemon_client import DaemonClient
 from router.http_api import build_app
 from router.metrics import RouterMetrics
 from router.nodes import DirectRoutes, Load, NodeDirectory
@@ -44,7 +44,7 @@ class Router:
         self.settings = settings
         self.metrics = RouterMetrics()
         self.port = 0
-        self.control: ControlPlane | None = None
+        self.daemon: DaemonClient | None = None
         self.directory: NodeDirectory | None = None
         self._http: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
@@ -65,8 +65,8 @@ class Router:
                 auto_decompress=False,
             )
             if s.daemon.addresses:
-                self.control = ControlPlane(s.daemon.addresses, s.daemon)
-            directory = self.directory = NodeDirectory(s, self.control, self._http)
+                self.daemon = DaemonClient(s.daemon.addresses, s.daemon)
+            directory = self.directory = NodeDirectory(s, self.daemon, self._http)
             self.metrics.track_nodes(
                 lambda: {
                     "prefill": sum(n.prefills for n in directory.nodes),
@@ -82,17 +82,17 @@ class Router:
                         if directory.ready.is_set():
                             break
                         await asyncio.sleep(0.1)
-            if self.control is not None and s.reuse.enabled and directory.ready.is_set():
+            if self.daemon is not None and s.reuse.enabled and directory.ready.is_set():
                 # (a daemon that did not answer the node list would only add its timeout to
                 # the start: then the first turns set the stream up, and the breaker again)
-                await self.control.open_stream()
+                await self.daemon.open_stream()
             self._refresh = asyncio.create_task(directory.run(), name="router-nodes")
             shared = self._shared = Shared(
                 settings=s,
                 engines=Engines(self._http, s.upstream),
                 directory=directory,
                 load=Load(),
-                control=self.control,
+                daemon=self.daemon,
                 metrics=self.metrics,
                 tickets=itertools.count(),
                 direct=DirectRoutes(),
@@ -131,8 +131,8 @@ class Router:
         # turn's lookup answered late releases what the daemon claimed for it), then the
         # releases on their way.
         until = max(deadline, time.monotonic() + _RELEASES_AT_LEAST_S)
-        if self.control is not None:
-            await self.control.owed_answers(until - time.monotonic())
+        if self.daemon is not None:
+            await self.daemon.owed_answers(until - time.monotonic())
         if self._shared is not None and self._shared.releases:
             releases = self._shared.releases
             while releases and (left_s := until - time.monotonic()) > 0:
@@ -142,9 +142,9 @@ class Router:
             await cancel_and_wait(list(releases))
         await cancel_and_wait([self._refresh])
         self._refresh = None
-        if self.control is not None:
-            await self.control.close()
-            self.control = None
+        if self.daemon is not None:
+            await self.daemon.close()
+            self.daemon = None
         if self._http is not None:
             await self._http.close()
             self._http = None

@@ -22,7 +22,7 @@ import structlog
 from kvferry.logs import Outage
 from kvferry.tasks import cancel_and_wait
 from router.choice import Node
-from router.control import ControlPlane
+from router.daemon_client import DaemonClient
 from router.health import HealthProbes
 from router.settings import Settings
 from router.upstream import authorization
@@ -138,9 +138,9 @@ def base_model_of(models: Any) -> str:
 class NodeDirectory:
     """The current node list: `nodes`, the nodes to route to."""
 
-    def __init__(self, settings: Settings, control: ControlPlane | None, http: aiohttp.ClientSession) -> None:
+    def __init__(self, settings: Settings, daemon: DaemonClient | None, http: aiohttp.ClientSession) -> None:
         self._s = settings
-        self._control = control
+        self._daemon = daemon
         self._http = http
         n = settings.nodes
         self.static = bool(n.prefill_urls or n.decode_urls)
@@ -157,8 +157,8 @@ class NodeDirectory:
         if self.static:
             if any(not n.model for n in self.nodes):
                 self.nodes = [await self._learn_model(n) if not n.model else n for n in self.nodes]
-        elif self._control is not None:
-            listed = await self._control.list_nodes()
+        elif self._daemon is not None:
+            listed = await self._daemon.list_nodes()
             self._outage.report(
                 log, listed is not None, "router.nodes.list_failed", "router.nodes.list_recovered"
             )

@@ -3,7 +3,7 @@
 1. Choose P and D (`router.choice`).
 2. With a conversation id: tokenize once (P's ``/tokenize``), digest the prompt
    (``kvferry.digests``, the sidecar's function), and ``Lookup`` under a short
-   deadline (`router.control`); with several caching P, score them meanwhile.
+   deadline (`router.daemon_client`); with several caching P, score them meanwhile.
 3. P: the daemon's params (a pull, a release, or fresh ones), ``max_tokens: 1``,
    not streamed; P renders the prompt itself, as /tokenize did (the token ids go
    along only with ``--forward-prompt-token-ids``, on chat requests: `_forwarded_ids`).
@@ -51,7 +51,7 @@ from router.choice import (
     serving,
     worth_scoring,
 )
-from router.control import ControlPlane
+from router.daemon_client import DaemonClient
 from router.decisions import (
     Failure,
     FailureKind,
@@ -104,7 +104,7 @@ class Shared:
     engines: Engines
     directory: NodeDirectory
     load: Load
-    control: ControlPlane | None
+    daemon: DaemonClient | None
     metrics: RouterMetrics
     tickets: itertools.count[int]
     direct: DirectRoutes
@@ -181,9 +181,7 @@ class Turn:
         if plain is not None:
             return await self._serve_plain(prefill, decode, plain)
         scoring = (
-            self.s.control is not None
-            and worth_scoring(nodes)
-            and cached_under_plain_hashes(self.body, nodes)
+            self.s.daemon is not None and worth_scoring(nodes) and cached_under_plain_hashes(self.body, nodes)
         )
         # D is counted from its choice (`_decode` counts it from then on): turns arriving
         # during this one's tokenizing, lookup and prefill see it taken, not idle.
@@ -231,14 +229,14 @@ class Turn:
         reuse_on = self.s.settings.reuse.enabled
         if conversation and not reuse_on:
             self.reuse = skipped(Skip.REUSE_OFF)
-        elif conversation and self.s.control is None:
+        elif conversation and self.s.daemon is None:
             self.reuse = skipped(Skip.NO_DAEMON)
         lookup: asyncio.Task[Reuse] | None = None
         if conversation and self.reuse is None:
-            assert self.s.control is not None
+            assert self.s.daemon is not None
             prompt = asyncio.ensure_future(self._prompt(prefill))
             lookup = asyncio.ensure_future(
-                self.s.control.lookup_early(
+                self.s.daemon.lookup_early(
                     self.identity.tenant,
                     conversation,
                     prompt,
@@ -384,9 +382,9 @@ class Turn:
         self.s.load.unreachable(node.engine_id, time.monotonic())
 
     async def _score(self, prefill: Node) -> dict[str, int]:
-        assert self.s.control is not None and self.tokens is not None
+        assert self.s.daemon is not None and self.tokens is not None
         hashes = [external_block_hash(h) for h in block_hashes(self.tokens, prefill.block_size)]
-        return await self.s.control.score(hashes) if hashes else {}
+        return await self.s.daemon.score(hashes) if hashes else {}
 
     async def _prefill(self, node: Node) -> dict[str, Any] | web.Response | None:
         """P's kv_transfer_params for D (None: P gave none), or the client's error answer."""

@@ -529,10 +529,10 @@ async def test_no_score_is_asked_while_the_breaker_holds_lookups_back() -> None:
     """A failing daemon: a scored turn does not wait for Score to fail as well."""
     import time
 
-    from router.control import ControlPlane
+    from router.daemon_client import DaemonClient
     from router.settings import DaemonSettings
 
-    control = ControlPlane(["127.0.0.1:1"], DaemonSettings(addresses=("127.0.0.1:1",)))
+    control = DaemonClient(["127.0.0.1:1"], DaemonSettings(addresses=("127.0.0.1:1",)))
     asked: list[object] = []
     control._replica.nodes.Score = lambda *a, **k: asked.append(a)  # type: ignore[method-assign]
     control.breaker.record(False, time.monotonic())
@@ -553,11 +553,11 @@ async def test_lookups_leave_a_replica_that_keeps_answering_late() -> None:
     import grpc
 
     from kvferry.leaseclient import LeaseOpError
-    from router.control import LATE_FAILOVER, ControlPlane
+    from router.daemon_client import LATE_FAILOVER, DaemonClient
     from router.settings import DaemonSettings
 
     addresses = ("127.0.0.1:1", "127.0.0.1:2")
-    control = ControlPlane(list(addresses), DaemonSettings(addresses=addresses))
+    control = DaemonClient(list(addresses), DaemonSettings(addresses=addresses))
 
     async def late(req: object, message: Any, *args: object) -> object:
         message.close()  # (the prompt it would have sent)
@@ -570,7 +570,7 @@ async def test_lookups_leave_a_replica_that_keeps_answering_late() -> None:
         return await control.lookup_early("", "c", prompt)
 
     hung = control._replica
-    hung.leases.lookup_with_prompt = late  # type: ignore[method-assign]
+    hung.stream.lookup_with_prompt = late  # type: ignore[method-assign]
     try:
         await asyncio.gather(*(lookup() for _ in range(LATE_FAILOVER)))
         assert control._replica is hung and hung.late == 1

@@ -416,13 +416,13 @@ async def test_a_client_gone_after_its_lookup_answered_has_ds_blocks_freed(
         if p.engine.metrics.total("vllm:prompt_tokens"):
             await indexed(stack, p, 0)
     directory = router.directory
-    assert directory is not None and router.control is not None
+    assert directory is not None and router.daemon is not None
 
     async def will_score() -> bool:  # the router's node list shows the index
         return worth_scoring(directory.nodes)
 
     await eventually(will_score)
-    control = router.control
+    control = router.daemon
     score, lookup_early = control.score, control.lookup_early
     scoring, answered = asyncio.Event(), asyncio.Event()
 
@@ -467,8 +467,8 @@ async def test_a_claim_reaching_the_daemon_after_its_own_turn_registered_leaves_
     [router] = stack.routers
 
     slow = await stack.router(daemon__lookup_deadline_s=0.05)
-    assert slow.control is not None
-    leases = slow.control._replica.leases
+    assert slow.daemon is not None
+    leases = slow.daemon._replica.stream
     await leases.close()  # (the stream opened at start) the next one is slow to send
     real = leases._stub
     gate = asyncio.Event()
@@ -876,8 +876,8 @@ async def test_a_stop_waits_for_the_lookups_owed_an_answer_and_releases_their_cl
     async with fakes_with_a_lease(daemon) as (p, d, _):
         router = Router(on_fakes(daemon, p, d, server__shutdown_grace_s=0.2, daemon__lookup_deadline_s=5.0))
         await router.start()
-        assert router.control is not None
-        leases = router.control._replica.leases
+        assert router.daemon is not None
+        leases = router.daemon._replica.stream
         await leases.close()  # (the stream opened at start) the next one answers slowly
         real = leases._stub
         leases._stub = type("Stub", (), {"Stream": lambda self: _SlowReads(real.Stream(), 0.6)})()
@@ -1256,10 +1256,10 @@ async def test_models_asks_each_node_of_unknown_model_and_stops_at_a_client_erro
 async def test_a_lost_lease_stream_is_set_up_again_in_the_background() -> None:
     """While the breaker holds lookups back, a new stream is set up (a peek), so the first
     lookup after it does not wait on the set-up, where a claim can arrive too late."""
-    from router.control import ControlPlane
+    from router.daemon_client import DaemonClient
     from router.settings import DaemonSettings
 
-    cp = ControlPlane([f"127.0.0.1:{free_port()}"], DaemonSettings(rpc_timeout_s=0.2))
+    cp = DaemonClient([f"127.0.0.1:{free_port()}"], DaemonSettings(rpc_timeout_s=0.2))
     prompt: asyncio.Future[tuple[list[int], bytes] | None] = asyncio.get_running_loop().create_future()
     prompt.set_result(([1] * 32, b""))
     reuse = await cp.lookup_early("t", "c", prompt)  # no daemon there: the stream is lost

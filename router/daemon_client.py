@@ -1,9 +1,9 @@
-"""The router's side of the daemon: lookups, node lists and prefix scores.
+"""The router's client of the daemon replicas: lookups, node lists and prefix scores.
 
 Every call has a short deadline and turns any failure into plain data the
 caller can serve without reuse: nothing here raises for a daemon that is slow,
-gone or confused. Lookups go over one multiplexed ``Leases/Stream``
-(``kvferry.leaseclient.LeaseStream``) per replica; a replica that fails hands
+gone or confused. Lookups go over one multiplexed ``Leases/Stream`` (the lookup
+stream, ``kvferry.leaseclient.LeaseStream``) per replica; a replica that fails hands
 the next call to the next replica. A `Breaker` stops lookups for a moment after
 failures, so a dead daemon costs a turn nothing instead of a deadline.
 """
@@ -33,7 +33,7 @@ _CHANNEL_OPTIONS = daemon_channel_options(max_backoff_ms=1000)
 _ROLES = {nodes_pb2.PREFILL: "prefill", nodes_pb2.DECODE: "decode", nodes_pb2.BOTH: "both"}
 _UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 _STREAM_PROBE = "kvferry-router-stream-probe"
-"""The conversation of the peek that sets the lease stream up (no client's: the default tenant's)."""
+"""The conversation of the peek that sets the lookup stream up (no client's: the default tenant's)."""
 
 
 def answer_of(res: leases_pb2.LookupResponse) -> LookupAnswer:
@@ -68,10 +68,13 @@ LATE_FAILOVER = 3
 
 
 class _Replica:
+    """One daemon replica: its channel, its lookup stream and its Nodes stub."""
+
     def __init__(self, address: str, late_answer_s: float) -> None:
         self.address = address
         self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        self.leases = LeaseStream(self.channel, late_answer_s)
+        self.stream = LeaseStream(self.channel, late_answer_s)
+        """Its ``Leases/Stream``, which the lookups go over."""
         self.nodes = nodes_pb2_grpc.NodesStub(self.channel)
         self.late = 0
         """Lookups in a row it answered after their deadline (or never), each sent after the
@@ -80,11 +83,11 @@ class _Replica:
         """When the last late one was found (time.monotonic())."""
 
     async def close(self) -> None:
-        await self.leases.close()
+        await self.stream.close()
         await self.channel.close(None)
 
 
-class ControlPlane:
+class DaemonClient:
     """Lookups, node lists and scores against the daemon replicas, failing over between them."""
 
     def __init__(self, addresses: Sequence[str], settings: DaemonSettings) -> None:
@@ -104,14 +107,14 @@ class ControlPlane:
             log.info("router.daemon.failover", address=self._replica.address)
 
     async def open_stream(self) -> None:
-        """Set the lease stream to the daemon up before a turn needs it (a peek that claims
+        """Set the lookup stream to the daemon up before a turn needs it (a peek that claims
         nothing). A lookup sent on a stream still being set up can miss its deadline, and
         if its claim then reaches the daemon after the turn's own retention was
         registered, it takes that one: the next turn loses its reuse. A failure here is
         only logged: turns set the stream up themselves."""
         replica = self._replica
         try:
-            await replica.leases.lookup(
+            await replica.stream.lookup(
                 leases_pb2.LookupRequest(conversation_id=_STREAM_PROBE, peek=True), self._s.rpc_timeout_s
             )
         except LeaseOpError as e:
@@ -120,7 +123,7 @@ class ControlPlane:
             )
 
     def _reopen(self) -> None:
-        """Set a new lease stream up in the background while the breaker holds lookups back,
+        """Set a new lookup stream up in the background while the breaker holds lookups back,
         so the first lookup after it does not wait on the set-up (see `open_stream`)."""
         if self._reopening is None or self._reopening.done():
             self._reopening = asyncio.get_running_loop().create_task(self.open_stream())
@@ -162,37 +165,14 @@ class ControlPlane:
             return skipped(Skip.BACKOFF)
         replica = self._replica
         try:
-            res = await replica.leases.lookup_with_prompt(
+            res = await replica.stream.lookup_with_prompt(
                 req,
                 message(),
                 deadline_s,
                 None if answered_late is None else lambda res: answered_late(reuse_of(answer_of(res))),
             )
         except LeaseOpError as e:
-            late = e.code is grpc.StatusCode.DEADLINE_EXCEEDED
-            unreachable = e.code in _UNREACHABLE
-            if late or unreachable:
-                self.breaker.record(False, time.monotonic())
-            if late and now > replica.late_at:
-                replica.late, replica.late_at = replica.late + 1, time.monotonic()
-            elif not late:
-                replica.late = 0
-            # (a replica that keeps its connection but answers nothing in time: hung, or
-            # overloaded, is left as one that cannot be reached is)
-            failing_over = unreachable or replica.late >= LATE_FAILOVER
-            if failing_over:
-                replica.late, replica.late_at = 0, time.monotonic()  # (those still out: not counted)
-                self._failover(replica)
-            if failing_over or e.stream_lost:
-                self._reopen()  # (the stream of the replica now used, set up before a turn needs it)
-            log.info(
-                "router.lookup.failed",
-                address=replica.address,
-                code=e.code.name,
-                error=e.message,
-                conversation_id=req.conversation_id,
-            )
-            return skipped(Skip.LATE if late else Skip.UNAVAILABLE if unreachable else Skip.ERROR)
+            return self._lookup_failed(replica, e, now, conversation_id)
         except Exception as e:  # a client-library surprise must not cost the turn
             self.breaker.record(False, time.monotonic())
             log.warning("router.lookup.crashed", address=replica.address, error=repr(e))
@@ -200,6 +180,36 @@ class ControlPlane:
         self.breaker.record(True, time.monotonic())
         replica.late = 0
         return reuse_of(answer_of(res))
+
+    def _lookup_failed(
+        self, replica: _Replica, e: LeaseOpError, sent_at: float, conversation_id: str
+    ) -> Reuse:
+        """A lookup sent to `replica` at `sent_at` failed: count it against the replica
+        (and the breaker), fail over when it looks gone or hung; -> the turn's reuse."""
+        late = e.code is grpc.StatusCode.DEADLINE_EXCEEDED
+        unreachable = e.code in _UNREACHABLE
+        if late or unreachable:
+            self.breaker.record(False, time.monotonic())
+        if late and sent_at > replica.late_at:
+            replica.late, replica.late_at = replica.late + 1, time.monotonic()
+        elif not late:
+            replica.late = 0
+        # (a replica that keeps its connection but answers nothing in time: hung, or
+        # overloaded, is left as one that cannot be reached is)
+        failing_over = unreachable or replica.late >= LATE_FAILOVER
+        if failing_over:
+            replica.late, replica.late_at = 0, time.monotonic()  # (those still out: not counted)
+            self._failover(replica)
+        if failing_over or e.stream_lost:
+            self._reopen()  # (the stream of the replica now used, set up before a turn needs it)
+        log.info(
+            "router.lookup.failed",
+            address=replica.address,
+            code=e.code.name,
+            error=e.message,
+            conversation_id=conversation_id,
+        )
+        return skipped(Skip.LATE if late else Skip.UNAVAILABLE if unreachable else Skip.ERROR)
 
     async def score(self, hashes: Sequence[int]) -> dict[str, int]:
         """Leading cached blocks of a prompt per prefill node ({} on any failure, or while
@@ -239,7 +249,7 @@ class ControlPlane:
         (see LeaseStream.owed_answers), or `timeout_s`."""
         until = time.monotonic() + timeout_s
         for r in self._replicas:
-            await r.leases.owed_answers(until - time.monotonic())
+            await r.stream.owed_answers(until - time.monotonic())
 
     async def close(self) -> None:
         await cancel_and_wait([self._reopening])
