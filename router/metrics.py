@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvferry.metrics import OwnRegistry
 from router.decisions import Failure, FailureKind, Reuse
@@ -18,7 +18,12 @@ class RouterMetrics(OwnRegistry):
 
     def __init__(self) -> None:
         super().__init__()
-        r = self.registry
+        self._define_turn_metrics(self.registry)
+        self._define_engine_metrics(self.registry)
+        self._define_node_metrics(self.registry)
+
+    def _define_turn_metrics(self, r: CollectorRegistry) -> None:
+        """What clients asked and got: requests, lookups, reuse, and how long it took."""
         self.requests = Counter(
             "kvferry_router_requests",
             "Client requests by endpoint and status",
@@ -57,6 +62,9 @@ class RouterMetrics(OwnRegistry):
             buckets=_STAGE_SECONDS,
             registry=r,
         )
+
+    def _define_engine_metrics(self, r: CollectorRegistry) -> None:
+        """What the engines failed and what the router did about it: retries, releases."""
         self.upstream_errors = Counter(
             "kvferry_router_upstream_errors",
             "Failed engine requests by role (tokenize, prefill, decode) and kind",
@@ -84,6 +92,9 @@ class RouterMetrics(OwnRegistry):
             ["outcome"],
             registry=r,
         )
+
+    def _define_node_metrics(self, r: CollectorRegistry) -> None:
+        """The nodes routed to, and the digest cache."""
         self.nodes = Gauge(
             "kvferry_router_nodes", "Nodes the router routes to, by role", ["role"], registry=r
         )
@@ -110,11 +121,13 @@ class RouterMetrics(OwnRegistry):
         )
 
     def lookup(self, reuse: Reuse) -> None:
+        """Count a turn's lookup decision (and, on a pull, the tokens reused)."""
         self.lookups.labels(reuse.decision, reuse.reason).inc()
         if reuse.pull:
             self.reused_tokens.inc(reuse.reusable_tokens)
 
     def upstream_error(self, role: str, failure: Failure) -> None:
+        """Count a failed engine request of `role` (an engine's status as its class: status_5xx)."""
         kind = failure.kind.value
         if failure.kind is FailureKind.STATUS:
             kind = f"status_{failure.status // 100}xx"
