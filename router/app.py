@@ -67,21 +67,8 @@ class Router:
             if s.daemon.addresses:
                 self.daemon = DaemonClient(s.daemon.addresses, s.daemon)
             directory = self.directory = NodeDirectory(s, self.daemon, self._http)
-            self.metrics.track_nodes(
-                lambda: {
-                    "prefill": sum(n.prefills for n in directory.nodes),
-                    "decode": sum(n.decodes for n in directory.nodes),
-                    "lapsed": len(directory.view.lapsed),
-                    "failing": len(directory.view.failing),
-                }
-            )
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(nodes_timeout_s):
-                    while True:
-                        await directory.refresh()
-                        if directory.ready.is_set():
-                            break
-                        await asyncio.sleep(0.1)
+            self.metrics.track_nodes(lambda: _node_counts(directory))
+            await _first_nodes(directory, nodes_timeout_s)
             if self.daemon is not None and s.reuse.enabled and directory.ready.is_set():
                 # (a daemon that did not answer the node list would only add its timeout to
                 # the start: then the first turns set the stream up, and the breaker again)
@@ -157,3 +144,25 @@ class Router:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.stop()
+
+
+def _node_counts(directory: NodeDirectory) -> dict[str, int]:
+    """What the node gauges show: nodes routed to per role, lapsed and failing ones."""
+    nodes = directory.nodes
+    return {
+        "prefill": sum(n.prefills for n in nodes),
+        "decode": sum(n.decodes for n in nodes),
+        "lapsed": len(directory.view.lapsed),
+        "failing": len(directory.view.failing),
+    }
+
+
+async def _first_nodes(directory: NodeDirectory, timeout_s: float) -> None:
+    """Refresh `directory` until it has nodes to route to, or `timeout_s` is spent."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            while True:
+                await directory.refresh()
+                if directory.ready.is_set():
+                    return
+                await asyncio.sleep(0.1)
