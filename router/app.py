@@ -109,6 +109,8 @@ class Router:
 
     async def stop(self) -> None:
         """Stop serving (in-flight answers get the grace), then everything else; idempotent."""
+        if self._http is None:  # (nothing started, or stopped already: `start` opens it first)
+            return
         deadline = time.monotonic() + self.settings.server.shutdown_grace_s
         if self._runner is not None:
             await self._runner.cleanup()
@@ -132,9 +134,9 @@ class Router:
         if self.daemon is not None:
             await self.daemon.close()
             self.daemon = None
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
+        await self._http.close()
+        self._http = None
+        log.info("router.stopped", url=self.url)
 
     async def __aenter__(self) -> Router:
         await self.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import sys
 
@@ -55,8 +56,12 @@ async def test_serves_until_sigterm(http: aiohttp.ClientSession) -> None:
             async with http.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"messages": []}) as r:
                 assert r.status == 400
             proc.send_signal(signal.SIGTERM)
-            assert await proc.wait() == 0
+            _, err = await proc.communicate()
+            assert proc.returncode == 0
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+    events = [json.loads(line)["event"] for line in err.decode().splitlines() if line.startswith("{")]
+    assert "router.started" in events, events
+    assert events[-2:] == ["router.stopping", "router.stopped"], events  # (the daemon's and sidecar's too)
