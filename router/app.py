@@ -27,6 +27,7 @@ from router.http_api import build_app
 from router.metrics import RouterMetrics
 from router.nodes import DirectRoutes, Load, NodeDirectory
 from router.patience import PrefillRates
+from router.releases import Releases
 from router.settings import Settings
 from router.turn import Shared
 from router.upstream import Engines
@@ -85,6 +86,7 @@ class Router:
                 direct=DirectRoutes(),
                 digests=DigestCache(s.reuse.digest_cache_bytes),
                 rates=PrefillRates(s.daemon.prefill_s_per_token),
+                releases=Releases(s.upstream.max_releases_in_flight),
             )
             self._runner = web.AppRunner(
                 build_app(shared),
@@ -122,13 +124,8 @@ class Router:
         until = max(deadline, time.monotonic() + _RELEASES_AT_LEAST_S)
         if self.daemon is not None:
             await self.daemon.owed_answers(until - time.monotonic())
-        if self._shared is not None and self._shared.releases:
-            releases = self._shared.releases
-            while releases and (left_s := until - time.monotonic()) > 0:
-                await asyncio.wait(set(releases), timeout=left_s)
-            if releases:
-                log.warning("router.releases.abandoned", count=len(releases))
-            await cancel_and_wait(list(releases))
+        if self._shared is not None:
+            await self._shared.releases.settle(until)
         await cancel_and_wait([self._refresh])
         self._refresh = None
         if self.daemon is not None:

@@ -16,7 +16,7 @@
 
 Engine 4xx answers reach the client as the engine gave them; engine 5xx and
 unreachable engines become a 502 JSON error. When D refuses a turn, the blocks P kept
-for it are released through D (`Turn._release_prefill`). Nothing the daemon does (or fails
+for it are released through D (`router.releases`). Nothing the daemon does (or fails
 to do) changes what the client gets, only how fast.
 """
 
@@ -28,18 +28,17 @@ import itertools
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import structlog
 from aiohttp import hdrs, web
-from prometheus_client import Counter
 
 from kvferry.blockhash import block_hashes, external_block_hash
 from kvferry.digests import DIGEST_SIZE, DigestCache, seed_for
 from kvferry.hops import NO_RETENTION_HEADER
-from kvferry.releases import Post, nothing_to_pull, released, send_release
+from kvferry.releases import nothing_to_pull
 from router.choice import (
     Node,
     alike,
@@ -74,6 +73,7 @@ from router.metrics import RouterMetrics
 from router.nodes import DirectRoutes, Load, NodeDirectory
 from router.patience import Patience, PrefillRates, lookup_wait_s
 from router.relay import SseScrubber, scrub_json
+from router.releases import Releases, release_claim, release_prefill
 from router.settings import Settings
 from router.upstream import (
     Engines,
@@ -111,8 +111,8 @@ class Shared:
     digests: DigestCache
     rates: PrefillRates
     """Prefill seconds per token, as measured: how long lookups are waited for."""
-    releases: set[asyncio.Task[None]] = field(default_factory=set)
-    """Releases of P's blocks still on their way (`Turn._release_later`)."""
+    releases: Releases
+    """Releases of blocks kept for turns, still on their way (`router.releases`)."""
 
 
 class Turn:
@@ -240,7 +240,7 @@ class Turn:
                     self.identity.tenant,
                     conversation,
                     prompt,
-                    answered_late=lambda reuse: self._release_claim(prefill, reuse.remote),
+                    answered_late=lambda reuse: release_claim(self, prefill, reuse.remote),
                     request_id=self.request_id,
                     wait_s=functools.partial(self._lookup_wait_s, prefill, scoring),
                 )
@@ -261,7 +261,7 @@ class Turn:
             # The client left while the score was still out: a lookup answered by then has
             # claimed what no P request will carry (one still out answers its late hook).
             if lookup is not None and lookup.done() and not lookup.cancelled() and not lookup.exception():
-                self._release_claim(prefill, lookup.result().remote)
+                release_claim(self, prefill, lookup.result().remote)
             raise
         if lookup is not None:
             self.s.metrics.stage.labels("lookup").observe(time.perf_counter() - t0)
@@ -317,7 +317,7 @@ class Turn:
         asked = node
         try:
             try:
-                reply = await self._post_prefill_node(node, "/tokenize", raw, timeout_s)
+                reply = await self.post_to_prefill(node, "/tokenize", raw, timeout_s)
             except UpstreamError as e:
                 # P never saw it: another P of the same model and block size tokenizes (and
                 # digests) the same, so the turn keeps its reuse, and prefills there too.
@@ -329,7 +329,7 @@ class Turn:
                 self.s.metrics.upstream_error("tokenize", e.failure)
                 self.log.info("router.tokenize.elsewhere", node=node.engine_id, other=twin.engine_id)
                 asked = twin
-                reply = await self._post_prefill_node(twin, "/tokenize", raw, timeout_s)
+                reply = await self.post_to_prefill(twin, "/tokenize", raw, timeout_s)
                 self.tokenized_by = twin
         except UpstreamError as e:
             self.s.metrics.upstream_error("tokenize", e.failure)
@@ -353,12 +353,13 @@ class Turn:
         """Another prefill node that tokenizes exactly like `node` (None: there is none)."""
         return choose_prefill(alike(self.nodes, node), self.s.load.view, exclude={node.engine_id})
 
-    async def _post_prefill_node(
+    async def post_to_prefill(
         self, node: Node, path: str, body: bytes, timeout_s: float | None = None, request_id: str = ""
     ) -> Reply:
         """POST to the engine itself when its sidecar advertised it, else (or when that
-        cannot be connected to: the engine never saw the request) through the sidecar."""
-        headers = self._engine_headers(request_id or self.request_id)
+        cannot be connected to: the engine never saw the request) through the sidecar.
+        `request_id`: the turn's id on the request (default: the turn's own)."""
+        headers = self.engine_headers(request_id or self.request_id)
         url = self.s.direct.url(node)
         try:
             try:
@@ -399,7 +400,7 @@ class Turn:
             t0 = time.perf_counter()
             with self.s.load.track(node):
                 try:
-                    reply = await self._post_prefill_node(node, self.path, payload)
+                    reply = await self.post_to_prefill(node, self.path, payload)
                 except UpstreamError as e:
                     failure = e.failure
                     self.log.info("router.prefill.unreachable", node=node.engine_id, error=str(e))
@@ -407,7 +408,7 @@ class Turn:
                     # The client left (or the router stops) while P had D's params: P's
                     # request is aborted, and an aborted read tells D nothing (a finished
                     # one already did: D then ignores this).
-                    self._release_claim(node, remote)
+                    release_claim(self, node, remote)
                     raise
             if reply is not None:
                 answer = reply.json() if reply.status == 200 else None
@@ -429,7 +430,7 @@ class Turn:
                 # max_model_len, say); a failed pull (a 5xx) sends D no notification; a P
                 # gone silent (a timeout) may never. (One that failed after its pull, whose
                 # read notified D, has D ignore the second notification.)
-                self._release_claim(node, remote)
+                release_claim(self, node, remote)
             spare = prefill_candidates(like if remote else self.nodes, exclude=tried)
             retry = retry_after(failure, bool(remote), attempt, bool(spare))
             self.log.info(
@@ -469,9 +470,11 @@ class Turn:
                 extra.append((SIDECAR_TENANT_HEADER, ident.tenant))
         elif not retain:  # (a body session_id would still name the conversation to the sidecar)
             extra.append((NO_RETENTION_HEADER, "1"))
-        return self._engine_headers(self.request_id, extra)
+        return self.engine_headers(self.request_id, extra)
 
-    def _engine_headers(self, turn_id: str, extra: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
+    def engine_headers(self, turn_id: str, extra: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
+        """The headers of a request to an engine for this turn (`turn_id`: the turn's id on it,
+        `extra`: headers of the hop's own)."""
         return self.s.engines.headers(self._client_headers, turn_id, extra, self.answer_id)
 
     def _reuse_headers(self) -> dict[str, str]:
@@ -539,7 +542,7 @@ class Turn:
     ) -> web.StreamResponse:
         if upstream.status != 200:
             if prefill_params:  # before reading D's answer: a client that leaves cancels that
-                self._release_later(node, prefill_params)
+                release_prefill(self, node, prefill_params)
             try:
                 reply = Reply(
                     upstream.status, await upstream.read(), upstream.headers.get(hdrs.CONTENT_TYPE, "")
@@ -603,79 +606,6 @@ class Turn:
             self.s.metrics.upstream_error("decode", Failure(FailureKind.STATUS, scrubber.error))
             self.log.warning("router.decode.stream_error", node=node.engine_id, status=scrubber.error)
         return resp
-
-    def _release_later(self, node: Node, params: Mapping[str, Any]) -> None:
-        """D refused the turn, so nothing will pull what P kept for it: have it freed now,
-        beside the client's error answer, not before it. D, handed P's params in a release
-        (`kvferry.releases`), has its connector notify P, and keeps nothing itself."""
-        model = node.model or self.body.get("model")  # D's own name: the client's may be what D refused
-        headers = self._engine_headers(f"{self.request_id}-release")
-
-        async def post(body: dict[str, Any]) -> int:
-            return (await self.s.engines.post(node.url + "/v1/completions", encode(body), headers)).status
-
-        self._release(node, "prefill", model, params, post, self.s.metrics.prefill_releases)
-
-    def _release_claim(self, near: Node, remote: Mapping[str, Any] | None) -> None:
-        """The daemon claimed the conversation's blocks on D for this turn (`remote`: a
-        pull's or a release's params; None = none were held), and no P request will carry
-        them: the lookup answered after its deadline, its client left, or P failed the
-        request that carried them. Have D free them now rather than at its TTL: P, handed
-        D's params in a release (`kvferry.releases`), has its connector notify D.
-        The release goes to the least loaded other P of `near`'s kind (D's params are for
-        its block size) this turn could connect to, else to `near`: `near` may refuse
-        anything now (a 429), or be slow to (a timeout)."""
-        if not remote:
-            return
-        like = alike(self.nodes, near)
-        node = choose_prefill(like, self.s.load.view, exclude=self.unreachable | {near.engine_id}) or near
-        request_id = f"{self.request_id}-claim-release"
-
-        async def post(body: dict[str, Any]) -> int:
-            reply = await self._post_prefill_node(
-                node, "/v1/completions", encode(body), request_id=request_id
-            )
-            return reply.status
-
-        self._release(
-            node, "claim", node.model or self.body.get("model"), remote, post, self.s.metrics.claim_releases
-        )
-
-    def _release(
-        self, node: Node, what: str, model: Any, params: Mapping[str, Any], post: Post, outcomes: Counter
-    ) -> None:
-        """Send a release (`what`: a prefill's blocks, a claim's) of `params` through `node`,
-        in the background; not when the most allowed are already on their way (then the
-        holder's timeout frees the blocks)."""
-        in_flight = len(self.s.releases)
-        if in_flight >= self.s.settings.upstream.max_releases_in_flight:
-            outcomes.labels("skipped").inc()
-            self.log.warning(f"router.{what}.release_skipped", node=node.engine_id, in_flight=in_flight)
-            return
-
-        async def send() -> None:
-            """Best effort: the holder's timeout frees the blocks otherwise. `post` takes as
-            long as a prefill may (the engines' default timeout): a release waits its turn on
-            a busy engine."""
-            detail = ""
-            try:
-                status = await send_release(post, model, params)
-            except UpstreamError as e:
-                outcome, detail = "failed", str(e)
-            except Exception as e:  # a background task: nothing else would see it
-                self.log.exception(f"router.{what}.release_error", node=node.engine_id)
-                outcome, detail = "error", repr(e)
-            else:
-                outcome = "released" if released(status) else "refused"
-                detail = "" if released(status) else f"the engine answered {status}"
-            outcomes.labels(outcome).inc()
-            self.log.info(
-                f"router.{what}.release", node=node.engine_id, outcome=outcome, detail=detail or None
-            )
-
-        task = asyncio.get_running_loop().create_task(send(), name=f"router-{what}-release")
-        self.s.releases.add(task)
-        task.add_done_callback(self.s.releases.discard)
 
     def _label(self) -> str:
         return "pull" if self.reuse is not None and self.reuse.pull else "none"
