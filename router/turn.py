@@ -12,7 +12,7 @@
    on that path needs the tap).
 4. D, through its sidecar: P's params, the conversation and tenant headers (the
    sidecar registers D's blocks for the next turn). D's answer goes to the client
-   as it comes (`router.relay`).
+   as it comes (`router.decode`).
 
 Engine 4xx answers reach the client as the engine gave them; engine 5xx and
 unreachable engines become a 502 JSON error. When D refuses a turn, the blocks P kept
@@ -27,17 +27,15 @@ import functools
 import itertools
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import structlog
-from aiohttp import hdrs, web
+from aiohttp import web
 
 from kvferry.blockhash import block_hashes, external_block_hash
 from kvferry.digests import DIGEST_SIZE, DigestCache, seed_for
-from kvferry.hops import NO_RETENTION_HEADER
 from kvferry.releases import nothing_to_pull
 from router.choice import (
     Node,
@@ -58,22 +56,20 @@ from router.decisions import (
     Reuse,
     Skip,
     decode_alone_reason,
-    decode_body,
     plain_reason,
     prefill_body,
     prefill_kv_params,
     retry_after,
-    retry_decode_elsewhere,
     skipped,
     spends_retry,
 )
+from router.decode import decode_and_relay
 from router.errors import bad_gateway, engine_message, error_response, passthrough
-from router.identity import CONVERSATION_HEADER, Identity, identify
+from router.identity import Identity, identify
 from router.metrics import RouterMetrics
 from router.nodes import DirectRoutes, Load, NodeDirectory
 from router.patience import Patience, PrefillRates, lookup_wait_s
-from router.relay import SseScrubber, scrub_json
-from router.releases import Releases, release_claim, release_prefill
+from router.releases import Releases, release_claim
 from router.settings import Settings
 from router.upstream import (
     Engines,
@@ -89,11 +85,6 @@ log = structlog.get_logger(__name__)
 
 Made = tuple[list[int], bytes]
 """A prompt's token ids and their block digests."""
-
-
-#: The header the D sidecar reads the tenant from (its --tenant-header default).
-SIDECAR_TENANT_HEADER = "X-Kvferry-Tenant"
-_PASSED_RESPONSE_HEADERS = (hdrs.CONTENT_TYPE, "X-Request-Id")
 
 
 @dataclass
@@ -183,15 +174,15 @@ class Turn:
         scoring = (
             self.s.daemon is not None and worth_scoring(nodes) and cached_under_plain_hashes(self.body, nodes)
         )
-        # D is counted from its choice (`_decode` counts it from then on): turns arriving
-        # during this one's tokenizing, lookup and prefill see it taken, not idle.
+        # D is counted from its choice (`decode_and_relay` counts it from then on): turns
+        # arriving during this one's tokenizing, lookup and prefill see it taken, not idle.
         with self.s.load.track(decode):
             if conversation or scoring:
                 prefill = await self._prepare(prefill, scoring, tiebreak)
             params = await self._prefill(prefill)
         if isinstance(params, web.Response):
             return params
-        return await self._decode(decode, params)
+        return await decode_and_relay(self, decode, params)
 
     async def _serve_plain(self, prefill: Node, decode: Node, why: Skip) -> web.StreamResponse:
         """A prompt with images (audio, ...; see `text_only`), or one the router cannot
@@ -202,7 +193,7 @@ class Turn:
             params = await self._prefill(prefill)
         if isinstance(params, web.Response):
             return params
-        return await self._decode(decode, params, retain=False)
+        return await decode_and_relay(self, decode, params, retain=False)
 
     async def _decode_alone(self, tiebreak: int, why: Skip) -> web.StreamResponse:
         """A request for several sequences, or a prompt given as embeddings: D serves it
@@ -211,7 +202,7 @@ class Turn:
         if decode is None:
             return error_response(503, "no decode node available", "ServiceUnavailableError")
         self._skip(why)
-        return await self._decode(decode, None, retain=False)
+        return await decode_and_relay(self, decode, None, retain=False)
 
     def _skip(self, reason: Skip) -> None:
         """A turn naming a conversation served without a lookup: counted, and told the client."""
@@ -342,7 +333,7 @@ class Turn:
             self.log.info("router.tokenize.refused", node=asked.engine_id, status=reply.status)
         return tokens
 
-    def _forwarded_ids(self) -> list[int] | None:
+    def forwarded_ids(self) -> list[int] | None:
         """The prompt's token ids for P's and D's kv_transfer_params: only when the engines
         take them (``--forward-prompt-token-ids``: vLLM >= 0.32 reads them on its chat path
         alone), else None and each engine renders the request itself."""
@@ -370,12 +361,12 @@ class Turn:
                 reply = await self.s.engines.post(node.url + path, body, headers, timeout_s)
         except UpstreamError as e:
             if e.failure.kind is FailureKind.CONNECT:  # no prefill, retry or release goes there
-                self._unreachable(node)
+                self.mark_unreachable(node)
             raise
         self.s.load.reached(node.engine_id)
         return reply
 
-    def _unreachable(self, node: Node) -> None:
+    def mark_unreachable(self, node: Node) -> None:
         """`node` could not be connected to: this turn leaves it out, and the next ones for a
         while when they can."""
         self.unreachable.add(node.engine_id)
@@ -394,7 +385,7 @@ class Turn:
         attempt = 0
         while True:
             tried.add(node.engine_id)
-            kv = prefill_kv_params(self.reuse if remote else None, self._forwarded_ids())
+            kv = prefill_kv_params(self.reuse if remote else None, self.forwarded_ids())
             payload = encode(prefill_body(self.body, kv))
             reply: Reply | None = None
             t0 = time.perf_counter()
@@ -460,168 +451,10 @@ class Turn:
             if retry is Retry.OTHER_NODE:
                 node = choose_prefill(spare, self.s.load.view) or node
 
-    def _decode_headers(self, retain: bool) -> dict[str, str]:
-        """With `retain`, D's sidecar is told the conversation (to capture what D retains)."""
-        ident = self.identity
-        extra: list[tuple[str, str]] = []
-        if ident.conversation_id and retain:
-            extra.append((CONVERSATION_HEADER, ident.conversation_id))
-            if ident.tenant:
-                extra.append((SIDECAR_TENANT_HEADER, ident.tenant))
-        elif not retain:  # (a body session_id would still name the conversation to the sidecar)
-            extra.append((NO_RETENTION_HEADER, "1"))
-        return self.engine_headers(self.request_id, extra)
-
     def engine_headers(self, turn_id: str, extra: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
         """The headers of a request to an engine for this turn (`turn_id`: the turn's id on it,
         `extra`: headers of the hop's own)."""
         return self.s.engines.headers(self._client_headers, turn_id, extra, self.answer_id)
-
-    def _reuse_headers(self) -> dict[str, str]:
-        r = self.reuse
-        if r is None:
-            return {"X-Request-Id": self.answer_id}
-        return {
-            "X-Request-Id": self.answer_id,
-            "X-Kvferry-Reuse": r.decision,
-            "X-Kvferry-Reuse-Reason": r.reason,
-            "X-Kvferry-Reused-Tokens": str(r.reusable_tokens if r.pull else 0),
-        }
-
-    async def _decode(
-        self, node: Node, prefill_params: dict[str, Any] | None, retain: bool = True
-    ) -> web.StreamResponse:
-        payload = encode(decode_body(self.body, prefill_params, self._forwarded_ids()))
-        t0 = time.perf_counter()
-        tried: set[str] = set()
-        while True:
-            tried.add(node.engine_id)
-            with self.s.load.track(node):
-                try:
-                    upstream = await self.s.engines.open(
-                        node.url + self.path, payload, self._decode_headers(retain)
-                    )
-                except UpstreamError as e:
-                    self.s.metrics.upstream_error("decode", e.failure)
-                    self.log.warning("router.decode.unreachable", node=node.engine_id, error=str(e))
-                    if e.failure.kind is FailureKind.CONNECT:
-                        self._unreachable(node)
-                    # (another of its block size first: it was chosen for P's)
-                    other = choose_decode(
-                        self.nodes,
-                        self.s.load.view,
-                        exclude=tried,
-                        block_size=node.block_size,
-                        avoid=self.down,
-                    )
-                    if other is not None and retry_decode_elsewhere(e.failure, True):
-                        node = other
-                        continue
-                    return bad_gateway(engine_message(None, e.failure, "decode"))
-                self.s.load.reached(node.engine_id)
-                return await self._decode_answer(node, upstream, t0, prefill_params)
-
-    async def _decode_answer(
-        self,
-        node: Node,
-        upstream: aiohttp.ClientResponse,
-        t0: float,
-        prefill_params: Mapping[str, Any] | None,
-    ) -> web.StreamResponse:
-        self.s.metrics.stage.labels("decode_start").observe(time.perf_counter() - t0)
-        try:
-            return await self._relay(node, upstream, prefill_params)
-        finally:
-            if upstream.content.at_eof():
-                upstream.release()
-            else:
-                upstream.close()  # the client left or D broke off: D's sidecar sees it and aborts
-
-    async def _relay(
-        self, node: Node, upstream: aiohttp.ClientResponse, prefill_params: Mapping[str, Any] | None
-    ) -> web.StreamResponse:
-        if upstream.status != 200:
-            if prefill_params:  # before reading D's answer: a client that leaves cancels that
-                release_prefill(self, node, prefill_params)
-            try:
-                reply = Reply(
-                    upstream.status, await upstream.read(), upstream.headers.get(hdrs.CONTENT_TYPE, "")
-                )
-            except (aiohttp.ClientError, TimeoutError):
-                reply = Reply(upstream.status, b"", "")
-            failure = Failure(FailureKind.STATUS, upstream.status)
-            self.s.metrics.upstream_error("decode", failure)
-            self.log.info("router.decode.refused", node=node.engine_id, status=upstream.status)
-            if failure.client_error:
-                return passthrough(reply)
-            return bad_gateway(engine_message(reply, failure, "decode"))
-        headers = self._reuse_headers()
-        for name in _PASSED_RESPONSE_HEADERS:
-            if name in upstream.headers and name not in headers:
-                headers[name] = upstream.headers[name]
-        if upstream.headers.get(hdrs.CONTENT_TYPE, "").startswith("text/event-stream"):
-            return await self._stream(node, upstream, headers)
-        try:
-            raw = await upstream.read()
-        except (aiohttp.ClientError, TimeoutError) as e:
-            self.s.metrics.upstream_error("decode", Failure(FailureKind.PROTOCOL))
-            return bad_gateway(f"decode engine failed mid-answer: {e}")
-        self._observe_first_bytes()
-        self._observe_end()
-        return web.Response(body=scrub_json(raw), status=200, headers=headers)
-
-    async def _stream(
-        self, node: Node, upstream: aiohttp.ClientResponse, headers: Mapping[str, str]
-    ) -> web.StreamResponse:
-        resp = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
-        request = self.request
-        assert request is not None  # (the turn is being served)
-        await resp.prepare(request)
-        scrubber = SseScrubber()
-        first = True
-        try:
-            async for chunk in upstream.content.iter_any():
-                out = scrubber.feed(chunk)
-                if out:
-                    await resp.write(out)
-                    if first:
-                        first = False
-                        self._observe_first_bytes()
-            rest = scrubber.flush()
-            if rest:
-                await resp.write(rest)
-            await resp.write_eof()
-        except ConnectionResetError:  # the client left (a write found its transport closed)
-            return resp  # (D is aborted as the upstream closes)
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as e:
-            # D broke off mid-answer: cut the client's connection so it sees a truncated answer.
-            self.s.metrics.upstream_error("decode", Failure(FailureKind.PROTOCOL))
-            self.log.warning("router.decode.broke_off", node=node.engine_id, error=str(e) or type(e).__name__)
-            if request.transport is not None:
-                request.transport.close()
-            return resp
-        if scrubber.error is None:
-            self._observe_end()
-        else:  # relayed as D sent it; not a completed answer
-            self.s.metrics.upstream_error("decode", Failure(FailureKind.STATUS, scrubber.error))
-            self.log.warning("router.decode.stream_error", node=node.engine_id, status=scrubber.error)
-        return resp
-
-    def _label(self) -> str:
-        return "pull" if self.reuse is not None and self.reuse.pull else "none"
-
-    def _observe_first_bytes(self) -> None:
-        self.s.metrics.ttft.labels(self._label()).observe(time.perf_counter() - self.started)
-
-    def _observe_end(self) -> None:
-        elapsed = time.perf_counter() - self.started
-        self.s.metrics.latency.labels(self._label()).observe(elapsed)
-        self.log.debug(
-            "router.turn.complete",
-            decision=self.reuse.decision if self.reuse else None,
-            reason=self.reuse.reason if self.reuse else None,
-            seconds=round(elapsed, 4),
-        )
 
 
 async def _maybe(aw: Any) -> Any:
