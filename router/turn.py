@@ -1,29 +1,30 @@
-"""One turn through P and D: the small async layer that applies the decisions.
+"""One turn through P and D: the turn's story, and the state its steps share.
+
+With the steps' modules, the small async layer that applies the decisions
+(`router.choice`, `router.decisions`, `router.patience`: pure):
 
 1. Choose P and D (`router.choice`).
-2. With a conversation id: tokenize once (P's ``/tokenize``), digest the prompt
-   (``kvferry.digests``, the sidecar's function), and ``Lookup`` under a short
-   deadline (`router.daemon_client`); with several caching P, score them meanwhile.
-3. P: the daemon's params (a pull, a release, or fresh ones), ``max_tokens: 1``,
-   not streamed; P renders the prompt itself, as /tokenize did (the token ids go
-   along only with ``--forward-prompt-token-ids``, on chat requests: `_forwarded_ids`).
-   A failure is retried once as `router.decisions.retry_after` says. Tokenize and
-   prefill requests go to the engine itself when its sidecar advertised it (nothing
-   on that path needs the tap).
-4. D, through its sidecar: P's params, the conversation and tenant headers (the
-   sidecar registers D's blocks for the next turn). D's answer goes to the client
-   as it comes (`router.decode`).
+2. Prepare (`router.prepare`): with a conversation id, tokenize once (P's ``/tokenize``),
+   digest the prompt, and ``Lookup`` under a short deadline; with several caching P,
+   score them meanwhile.
+3. Prefill (here): P gets the daemon's params (a pull, a release, or fresh ones),
+   ``max_tokens: 1``, not streamed; P renders the prompt itself, as /tokenize did (the
+   token ids go along only with ``--forward-prompt-token-ids``, on chat requests:
+   `Turn.forwarded_ids`). A failure is retried once as `router.decisions.retry_after`
+   says. Tokenize and prefill requests go to the engine itself when its sidecar
+   advertised it (nothing on that path needs the tap).
+4. Decode (`router.decode`): D, through its sidecar, and its answer relayed to the
+   client as it comes.
 
 Engine 4xx answers reach the client as the engine gave them; engine 5xx and
-unreachable engines become a 502 JSON error. When D refuses a turn, the blocks P kept
-for it are released through D (`router.releases`). Nothing the daemon does (or fails
+unreachable engines become a 502 JSON error. Blocks an engine kept for the turn that no
+request will carry are released (`router.releases`). Nothing the daemon does (or fails
 to do) changes what the client gets, only how fast.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import time
 import uuid
@@ -34,8 +35,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from kvferry.blockhash import block_hashes, external_block_hash
-from kvferry.digests import DIGEST_SIZE, DigestCache, seed_for
+from kvferry.digests import DigestCache
 from kvferry.releases import nothing_to_pull
 from router.choice import (
     Node,
@@ -68,23 +68,16 @@ from router.errors import bad_gateway, engine_message, error_response, passthrou
 from router.identity import Identity, identify
 from router.metrics import RouterMetrics
 from router.nodes import DirectRoutes, Load, NodeDirectory
-from router.patience import Patience, PrefillRates, lookup_wait_s
+from router.patience import PrefillRates
+from router.prepare import prepare
 from router.releases import Releases, release_claim
 from router.settings import Settings
-from router.upstream import (
-    Engines,
-    Reply,
-    UpstreamError,
-    client_request_id,
-    encode,
-    tokenize_request,
-    tokens_of,
-)
+from router.upstream import Engines, Reply, UpstreamError, client_request_id, encode
 
 log = structlog.get_logger(__name__)
 
-Made = tuple[list[int], bytes]
-"""A prompt's token ids and their block digests."""
+_NextTry = tuple[Node, dict[str, Any] | None, int]
+"""Where a failed prefill is retried: the node, D's params it carries, the attempts spent."""
 
 
 @dataclass
@@ -107,7 +100,8 @@ class Shared:
 
 
 class Turn:
-    """One client request to /v1/chat/completions or /v1/completions."""
+    """One client request to /v1/chat/completions or /v1/completions: its state, which
+    the steps (`router.prepare`, `router.decode`, `router.releases`) read and fill in."""
 
     def __init__(self, shared: Shared, request: web.Request, path: str, body: dict[str, Any]) -> None:
         self.s = shared
@@ -143,6 +137,7 @@ class Turn:
     # -- the turn ---------------------------------------------------------------------
 
     async def serve(self) -> web.StreamResponse:
+        """Serve the turn: P then D (or D alone), and D's answer relayed; -> the client's answer."""
         try:
             return await self._serve()
         finally:
@@ -152,6 +147,7 @@ class Turn:
             self.body = {"model": self.body.get("model")}
 
     async def _serve(self) -> web.StreamResponse:
+        """Choose P and D; prepare (tokenize, look up, score), prefill, decode."""
         nodes = self.nodes
         load = self.s.load.view
         tiebreak = next(self.s.tickets)
@@ -178,7 +174,7 @@ class Turn:
         # arriving during this one's tokenizing, lookup and prefill see it taken, not idle.
         with self.s.load.track(decode):
             if conversation or scoring:
-                prefill = await self._prepare(prefill, scoring, tiebreak)
+                prefill = await prepare(self, prefill, scoring, tiebreak)
             params = await self._prefill(prefill)
         if isinstance(params, web.Response):
             return params
@@ -210,173 +206,7 @@ class Turn:
             self.reuse = skipped(reason)
             self.s.metrics.lookup(self.reuse)
 
-    async def _prepare(self, prefill: Node, scoring: bool, tiebreak: int) -> Node:
-        """Tokenize and look up (and score); -> the prefill node to use.
-
-        The lookup leaves first: the daemon claims the conversation's retention while
-        P tokenizes and the router digests, and decides once the prompt follows.
-        """
-        conversation = self.identity.conversation_id
-        reuse_on = self.s.settings.reuse.enabled
-        if conversation and not reuse_on:
-            self.reuse = skipped(Skip.REUSE_OFF)
-        elif conversation and self.s.daemon is None:
-            self.reuse = skipped(Skip.NO_DAEMON)
-        lookup: asyncio.Task[Reuse] | None = None
-        if conversation and self.reuse is None:
-            assert self.s.daemon is not None
-            prompt = asyncio.ensure_future(self._prompt(prefill))
-            lookup = asyncio.ensure_future(
-                self.s.daemon.lookup_early(
-                    self.identity.tenant,
-                    conversation,
-                    prompt,
-                    answered_late=lambda reuse: release_claim(self, prefill, reuse.remote),
-                    request_id=self.request_id,
-                    wait_s=functools.partial(self._lookup_wait_s, prefill, scoring),
-                )
-            )
-            made = await prompt
-            self.tokens = made[0] if made is not None else None
-        elif scoring:
-            self.tokens = await self._tokenize(prefill)
-        prefill = self.tokenized_by or prefill
-        if prefill.engine_id in self.unreachable:  # (tokenizing could not reach it, nor a twin)
-            others = choose_prefill(self.nodes, self.s.load.view, exclude=self.unreachable, tiebreak=tiebreak)
-            prefill = others or prefill
-        t0 = time.perf_counter()
-        score = self._score(prefill) if scoring and self.tokens is not None else None
-        try:
-            reuse, cached = await asyncio.gather(_maybe(lookup), _maybe(score))
-        except asyncio.CancelledError:
-            # The client left while the score was still out: a lookup answered by then has
-            # claimed what no P request will carry (one still out answers its late hook).
-            if lookup is not None and lookup.done() and not lookup.cancelled() and not lookup.exception():
-                release_claim(self, prefill, lookup.result().remote)
-            raise
-        if lookup is not None:
-            self.s.metrics.stage.labels("lookup").observe(time.perf_counter() - t0)
-            self.reuse = reuse
-            if self.tokens is None and reuse.decision == "RECOMPUTE":
-                # The daemon claimed before tokenizing failed: its release params still go to P.
-                self.reuse = Reuse("SKIPPED", Skip.NO_TOKENS.value, reuse.remote)
-        if cached:
-            load = self.s.load.view
-            like = alike(self.nodes, prefill) if self.tokens is not None else self.nodes
-            # (a P that could not be connected to for tokenizing is no choice for the prefill either)
-            chosen = choose_prefill(like, load, cached, exclude=self.unreachable, tiebreak=tiebreak)
-            prefill = chosen or prefill
-        if self.reuse is not None:
-            self.s.metrics.lookup(self.reuse)
-        return prefill
-
-    def _lookup_wait_s(self, prefill: Node, scoring: bool, prompt_tokens: int) -> float:
-        d = self.s.settings.daemon
-        patience = Patience(d.lookup_deadline_s, d.lookup_recompute_share, d.lookup_max_wait_s)
-        rate = self.s.rates.s_per_token(prefill.model)
-        return lookup_wait_s(patience, prompt_tokens, rate, d.score_deadline_s if scoring else 0.0)
-
-    async def _prompt(self, prefill: Node) -> Made | None:
-        """The prompt's token ids (P's /tokenize) and their digests (None: P could not
-        tokenize it)."""
-        tokens = await self._tokenize(prefill)
-        if tokens is None:
-            return None
-        requested = self.body.get("model")
-        chain = seed_for(prefill.model, requested if isinstance(requested, str) else "")
-        cache, metrics = self.s.digests, self.s.metrics
-        key = (self.identity.tenant, self.identity.conversation_id)
-        t0 = time.perf_counter()
-        try:
-            digests, reused = cache.digests(key, tokens, prefill.block_size, chain)
-        except ValueError as e:  # ids no engine would send: serve without reuse
-            self.log.warning("router.digests.failed", node=prefill.engine_id, error=str(e))
-            return None
-        metrics.stage.labels("digests").observe(time.perf_counter() - t0)
-        metrics.digest_blocks.labels("reused").inc(reused)
-        metrics.digest_blocks.labels("hashed").inc(len(digests) // DIGEST_SIZE - reused)
-        metrics.digest_cache_bytes.set(cache.size_bytes)
-        return tokens, digests
-
-    async def _tokenize(self, node: Node) -> list[int] | None:
-        req = tokenize_request(self.path, self.body)
-        if req is None or isinstance(req, list):
-            return req
-        t0 = time.perf_counter()
-        timeout_s = self.s.settings.upstream.tokenize_timeout_s
-        raw = encode(req)
-        asked = node
-        try:
-            try:
-                reply = await self.post_to_prefill(node, "/tokenize", raw, timeout_s)
-            except UpstreamError as e:
-                # P never saw it: another P of the same model and block size tokenizes (and
-                # digests) the same, so the turn keeps its reuse, and prefills there too.
-                if e.failure.kind is not FailureKind.CONNECT:
-                    raise
-                twin = self._twin_prefill(node)
-                if twin is None:
-                    raise
-                self.s.metrics.upstream_error("tokenize", e.failure)
-                self.log.info("router.tokenize.elsewhere", node=node.engine_id, other=twin.engine_id)
-                asked = twin
-                reply = await self.post_to_prefill(twin, "/tokenize", raw, timeout_s)
-                self.tokenized_by = twin
-        except UpstreamError as e:
-            self.s.metrics.upstream_error("tokenize", e.failure)
-            self.log.info("router.tokenize.failed", node=asked.engine_id, error=str(e))
-            return None
-        self.s.metrics.stage.labels("tokenize").observe(time.perf_counter() - t0)
-        tokens = tokens_of(reply.body) if reply.status == 200 else None
-        if tokens is None:
-            self.s.metrics.upstream_error("tokenize", Failure(FailureKind.STATUS, reply.status))
-            self.log.info("router.tokenize.refused", node=asked.engine_id, status=reply.status)
-        return tokens
-
-    def forwarded_ids(self) -> list[int] | None:
-        """The prompt's token ids for P's and D's kv_transfer_params: only when the engines
-        take them (``--forward-prompt-token-ids``: vLLM >= 0.32 reads them on its chat path
-        alone), else None and each engine renders the request itself."""
-        forward = self.s.settings.upstream.forward_prompt_token_ids
-        return self.tokens if forward and self.path.endswith("/chat/completions") else None
-
-    def _twin_prefill(self, node: Node) -> Node | None:
-        """Another prefill node that tokenizes exactly like `node` (None: there is none)."""
-        return choose_prefill(alike(self.nodes, node), self.s.load.view, exclude={node.engine_id})
-
-    async def post_to_prefill(
-        self, node: Node, path: str, body: bytes, timeout_s: float | None = None, request_id: str = ""
-    ) -> Reply:
-        """POST to the engine itself when its sidecar advertised it, else (or when that
-        cannot be connected to: the engine never saw the request) through the sidecar.
-        `request_id`: the turn's id on the request (default: the turn's own)."""
-        headers = self.engine_headers(request_id or self.request_id)
-        url = self.s.direct.url(node)
-        try:
-            try:
-                reply = await self.s.engines.post(url + path, body, headers, timeout_s)
-            except UpstreamError as e:
-                if e.failure.kind is not FailureKind.CONNECT or not self.s.direct.unreachable(node, url):
-                    raise
-                reply = await self.s.engines.post(node.url + path, body, headers, timeout_s)
-        except UpstreamError as e:
-            if e.failure.kind is FailureKind.CONNECT:  # no prefill, retry or release goes there
-                self.mark_unreachable(node)
-            raise
-        self.s.load.reached(node.engine_id)
-        return reply
-
-    def mark_unreachable(self, node: Node) -> None:
-        """`node` could not be connected to: this turn leaves it out, and the next ones for a
-        while when they can."""
-        self.unreachable.add(node.engine_id)
-        self.down.add(node.engine_id)
-        self.s.load.unreachable(node.engine_id, time.monotonic())
-
-    async def _score(self, prefill: Node) -> dict[str, int]:
-        assert self.s.daemon is not None and self.tokens is not None
-        hashes = [external_block_hash(h) for h in block_hashes(self.tokens, prefill.block_size)]
-        return await self.s.daemon.score(hashes) if hashes else {}
+    # -- the prefill ------------------------------------------------------------------
 
     async def _prefill(self, node: Node) -> dict[str, Any] | web.Response | None:
         """P's kv_transfer_params for D (None: P gave none), or the client's error answer."""
@@ -412,50 +242,101 @@ class Turn:
                     return params if isinstance(params, dict) else None
                 kind = FailureKind.STATUS if reply.status != 200 else FailureKind.PROTOCOL
                 failure = Failure(kind, reply.status)
-            self.s.metrics.upstream_error("prefill", failure)
-            like = alike(self.nodes, node)  # (D's params are for a P of this one's block size)
-            if remote and failure.kind is not FailureKind.CONNECT:
-                # The request reached P with D's params, and no retry carries them: D would
-                # hold the claimed blocks to its TTL. A 4xx is mostly P's frontend refusing
-                # the request before its connector saw them (a prompt grown past
-                # max_model_len, say); a failed pull (a 5xx) sends D no notification; a P
-                # gone silent (a timeout) may never. (One that failed after its pull, whose
-                # read notified D, has D ignore the second notification.)
-                release_claim(self, node, remote)
-            spare = prefill_candidates(like if remote else self.nodes, exclude=tried)
-            retry = retry_after(failure, bool(remote), attempt, bool(spare))
-            self.log.info(
-                "router.prefill.failed",
-                node=node.engine_id,
-                kind=failure.kind.value,
-                status=failure.status,
-                with_params=bool(remote),
-                retry=retry.value if retry else None,
-            )
-            if retry is None:
-                if failure.client_error and reply is not None:
-                    return passthrough(reply)
-                return bad_gateway(engine_message(reply, failure, "prefill"))
-            self.s.metrics.prefill_retries.labels(retry.value).inc()
-            if spends_retry(retry, bool(remote)):
-                attempt += 1
-            if retry is Retry.FRESH:
-                unseen = failure.kind is FailureKind.CONNECT
-                fresh = fresh_retry_node(node, self.nodes, tried, self.s.load.view, unseen)
-                # Params P never got (it could not be reached) still go, with nothing to pull,
-                # to a P that can take them: P then has D free the blocks claimed for this turn.
-                take = unseen and fresh in like
-                remote = nothing_to_pull(remote) if remote and take else None
-                self.reuse = Reuse("RECOMPUTE", "prefill_failed", remote)
-                node = fresh
-            if retry is Retry.OTHER_NODE:
-                node = choose_prefill(spare, self.s.load.view) or node
+            retried = self._prefill_failed(node, failure, reply, remote, tried, attempt)
+            if isinstance(retried, web.Response):
+                return retried
+            node, remote, attempt = retried
+
+    def _prefill_failed(
+        self,
+        node: Node,
+        failure: Failure,
+        reply: Reply | None,
+        remote: dict[str, Any] | None,
+        tried: set[str],
+        attempt: int,
+    ) -> web.Response | _NextTry:
+        """The prefill on `node` (carrying D's params `remote`, at `attempt`) failed: ->
+        the client's error answer, or where the retry goes (`router.decisions.retry_after`)."""
+        self.s.metrics.upstream_error("prefill", failure)
+        like = alike(self.nodes, node)  # (D's params are for a P of this one's block size)
+        if remote and failure.kind is not FailureKind.CONNECT:
+            # The request reached P with D's params, and no retry carries them: D would
+            # hold the claimed blocks to its TTL. A 4xx is mostly P's frontend refusing
+            # the request before its connector saw them (a prompt grown past
+            # max_model_len, say); a failed pull (a 5xx) sends D no notification; a P
+            # gone silent (a timeout) may never. (One that failed after its pull, whose
+            # read notified D, has D ignore the second notification.)
+            release_claim(self, node, remote)
+        spare = prefill_candidates(like if remote else self.nodes, exclude=tried)
+        retry = retry_after(failure, bool(remote), attempt, bool(spare))
+        self.log.info(
+            "router.prefill.failed",
+            node=node.engine_id,
+            kind=failure.kind.value,
+            status=failure.status,
+            with_params=bool(remote),
+            retry=retry.value if retry else None,
+        )
+        if retry is None:
+            if failure.client_error and reply is not None:
+                return passthrough(reply)
+            return bad_gateway(engine_message(reply, failure, "prefill"))
+        self.s.metrics.prefill_retries.labels(retry.value).inc()
+        if spends_retry(retry, bool(remote)):
+            attempt += 1
+        if retry is Retry.FRESH:
+            unseen = failure.kind is FailureKind.CONNECT
+            fresh = fresh_retry_node(node, self.nodes, tried, self.s.load.view, unseen)
+            # Params P never got (it could not be reached) still go, with nothing to pull,
+            # to a P that can take them: P then has D free the blocks claimed for this turn.
+            take = unseen and fresh in like
+            remote = nothing_to_pull(remote) if remote and take else None
+            self.reuse = Reuse("RECOMPUTE", "prefill_failed", remote)
+            node = fresh
+        if retry is Retry.OTHER_NODE:
+            node = choose_prefill(spare, self.s.load.view) or node
+        return node, remote, attempt
+
+    # -- what the steps share -----------------------------------------------------------
+
+    def forwarded_ids(self) -> list[int] | None:
+        """The prompt's token ids for P's and D's kv_transfer_params: only when the engines
+        take them (``--forward-prompt-token-ids``: vLLM >= 0.32 reads them on its chat path
+        alone), else None and each engine renders the request itself."""
+        forward = self.s.settings.upstream.forward_prompt_token_ids
+        return self.tokens if forward and self.path.endswith("/chat/completions") else None
 
     def engine_headers(self, turn_id: str, extra: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
         """The headers of a request to an engine for this turn (`turn_id`: the turn's id on it,
         `extra`: headers of the hop's own)."""
         return self.s.engines.headers(self._client_headers, turn_id, extra, self.answer_id)
 
+    async def post_to_prefill(
+        self, node: Node, path: str, body: bytes, timeout_s: float | None = None, request_id: str = ""
+    ) -> Reply:
+        """POST to the engine itself when its sidecar advertised it, else (or when that
+        cannot be connected to: the engine never saw the request) through the sidecar.
+        `request_id`: the turn's id on the request (default: the turn's own)."""
+        headers = self.engine_headers(request_id or self.request_id)
+        url = self.s.direct.url(node)
+        try:
+            try:
+                reply = await self.s.engines.post(url + path, body, headers, timeout_s)
+            except UpstreamError as e:
+                if e.failure.kind is not FailureKind.CONNECT or not self.s.direct.unreachable(node, url):
+                    raise
+                reply = await self.s.engines.post(node.url + path, body, headers, timeout_s)
+        except UpstreamError as e:
+            if e.failure.kind is FailureKind.CONNECT:  # no prefill, retry or release goes there
+                self.mark_unreachable(node)
+            raise
+        self.s.load.reached(node.engine_id)
+        return reply
 
-async def _maybe(aw: Any) -> Any:
-    return None if aw is None else await aw
+    def mark_unreachable(self, node: Node) -> None:
+        """`node` could not be connected to: this turn leaves it out, and the next ones for a
+        while when they can."""
+        self.unreachable.add(node.engine_id)
+        self.down.add(node.engine_id)
+        self.s.load.unreachable(node.engine_id, time.monotonic())
