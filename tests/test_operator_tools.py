@@ -184,13 +184,13 @@ async def test_cli_revoke_sends_the_release_through_a_fitting_prefill_node(
 
 
 def test_global_log_level_reaches_delegated_commands(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from kvferry import cli
+    from kvferry_cli import command
 
     seen: list[list[str]] = []
-    monkeypatch.setitem(cli.DELEGATED, "sidecar", (lambda argv: seen.append(argv) or 0, ""))
-    assert cli.main(["--log-level", "debug", "sidecar", "--engine-url", "http://e"]) == 0
-    assert cli.main(["--log-level=warning", "sidecar"]) == 0
-    assert cli.main(["sidecar", "--engine-url", "http://e"]) == 0
+    monkeypatch.setitem(command.DELEGATED, "sidecar", (lambda argv: seen.append(argv) or 0, ""))
+    assert command.main(["--log-level", "debug", "sidecar", "--engine-url", "http://e"]) == 0
+    assert command.main(["--log-level=warning", "sidecar"]) == 0
+    assert command.main(["sidecar", "--engine-url", "http://e"]) == 0
     assert seen == [
         ["--log-level", "debug", "--engine-url", "http://e"],
         ["--log-level=warning"],
