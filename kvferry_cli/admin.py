@@ -119,6 +119,16 @@ def _as_dict(msg: Any) -> dict[str, Any]:
     return _integral(d)  # type: ignore[no-any-return]
 
 
+def _retention_dict(retention: leases_pb2.Lease) -> dict[str, Any]:
+    """A retention as `_as_dict` shows it; a claimed one (its record gone, only the claim
+    marker left) with only the fields the daemon filled in (when it was claimed, and what
+    the marker kept: the engine, the request), not zeros that would read as facts."""
+    if not retention.claimed:
+        return _as_dict(retention)
+    known = json_format.MessageToDict(retention, preserving_proto_field_name=True)
+    return _integral(known)  # type: ignore[no-any-return]
+
+
 def _integral(v: Any) -> Any:
     if isinstance(v, float):  # (only Struct values are doubles in these messages)
         return json_number(v)
@@ -158,7 +168,7 @@ def _retentions(a: argparse.Namespace) -> int:
                     leases_pb2.GetLeaseRequest(tenant=a.tenant, conversation_id=a.conversation_id),
                     timeout=a.timeout,
                 )
-                print(json.dumps(_as_dict(retention), indent=None if a.json else 2))
+                print(json.dumps(_retention_dict(retention), indent=None if a.json else 2))
                 return 0
             return _revoke(stub, nodes_pb2_grpc.NodesStub(ch), a)
         except grpc.RpcError as e:
@@ -178,7 +188,10 @@ def _revoke(stub: leases_pb2_grpc.LeasesStub, nodes: nodes_pb2_grpc.NodesStub, a
         timeout=a.timeout,
     )
     if not resp.found:
-        return _removed(resp, a.json, "revoked", "no such lease")
+        whose = f"tenant {a.tenant!r}" if a.tenant else "the default tenant"
+        return _removed(
+            resp, a.json, "revoked", f"no retention of conversation {a.conversation_id!r} of {whose}"
+        )
     if a.no_release:
         sent, how = False, "--no-release"
     else:
@@ -194,8 +207,15 @@ def _revoke(stub: leases_pb2_grpc.LeasesStub, nodes: nodes_pb2_grpc.NodesStub, a
 
 
 def _removed(resp: Any, as_json: bool, done: str, missing: str) -> int:
-    """Report a removal (a response with `found`): exit 0, or 2 when there was nothing to remove."""
-    print(json.dumps(_as_dict(resp)) if as_json else done if resp.found else missing)
+    """Report a removal (a response with `found`): exit 0, or 2 when there was nothing to
+    remove. --json prints the answer on stdout either way; else `done` goes to stdout,
+    `missing` (what was not found) to stderr as an error."""
+    if as_json:
+        print(json.dumps(_as_dict(resp)))
+    elif resp.found:
+        print(done)
+    else:
+        print(f"error: {missing}", file=sys.stderr)
     return 0 if resp.found else 2
 
 
@@ -251,7 +271,7 @@ def _nodes(a: argparse.Namespace) -> int:
                 gone = stub.Deregister(
                     nodes_pb2.DeregisterNodeRequest(engine_id=a.engine_id), timeout=a.timeout
                 )
-                return _removed(gone, a.json, "deregistered", "no such node")
+                return _removed(gone, a.json, "deregistered", f"no node {a.engine_id!r} is registered")
             resp = stub.List(nodes_pb2.ListNodesRequest(include_dead=a.all), timeout=a.timeout)
         except grpc.RpcError as e:
             return _fail(e)
