@@ -34,9 +34,10 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from emulator.config import VLLM_VERSION, EmulatorConfig
-from emulator.engine import Engine, GenerationSpec, RunningRequest
+from emulator.engine import Engine, RunningRequest
 from emulator.errors import EngineError, InvalidRequest, KVLoadFailed, ModelNotFound, error_body
 from emulator.prompts import forwarded_prompt_ids
+from emulator.sequence import GenerationSpec
 from emulator.tokenizer import (
     VOCAB_SIZE,
     TemplateError,
@@ -320,7 +321,7 @@ def _rejection_cleanup(engine: Engine, body: _Common) -> Iterator[None]:
     try:
         yield
     except (InvalidRequest, ModelNotFound):
-        engine.kv_transfer_rejected(body.kv_transfer_params)
+        engine.pulls.kv_transfer_rejected(body.kv_transfer_params)
         raise
 
 
