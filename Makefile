@@ -39,7 +39,7 @@ test-vllm: $(STAMP)
 check: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
-	$(BIN)/mypy $(wildcard controlplane kvferry sidecar router emulator bench realvllm) scripts
+	$(BIN)/mypy $(wildcard controlplane kvferry kvferry_cli sidecar router emulator bench realvllm) scripts
 	$(BIN)/lint-imports
 	$(BIN)/python scripts/gen_protos.py
 	git diff --exit-code -- kvferry/v1 || (echo "generated stubs are stale: run 'make proto' and commit" >&2; exit 1)

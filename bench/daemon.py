@@ -128,7 +128,7 @@ class DaemonProcess:
             else ["--data-dir", str(self.data_dir), "--embedded-port", str(self.etcd_port)]
         )
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvferry.cli", "--log-level", "warning", "daemon",
+            sys.executable, "-m", "kvferry_cli", "--log-level", "warning", "daemon",
             "--listen", f"127.0.0.1:{self.port}", "--metrics-port", str(self.metrics_port), *store,
             stdin=asyncio.subprocess.DEVNULL,
         )  # fmt: skip

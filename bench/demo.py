@@ -92,7 +92,7 @@ class DaemonProcess:
             assert self.data_dir is not None
             store = ["--data-dir", str(self.data_dir / "etcd"), "--embedded-port", str(free_port())]
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvferry.cli", "--log-level", "warning", "daemon",
+            sys.executable, "-m", "kvferry_cli", "--log-level", "warning", "daemon",
             "--listen", self.address, "--metrics-port", "-1", *store,
             stdin=asyncio.subprocess.DEVNULL,
         )  # fmt: skip

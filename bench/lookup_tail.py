@@ -113,7 +113,7 @@ async def probe(args: argparse.Namespace) -> None:
         if args.list:  # `kvferry leases ls` of everything, from its own process, into a file
             with listed_to.open("wb") as sink:
                 listing = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "kvferry.cli", "leases", "ls", "--daemon", f"127.0.0.1:{d.port}",
+                    sys.executable, "-m", "kvferry_cli", "leases", "ls", "--daemon", f"127.0.0.1:{d.port}",
                     "--tenant", "bench", "--json", stdout=sink,
                 )  # fmt: skip
         t0 = time.perf_counter()

@@ -197,7 +197,7 @@ async def wait_indexed(nodes: nodes_pb2_grpc.NodesAsyncStub, count: int, timeout
 
 async def spawn(*args: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvferry.cli", *args, stdin=asyncio.subprocess.DEVNULL
+        sys.executable, "-m", "kvferry_cli", *args, stdin=asyncio.subprocess.DEVNULL
     )
 
 

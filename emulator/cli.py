@@ -22,6 +22,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvferry emulate",
         description="A vLLM stand-in: OpenAI HTTP API, NIXL-like KV transfer, KV events.",
     )
+    _add_engine_flags(parser)
+    _add_endpoint_flags(parser)
+    _add_transfer_flags(parser)
+    _add_timing_flags(parser)
+    logs.add_level_flag(parser)
+    return parser
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Where the HTTP API listens, what it serves, and how big the engine is."""
     add = parser.add_argument
     add("--host", default=_DEFAULTS.host, help="HTTP bind address")
     add("--port", type=int, default=_DEFAULTS.port, help="HTTP port (0 = any free)")
@@ -32,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--num-blocks", type=int, default=_DEFAULTS.num_blocks, help="KV blocks in the pool")
     add("--max-model-len", type=int, default=_DEFAULTS.max_model_len, help="longest sequence")
     add("--engine-id", default=None, help="fixed engine id (default: fresh uuid per start)")
+
+
+def _add_endpoint_flags(parser: argparse.ArgumentParser) -> None:
+    """Where the KV side channel and the KV-event publisher listen."""
+    add = parser.add_argument
     add("--side-channel-host", default=_DEFAULTS.side_channel_host, help="KV side-channel host")
     add(
         "--side-channel-port",
@@ -48,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV-event ZMQ ROUTER replay port (0 = off)",
     )
     add("--kv-events-topic", default=_DEFAULTS.kv_events_topic, help="KV-event topic")
+
+
+def _add_transfer_flags(parser: argparse.ArgumentParser) -> None:
+    """How KV moves between engines and how long it is held (vLLM's connector settings)."""
+    add = parser.add_argument
     add(
         "--bidirectional-kv-xfer",
         action=argparse.BooleanOptionalAction,
@@ -91,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="take a chat request's kv_transfer_params.prompt_token_ids as its prompt, as vLLM 0.32 "
         "does (--no-...: render the messages, as releases before vLLM PR 48145)",
     )
+
+
+def _add_timing_flags(parser: argparse.ArgumentParser) -> None:
+    """The timing model, and local prefix caching."""
+    add = parser.add_argument
     add("--prefill-ms-per-token", type=finite_float, default=_DEFAULTS.prefill_ms_per_token)
     add("--decode-ms-per-token", type=finite_float, default=_DEFAULTS.decode_ms_per_token)
     add("--transfer-ms-per-block", type=finite_float, default=_DEFAULTS.transfer_ms_per_block)
@@ -100,8 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="disable local prefix caching (and KV events)",
     )
-    logs.add_level_flag(parser)
-    return parser
 
 
 def config_from_args(args: argparse.Namespace) -> EmulatorConfig:

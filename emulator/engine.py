@@ -3,9 +3,10 @@
 One engine per process start (a generation, with a fresh agent name, and a fresh
 ``engine_id`` unless one is configured, as vLLM's ``kv_transfer_config.engine_id``). It
 owns the block pool and the side channel through which other engines read the
-blocks it holds for them. Prefill work is serialized through one lock, the
-"GPU", so concurrent requests queue; remote pulls and decode steps are not
-(NIXL reads run beside the compute, decode steps are batched on a real engine).
+blocks it holds for them; its ``Puller`` (``emulator.pulls``) reads the blocks others
+hold. Prefill work is serialized through one lock, the "GPU", so concurrent requests
+queue; remote pulls and decode steps are not (NIXL reads run beside the compute,
+decode steps are batched on a real engine).
 
 Lifecycle of a request: ``submit`` prefills (local cache hit, remote pull per
 ``kv_transfer_params``, compute the rest) and returns a ``RunningRequest`` whose
@@ -17,12 +18,9 @@ so; an abort never does.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
-import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -31,32 +29,17 @@ import structlog
 from emulator import kvmodel
 from emulator.blocks import Block, BlockPool
 from emulator.config import EmulatorConfig
-from emulator.errors import CapacityExceeded, InvalidRequest, KVLoadFailed
+from emulator.errors import CapacityExceeded, InvalidRequest
 from emulator.hashing import BlockHasher
 from emulator.holds import REGISTRATION_GENERATION, HeldBlockTable
 from emulator.kvevents import Event
 from emulator.metrics import EngineMetrics
-from emulator.sidechannel import (
-    Notify,
-    ReadBlocks,
-    RemoteAgents,
-    SideChannelServer,
-    TransferError,
-    notify_remote,
-    read_remote_blocks,
-)
+from emulator.pulls import Puller
+from emulator.sequence import GenerationSpec, KVSequence, PrefillStats
+from emulator.sidechannel import SideChannelServer
+from emulator.timing import modeled
 from emulator.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
-from emulator.transfer import (
-    TOO_FEW_REMOTE_BLOCKS,
-    HeldBlocks,
-    PullAction,
-    PullDirection,
-    PullPlan,
-    describe_held_blocks,
-    parse_remote,
-    plan_pull,
-    too_close_to_expiry,
-)
+from emulator.transfer import HeldBlocks, describe_held_blocks
 from kvferry.blockhash import none_hash
 
 log = structlog.get_logger(__name__)
@@ -67,67 +50,10 @@ log = structlog.get_logger(__name__)
 _PromptIds = list[Annotated[int, msgspec.Meta(ge=0, lt=VOCAB_SIZE)]]
 
 
-@contextlib.asynccontextmanager
-async def _modeled(ms: float) -> AsyncIterator[None]:
-    """A step of the timing model: lasts ``ms`` milliseconds, timed from entry, and at least
-    as long as the body (the emulator's own work for the step, which thus costs nothing
-    extra while it fits in the modeled time). An exception ends it at once."""
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-    timer = loop.call_later(ms / 1000, done.set_result, None)
-    try:
-        yield
-        await done
-    finally:
-        timer.cancel()
-        done.cancel()
-
-
-@dataclass(frozen=True)
-class GenerationSpec:
-    """One request as the engine sees it, after templating and validation."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    ignore_eos: bool = False
-    kv_transfer_params: Mapping[str, Any] | None = None
-    session_id: str | None = None
-    cache_salt: str | None = None
-    """The request's own prefix cache (vLLM's cache_salt): it hits only blocks of its salt."""
-
-
-@dataclass
-class PrefillStats:
-    """Where the prompt's KV came from."""
-
-    prompt_tokens: int
-    local_cached_tokens: int = 0
-    pulled_tokens: int = 0
-    pulled_blocks: int = 0
-    computed_tokens: int = 0
-    pull: str = "none"
-    """``none``, ``pulled``, ``skipped:<reason>``, ``failed:<reason>`` or ``recomputed:<reason>``."""
-
-
-@dataclass(eq=False)
-class _Sequence:
-    token_ids: list[int]
-    blocks: list[Block] = field(default_factory=list)
-    num_computed: int = 0
-    hashes: list[bytes] = field(default_factory=list)
-    """Hashes of the blocks entered into the prefix cache (committed)."""
-    prompt_hashes: list[bytes] = field(default_factory=list)
-    """Hashes of the prompt's full blocks, computed once at admission and reused at commit."""
-    session_id: str | None = None
-    first_state: bytes | None = None
-    """Sampler state for the first token, set by the prefill."""
-
-
 class RunningRequest:
     """A prefilled request; iterate ``tokens()`` to decode it."""
 
-    def __init__(self, engine: Engine, spec: GenerationSpec, seq: _Sequence, stats: PrefillStats) -> None:
+    def __init__(self, engine: Engine, spec: GenerationSpec, seq: KVSequence, stats: PrefillStats) -> None:
         self._engine = engine
         self._seq = seq
         self._done = False
@@ -209,12 +135,11 @@ class Engine:
         )
         self.metrics.track_kv_cache_usage(self.pool.usage)
         self._gpu = asyncio.Lock()
-        self._notifies: set[asyncio.Task[None]] = set()
+        self.pulls = Puller(config, self.metrics)
         self._freed = asyncio.Event()
         self._holds = HeldBlockTable(
             self.engine_id, self._free, self.pool.blocks, self.metrics.kv_reads_unheld.inc, str(uuid.uuid4())
         )
-        self._agents = RemoteAgents()  # the handshakes with the engines it pulls from
         self._side_channel = SideChannelServer(
             self._holds, config.side_channel_host, config.side_channel_port
         )
@@ -232,8 +157,7 @@ class Engine:
 
     async def close(self) -> None:
         """Deliver pending notifies, close the side channel and drop hold timers."""
-        if self._notifies:
-            await asyncio.gather(*self._notifies, return_exceptions=True)
+        await self.pulls.close()
         await self._side_channel.close()
         self._holds.close()
 
@@ -248,7 +172,7 @@ class Engine:
         """Prefill a request; raises EngineError subclasses on bad input or failed loads."""
         prompt = self.validate(spec)
         bs = self.config.block_size
-        seq = _Sequence(token_ids=prompt, session_id=spec.session_id)
+        seq = KVSequence(token_ids=prompt, block_size=bs, session_id=spec.session_id)
         stats = PrefillStats(prompt_tokens=len(prompt))
         try:
             if self.pool.enable_caching:
@@ -259,9 +183,9 @@ class Engine:
                 seq.num_computed = stats.local_cached_tokens = len(hits) * bs
                 self.metrics.prefix_cache_queries.inc(len(prompt))
                 self.metrics.prefix_cache_hits.inc(seq.num_computed)
-            plan = self._plan(spec, len(prompt), stats.local_cached_tokens)
+            plan = self.pulls.plan(spec, len(prompt), stats.local_cached_tokens)
             seq.blocks += await self._allocate(math.ceil(len(prompt) / bs) - len(seq.blocks))
-            await self._apply_plan(plan, seq, stats)
+            await self.pulls.apply(plan, seq, stats)
             await self._compute_prompt(seq, stats)
         except BaseException:
             self.release(seq)
@@ -291,136 +215,7 @@ class Engine:
             raise InvalidRequest("The prompt needs more KV blocks than the engine has.")
         return prompt
 
-    def _plan(self, spec: GenerationSpec, prompt_len: int, cached: int) -> PullPlan:
-        params = spec.kv_transfer_params
-        try:
-            if params and params.get("do_remote_prefill"):
-                source = parse_remote(params, PullDirection.FROM_PREFILLER)
-                threshold = 0
-            elif params and params.get("do_remote_decode"):
-                if not self.config.bidirectional_kv_xfer:
-                    return PullPlan(PullAction.SKIP, "bidirectional_disabled")
-                source = parse_remote(params, PullDirection.FROM_DECODER)
-                threshold = self.config.kv_recompute_threshold
-            else:
-                return PullPlan(PullAction.SKIP, "no_remote_blocks")
-        except (ValueError, TypeError) as exc:
-            raise InvalidRequest(f"Invalid kv_transfer_params: {exc}") from exc
-        return plan_pull(
-            source,
-            prompt_len=prompt_len,
-            cached_tokens=cached,
-            block_size=self.config.block_size,
-            threshold=threshold,
-        )
-
-    async def _apply_plan(self, plan: PullPlan, seq: _Sequence, stats: PrefillStats) -> None:
-        failure = plan.reason if plan.action is PullAction.FAIL else None
-        source = plan.source
-        if failure == TOO_FEW_REMOTE_BLOCKS:  # vLLM: an assert in the worker; the engine dies
-            self.metrics.connector_faults.inc()
-            log.error("engine.connector_fault", reason=failure, remote=source.request_id if source else None)
-        if plan.action is PullAction.PULL and source and too_close_to_expiry(source, time.perf_counter()):
-            failure = "expiry_too_close"  # (checked at the read, as vLLM's worker does)
-        elif plan.action is PullAction.PULL:
-            try:
-                await self._pull(plan, seq)
-            except TransferError as exc:
-                failure = "transfer_error"
-                log.warning("engine.kv_pull.failed", error=str(exc))
-            else:
-                stats.pulled_tokens = plan.num_tokens
-                stats.pulled_blocks = len(plan.remote_block_ids)
-                stats.pull = "pulled"
-                self.metrics.kv_pulled_blocks.inc(stats.pulled_blocks)
-                self.metrics.kv_pulled_tokens.inc(stats.pulled_tokens)
-        if plan.notify and failure is None:
-            # (vLLM's notification rides on the read itself, or goes alone when there is
-            # nothing to read: a failed read, or one declined as too close to D's expiry,
-            # tells D nothing, and D holds the blocks to its TTL)
-            self._notify_later(plan)
-        if plan.action is PullAction.SKIP and plan.source is not None:
-            stats.pull = f"skipped:{plan.reason}"
-        if failure is not None:
-            stats.pull = f"failed:{failure}"
-            self.metrics.kv_pull(stats.pull)
-            if self.config.kv_load_failure_policy == "fail":
-                raise KVLoadFailed(f"KV load failed ({failure}) for remote request")
-            stats.pull = f"recomputed:{failure}"
-        elif stats.pull != "none":
-            self.metrics.kv_pull(stats.pull)
-
-    async def _pull(self, plan: PullPlan, seq: _Sequence) -> None:
-        source = plan.source
-        assert source is not None
-        first = plan.first_local_block
-        local = seq.blocks[first : first + len(plan.remote_block_ids)]
-        # The read and the copy are the emulated transfer: they run within its modeled time.
-        async with _modeled(self.config.transfer_ms_per_block * len(local)):
-            agent = ""
-            try:
-                async with asyncio.timeout(self.config.side_channel_timeout):
-                    agent = await self._agents.agent(source.host, source.port, source.engine_id)
-                    request = ReadBlocks(
-                        engine_id=source.engine_id,
-                        request_id=source.request_id,
-                        block_ids=list(plan.remote_block_ids),
-                        registration_generation=source.registration_generation,
-                        agent=agent,
-                    )
-                    data = await read_remote_blocks(source.host, source.port, request)
-            except TimeoutError as exc:
-                self._agents.failed(source.engine_id, agent)
-                raise TransferError(f"read from {source.host}:{source.port} timed out") from exc
-            except TransferError:
-                self._agents.failed(source.engine_id, agent)
-                raise
-            size = self.config.block_size * kvmodel.SLOT_BYTES
-            if len(data) != size * len(local):
-                raise TransferError("remote block size differs from the local one")
-            view = memoryview(data)
-            for block, start in zip(local, range(0, len(data), size), strict=True):
-                block.kv[:] = view[start : start + size]
-
-    def kv_transfer_rejected(self, params: Mapping[str, Any] | None) -> None:
-        """A request refused before admission came with these params: if they are a
-        prefill's (``do_remote_prefill``), tell their holder it may free the blocks, as
-        vLLM's serving layer does (PR 41269: an empty receive, notify only). Nothing was
-        allocated here, so nothing is kept."""
-        if not params or not params.get("do_remote_prefill"):
-            return
-        try:
-            source = parse_remote(params, PullDirection.FROM_PREFILLER)
-        except (ValueError, TypeError):
-            source = None
-        if source is None:  # vLLM's scheduler reads these keys unchecked: its engine dies
-            self.metrics.connector_faults.inc()
-            log.error("engine.connector_fault", reason="rejected_request_without_remote_blocks")
-            return
-        self._notify_later(PullPlan(PullAction.SKIP, "rejected_before_admission", source))
-
-    def _notify_later(self, plan: PullPlan) -> None:
-        """Send the notify beside the request, as NIXL does: the holder learns it may free
-        the blocks once the pull is over (or was decided against), but the request does
-        not wait for it. Always sent; ``close`` waits for those still on their way."""
-        task = asyncio.get_running_loop().create_task(self._notify(plan))
-        self._notifies.add(task)
-        task.add_done_callback(self._notifies.discard)
-
-    async def _notify(self, plan: PullPlan) -> None:
-        source = plan.source
-        assert source is not None
-        agent = ""
-        try:
-            async with asyncio.timeout(self.config.side_channel_timeout):
-                agent = await self._agents.agent(source.host, source.port, source.engine_id)
-                notify = Notify(engine_id=source.engine_id, request_id=source.request_id, agent=agent)
-                await notify_remote(source.host, source.port, notify)
-        except (TransferError, TimeoutError) as exc:
-            self._agents.failed(source.engine_id, agent)
-            log.info("engine.kv_notify.failed", error=str(exc), reason=plan.reason)
-
-    async def _compute_prompt(self, seq: _Sequence, stats: PrefillStats) -> None:
+    async def _compute_prompt(self, seq: KVSequence, stats: PrefillStats) -> None:
         prompt_len = len(seq.token_ids)
         start = min(stats.local_cached_tokens + stats.pulled_tokens, prompt_len - 1)
         self.metrics.num_requests_waiting.inc()
@@ -431,55 +226,16 @@ class Engine:
         try:
             # Computing the KV and reading the context for the first token is the emulated
             # prefill (its forward pass): that work runs within the step's modeled time.
-            async with _modeled(self.config.prefill_ms_per_token * (prompt_len - start)):
-                self._write_prompt_kv(seq, start, prompt_len)
+            async with modeled(self.config.prefill_ms_per_token * (prompt_len - start)):
+                seq.write_prompt_kv(start, prompt_len)
                 seq.num_computed = prompt_len
-                seq.first_state = self.prefill_state(seq)
+                seq.first_state = seq.context_state()
             stats.computed_tokens = prompt_len - start
         finally:
             self._gpu.release()
         self._commit_full_blocks(seq)
 
-    # --- KV slots ---------------------------------------------------------
-
-    def _slot(self, seq: _Sequence, position: int) -> bytes:
-        if position < 0:
-            return kvmodel.GENESIS_KV
-        block, offset = divmod(position, self.config.block_size)
-        start = offset * kvmodel.SLOT_BYTES
-        return bytes(seq.blocks[block].kv[start : start + kvmodel.SLOT_BYTES])
-
-    def _write_kv(self, seq: _Sequence, position: int) -> bytes:
-        kv = kvmodel.token_kv(self._slot(seq, position - 1), position, seq.token_ids[position])
-        block, offset = divmod(position, self.config.block_size)
-        start = offset * kvmodel.SLOT_BYTES
-        seq.blocks[block].kv[start : start + kvmodel.SLOT_BYTES] = kv
-        return kv
-
-    def _write_prompt_kv(self, seq: _Sequence, start: int, stop: int) -> None:
-        """Compute the KV of positions ``start .. stop - 1`` and write it block by block."""
-        kv = kvmodel.chain_kv(self._slot(seq, start - 1), start, seq.token_ids[start:stop])
-        view = memoryview(kv)
-        bs, slot_bytes = self.config.block_size, kvmodel.SLOT_BYTES
-        position = start
-        while position < stop:
-            block, offset = divmod(position, bs)
-            count = min(bs - offset, stop - position)
-            done = (position - start) * slot_bytes
-            seq.blocks[block].kv[offset * slot_bytes : (offset + count) * slot_bytes] = view[
-                done : done + count * slot_bytes
-            ]
-            position += count
-
-    def prefill_state(self, seq: _Sequence) -> bytes:
-        """Sampler state over every KV slot of the prefilled context."""
-        full, rest = divmod(seq.num_computed, self.config.block_size)
-        slots: list[bytearray | memoryview] = [block.kv for block in seq.blocks[:full]]
-        if rest:
-            slots.append(memoryview(seq.blocks[full].kv)[: rest * kvmodel.SLOT_BYTES])
-        return kvmodel.context_state(slots)
-
-    def _commit_full_blocks(self, seq: _Sequence) -> None:
+    def _commit_full_blocks(self, seq: KVSequence) -> None:
         if not self.pool.enable_caching:
             return
         bs = self.config.block_size
@@ -503,13 +259,13 @@ class Engine:
 
     # --- decode -----------------------------------------------------------
 
-    async def decode_step(self, seq: _Sequence, state: bytes) -> bytes:
+    async def decode_step(self, seq: KVSequence, state: bytes) -> bytes:
         """Feed the last sampled token back: its KV joins the context."""
         await asyncio.sleep(self.config.decode_ms_per_token / 1000)
         position = seq.num_computed
         if position // self.config.block_size >= len(seq.blocks):
             seq.blocks += await self._allocate(1)
-        kv = self._write_kv(seq, position)
+        kv = seq.write_kv(position)
         seq.num_computed += 1
         self._commit_full_blocks(seq)
         return kvmodel.advance_state(state, kv)
@@ -530,7 +286,7 @@ class Engine:
 
     # --- finish, holds and the side channel ---------------------------------
 
-    def finish(self, spec: GenerationSpec, seq: _Sequence, reason: str) -> dict[str, Any] | None:
+    def finish(self, spec: GenerationSpec, seq: KVSequence, reason: str) -> dict[str, Any] | None:
         """End a request normally; hold its blocks and describe them when asked to."""
         self.metrics.request_finished(reason)
         params = spec.kv_transfer_params or {}
@@ -549,7 +305,7 @@ class Engine:
         self.release(seq)
         return None
 
-    def _hold(self, request_id: str, seq: _Sequence, ttl: float, for_decoder: bool) -> dict[str, Any]:
+    def _hold(self, request_id: str, seq: KVSequence, ttl: float, for_decoder: bool) -> dict[str, Any]:
         blocks, seq.blocks = seq.blocks, []
         expiry = self._holds.hold(request_id, blocks, ttl)
         self.metrics.held_requests.set(len(self._holds))
@@ -566,7 +322,7 @@ class Engine:
         )
         return describe_held_blocks(held, for_decoder=for_decoder)
 
-    def release(self, seq: _Sequence) -> None:
+    def release(self, seq: KVSequence) -> None:
         """Drop a sequence's block references (not held ones)."""
         blocks, seq.blocks = seq.blocks, []
         self._free(blocks)

@@ -15,16 +15,20 @@ class EngineMetrics(OwnRegistry):
 
     def __init__(self, model: str, engine_id: str, cache_config: dict[str, str] | None = None) -> None:
         super().__init__()
-        labels = {"model_name": model, "engine": "0"}
-        names = list(labels)
+        self._labels = {"model_name": model, "engine": "0"}
+        self._add_vllm_metrics()
+        self._add_emulator_metrics()
+        self._add_info(model, engine_id, cache_config)
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, [*names, *extra], registry=self.registry)
+    def _counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+        return Counter(name, doc, [*self._labels, *extra], registry=self.registry)
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, names, registry=self.registry)
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, list(self._labels), registry=self.registry)
 
-        self._labels = labels
+    def _add_vllm_metrics(self) -> None:
+        """The metrics vLLM has, with its names, labels and help texts."""
+        counter, gauge, labels = self._counter, self._gauge, self._labels
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.").labels(
             **labels
         )
@@ -58,6 +62,10 @@ class EngineMetrics(OwnRegistry):
         self._kv_cache_usage = gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
         ).labels(**labels)
+
+    def _add_emulator_metrics(self) -> None:
+        """The emulator's own (``kvferry_emulator:``): pulls, holds, connector faults."""
+        counter, gauge, labels = self._counter, self._gauge, self._labels
         self._kv_pulls = counter(
             "kvferry_emulator:kv_pulls",
             "Remote KV pull decisions by outcome (pulled, skipped:*, failed:*).",
@@ -85,6 +93,9 @@ class EngineMetrics(OwnRegistry):
             "kvferry_emulator:held_requests",
             "Requests whose blocks are held for a remote reader.",
         ).labels(**labels)
+
+    def _add_info(self, model: str, engine_id: str, cache_config: dict[str, str] | None) -> None:
+        """Constant gauges: this engine's id, its start time, and (vLLM's) its cache config."""
         self.engine_info = Gauge(
             "kvferry_emulator:engine_info",
             "Constant 1, labelled with the engine id of this generation.",

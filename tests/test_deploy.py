@@ -24,8 +24,8 @@ import controlplane.metrics  # noqa: F401 - registers the daemon's metrics in th
 from controlplane import settings as daemon_settings
 from controlplane.policy import Reason
 from emulator import cli as emulator_cli
-from kvferry import cli as kvferry_cli
 from kvferry import flags
+from kvferry_cli import command as kvferry_cli
 from router import cli as router_cli
 from router import settings as router_settings
 from router.decisions import Skip

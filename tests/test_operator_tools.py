@@ -132,6 +132,33 @@ async def test_cli_tables_and_json(daemon: Daemon, client: Client) -> None:
     assert code == 2 and "at most 86400" in err
 
 
+async def test_cli_names_what_it_did_not_find_and_shows_what_a_claim_kept(
+    daemon: Daemon, client: Client
+) -> None:
+    """A revoke or rm of nothing is an error on stderr naming what was looked for (exit 2,
+    nothing on stdout); `get` of a claimed retention shows only what the daemon knows."""
+    kvferry = str(BIN / "kvferry")
+    code, out, err = await run(kvferry, "leases", "revoke", "conv-none", "--daemon", daemon.address)
+    assert (code, out) == (2, "") and err.startswith("error: ")
+    assert "'conv-none'" in err and "the default tenant" in err, err
+    code, out, err = await run(
+        kvferry, "leases", "revoke", "conv-none", "--tenant", "acme", "--daemon", daemon.address
+    )
+    assert (code, out) == (2, "") and "'conv-none'" in err and "tenant 'acme'" in err, err
+    code, out, err = await run(kvferry, "nodes", "rm", "d-none", "--daemon", daemon.address)
+    assert (code, out) == (2, "") and err.startswith("error: ") and "'d-none'" in err, err
+
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("conv-claimed"))
+    lookup = leases_pb2.LookupRequest(conversation_id="conv-claimed", prompt_tokens=1200)
+    assert (await client.leases.Lookup(lookup)).decision == leases_pb2.PULL
+    code, out, err = await run(kvferry, "leases", "get", "conv-claimed", "--json", "--daemon", daemon.address)
+    got = json.loads(out)
+    assert code == 0 and got["claimed"] is True and got["conversation_id"] == "conv-claimed", err
+    # (no zeros for what the claim marker does not know: tokens, params, block size)
+    assert not {"num_tokens", "kv_transfer_params", "block_size", "generation"} & set(got), got
+
+
 async def test_cli_revoke_sends_the_release_through_a_fitting_prefill_node(
     daemon: Daemon, client: Client
 ) -> None:
@@ -184,13 +211,13 @@ async def test_cli_revoke_sends_the_release_through_a_fitting_prefill_node(
 
 
 def test_global_log_level_reaches_delegated_commands(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from kvferry import cli
+    from kvferry_cli import command
 
     seen: list[list[str]] = []
-    monkeypatch.setitem(cli.DELEGATED, "sidecar", (lambda argv: seen.append(argv) or 0, ""))
-    assert cli.main(["--log-level", "debug", "sidecar", "--engine-url", "http://e"]) == 0
-    assert cli.main(["--log-level=warning", "sidecar"]) == 0
-    assert cli.main(["sidecar", "--engine-url", "http://e"]) == 0
+    monkeypatch.setitem(command.DELEGATED, "sidecar", (lambda argv: seen.append(argv) or 0, ""))
+    assert command.main(["--log-level", "debug", "sidecar", "--engine-url", "http://e"]) == 0
+    assert command.main(["--log-level=warning", "sidecar"]) == 0
+    assert command.main(["sidecar", "--engine-url", "http://e"]) == 0
     assert seen == [
         ["--log-level", "debug", "--engine-url", "http://e"],
         ["--log-level=warning"],

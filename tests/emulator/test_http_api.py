@@ -519,7 +519,7 @@ async def test_a_clients_request_id_names_the_answer_and_never_collides(
 def test_what_the_template_is_given_merges_as_vllm_does() -> None:
     """As vLLM: the tools a default, the request's chat_template_kwargs over them, and its
     own template fields that are set (not None, not "auto") over both (merge_kwargs)."""
-    from emulator.http_api import template_context
+    from emulator.api_requests import template_context
 
     kwargs = {"reasoning_effort": "low", "enable_thinking": False}
     assert template_context(None, kwargs, {"reasoning_effort": "high"}) == {

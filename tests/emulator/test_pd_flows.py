@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from emulator import EmulatorServer
-from emulator import engine as engine_module
+from emulator import pulls as pulls_module
 from emulator.sidechannel import Notify
 from tests.emulator.conftest import StartEmulator
 from tests.emulator.helpers import Answer, Client, async_test, conversation
@@ -139,7 +139,7 @@ async def test_notify_does_not_hold_up_the_answer_but_always_arrives(
     assert params is not None
     second = _next_turn(first, decode.content)
 
-    real_notify = engine_module.notify_remote
+    real_notify = pulls_module.notify_remote
     delivered, gate = asyncio.Event(), asyncio.Event()
 
     async def held_notify(host: str, port: int, request: Notify) -> None:
@@ -147,7 +147,7 @@ async def test_notify_does_not_hold_up_the_answer_but_always_arrives(
         await real_notify(host, port, request)
         delivered.set()
 
-    monkeypatch.setattr(engine_module, "notify_remote", held_notify)
+    monkeypatch.setattr(pulls_module, "notify_remote", held_notify)
     prefill = await http.prefill(p, second, params)  # answered while its notify is held up
     assert prefill.pull == "pulled" and not delivered.is_set()
     assert params["remote_request_id"] in (await http.state(d))["held_requests"]

@@ -39,7 +39,7 @@ def test_flags_and_environment_become_settings(monkeypatch: pytest.MonkeyPatch) 
 async def test_serves_until_sigterm(http: aiohttp.ClientSession) -> None:
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvferry.cli", "router", "--listen", f"127.0.0.1:{port}",
+        sys.executable, "-m", "kvferry_cli", "router", "--listen", f"127.0.0.1:{port}",
         "--prefill", f"http://127.0.0.1:{free_port()}", "--decode", f"http://127.0.0.1:{free_port()}",
         "--model", "m",
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,

@@ -7,8 +7,9 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from kvferry import admin, flags, logs
+from kvferry import flags, logs
 from kvferry.tasks import run_process
+from kvferry_cli import admin
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,18 +1,16 @@
-"""`kvferry leases ...` and `kvferry nodes ...`: thin gRPC clients that print tables or JSON."""
+"""`kvferry leases ...` and `kvferry nodes ...`: thin gRPC clients that print tables or JSON.
+
+`leases` is the command word (as the daemon's Leases service): what it lists, shows and
+revokes are retentions, D's blocks kept for a conversation. A revoke also frees those
+blocks through a prefill node (`kvferry_cli.release`).
+"""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import errno
-import http.client
 import json
 import os
-import socket
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,9 +20,9 @@ from google.protobuf import json_format
 from kvferry import logs
 from kvferry.digests import DIGEST_SIZE
 from kvferry.flags import non_negative_int, seconds
-from kvferry.releases import TICK_DELAYS_S, engine_url, release_body, release_prefill, released, tick_body
-from kvferry.structs import json_number, struct_to_dict
+from kvferry.structs import json_number
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
+from kvferry_cli.release import ReleaseOptions, release_revoked
 
 EXIT_CODES = "exit status: 0 done, 1 the daemon failed or is unreachable, 2 not found or bad input"
 _LIST_JSON = "print JSON, one object per line, instead of a table"
@@ -32,6 +30,7 @@ _ANSWER_JSON = "print the daemon's answer as JSON on one line"
 
 
 def add_arguments(sub: Any) -> None:
+    """Add the `leases` and `nodes` commands to the `kvferry` command's subparsers."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--daemon", default="127.0.0.1:50051", help="daemon address host:port")
     common.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for each daemon call")
@@ -44,30 +43,32 @@ def add_arguments(sub: Any) -> None:
         p.add_argument("--json", action="store_true", help=json_help)
         return p
 
-    leases = sub.add_parser("leases", help="inspect and revoke retention leases")
-    lsub = leases.add_subparsers(dest="action", required=True)
-    ls = command(lsub, "ls", "list leases", _LIST_JSON)
+    retentions = sub.add_parser(
+        "leases", help="inspect and revoke retentions (D's blocks kept for a conversation)"
+    )
+    rsub = retentions.add_subparsers(dest="action", required=True)
+    ls = command(rsub, "ls", "list retentions", _LIST_JSON)
     which = ls.add_mutually_exclusive_group()
     which.add_argument(
         "--tenant",
         default="",
-        help="the tenant's leases (default: the default tenant's; with --engine, every tenant's)",
+        help="the tenant's retentions (default: the default tenant's; with --engine, every tenant's)",
     )
-    which.add_argument("--all-tenants", action="store_true", help="every tenant's leases")
+    which.add_argument("--all-tenants", action="store_true", help="every tenant's retentions")
     ls.add_argument(
-        "--engine", default="", help="only leases held on this engine id, of every tenant unless --tenant"
+        "--engine", default="", help="only retentions held on this engine id, of every tenant unless --tenant"
     )
-    ls.add_argument("--inactive", action="store_true", help="include expired leases not yet collected")
+    ls.add_argument("--inactive", action="store_true", help="include expired retentions not yet collected")
     ls.add_argument("--limit", type=non_negative_int, default=0, help="stop after this many (0 = all)")
     get = command(
-        lsub, "get", "show one conversation's lease", "print it on one line (default: indented JSON)"
+        rsub, "get", "show one conversation's retention", "print it on one line (default: indented JSON)"
     )
-    revoke = command(lsub, "revoke", "revoke one conversation's lease and free D's blocks", _ANSWER_JSON)
+    revoke = command(rsub, "revoke", "revoke one conversation's retention and free D's blocks", _ANSWER_JSON)
     for p in (get, revoke):
         p.add_argument("conversation_id")
         p.add_argument("--tenant", default="")
     _release_flags(revoke)
-    leases.set_defaults(func=_leases)
+    retentions.set_defaults(func=_retentions)
 
     nodes = sub.add_parser("nodes", help="inspect registered nodes")
     nsub = nodes.add_subparsers(dest="action", required=True)
@@ -76,7 +77,7 @@ def add_arguments(sub: Any) -> None:
     nrm = command(
         nsub,
         "rm",
-        "deregister a node: its liveness ends and its leases die with it (D keeps their blocks to "
+        "deregister a node: its liveness ends and its retentions die with it (D keeps their blocks to "
         "their TTL; a sidecar still attached registers it again: stop that first)",
         _ANSWER_JSON,
     )
@@ -118,6 +119,16 @@ def _as_dict(msg: Any) -> dict[str, Any]:
     return _integral(d)  # type: ignore[no-any-return]
 
 
+def _retention_dict(retention: leases_pb2.Lease) -> dict[str, Any]:
+    """A retention as `_as_dict` shows it; a claimed one (its record gone, only the claim
+    marker left) with only the fields the daemon filled in (when it was claimed, and what
+    the marker kept: the engine, the request), not zeros that would read as facts."""
+    if not retention.claimed:
+        return _as_dict(retention)
+    known = json_format.MessageToDict(retention, preserving_proto_field_name=True)
+    return _integral(known)  # type: ignore[no-any-return]
+
+
 def _integral(v: Any) -> Any:
     if isinstance(v, float):  # (only Struct values are doubles in these messages)
         return json_number(v)
@@ -146,18 +157,18 @@ def _bad_input(e: Exception) -> int:
     return 2
 
 
-def _leases(a: argparse.Namespace) -> int:
+def _retentions(a: argparse.Namespace) -> int:
     with grpc.insecure_channel(a.daemon) as ch:
         stub = leases_pb2_grpc.LeasesStub(ch)
         try:
             if a.action == "ls":
-                return _leases_ls(stub, a)
+                return _list_retentions(stub, a)
             if a.action == "get":
-                lease = stub.Get(
+                retention = stub.Get(
                     leases_pb2.GetLeaseRequest(tenant=a.tenant, conversation_id=a.conversation_id),
                     timeout=a.timeout,
                 )
-                print(json.dumps(_as_dict(lease), indent=None if a.json else 2))
+                print(json.dumps(_retention_dict(retention), indent=None if a.json else 2))
                 return 0
             return _revoke(stub, nodes_pb2_grpc.NodesStub(ch), a)
         except grpc.RpcError as e:
@@ -167,18 +178,25 @@ def _leases(a: argparse.Namespace) -> int:
 
 
 def _revoke(stub: leases_pb2_grpc.LeasesStub, nodes: nodes_pb2_grpc.NodesStub, a: argparse.Namespace) -> int:
-    """Revoke the lease, then (unless --no-release) free D's blocks now rather than at
+    """Revoke the retention, then (unless --no-release) free D's blocks now rather than at
     D's TTL: a prefill node of D's model and block size is handed the release params
     with nothing to pull, and its connector only notifies D (as the router and the
-    sidecars release blocks). The release is best effort: the lease is revoked either
+    sidecars release blocks). The release is best effort: the retention is revoked either
     way, and the exit status is 0 (`release.sent` in --json says whether it went)."""
     resp = stub.Revoke(
         leases_pb2.RevokeLeaseRequest(tenant=a.tenant, conversation_id=a.conversation_id),
         timeout=a.timeout,
     )
     if not resp.found:
-        return _removed(resp, a.json, "revoked", "no such lease")
-    sent, how = (False, "--no-release") if a.no_release else _release(nodes, resp, a)
+        whose = f"tenant {a.tenant!r}" if a.tenant else "the default tenant"
+        return _removed(
+            resp, a.json, "revoked", f"no retention of conversation {a.conversation_id!r} of {whose}"
+        )
+    if a.no_release:
+        sent, how = False, "--no-release"
+    else:
+        options = ReleaseOptions(a.timeout, a.engine_api_key, a.release_timeout)
+        sent, how = release_revoked(nodes, resp, options)
     if a.json:
         print(json.dumps({**_as_dict(resp), "release": {"sent": sent, "detail": how}}))
     else:
@@ -188,92 +206,20 @@ def _revoke(stub: leases_pb2_grpc.LeasesStub, nodes: nodes_pb2_grpc.NodesStub, a
     return 0
 
 
-def _release(
-    nodes: nodes_pb2_grpc.NodesStub, resp: leases_pb2.RevokeLeaseResponse, a: argparse.Namespace
-) -> tuple[bool, str]:
-    """Send the revoked lease's release through a prefill node. -> (sent, how or why not)."""
-    lease = resp.lease
-    if not resp.release_params.fields:
-        return False, (
-            "nothing to release (the lease had expired, or its node is not alive at the "
-            "generation it was registered under: an engine that lost its sidecar still holds "
-            "them, to its TTL)"
-        )
-    try:
-        listed = nodes.List(nodes_pb2.ListNodesRequest(), timeout=a.timeout).nodes
-    except grpc.RpcError as e:
-        return False, f"could not list the nodes ({e.code().name}: {e.details()}); D frees them at its TTL"
-    d = next((n for n in listed if n.engine_id == lease.engine_id), None)
-    if d is None or d.generation != lease.generation:
-        return False, f"its node {lease.engine_id} is gone or restarted since: nothing to release it through"
-    p = release_prefill(listed, d.model, lease.block_size)
-    if p is None:
-        return False, (
-            f"no alive prefill node serves {d.model!r} with block size {lease.block_size}; "
-            "D frees them at its TTL"
-        )
-    params = struct_to_dict(resp.release_params)
-    headers = {"Content-Type": "application/json"}
-    if a.engine_api_key:
-        headers["Authorization"] = f"Bearer {a.engine_api_key}"
-    # The engine's own URL first, then its sidecar's (which relays to it) when the engine
-    # could not be connected to from here (as the router falls back): only then did it
-    # surely not get the release.
-    urls = list(dict.fromkeys(u.rstrip("/") for u in (engine_url(p), p.http_url) if u))
-    for i, url in enumerate(urls):
-        try:
-            status, text = _post(url, release_body(p.model or None, params), headers, a.release_timeout)
-        except (OSError, ValueError, http.client.HTTPException) as e:  # unreachable, timed out, garbled
-            if i + 1 < len(urls) and _not_connected(e):
-                continue
-            return False, f"prefill node {p.engine_id} ({url}) did not take it: {e}; D frees them at its TTL"
-        if not released(status):
-            return False, f"prefill node {p.engine_id} refused the release: HTTP {status} {text}"
-        waited = 0.0
-        for delay in TICK_DELAYS_S:  # (a step for an idle P to send the notification in)
-            time.sleep(delay - waited)
-            waited = delay
-            with contextlib.suppress(OSError, ValueError, http.client.HTTPException):
-                _post(url, tick_body(p.model or None), headers, a.release_timeout)
-        return True, f"through prefill node {p.engine_id}"
-    raise AssertionError("unreachable: a node to release through has a URL")
-
-
-def _post(url: str, body: dict[str, Any], headers: dict[str, str], timeout: float) -> tuple[int, str]:
-    """POST `body` to the engine's /v1/completions: -> (HTTP status, error text or "")."""
-    request = urllib.request.Request(
-        url + "/v1/completions", json.dumps(body).encode(), headers, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as r:
-            r.read()
-            return int(r.status), ""
-    except urllib.error.HTTPError as e:  # (before URLError: it is one) the engine answered
-        return e.code, _error_text(e)
-
-
-def _not_connected(e: Exception) -> bool:
-    """Whether a request failed before any of it reached the server (no connection)."""
-    reason = e.reason if isinstance(e, urllib.error.URLError) else e
-    return isinstance(reason, ConnectionRefusedError | socket.gaierror) or (
-        isinstance(reason, OSError) and reason.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH)
-    )
-
-
-def _error_text(e: urllib.error.HTTPError) -> str:
-    try:
-        return e.read()[:300].decode("utf-8", "replace")
-    except (OSError, http.client.HTTPException):
-        return ""
-
-
 def _removed(resp: Any, as_json: bool, done: str, missing: str) -> int:
-    """Report a removal (a response with `found`): exit 0, or 2 when there was nothing to remove."""
-    print(json.dumps(_as_dict(resp)) if as_json else done if resp.found else missing)
+    """Report a removal (a response with `found`): exit 0, or 2 when there was nothing to
+    remove. --json prints the answer on stdout either way; else `done` goes to stdout,
+    `missing` (what was not found) to stderr as an error."""
+    if as_json:
+        print(json.dumps(_as_dict(resp)))
+    elif resp.found:
+        print(done)
+    else:
+        print(f"error: {missing}", file=sys.stderr)
     return 0 if resp.found else 2
 
 
-def _leases_ls(stub: leases_pb2_grpc.LeasesStub, a: argparse.Namespace) -> int:
+def _list_retentions(stub: leases_pb2_grpc.LeasesStub, a: argparse.Namespace) -> int:
     rows: list[list[str]] = []
     token = ""
     count = 0
@@ -281,7 +227,7 @@ def _leases_ls(stub: leases_pb2_grpc.LeasesStub, a: argparse.Namespace) -> int:
         resp = stub.List(
             leases_pb2.ListLeasesRequest(
                 tenant=a.tenant,
-                # (an engine's leases are whosever they are: behind a router with API keys
+                # (an engine's retentions are whosever they are: behind a router with API keys
                 # no tenant is the default one)
                 all_tenants=a.all_tenants or bool(a.engine and not a.tenant),
                 engine_id=a.engine,
@@ -291,20 +237,20 @@ def _leases_ls(stub: leases_pb2_grpc.LeasesStub, a: argparse.Namespace) -> int:
             ),
             timeout=a.timeout,
         )
-        for lease in resp.leases:
+        for retention in resp.leases:
             count += 1
             if a.json:
-                print(json.dumps(_as_dict(lease)))
+                print(json.dumps(_as_dict(retention)))
             else:
                 rows.append(
                     [
-                        lease.tenant,
-                        lease.conversation_id,
-                        lease.engine_id,
-                        str(lease.generation),
-                        str(lease.num_tokens),
-                        str(len(lease.block_digests) // DIGEST_SIZE),
-                        lease.expires_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S"),
+                        retention.tenant,
+                        retention.conversation_id,
+                        retention.engine_id,
+                        str(retention.generation),
+                        str(retention.num_tokens),
+                        str(len(retention.block_digests) // DIGEST_SIZE),
+                        retention.expires_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S"),
                     ]
                 )
             if a.limit and count >= a.limit:
@@ -325,7 +271,7 @@ def _nodes(a: argparse.Namespace) -> int:
                 gone = stub.Deregister(
                     nodes_pb2.DeregisterNodeRequest(engine_id=a.engine_id), timeout=a.timeout
                 )
-                return _removed(gone, a.json, "deregistered", "no such node")
+                return _removed(gone, a.json, "deregistered", f"no node {a.engine_id!r} is registered")
             resp = stub.List(nodes_pb2.ListNodesRequest(include_dead=a.all), timeout=a.timeout)
         except grpc.RpcError as e:
             return _fail(e)
