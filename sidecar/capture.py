@@ -22,7 +22,7 @@ import msgspec
 
 from kvferry.decoding import UNDECODABLE, lax_bool
 from kvferry.hops import TURN_ID_HEADER
-from kvferry.sse import SseEvents, is_error_event
+from kvferry.sse import SseEvent, SseEvents, is_error_event, join_events, split_events
 
 #: Paths whose requests the tap rewrites and whose answers it reads.
 TAPPED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -381,24 +381,23 @@ class SseRewriter:
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to forward now for `chunk`."""
         complete = self._events.complete(chunk)
-        if not complete:
-            return b""
-        events = [out for e in self._events.split(complete) if (out := self._event(e)) is not None]
-        return self._events.join(events) if events else b""
+        return self._rewrite(complete) if complete else b""
 
     def flush(self) -> bytes:
         """Whatever is held back at the end of the stream: an event whose blank line never
         came, through the observer like any other (its line end kept)."""
-        tail = self._events.flush()
-        event = tail.rstrip(b"\r\n")
-        if not event:
-            return tail
-        out = self._event(event)
-        return b"" if out is None else out + tail[len(event) :]
+        return self._rewrite(self._events.flush())
+
+    def _rewrite(self, data: bytes) -> bytes:
+        """`data`'s events as they are forwarded."""
+        events = [
+            SseEvent(out, e.end) for e in split_events(data) if (out := self._event(e.lines)) is not None
+        ]
+        return join_events(events) if events else b""
 
     def _event(self, event: bytes) -> bytes | None:
-        """The event to forward (None: none)."""
-        if not event.startswith(b"data:") or b"\n" in event.rstrip(b"\r"):
+        """The event to forward, its lines without their end (None: none)."""
+        if not event.startswith(b"data:") or b"\n" in event or b"\r" in event:
             return event  # comments, multi-line or named events: not vLLM's, pass through
         payload = event[5:].strip()
         if payload == b"[DONE]":
