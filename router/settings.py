@@ -10,6 +10,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from kvferry.flags import flag_adder
+from kvferry.turnheaders import TENANT_HEADER
 from kvferry.urls import is_http_url, listen_host_port
 
 ENV_PREFIX = "KVFERRY_ROUTER_"
@@ -123,7 +124,7 @@ class ReuseSettings:
 
     enabled: bool = True
     """Ask the daemon for the previous turn's KV; off = plain P/D serving for every request."""
-    tenant_header: str = "X-Kvferry-Tenant"
+    tenant_header: str = TENANT_HEADER
     """Request header naming the tenant when the client sends no API key ("" = ignore it)."""
     digest_cache_bytes: int = 128 << 20
     """Memory for each conversation's last prompt (token ids and block digests, about 5

@@ -21,12 +21,11 @@ from typing import Any
 import msgspec
 
 from kvferry.decoding import UNDECODABLE, lax_bool
-from kvferry.hops import TURN_ID_HEADER
 from kvferry.sse import SseEvent, SseEvents, is_error_event, join_events, split_events
+from kvferry.turnheaders import TURN_ID_HEADER, conversation_of, tapped_tenant
 
 #: Paths whose requests the tap rewrites and whose answers it reads.
 TAPPED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-CONVERSATION_HEADERS = ("X-Conversation-Id", "X-Session-ID")
 _MAX_REQUEST_ID = 128  # bytes (the daemon takes ids up to 256); a longer one is not kept
 # The engine stopped or hit max_tokens (vLLM's FINISHED_STOPPED / _LENGTH_CAPPED, when D
 # keeps the blocks): "tool_calls" is a stop the chat layer renamed because the model called
@@ -56,22 +55,6 @@ class RequestPlan:
     with_prefill_params: bool = False
     """The request came with a prefill's kv_transfer_params (``do_remote_prefill``): a
     decode engine with bidirectional transfer pins its blocks when it finishes normally."""
-
-
-def conversation_of(headers: Mapping[str, str], body: Mapping[str, Any]) -> str:
-    """The conversation a request names: headers first, then body fields; "" = none."""
-    candidates = (
-        headers.get(CONVERSATION_HEADERS[0]),
-        body.get("conversation_id"),
-        headers.get(CONVERSATION_HEADERS[1]),
-        body.get("session_id"),
-    )
-    for value in candidates:
-        if isinstance(value, str) and value.strip():
-            return value.strip()
-        if isinstance(value, int) and not isinstance(value, bool):
-            return str(value)
-    return ""
 
 
 class _Head(msgspec.Struct):
@@ -106,7 +89,10 @@ def plan_request(
 ) -> RequestPlan | None:
     """The rewrite of a request the tap should follow, or None to pass it through untouched.
 
-    Without `capture` (a prefill node) only the body's ``conversation_id`` is removed.
+    Conversation and tenant are read by `kvferry.turnheaders`' rules, the router's;
+    `tenant_header` is the one a request that did not come from the router names its
+    tenant in. Without `capture` (a prefill node) only the body's ``conversation_id`` is
+    removed.
     """
     if method != "POST" or path not in TAPPED_PATHS or not raw:
         return None
@@ -135,7 +121,7 @@ def plan_request(
             return None
     return RequestPlan(
         body=body,
-        tenant=headers.get(tenant_header, "").strip(),
+        tenant=tapped_tenant(headers, tenant_header),
         conversation_id=conversation,
         model=head.model if isinstance(head.model, str) else "",
         strip_token_ids=ask_ids,

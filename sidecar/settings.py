@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 from kvferry.flags import flag_adder
 from kvferry.ids import id_problem
+from kvferry.turnheaders import TENANT_HEADER
 from kvferry.urls import is_http_url, is_loopback, listen_host_port
 
 ROLES = ("prefill", "decode", "both")
@@ -125,8 +126,10 @@ class TapSettings:
     """URL registered as the node's engine_url (the router tokenizes and prefills there,
     skipping the tap, which only reads decode answers); "" = the engine URL unless it is a
     loopback address while http_url is not; "none" = never (everything goes through the tap)."""
-    tenant_header: str = "X-Kvferry-Tenant"
-    """Request header naming the tenant ("" or absent = the daemon's default tenant)."""
+    tenant_header: str = TENANT_HEADER
+    """Header naming the tenant of a request that did not come from the router ("" or
+    absent = the daemon's default tenant); the router's always name it in
+    `kvferry.turnheaders.TENANT_HEADER`, whatever this says."""
     max_body_bytes: int = 64 * 1024 * 1024
     """Largest request body accepted."""
     connect_timeout_s: float = 10.0
@@ -289,7 +292,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the engine's data-parallel ranks on this node (the endpoints are the first's; rank r: port + r)",
         int,
     )
-    add("tenant-header", t.tenant_header, "request header naming the tenant")
+    add("tenant-header", t.tenant_header, "header naming the tenant of requests not from the router")
     add("advertise-url", t.advertise_url, "URL registered as the node's http_url")
     add(
         "advertise-engine-url",

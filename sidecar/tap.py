@@ -22,7 +22,8 @@ import structlog
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
-from kvferry.hops import NO_RETENTION_HEADER, NOT_DELIVERED_HEADER, never_delivered
+from kvferry.hops import never_delivered
+from kvferry.turnheaders import NO_RETENTION_HEADER, NOT_DELIVERED_HEADER
 from sidecar.capture import RequestPlan, SseRewriter, TurnObserver, plan_request, rewrite_json
 from sidecar.drafts import draft_lease
 from sidecar.engine import DEFAULT_BLOCK_SIZE, EngineInstance

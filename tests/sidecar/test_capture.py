@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvferry.digests import block_digests, seed
+from kvferry.turnheaders import TENANT_HEADER
 from sidecar.capture import (
     FinishedTurn,
     SseRewriter,
@@ -29,7 +30,7 @@ from sidecar.drafts import (
     wall_deadline,
 )
 
-TENANT = "X-Kvferry-Tenant"
+TENANT = TENANT_HEADER
 
 
 def _plan(body: Any, headers: dict[str, str] | None = None, path: str = "/v1/chat/completions", **kw: Any):  # type: ignore[no-untyped-def]

@@ -7,6 +7,7 @@ import time
 import aiohttp
 
 from kvferry.digests import block_digests, seed
+from kvferry.turnheaders import CONVERSATION_HEADER, TENANT_HEADER, TURN_ID_HEADER, conversation_of
 from kvferry.v1 import leases_pb2, nodes_pb2
 from tests.conftest import Client
 from tests.polling import eventually
@@ -135,3 +136,31 @@ async def test_a_turn_the_router_marks_no_retention_registers_nothing(
     assert sc.leases is not None and await sc.leases.wait_idle(5)
     listed = await client.leases.List(leases_pb2.ListLeasesRequest(all_tenants=True))
     assert [lease.conversation_id for lease in listed.leases] == ["kept"]
+
+
+async def test_a_sidecar_with_another_tenant_header_keeps_the_routers_tenant(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    """--tenant-header names the header of other front doors: a turn the router sent (it
+    carries the turn id) is registered under the tenant the router named, which is the one
+    the router looks it up under. Conversation ids are made safe by the router's rule."""
+    p = await start_emulator(role="prefill", enable_prefix_caching=False)
+    sc = await start_sidecar(await start_emulator(role="decode"), tap__tenant_header="X-Team")
+    await eventually(lambda: _node_alive(client, sc.settings.node_id))
+    messages = first_turn()
+    long = "c" * 300  # (longer than the daemon takes)
+    for headers in (
+        {CONVERSATION_HEADER: "routed", TURN_ID_HEADER: "kvf-1", TENANT_HEADER: "acme", "X-Team": "beta"},
+        {CONVERSATION_HEADER: "direct", "X-Team": "beta"},
+        {CONVERSATION_HEADER: long, "X-Team": "beta"},
+    ):
+        p1 = await prefill(http, p.http_url, messages)
+        d1 = await chat(http, sc.url, messages, headers, max_tokens=8, kv_transfer_params=p1.params)
+        assert d1.status == 200, d1.body
+    assert sc.leases is not None and await sc.leases.wait_idle(5)
+    listed = await client.leases.List(leases_pb2.ListLeasesRequest(all_tenants=True))
+    assert sorted((lease.tenant, lease.conversation_id) for lease in listed.leases) == [
+        ("acme", "routed"),
+        ("beta", conversation_of({CONVERSATION_HEADER: long}, {})),
+        ("beta", "direct"),
+    ]
