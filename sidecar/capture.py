@@ -7,7 +7,7 @@ wanted them. On the way back (`TurnObserver`, fed the JSON body or each SSE
 event): collect the prompt's and the generated token ids, the finish reason and
 ``kv_transfer_params``, and remove the token ids the client did not ask for.
 `SseRewriter` cuts a byte stream into SSE events without holding back any
-complete event. The lease itself is built from the finished turn in
+complete event. The retention itself is drafted from the finished turn in
 ``sidecar.drafts``.
 """
 

@@ -59,7 +59,7 @@ class SidecarMetrics(OwnRegistry):
             "Blocks the engine pins now for uncaptured turns, until its decoder_kv_blocks_ttl",
             registry=r,
         )
-        self.lease_queue = Gauge(
+        self.registration_queue = Gauge(
             "kvferry_sidecar_lease_queue", "Registrations waiting to be sent", registry=r
         )
         self.kv_payloads = Counter(

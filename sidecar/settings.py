@@ -137,7 +137,7 @@ class TapSettings:
 
 
 @dataclass(frozen=True)
-class LeaseSettings:
+class RetentionSettings:
     """Retention registrations waiting for the daemon."""
 
     queue_size: int = 1024
@@ -156,7 +156,7 @@ class Settings:
     kv_events: KvEventSettings = field(default_factory=KvEventSettings)
     daemon: DaemonSettings = field(default_factory=DaemonSettings)
     tap: TapSettings = field(default_factory=TapSettings)
-    leases: LeaseSettings = field(default_factory=LeaseSettings)
+    retentions: RetentionSettings = field(default_factory=RetentionSettings)
 
     def validate(self) -> None:
         """Raise ValueError on a setting out of range."""
@@ -200,8 +200,9 @@ class Settings:
         if d.rpc_timeout_s <= 0 or not 0 < d.backoff_initial_s <= d.backoff_max_s:
             raise ValueError("RPC timeout and backoff must be positive, initial <= max")
         listen_host_port(self.tap.listen)
-        if self.leases.queue_size < 1 or self.leases.max_attempts < 1 or self.leases.max_in_flight < 1:
-            raise ValueError("lease queue size, attempts and in-flight limit must be positive")
+        r = self.retentions
+        if r.queue_size < 1 or r.max_attempts < 1 or r.max_in_flight < 1:
+            raise ValueError("registration queue size, attempts and in-flight limit must be positive")
 
     @property
     def node_id(self) -> str:
@@ -267,7 +268,7 @@ def listen_address(s: Settings) -> tuple[str, int]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The sidecar's flags; each defaults to KVFERRY_SIDECAR_<FLAG>."""
     d = Settings()
-    e, k, dm, t, ls = d.engine, d.kv_events, d.daemon, d.tap, d.leases
+    e, k, dm, t, rs = d.engine, d.kv_events, d.daemon, d.tap, d.retentions
 
     add = flag_adder(p, ENV_PREFIX)
 
@@ -309,7 +310,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the engine's decoder_kv_blocks_ttl: the longest a retention lives after D's answer",
         float,
     )
-    add("lease-queue-size", ls.queue_size, "registrations kept while the daemon is unreachable", int)
+    add("lease-queue-size", rs.queue_size, "registrations kept while the daemon is unreachable", int)
 
 
 def from_args(a: argparse.Namespace) -> Settings:
@@ -344,7 +345,7 @@ def from_args(a: argparse.Namespace) -> Settings:
             advertise_engine_url=a.advertise_engine_url,
             tenant_header=a.tenant_header,
         ),
-        leases=LeaseSettings(queue_size=a.lease_queue_size),
+        retentions=RetentionSettings(queue_size=a.lease_queue_size),
     )
     s.validate()
     return s

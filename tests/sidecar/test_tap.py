@@ -68,7 +68,7 @@ async def test_token_ids_reach_the_client_only_when_asked(
         assert ("token_ids" in text) is return_ids
         assert events[-1] == "[DONE]" and len(events) == 7  # role chunk, 5 tokens, [DONE]
 
-    # A D turn streamed through the tap registers its lease from the final chunk.
+    # A D turn streamed through the tap registers its retention from the final chunk.
     p1 = await prefill(http, p.http_url, messages)
     async with http.post(
         sc.url + "/v1/chat/completions",
@@ -78,7 +78,7 @@ async def test_token_ids_reach_the_client_only_when_asked(
         events = await sse_events(r)
     final = events[-2]
     assert final["kv_transfer_params"]["do_remote_decode"] is True and "token_ids" not in json.dumps(events)
-    assert sc.leases is not None and await sc.leases.wait_idle(5)
+    assert sc.retentions is not None and await sc.retentions.wait_idle(5)
     lease = await _lease(client, "streamed")
     assert lease is not None and lease.num_tokens == final["kv_transfer_params"]["remote_num_tokens"]
     assert len(lease.block_digests) == 16 * (lease.num_tokens // 16)
