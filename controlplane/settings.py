@@ -9,14 +9,12 @@ from pathlib import Path
 from controlplane.policy import Policy
 from kvferry.flags import flag_adder
 from kvferry.ids import MAX_ID_BYTES
+from kvferry.limits import MAX_LIVENESS_TTL_S, MAX_PORT, MIN_LIVENESS_TTL_S
 from kvferry.urls import split_host_port
 
 ENV_PREFIX = "KVFERRY_"
-
-
-#: A node's liveness TTL: heartbeats come every third of it; etcd's lease TTL bounds it.
-MIN_LIVENESS_TTL_S = 2
-MAX_LIVENESS_TTL_S = 3600
+METRICS_OFF = -1
+"""The metrics port that turns the metrics server off."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +98,7 @@ class Settings:
             raise ValueError(f"liveness TTL must be {bounds} s, not {self.nodes.liveness_ttl_s}")
         if self.gc.gauge_scan_s < 0:
             raise ValueError("gauge scan interval must be 0 (off) or positive")
-        if not -1 <= self.server.metrics_port <= 65535:
+        if not METRICS_OFF <= self.server.metrics_port <= MAX_PORT:
             raise ValueError(
                 f"metrics port must be -1 (off), 0 (any) or a port, not {self.server.metrics_port}"
             )
@@ -109,8 +107,8 @@ class Settings:
                 ("client", self.etcd.embedded_client_port),
                 ("peer", self.etcd.embedded_peer_port),
             ):
-                if not 1 <= port <= 65535:
-                    raise ValueError(f"embedded etcd {name} port {port} is not a port (1..65535)")
+                if not 1 <= port <= MAX_PORT:
+                    raise ValueError(f"embedded etcd {name} port {port} is not a port (1..{MAX_PORT})")
         if self.nodes.gc_after_s < 0:
             raise ValueError("node GC delay must be 0 (never) or positive")
         if self.gc.bucket_s < 1 or self.gc.max_keys_per_lease < 1:

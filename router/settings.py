@@ -10,10 +10,13 @@ import argparse
 from dataclasses import dataclass, field
 
 from kvferry.flags import flag_adder
+from kvferry.limits import MAX_BLOCK_SIZE
 from kvferry.turnheaders import TENANT_HEADER
 from kvferry.urls import is_http_url, listen_host_port
 
 ENV_PREFIX = "KVFERRY_ROUTER_"
+MIN_BODY_BYTES = 1024
+"""The smallest --max-body-bytes taken (a chat request's envelope alone is larger)."""
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,7 @@ class Settings:
     def validate(self) -> None:
         """Raise ValueError on a setting out of range."""
         listen_host_port(self.server.listen)
-        if self.server.max_body_bytes < 1024 or self.server.shutdown_grace_s < 0:
+        if self.server.max_body_bytes < MIN_BODY_BYTES or self.server.shutdown_grace_s < 0:
             raise ValueError("max body must be at least 1 KiB and the shutdown grace >= 0")
         d = self.daemon
         if any(":" not in a for a in d.addresses):
@@ -169,8 +172,8 @@ class Settings:
         for url in (*n.prefill_urls, *n.decode_urls):
             if not is_http_url(url):
                 raise ValueError(f"node url {url!r} must be an http:// or https:// URL with a host")
-        if not 0 < n.block_size <= 4096:
-            raise ValueError("block size must be in 1..4096")
+        if not 0 < n.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block size must be in 1..{MAX_BLOCK_SIZE}")
         if not d.addresses and not (n.prefill_urls and n.decode_urls):
             raise ValueError("give the daemon's address, or prefill and decode node URLs")
         if self.reuse.digest_cache_bytes < 0:

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 from kvferry.flags import flag_adder
 from kvferry.ids import id_problem
+from kvferry.limits import MAX_BLOCK_SIZE, MAX_LIFETIME_S, MAX_LIVENESS_TTL_S, MAX_PORT, MIN_LIVENESS_TTL_S
 from kvferry.turnheaders import TENANT_HEADER
 from kvferry.urls import is_http_url, is_loopback, listen_host_port
 
@@ -21,6 +22,8 @@ ROLES = ("prefill", "decode", "both")
 ENV_PREFIX = "KVFERRY_SIDECAR_"
 #: Most data-parallel ranks the sidecar follows (one SUB socket, and a replay, each).
 MAX_RANKS = 256
+#: The shortest blocks TTL taken, seconds.
+MIN_BLOCKS_TTL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -169,9 +172,9 @@ class Settings:
                 raise ValueError(f"{name} {url!r} must be an http:// or https:// URL with a host")
         if e.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {e.role!r}")
-        if e.block_size < 0 or e.block_size > 4096:
-            raise ValueError("block size must be in 0..4096 (0 = learn it)")
-        if not 0 < e.side_channel_port < 65536:
+        if not 0 <= e.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block size must be in 0..{MAX_BLOCK_SIZE} (0 = learn it)")
+        if not 0 < e.side_channel_port <= MAX_PORT:
             raise ValueError("side-channel port must be a port number")
         if e.health_interval_s <= 0 or e.health_timeout_s <= 0 or e.health_failures < 1:
             raise ValueError("health interval and timeout must be positive, failures at least 1")
@@ -190,13 +193,13 @@ class Settings:
             raise ValueError(f"KV-event ranks (the engine's data-parallel size) must be in 1..{MAX_RANKS}")
         if k.ranks > 1:
             _rank_ports(k)
-        if not 1 <= self.engine.blocks_ttl_s <= 3600:  # (the daemon refuses deadlines further out)
-            raise ValueError("blocks TTL must be in 1..3600 s")
+        if not MIN_BLOCKS_TTL_S <= self.engine.blocks_ttl_s <= MAX_LIFETIME_S:  # (the daemon's horizon)
+            raise ValueError(f"blocks TTL must be in {MIN_BLOCKS_TTL_S:g}..{MAX_LIFETIME_S:g} s")
         d = self.daemon
         if not d.addresses or any(":" not in a for a in d.addresses):
             raise ValueError("daemon addresses must be host:port")
-        if not 2 <= d.liveness_ttl_s <= 3600:
-            raise ValueError("liveness TTL must be in 2..3600 s")
+        if not MIN_LIVENESS_TTL_S <= d.liveness_ttl_s <= MAX_LIVENESS_TTL_S:
+            raise ValueError(f"liveness TTL must be in {MIN_LIVENESS_TTL_S}..{MAX_LIVENESS_TTL_S} s")
         if d.rpc_timeout_s <= 0 or not 0 < d.backoff_initial_s <= d.backoff_max_s:
             raise ValueError("RPC timeout and backoff must be positive, initial <= max")
         listen_host_port(self.tap.listen)
@@ -253,8 +256,8 @@ def _rank_ports(k: KvEventSettings) -> None:
         port = endpoint.rpartition(":")[2]
         if not endpoint.startswith("tcp://") or not port.isdigit():
             raise ValueError(f"KV-event endpoint {endpoint!r}: ranks need a TCP port to add each rank to")
-        if int(port) + k.ranks - 1 > 65535:
-            raise ValueError(f"KV-event endpoint {endpoint!r}: port + ranks - 1 must be at most 65535")
+        if int(port) + k.ranks - 1 > MAX_PORT:
+            raise ValueError(f"KV-event endpoint {endpoint!r}: port + ranks - 1 must be at most {MAX_PORT}")
         runs.append(range(int(port), int(port) + k.ranks))
     if len(runs) == 2 and set(runs[0]) & set(runs[1]):
         raise ValueError("the ranks' KV-event ports and their replay ports overlap: move the replay port")
