@@ -12,7 +12,7 @@ import socket
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
-from kvferry.flags import flag_adder
+from kvferry.flags import Flag, add_flags, items, joined, settings_from
 from kvferry.ids import id_problem
 from kvferry.limits import MAX_BLOCK_SIZE, MAX_LIFETIME_S, MAX_LIVENESS_TTL_S, MAX_PORT, MIN_LIVENESS_TTL_S
 from kvferry.turnheaders import TENANT_HEADER
@@ -268,87 +268,72 @@ def listen_address(s: Settings) -> tuple[str, int]:
     return listen_host_port(s.tap.listen)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The sidecar's flags; each defaults to KVFERRY_SIDECAR_<FLAG>."""
-    d = Settings()
-    e, k, dm, t, rs = d.engine, d.kv_events, d.daemon, d.tap, d.retentions
-
-    add = flag_adder(p, ENV_PREFIX)
-
-    add("engine-url", e.url, "base URL of the engine's OpenAI server")
-    add("listen", t.listen, "host:port the HTTP tap listens on")
-    add("daemon", ",".join(dm.addresses), "daemon address(es), host:port[,host:port...]")
-    add("role", e.role, "prefill, decode or both")
-    add("engine-id", e.engine_id, "node id at the daemon (default <hostname>-<engine port>)")
-    add("model", e.model, "base model (default: learned from /v1/models)")
-    add(
-        "engine-api-key", e.api_key, "bearer key for the engines (vLLM --api-key): /v1/models, releases via P"
-    )
-    add("block-size", e.block_size, "tokens per KV block (0: learn from /metrics, else 16)", int)
-    add("side-channel-host", e.side_channel_host, "NIXL side-channel host prefill nodes reach")
-    add("side-channel-port", e.side_channel_port, "NIXL side-channel port", int)
-    add("kv-events-endpoint", k.endpoint, "engine's KV-event ZMQ PUB endpoint (empty: off)")
-    add("kv-events-replay-endpoint", k.replay_endpoint, "engine's KV-event replay endpoint")
-    add("kv-events-topic", k.topic, "KV-event topic")
-    add(
+FLAGS = (
+    Flag(
+        "engine-url",
+        "engine.url",
+        "base URL of the engine's OpenAI server",
+        to_field=lambda url: url.rstrip("/"),
+    ),
+    Flag("listen", "tap.listen", "host:port the HTTP tap listens on"),
+    Flag(
+        "daemon",
+        "daemon.addresses",
+        "daemon address(es), host:port[,host:port...]",
+        to_field=items,
+        to_text=joined,
+    ),
+    Flag("role", "engine.role", "prefill, decode or both"),
+    Flag("engine-id", "engine.engine_id", "node id at the daemon (default <hostname>-<engine port>)"),
+    Flag("model", "engine.model", "base model (default: learned from /v1/models)"),
+    Flag(
+        "engine-api-key",
+        "engine.api_key",
+        "bearer key for the engines (vLLM --api-key): /v1/models, releases via P",
+    ),
+    Flag("block-size", "engine.block_size", "tokens per KV block (0: learn from /metrics, else 16)", int),
+    Flag("side-channel-host", "engine.side_channel_host", "NIXL side-channel host prefill nodes reach"),
+    Flag("side-channel-port", "engine.side_channel_port", "NIXL side-channel port", int),
+    Flag("kv-events-endpoint", "kv_events.endpoint", "engine's KV-event ZMQ PUB endpoint (empty: off)"),
+    Flag("kv-events-replay-endpoint", "kv_events.replay_endpoint", "engine's KV-event replay endpoint"),
+    Flag("kv-events-topic", "kv_events.topic", "KV-event topic"),
+    Flag(
         "kv-events-ranks",
-        k.ranks,
+        "kv_events.ranks",
         "the engine's data-parallel ranks on this node (the endpoints are the first's; rank r: port + r)",
         int,
-    )
-    add("tenant-header", t.tenant_header, "header naming the tenant of requests not from the router")
-    add("advertise-url", t.advertise_url, "URL registered as the node's http_url")
-    add(
+    ),
+    Flag("tenant-header", "tap.tenant_header", "header naming the tenant of requests not from the router"),
+    Flag("advertise-url", "tap.advertise_url", "URL registered as the node's http_url"),
+    Flag(
         "advertise-engine-url",
-        t.advertise_engine_url,
+        "tap.advertise_engine_url",
         "URL registered as the node's engine_url, for tokenize and prefill requests "
         '("" = the engine URL when the router can reach it; "none" = never)',
-    )
-    add("liveness-ttl", dm.liveness_ttl_s, "seconds the node stays alive without a heartbeat", int)
-    add("health-interval", e.health_interval_s, "seconds between engine /health probes", float)
-    add("health-failures", e.health_failures, "failed probes after which the engine is down", int)
-    add(
+    ),
+    Flag("liveness-ttl", "daemon.liveness_ttl_s", "seconds the node stays alive without a heartbeat", int),
+    Flag("health-interval", "engine.health_interval_s", "seconds between engine /health probes", float),
+    Flag("health-failures", "engine.health_failures", "failed probes after which the engine is down", int),
+    Flag(
         "blocks-ttl",
-        e.blocks_ttl_s,
+        "engine.blocks_ttl_s",
         "the engine's decoder_kv_blocks_ttl: the longest a retention lives after D's answer",
         float,
-    )
-    add("lease-queue-size", rs.queue_size, "registrations kept while the daemon is unreachable", int)
+    ),
+    Flag(
+        "lease-queue-size", "retentions.queue_size", "registrations kept while the daemon is unreachable", int
+    ),
+)
+"""The sidecar's flags, in --help's order."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The sidecar's flags; each defaults to KVFERRY_SIDECAR_<FLAG>."""
+    add_flags(p, ENV_PREFIX, FLAGS, Settings())
 
 
 def from_args(a: argparse.Namespace) -> Settings:
     """Settings from parsed flags; raises ValueError when invalid."""
-    s = Settings(
-        engine=EngineSettings(
-            url=a.engine_url.rstrip("/"),
-            engine_id=a.engine_id,
-            role=a.role,
-            model=a.model,
-            api_key=a.engine_api_key,
-            block_size=a.block_size,
-            side_channel_host=a.side_channel_host,
-            side_channel_port=a.side_channel_port,
-            health_interval_s=a.health_interval,
-            health_failures=a.health_failures,
-            blocks_ttl_s=a.blocks_ttl,
-        ),
-        kv_events=KvEventSettings(
-            endpoint=a.kv_events_endpoint,
-            replay_endpoint=a.kv_events_replay_endpoint,
-            topic=a.kv_events_topic,
-            ranks=a.kv_events_ranks,
-        ),
-        daemon=DaemonSettings(
-            addresses=tuple(x.strip() for x in a.daemon.split(",") if x.strip()),
-            liveness_ttl_s=a.liveness_ttl,
-        ),
-        tap=TapSettings(
-            listen=a.listen,
-            advertise_url=a.advertise_url,
-            advertise_engine_url=a.advertise_engine_url,
-            tenant_header=a.tenant_header,
-        ),
-        retentions=RetentionSettings(queue_size=a.lease_queue_size),
-    )
+    s = settings_from(a, FLAGS, Settings())
     s.validate()
     return s
