@@ -165,8 +165,8 @@ async def front_doors(engines: Engines, tmp: Path) -> AsyncIterator[Doors]:
         stand_in = MultiturnProxyStandIn(engines.prefill.http_url, engines.decode.http_url)
         await stand_in.start()
         stack.push_async_callback(stand_in.stop)
-        assert d_sidecar is not None and d_sidecar.leases is not None
-        yield Doors(plain.url, kvferry.url, stand_in.url, d_sidecar.leases)
+        assert d_sidecar is not None and d_sidecar.retentions is not None
+        yield Doors(plain.url, kvferry.url, stand_in.url, d_sidecar.retentions)
 
 
 _WORDS = "the file read line cache block token tool call result decode prefill agent turn"

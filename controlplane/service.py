@@ -35,10 +35,11 @@ from controlplane.policy import (
     param_problems,
 )
 from controlplane.records import Claim, NodeRecord, NodeState, Retention, Role
-from controlplane.settings import MAX_LIVENESS_TTL_S, MIN_LIVENESS_TTL_S, Settings
+from controlplane.settings import Settings
 from controlplane.store import ClaimOutcome, EtcdStore
 from kvferry.framing import MESSAGE_BUDGET
 from kvferry.ids import id_problem
+from kvferry.limits import MAX_LIVENESS_TTL_S, MIN_LIVENESS_TTL_S
 from kvferry.logs import Outage
 from kvferry.urls import is_http_url
 

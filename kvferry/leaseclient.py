@@ -6,6 +6,9 @@ while a write is in progress leave together in the next message (one op per
 message when idle, many under load, up to `kvferry.framing`'s size budget). A
 broken stream fails the calls in flight with UNAVAILABLE; the next call opens a
 new one. Each call has its own timeout.
+
+The names follow the gRPC API's (the ``Leases`` service, its ``LeaseOp`` messages):
+what they carry are retention registrations and lookups, no etcd lease.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ CLOSE_WRITING_S = 1.0
 
 
 class LeaseStream:
+    """One Leases/Stream to one daemon replica, opened on the first call and again after
+    it broke; its calls are coroutines any number of tasks may await at once."""
+
     def __init__(self, channel: grpc.aio.Channel, late_answer_s: float = LATE_ANSWER_S) -> None:
         self._late_answer_s = late_answer_s
         self._stub = leases_pb2_grpc.LeasesStub(channel)
@@ -69,10 +75,12 @@ class LeaseStream:
     async def register(
         self, req: leases_pb2.RegisterLeaseRequest, deadline_s: float
     ) -> leases_pb2.RegisterLeaseResponse:
+        """Register a retention (LeaseOpError when it fails or `deadline_s` passes)."""
         res = await self._op(leases_pb2.LeaseOp(register=req), deadline_s)
         return res.register
 
     async def lookup(self, req: leases_pb2.LookupRequest, deadline_s: float) -> leases_pb2.LookupResponse:
+        """Look a retention up, its prompt known (LeaseOpError when it fails or `deadline_s` passes)."""
         res = await self._op(leases_pb2.LeaseOp(lookup=req), deadline_s)
         return res.lookup
 
@@ -302,6 +310,8 @@ class LeaseStream:
         self._fail_pending(LeaseOpError(grpc.StatusCode.UNAVAILABLE, "lease stream reset", True))
 
     async def close(self) -> None:
+        """End the stream (its end of writing first, briefly); the calls in flight fail with
+        CANCELLED."""
         call, reader, writer = self._call, self._reader, self._writer  # (an `_open` meanwhile makes new ones)
         self._call = None
         if call is not None:

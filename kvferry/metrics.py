@@ -6,7 +6,9 @@ and each must count only its own traffic.
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from collections.abc import Sequence
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 
 class OwnRegistry:
@@ -14,6 +16,14 @@ class OwnRegistry:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+
+    def counter(self, name: str, documentation: str, labels: Sequence[str] = ()) -> Counter:
+        """A counter in this registry."""
+        return Counter(name, documentation, labels, registry=self.registry)
+
+    def gauge(self, name: str, documentation: str, labels: Sequence[str] = ()) -> Gauge:
+        """A gauge in this registry."""
+        return Gauge(name, documentation, labels, registry=self.registry)
 
     def render(self) -> tuple[bytes, str]:
         """Exposition text and its content type."""

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from kvferry.decoding import UNDECODABLE
-from kvferry.sse import SseEvents, is_error_event
+from kvferry.sse import SseEvent, SseEvents, is_error_event, join_events, split_events
 
 _MARKER = b'"kv_transfer_params"'
 #: How an error event's JSON starts; inside a JSON string its quotes would be escaped.
@@ -54,10 +54,10 @@ class SseScrubber:
         """Bytes to send the client now for `chunk`."""
         complete = self._events.complete(chunk)
         if _ERROR in complete and self.error is None:
-            self.error = _error_code(self._events.split(complete))
+            self.error = _error_code(split_events(complete))
         if _MARKER not in complete:
             return complete  # the common case: passes with no parsing
-        return self._events.join([_scrub_event(e) for e in self._events.split(complete)])
+        return join_events([SseEvent(_scrub_event(e.lines), e.end) for e in split_events(complete)])
 
     def flush(self) -> bytes:
         """What is held back at the end of the stream (an unterminated event)."""
@@ -75,9 +75,9 @@ def _data_object(event: bytes, marker: bytes) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def _error_code(events: list[bytes]) -> int | None:
+def _error_code(events: list[SseEvent]) -> int | None:
     for event in events:
-        obj = _data_object(event, _ERROR)
+        obj = _data_object(event.lines, _ERROR)
         if is_error_event(obj):
             err = obj["error"]
             code = err.get("code") if isinstance(err, dict) else None

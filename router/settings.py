@@ -9,10 +9,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from kvferry.flags import flag_adder
+from kvferry.flags import Flag, add_flags, bool_text, boolean, items, joined, settings_from
+from kvferry.limits import MAX_BLOCK_SIZE
+from kvferry.turnheaders import TENANT_HEADER
 from kvferry.urls import is_http_url, listen_host_port
 
 ENV_PREFIX = "KVFERRY_ROUTER_"
+MIN_BODY_BYTES = 1024
+"""The smallest --max-body-bytes taken (a chat request's envelope alone is larger)."""
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,7 @@ class ReuseSettings:
 
     enabled: bool = True
     """Ask the daemon for the previous turn's KV; off = plain P/D serving for every request."""
-    tenant_header: str = "X-Kvferry-Tenant"
+    tenant_header: str = TENANT_HEADER
     """Request header naming the tenant when the client sends no API key ("" = ignore it)."""
     digest_cache_bytes: int = 128 << 20
     """Memory for each conversation's last prompt (token ids and block digests, about 5
@@ -143,7 +147,7 @@ class Settings:
     def validate(self) -> None:
         """Raise ValueError on a setting out of range."""
         listen_host_port(self.server.listen)
-        if self.server.max_body_bytes < 1024 or self.server.shutdown_grace_s < 0:
+        if self.server.max_body_bytes < MIN_BODY_BYTES or self.server.shutdown_grace_s < 0:
             raise ValueError("max body must be at least 1 KiB and the shutdown grace >= 0")
         d = self.daemon
         if any(":" not in a for a in d.addresses):
@@ -168,8 +172,8 @@ class Settings:
         for url in (*n.prefill_urls, *n.decode_urls):
             if not is_http_url(url):
                 raise ValueError(f"node url {url!r} must be an http:// or https:// URL with a host")
-        if not 0 < n.block_size <= 4096:
-            raise ValueError("block size must be in 1..4096")
+        if not 0 < n.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block size must be in 1..{MAX_BLOCK_SIZE}")
         if not d.addresses and not (n.prefill_urls and n.decode_urls):
             raise ValueError("give the daemon's address, or prefill and decode node URLs")
         if self.reuse.digest_cache_bytes < 0:
@@ -184,118 +188,112 @@ class Settings:
             raise ValueError("upstream max_releases_in_flight must be at least 1")
 
 
-def _split(value: str, trailing: str = "/") -> tuple[str, ...]:
-    """The comma-separated items of `value`, stripped (of `trailing` characters too)."""
-    return tuple(x.strip().rstrip(trailing) for x in value.split(",") if x.strip())
+def _urls(value: str) -> tuple[str, ...]:
+    """The comma-separated URLs (or addresses) of a flag, without trailing slashes."""
+    return tuple(x.rstrip("/") for x in items(value))
 
 
-def _bool(value: str) -> bool:
-    if value.lower() in ("1", "true", "yes", "on"):
-        return True
-    if value.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, not {value!r}")
+def _mib(value: float) -> int:
+    return int(value * (1 << 20))  # (a finite float: kvferry.flags)
 
 
-def _flag(value: bool | str) -> bool:
-    return value if isinstance(value, bool) else _bool(value)
+FLAGS = (
+    Flag("listen", "server.listen", "host:port of the OpenAI-compatible server"),
+    Flag(
+        "daemon",
+        "daemon.addresses",
+        "daemon address(es) host:port[,...]; empty = none",
+        to_field=_urls,
+        to_text=joined,
+    ),
+    Flag(
+        "prefill",
+        "nodes.prefill_urls",
+        "prefill node URL(s), comma-separated (given: no discovery from the daemon)",
+        to_field=_urls,
+        to_text=joined,
+    ),
+    Flag(
+        "decode",
+        "nodes.decode_urls",
+        "decode node URL(s) (their sidecars), comma-separated",
+        to_field=_urls,
+        to_text=joined,
+    ),
+    Flag("model", "nodes.model", "base model of the static nodes (default: learned from /v1/models)"),
+    Flag("block-size", "nodes.block_size", "tokens per KV block of the static nodes", int),
+    Flag("lookup-deadline", "daemon.lookup_deadline_s", "base seconds a lookup may take", float),
+    Flag(
+        "lookup-recompute-share",
+        "daemon.lookup_recompute_share",
+        "share of the prompt's estimated recompute time a lookup may wait on top (0..1)",
+        float,
+    ),
+    Flag("lookup-max-wait", "daemon.lookup_max_wait_s", "longest a lookup is waited for, s", float),
+    Flag(
+        "prefill-s-per-token",
+        "daemon.prefill_s_per_token",
+        "estimated prefill seconds per token until measured",
+        float,
+    ),
+    Flag("nodes-refresh", "daemon.nodes_refresh_s", "seconds between node list refreshes", float),
+    Flag(
+        "reuse",
+        "reuse.enabled",
+        "KV reuse across turns (false: plain P/D serving)",
+        boolean,
+        to_text=bool_text,
+    ),
+    Flag("tenant-header", "reuse.tenant_header", "header naming the tenant when there is no API key"),
+    Flag(
+        "digest-cache-mb",
+        "reuse.digest_cache_bytes",
+        "MiB of recent prompts kept so a conversation's next turn hashes only its new blocks",
+        float,
+        to_field=_mib,
+        to_text=lambda size: size >> 20,
+    ),
+    Flag(
+        "api-key",
+        "server.api_keys",
+        "bearer key(s) clients must present on /v1/, comma-separated; empty = no check",
+        to_field=items,
+        to_text=joined,
+    ),
+    Flag("engine-api-key", "upstream.api_key", "bearer key for the engines (default: the client's)"),
+    Flag(
+        "forward-prompt-token-ids",
+        "upstream.forward_prompt_token_ids",
+        "put the prompt's token ids in the engines' kv_transfer_params on chat requests, for "
+        "engines that take them (vLLM >= 0.32); false: the engines render the prompt themselves",
+        boolean,
+        to_text=bool_text,
+    ),
+    Flag("connect-timeout", "upstream.connect_timeout_s", "seconds to connect to an engine", float),
+    Flag("prefill-timeout", "upstream.prefill_timeout_s", "longest a prefill request may take, s", float),
+    Flag(
+        "decode-idle-timeout",
+        "upstream.decode_idle_timeout_s",
+        "longest D may send nothing (before or within its answer), s",
+        float,
+    ),
+    Flag("health-interval", "upstream.health_interval_s", "seconds between node /health probes", float),
+    Flag("health-failures", "upstream.health_failures", "failed probes after which a node is left out", int),
+    Flag("max-body-bytes", "server.max_body_bytes", "largest request body accepted", int),
+    Flag(
+        "shutdown-grace", "server.shutdown_grace_s", "seconds answers in flight get to end on SIGTERM", float
+    ),
+)
+"""The router's flags, in --help's order."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The router's flags; each defaults to KVFERRY_ROUTER_<FLAG>."""
-    d = Settings()
-
-    add = flag_adder(p, ENV_PREFIX)
-
-    add("listen", d.server.listen, "host:port of the OpenAI-compatible server")
-    add("daemon", ",".join(d.daemon.addresses), "daemon address(es) host:port[,...]; empty = none")
-    add("prefill", "", "prefill node URL(s), comma-separated (given: no discovery from the daemon)")
-    add("decode", "", "decode node URL(s) (their sidecars), comma-separated")
-    add("model", d.nodes.model, "base model of the static nodes (default: learned from /v1/models)")
-    add("block-size", d.nodes.block_size, "tokens per KV block of the static nodes", int)
-    add("lookup-deadline", d.daemon.lookup_deadline_s, "base seconds a lookup may take", float)
-    add(
-        "lookup-recompute-share",
-        d.daemon.lookup_recompute_share,
-        "share of the prompt's estimated recompute time a lookup may wait on top (0..1)",
-        float,
-    )
-    add("lookup-max-wait", d.daemon.lookup_max_wait_s, "longest a lookup is waited for, s", float)
-    add(
-        "prefill-s-per-token",
-        d.daemon.prefill_s_per_token,
-        "estimated prefill seconds per token until measured",
-        float,
-    )
-    add("nodes-refresh", d.daemon.nodes_refresh_s, "seconds between node list refreshes", float)
-    add("reuse", "true", "KV reuse across turns (false: plain P/D serving)", _bool)
-    add("tenant-header", d.reuse.tenant_header, "header naming the tenant when there is no API key")
-    add(
-        "digest-cache-mb",
-        d.reuse.digest_cache_bytes >> 20,
-        "MiB of recent prompts kept so a conversation's next turn hashes only its new blocks",
-        float,
-    )
-    add("api-key", "", "bearer key(s) clients must present on /v1/, comma-separated; empty = no check")
-    add("engine-api-key", d.upstream.api_key, "bearer key for the engines (default: the client's)")
-    add(
-        "forward-prompt-token-ids",
-        "false",
-        "put the prompt's token ids in the engines' kv_transfer_params on chat requests, for "
-        "engines that take them (vLLM >= 0.32); false: the engines render the prompt themselves",
-        _bool,
-    )
-    add("connect-timeout", d.upstream.connect_timeout_s, "seconds to connect to an engine", float)
-    add("prefill-timeout", d.upstream.prefill_timeout_s, "longest a prefill request may take, s", float)
-    add(
-        "decode-idle-timeout",
-        d.upstream.decode_idle_timeout_s,
-        "longest D may send nothing (before or within its answer), s",
-        float,
-    )
-    add("health-interval", d.upstream.health_interval_s, "seconds between node /health probes", float)
-    add("health-failures", d.upstream.health_failures, "failed probes after which a node is left out", int)
-    add("max-body-bytes", d.server.max_body_bytes, "largest request body accepted", int)
-    add("shutdown-grace", d.server.shutdown_grace_s, "seconds answers in flight get to end on SIGTERM", float)
+    add_flags(p, ENV_PREFIX, FLAGS, Settings())
 
 
 def from_args(a: argparse.Namespace) -> Settings:
     """Settings from parsed flags; raises ValueError when invalid."""
-    s = Settings(
-        server=ServerSettings(
-            listen=a.listen,
-            max_body_bytes=int(a.max_body_bytes),
-            shutdown_grace_s=float(a.shutdown_grace),
-            api_keys=_split(a.api_key, trailing=""),
-        ),
-        daemon=DaemonSettings(
-            addresses=_split(a.daemon),
-            lookup_deadline_s=float(a.lookup_deadline),
-            lookup_recompute_share=float(a.lookup_recompute_share),
-            lookup_max_wait_s=float(a.lookup_max_wait),
-            prefill_s_per_token=float(a.prefill_s_per_token),
-            nodes_refresh_s=float(a.nodes_refresh),
-        ),
-        nodes=NodeSettings(
-            prefill_urls=_split(a.prefill),
-            decode_urls=_split(a.decode),
-            model=a.model,
-            block_size=int(a.block_size),
-        ),
-        upstream=UpstreamSettings(
-            connect_timeout_s=float(a.connect_timeout),
-            prefill_timeout_s=float(a.prefill_timeout),
-            decode_idle_timeout_s=float(a.decode_idle_timeout),
-            health_interval_s=float(a.health_interval),
-            health_failures=int(a.health_failures),
-            api_key=a.engine_api_key,
-            forward_prompt_token_ids=_flag(a.forward_prompt_token_ids),
-        ),
-        reuse=ReuseSettings(
-            enabled=_flag(a.reuse),
-            tenant_header=a.tenant_header,
-            digest_cache_bytes=int(a.digest_cache_mb * (1 << 20)),  # (a finite float: kvferry.flags)
-        ),
-    )
+    s = settings_from(a, FLAGS, Settings())
     s.validate()
     return s

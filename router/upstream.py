@@ -16,7 +16,8 @@ import msgspec
 from aiohttp import hdrs
 
 from kvferry.decoding import UNDECODABLE
-from kvferry.hops import NOT_DELIVERED_HEADER, TURN_ID_HEADER, never_delivered
+from kvferry.hops import never_delivered
+from kvferry.turnheaders import NOT_DELIVERED_HEADER, TURN_ID_HEADER
 from router.decisions import Failure, FailureKind
 from router.settings import UpstreamSettings
 

@@ -1,8 +1,8 @@
 """One sidecar, in-process: ``async with Sidecar(settings) as sc: ... sc.url ...``.
 
 Starts the tap (HTTP), the health watch, the node session (Register + Attach),
-the lease sender and, when configured, the KV-event ingest; `stop` shuts the
-tap down (in-flight answers get the runner's grace), gives queued lease
+the retention sender and, when configured, the KV-event ingest; `stop` shuts
+the tap down (in-flight answers get the runner's grace), gives queued retention
 registrations a moment to go out, then cancels and awaits every task and
 closes every socket and channel.
 """
@@ -28,10 +28,10 @@ from sidecar.daemon import DaemonLink
 from sidecar.engine import EngineInstance, watch_health
 from sidecar.kvindex import KvMirror
 from sidecar.kvstream import KvIngest
-from sidecar.leases import LeaseSender
 from sidecar.metrics import SidecarMetrics
 from sidecar.node import NodeSession
 from sidecar.releases import Releaser
+from sidecar.retentions import RetentionSender
 from sidecar.settings import Settings, listen_address
 from sidecar.tap import Tap, start_server
 from sidecar.unretained import UnretainedLedger
@@ -73,7 +73,7 @@ class Sidecar:
         self._zmq: zmq.asyncio.Context | None = None
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self.leases: LeaseSender | None = None
+        self.retentions: RetentionSender | None = None
         self._releaser: Releaser | None = None
         self.node: NodeSession | None = None
 
@@ -91,18 +91,18 @@ class Sidecar:
                 auto_decompress=False,
             )
             self._releaser = Releaser(s, self._link, self._http, self.metrics)
-            self.leases = LeaseSender(s, self.instance, self._link, self.metrics, self._releaser)
+            self.retentions = RetentionSender(s, self.instance, self._link, self.metrics, self._releaser)
             self.node = NodeSession(
                 s, self.instance, self.mirror, self._link, self._http, self.metrics, self.unretained
             )
-            tap = Tap(s, self._http, self.instance, self.leases, self.metrics, self.unretained)
+            tap = Tap(s, self._http, self.instance, self.retentions, self.metrics, self.unretained)
             host, port = listen_address(s)
             self._runner, self.port = await start_server(tap.app(), host, port)
             self.node.tap_port = self.port
             http = self._http
             self._spawn(lambda: watch_health(http, s.engine, self.instance), "health")
             self._spawn(self.node.run, "node")
-            self._spawn(self.leases.run, "leases")
+            self._spawn(self.retentions.run, "retentions")
             if s.kv_events.endpoint:
                 self._zmq = zmq.asyncio.Context()
                 for rank in range(s.kv_events.ranks):  # (a data-parallel engine: one stream a rank)
@@ -131,22 +131,22 @@ class Sidecar:
     def _spawn(self, run: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
         self._tasks.append(asyncio.create_task(_supervise(run, name), name=f"sidecar-{name}"))
 
-    async def stop(self, lease_grace_s: float = 1.0) -> None:
-        """Stop everything; idempotent. Registrations on their way get `lease_grace_s`, then
+    async def stop(self, grace_s: float = 1.0) -> None:
+        """Stop everything; idempotent. Registrations on their way get `grace_s`, then
         releases on their way as long again."""
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        if self.leases is not None and self.leases.pending and self._tasks:
-            await self.leases.wait_idle(lease_grace_s)
+        if self.retentions is not None and self.retentions.pending and self._tasks:
+            await self.retentions.wait_idle(grace_s)
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
-        dropped = self.leases.abandon() if self.leases is not None else 0
+        dropped = self.retentions.abandon() if self.retentions is not None else 0
         if dropped:
-            log.warning("sidecar.stop.registrations_dropped", count=dropped, grace_s=lease_grace_s)
+            log.warning("sidecar.stop.registrations_dropped", count=dropped, grace_s=grace_s)
         if self._releaser is not None:
             with contextlib.suppress(TimeoutError):  # (releases on their way: as long as registrations)
-                await asyncio.wait_for(self._releaser.settled(), lease_grace_s)
+                await asyncio.wait_for(self._releaser.settled(), grace_s)
             await self._releaser.close()
         await self._link.close()
         if self._zmq is not None:

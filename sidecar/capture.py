@@ -7,7 +7,7 @@ wanted them. On the way back (`TurnObserver`, fed the JSON body or each SSE
 event): collect the prompt's and the generated token ids, the finish reason and
 ``kv_transfer_params``, and remove the token ids the client did not ask for.
 `SseRewriter` cuts a byte stream into SSE events without holding back any
-complete event. The lease itself is built from the finished turn in
+complete event. The retention itself is drafted from the finished turn in
 ``sidecar.drafts``.
 """
 
@@ -21,12 +21,11 @@ from typing import Any
 import msgspec
 
 from kvferry.decoding import UNDECODABLE, lax_bool
-from kvferry.hops import TURN_ID_HEADER
-from kvferry.sse import SseEvents, is_error_event
+from kvferry.sse import SseEvent, SseEvents, is_error_event, join_events, split_events
+from kvferry.turnheaders import TURN_ID_HEADER, conversation_of, tapped_tenant
 
 #: Paths whose requests the tap rewrites and whose answers it reads.
 TAPPED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-CONVERSATION_HEADERS = ("X-Conversation-Id", "X-Session-ID")
 _MAX_REQUEST_ID = 128  # bytes (the daemon takes ids up to 256); a longer one is not kept
 # The engine stopped or hit max_tokens (vLLM's FINISHED_STOPPED / _LENGTH_CAPPED, when D
 # keeps the blocks): "tool_calls" is a stop the chat layer renamed because the model called
@@ -56,22 +55,6 @@ class RequestPlan:
     with_prefill_params: bool = False
     """The request came with a prefill's kv_transfer_params (``do_remote_prefill``): a
     decode engine with bidirectional transfer pins its blocks when it finishes normally."""
-
-
-def conversation_of(headers: Mapping[str, str], body: Mapping[str, Any]) -> str:
-    """The conversation a request names: headers first, then body fields; "" = none."""
-    candidates = (
-        headers.get(CONVERSATION_HEADERS[0]),
-        body.get("conversation_id"),
-        headers.get(CONVERSATION_HEADERS[1]),
-        body.get("session_id"),
-    )
-    for value in candidates:
-        if isinstance(value, str) and value.strip():
-            return value.strip()
-        if isinstance(value, int) and not isinstance(value, bool):
-            return str(value)
-    return ""
 
 
 class _Head(msgspec.Struct):
@@ -106,7 +89,10 @@ def plan_request(
 ) -> RequestPlan | None:
     """The rewrite of a request the tap should follow, or None to pass it through untouched.
 
-    Without `capture` (a prefill node) only the body's ``conversation_id`` is removed.
+    Conversation and tenant are read by `kvferry.turnheaders`' rules, the router's;
+    `tenant_header` is the one a request that did not come from the router names its
+    tenant in. Without `capture` (a prefill node) only the body's ``conversation_id`` is
+    removed.
     """
     if method != "POST" or path not in TAPPED_PATHS or not raw:
         return None
@@ -135,7 +121,7 @@ def plan_request(
             return None
     return RequestPlan(
         body=body,
-        tenant=headers.get(tenant_header, "").strip(),
+        tenant=tapped_tenant(headers, tenant_header),
         conversation_id=conversation,
         model=head.model if isinstance(head.model, str) else "",
         strip_token_ids=ask_ids,
@@ -381,24 +367,23 @@ class SseRewriter:
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to forward now for `chunk`."""
         complete = self._events.complete(chunk)
-        if not complete:
-            return b""
-        events = [out for e in self._events.split(complete) if (out := self._event(e)) is not None]
-        return self._events.join(events) if events else b""
+        return self._rewrite(complete) if complete else b""
 
     def flush(self) -> bytes:
         """Whatever is held back at the end of the stream: an event whose blank line never
         came, through the observer like any other (its line end kept)."""
-        tail = self._events.flush()
-        event = tail.rstrip(b"\r\n")
-        if not event:
-            return tail
-        out = self._event(event)
-        return b"" if out is None else out + tail[len(event) :]
+        return self._rewrite(self._events.flush())
+
+    def _rewrite(self, data: bytes) -> bytes:
+        """`data`'s events as they are forwarded."""
+        events = [
+            SseEvent(out, e.end) for e in split_events(data) if (out := self._event(e.lines)) is not None
+        ]
+        return join_events(events) if events else b""
 
     def _event(self, event: bytes) -> bytes | None:
-        """The event to forward (None: none)."""
-        if not event.startswith(b"data:") or b"\n" in event.rstrip(b"\r"):
+        """The event to forward, its lines without their end (None: none)."""
+        if not event.startswith(b"data:") or b"\n" in event or b"\r" in event:
             return event  # comments, multi-line or named events: not vLLM's, pass through
         payload = event[5:].strip()
         if payload == b"[DONE]":

@@ -9,7 +9,7 @@
 - The block digests cover D's sequence, ``(prompt + generated)[:remote_num_tokens]``,
   seeded by ``kvferry.digests.seed_for`` (the node's model, and the request's
   adapter when it names another model), exactly as the router seeds the
-  prompt's digests. They are computed when the lease is sent
+  prompt's digests. They are computed when the retention is registered
   (`digests_of`), when the node's model and block size are surely known.
 """
 
@@ -29,7 +29,7 @@ MAX_AHEAD_S = 3600.0
 
 
 @dataclass(frozen=True)
-class LeaseDraft:
+class RetentionDraft:
     """A retention waiting to be registered."""
 
     tenant: str
@@ -65,7 +65,7 @@ def rewrite_remote_host(params: dict[str, Any], side_channel_host: str) -> dict[
 def wall_deadline(expiry_mono: object, now_mono: float, now_wall: float) -> float | None:
     """D's perf_counter deadline in wall-clock time; None when absent or implausible.
 
-    A deadline already past stays in the past (the caller drops the lease); one
+    A deadline already past stays in the past (the caller drops the draft); one
     more than MAX_AHEAD_S ahead means the engine's clock is not ours.
     """
     if isinstance(expiry_mono, bool) or not isinstance(expiry_mono, int | float):
@@ -86,7 +86,7 @@ def _int(value: object) -> int | None:
     return None
 
 
-def draft_lease(
+def draft_retention(
     turn: FinishedTurn,
     *,
     tenant: str,
@@ -98,7 +98,7 @@ def draft_lease(
     now_mono: float,
     now_wall: float,
     blocks_ttl_s: float,
-) -> LeaseDraft | str:
+) -> RetentionDraft | str:
     """The retention a finished D turn leaves behind, or why there is none (a metrics label).
 
     Without D's own deadline (remote_blocks_expiry_time, absent before vLLM sent it) the
@@ -121,7 +121,7 @@ def draft_lease(
             tokens = array.array("I", (turn.prompt_token_ids + (turn.output_token_ids or []))[:num_tokens])
         except (OverflowError, TypeError):  # not token ids: no digests, as when none came
             tokens = None
-    return LeaseDraft(
+    return RetentionDraft(
         tenant=tenant,
         conversation_id=conversation_id,
         params=rewrite_remote_host(params, side_channel_host),
@@ -134,7 +134,7 @@ def draft_lease(
     )
 
 
-def digests_of(draft: LeaseDraft, base_model: str, block_size: int) -> bytes:
+def digests_of(draft: RetentionDraft, base_model: str, block_size: int) -> bytes:
     """Block digests of the draft's sequence (b"" when unknown or not token ids)."""
     if not draft.tokens or block_size <= 0:
         return b""

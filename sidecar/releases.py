@@ -96,10 +96,10 @@ class Releaser:
             outcome = "cancelled"
             raise
         except Exception as e:  # best effort: D's TTL frees the blocks all the same
-            log.info("lease.release.failed", conversation_id=conversation_id, error=repr(e))
+            log.info("retention.release.failed", conversation_id=conversation_id, error=repr(e))
         finally:
             self._metrics.replaced_releases.labels(outcome).inc()
-            log.info("lease.release", conversation_id=conversation_id, outcome=outcome)
+            log.info("retention.release", conversation_id=conversation_id, outcome=outcome)
 
     async def _prefill(self, model: str, block_size: int) -> tuple[str, str] | None:
         """(URL, model) of an alive prefill node serving `model` with `block_size` (its

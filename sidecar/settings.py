@@ -12,14 +12,18 @@ import socket
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
-from kvferry.flags import flag_adder
+from kvferry.flags import Flag, add_flags, items, joined, settings_from
 from kvferry.ids import id_problem
+from kvferry.limits import MAX_BLOCK_SIZE, MAX_LIFETIME_S, MAX_LIVENESS_TTL_S, MAX_PORT, MIN_LIVENESS_TTL_S
+from kvferry.turnheaders import TENANT_HEADER
 from kvferry.urls import is_http_url, is_loopback, listen_host_port
 
 ROLES = ("prefill", "decode", "both")
 ENV_PREFIX = "KVFERRY_SIDECAR_"
 #: Most data-parallel ranks the sidecar follows (one SUB socket, and a replay, each).
 MAX_RANKS = 256
+#: The shortest blocks TTL taken, seconds.
+MIN_BLOCKS_TTL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -125,8 +129,10 @@ class TapSettings:
     """URL registered as the node's engine_url (the router tokenizes and prefills there,
     skipping the tap, which only reads decode answers); "" = the engine URL unless it is a
     loopback address while http_url is not; "none" = never (everything goes through the tap)."""
-    tenant_header: str = "X-Kvferry-Tenant"
-    """Request header naming the tenant ("" or absent = the daemon's default tenant)."""
+    tenant_header: str = TENANT_HEADER
+    """Header naming the tenant of a request that did not come from the router ("" or
+    absent = the daemon's default tenant); the router's always name it in
+    `kvferry.turnheaders.TENANT_HEADER`, whatever this says."""
     max_body_bytes: int = 64 * 1024 * 1024
     """Largest request body accepted."""
     connect_timeout_s: float = 10.0
@@ -134,7 +140,7 @@ class TapSettings:
 
 
 @dataclass(frozen=True)
-class LeaseSettings:
+class RetentionSettings:
     """Retention registrations waiting for the daemon."""
 
     queue_size: int = 1024
@@ -153,7 +159,7 @@ class Settings:
     kv_events: KvEventSettings = field(default_factory=KvEventSettings)
     daemon: DaemonSettings = field(default_factory=DaemonSettings)
     tap: TapSettings = field(default_factory=TapSettings)
-    leases: LeaseSettings = field(default_factory=LeaseSettings)
+    retentions: RetentionSettings = field(default_factory=RetentionSettings)
 
     def validate(self) -> None:
         """Raise ValueError on a setting out of range."""
@@ -166,9 +172,9 @@ class Settings:
                 raise ValueError(f"{name} {url!r} must be an http:// or https:// URL with a host")
         if e.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {e.role!r}")
-        if e.block_size < 0 or e.block_size > 4096:
-            raise ValueError("block size must be in 0..4096 (0 = learn it)")
-        if not 0 < e.side_channel_port < 65536:
+        if not 0 <= e.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block size must be in 0..{MAX_BLOCK_SIZE} (0 = learn it)")
+        if not 0 < e.side_channel_port <= MAX_PORT:
             raise ValueError("side-channel port must be a port number")
         if e.health_interval_s <= 0 or e.health_timeout_s <= 0 or e.health_failures < 1:
             raise ValueError("health interval and timeout must be positive, failures at least 1")
@@ -187,18 +193,19 @@ class Settings:
             raise ValueError(f"KV-event ranks (the engine's data-parallel size) must be in 1..{MAX_RANKS}")
         if k.ranks > 1:
             _rank_ports(k)
-        if not 1 <= self.engine.blocks_ttl_s <= 3600:  # (the daemon refuses deadlines further out)
-            raise ValueError("blocks TTL must be in 1..3600 s")
+        if not MIN_BLOCKS_TTL_S <= self.engine.blocks_ttl_s <= MAX_LIFETIME_S:  # (the daemon's horizon)
+            raise ValueError(f"blocks TTL must be in {MIN_BLOCKS_TTL_S:g}..{MAX_LIFETIME_S:g} s")
         d = self.daemon
         if not d.addresses or any(":" not in a for a in d.addresses):
             raise ValueError("daemon addresses must be host:port")
-        if not 2 <= d.liveness_ttl_s <= 3600:
-            raise ValueError("liveness TTL must be in 2..3600 s")
+        if not MIN_LIVENESS_TTL_S <= d.liveness_ttl_s <= MAX_LIVENESS_TTL_S:
+            raise ValueError(f"liveness TTL must be in {MIN_LIVENESS_TTL_S}..{MAX_LIVENESS_TTL_S} s")
         if d.rpc_timeout_s <= 0 or not 0 < d.backoff_initial_s <= d.backoff_max_s:
             raise ValueError("RPC timeout and backoff must be positive, initial <= max")
         listen_host_port(self.tap.listen)
-        if self.leases.queue_size < 1 or self.leases.max_attempts < 1 or self.leases.max_in_flight < 1:
-            raise ValueError("lease queue size, attempts and in-flight limit must be positive")
+        r = self.retentions
+        if r.queue_size < 1 or r.max_attempts < 1 or r.max_in_flight < 1:
+            raise ValueError("registration queue size, attempts and in-flight limit must be positive")
 
     @property
     def node_id(self) -> str:
@@ -249,8 +256,8 @@ def _rank_ports(k: KvEventSettings) -> None:
         port = endpoint.rpartition(":")[2]
         if not endpoint.startswith("tcp://") or not port.isdigit():
             raise ValueError(f"KV-event endpoint {endpoint!r}: ranks need a TCP port to add each rank to")
-        if int(port) + k.ranks - 1 > 65535:
-            raise ValueError(f"KV-event endpoint {endpoint!r}: port + ranks - 1 must be at most 65535")
+        if int(port) + k.ranks - 1 > MAX_PORT:
+            raise ValueError(f"KV-event endpoint {endpoint!r}: port + ranks - 1 must be at most {MAX_PORT}")
         runs.append(range(int(port), int(port) + k.ranks))
     if len(runs) == 2 and set(runs[0]) & set(runs[1]):
         raise ValueError("the ranks' KV-event ports and their replay ports overlap: move the replay port")
@@ -261,87 +268,72 @@ def listen_address(s: Settings) -> tuple[str, int]:
     return listen_host_port(s.tap.listen)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The sidecar's flags; each defaults to KVFERRY_SIDECAR_<FLAG>."""
-    d = Settings()
-    e, k, dm, t, ls = d.engine, d.kv_events, d.daemon, d.tap, d.leases
-
-    add = flag_adder(p, ENV_PREFIX)
-
-    add("engine-url", e.url, "base URL of the engine's OpenAI server")
-    add("listen", t.listen, "host:port the HTTP tap listens on")
-    add("daemon", ",".join(dm.addresses), "daemon address(es), host:port[,host:port...]")
-    add("role", e.role, "prefill, decode or both")
-    add("engine-id", e.engine_id, "node id at the daemon (default <hostname>-<engine port>)")
-    add("model", e.model, "base model (default: learned from /v1/models)")
-    add(
-        "engine-api-key", e.api_key, "bearer key for the engines (vLLM --api-key): /v1/models, releases via P"
-    )
-    add("block-size", e.block_size, "tokens per KV block (0: learn from /metrics, else 16)", int)
-    add("side-channel-host", e.side_channel_host, "NIXL side-channel host prefill nodes reach")
-    add("side-channel-port", e.side_channel_port, "NIXL side-channel port", int)
-    add("kv-events-endpoint", k.endpoint, "engine's KV-event ZMQ PUB endpoint (empty: off)")
-    add("kv-events-replay-endpoint", k.replay_endpoint, "engine's KV-event replay endpoint")
-    add("kv-events-topic", k.topic, "KV-event topic")
-    add(
+FLAGS = (
+    Flag(
+        "engine-url",
+        "engine.url",
+        "base URL of the engine's OpenAI server",
+        to_field=lambda url: url.rstrip("/"),
+    ),
+    Flag("listen", "tap.listen", "host:port the HTTP tap listens on"),
+    Flag(
+        "daemon",
+        "daemon.addresses",
+        "daemon address(es), host:port[,host:port...]",
+        to_field=items,
+        to_text=joined,
+    ),
+    Flag("role", "engine.role", "prefill, decode or both"),
+    Flag("engine-id", "engine.engine_id", "node id at the daemon (default <hostname>-<engine port>)"),
+    Flag("model", "engine.model", "base model (default: learned from /v1/models)"),
+    Flag(
+        "engine-api-key",
+        "engine.api_key",
+        "bearer key for the engines (vLLM --api-key): /v1/models, releases via P",
+    ),
+    Flag("block-size", "engine.block_size", "tokens per KV block (0: learn from /metrics, else 16)", int),
+    Flag("side-channel-host", "engine.side_channel_host", "NIXL side-channel host prefill nodes reach"),
+    Flag("side-channel-port", "engine.side_channel_port", "NIXL side-channel port", int),
+    Flag("kv-events-endpoint", "kv_events.endpoint", "engine's KV-event ZMQ PUB endpoint (empty: off)"),
+    Flag("kv-events-replay-endpoint", "kv_events.replay_endpoint", "engine's KV-event replay endpoint"),
+    Flag("kv-events-topic", "kv_events.topic", "KV-event topic"),
+    Flag(
         "kv-events-ranks",
-        k.ranks,
+        "kv_events.ranks",
         "the engine's data-parallel ranks on this node (the endpoints are the first's; rank r: port + r)",
         int,
-    )
-    add("tenant-header", t.tenant_header, "request header naming the tenant")
-    add("advertise-url", t.advertise_url, "URL registered as the node's http_url")
-    add(
+    ),
+    Flag("tenant-header", "tap.tenant_header", "header naming the tenant of requests not from the router"),
+    Flag("advertise-url", "tap.advertise_url", "URL registered as the node's http_url"),
+    Flag(
         "advertise-engine-url",
-        t.advertise_engine_url,
+        "tap.advertise_engine_url",
         "URL registered as the node's engine_url, for tokenize and prefill requests "
         '("" = the engine URL when the router can reach it; "none" = never)',
-    )
-    add("liveness-ttl", dm.liveness_ttl_s, "seconds the node stays alive without a heartbeat", int)
-    add("health-interval", e.health_interval_s, "seconds between engine /health probes", float)
-    add("health-failures", e.health_failures, "failed probes after which the engine is down", int)
-    add(
+    ),
+    Flag("liveness-ttl", "daemon.liveness_ttl_s", "seconds the node stays alive without a heartbeat", int),
+    Flag("health-interval", "engine.health_interval_s", "seconds between engine /health probes", float),
+    Flag("health-failures", "engine.health_failures", "failed probes after which the engine is down", int),
+    Flag(
         "blocks-ttl",
-        e.blocks_ttl_s,
+        "engine.blocks_ttl_s",
         "the engine's decoder_kv_blocks_ttl: the longest a retention lives after D's answer",
         float,
-    )
-    add("lease-queue-size", ls.queue_size, "registrations kept while the daemon is unreachable", int)
+    ),
+    Flag(
+        "lease-queue-size", "retentions.queue_size", "registrations kept while the daemon is unreachable", int
+    ),
+)
+"""The sidecar's flags, in --help's order."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The sidecar's flags; each defaults to KVFERRY_SIDECAR_<FLAG>."""
+    add_flags(p, ENV_PREFIX, FLAGS, Settings())
 
 
 def from_args(a: argparse.Namespace) -> Settings:
     """Settings from parsed flags; raises ValueError when invalid."""
-    s = Settings(
-        engine=EngineSettings(
-            url=a.engine_url.rstrip("/"),
-            engine_id=a.engine_id,
-            role=a.role,
-            model=a.model,
-            api_key=a.engine_api_key,
-            block_size=a.block_size,
-            side_channel_host=a.side_channel_host,
-            side_channel_port=a.side_channel_port,
-            health_interval_s=a.health_interval,
-            health_failures=a.health_failures,
-            blocks_ttl_s=a.blocks_ttl,
-        ),
-        kv_events=KvEventSettings(
-            endpoint=a.kv_events_endpoint,
-            replay_endpoint=a.kv_events_replay_endpoint,
-            topic=a.kv_events_topic,
-            ranks=a.kv_events_ranks,
-        ),
-        daemon=DaemonSettings(
-            addresses=tuple(x.strip() for x in a.daemon.split(",") if x.strip()),
-            liveness_ttl_s=a.liveness_ttl,
-        ),
-        tap=TapSettings(
-            listen=a.listen,
-            advertise_url=a.advertise_url,
-            advertise_engine_url=a.advertise_engine_url,
-            tenant_header=a.tenant_header,
-        ),
-        leases=LeaseSettings(queue_size=a.lease_queue_size),
-    )
+    s = settings_from(a, FLAGS, Settings())
     s.validate()
     return s

@@ -22,12 +22,13 @@ import structlog
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
-from kvferry.hops import NO_RETENTION_HEADER, NOT_DELIVERED_HEADER, never_delivered
+from kvferry.hops import never_delivered
+from kvferry.turnheaders import NO_RETENTION_HEADER, NOT_DELIVERED_HEADER
 from sidecar.capture import RequestPlan, SseRewriter, TurnObserver, plan_request, rewrite_json
-from sidecar.drafts import draft_lease
+from sidecar.drafts import draft_retention
 from sidecar.engine import DEFAULT_BLOCK_SIZE, EngineInstance
-from sidecar.leases import LeaseSender
 from sidecar.metrics import SidecarMetrics
+from sidecar.retentions import RetentionSender
 from sidecar.settings import Settings
 from sidecar.unretained import (
     STREAM_WITHOUT_PARAMS,
@@ -104,7 +105,7 @@ class Tap:
         settings: Settings,
         http: aiohttp.ClientSession,
         instance: EngineInstance,
-        leases: LeaseSender,
+        retentions: RetentionSender,
         metrics: SidecarMetrics,
         unretained: UnretainedLedger,
     ) -> None:
@@ -112,7 +113,7 @@ class Tap:
         self._base = settings.engine.url
         self._http = http
         self._instance = instance
-        self._leases = leases
+        self._retentions = retentions
         self._metrics = metrics
         self._unretained = unretained
         self._capture = settings.engine.role != "prefill"
@@ -242,7 +243,7 @@ class Tap:
                     self._uncaptured(observer, plan, epoch)
                 return
             epoch = self._instance.observe_engine_id(turn.params.get("remote_engine_id"))
-            draft = draft_lease(
+            draft = draft_retention(
                 turn,
                 tenant=plan.tenant,
                 conversation_id=plan.conversation_id,
@@ -258,7 +259,7 @@ class Tap:
                 self._metrics.turns.labels(draft).inc()
                 return
             self._metrics.turns.labels("captured").inc()
-            self._leases.submit(draft)
+            self._retentions.submit(draft)
         except Exception:  # a bug here must not cost the client its answer
             log.exception("tap.capture.failed", conversation_id=plan.conversation_id)
 

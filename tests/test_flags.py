@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 import pytest
@@ -89,3 +90,33 @@ def test_no_number_flag_takes_a_value_that_is_not_finite(
                 parser.parse_args([f"{action.option_strings[0]}={value}"])
             assert "must be a finite number" in capsys.readouterr().err, (name, action.dest)
     assert checked >= 19  # (every float flag of the four processes, when this was written)
+
+
+@pytest.mark.parametrize("process", ["daemon", "sidecar", "router"])
+def test_each_flag_reads_back_its_fields_default(process: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flag's default is its field's, as text (kvferry.flags.Flag.to_text); parsed back
+    (Flag.to_field) it is that field's default again: no flag, no variable, no change."""
+    from controlplane import settings as daemon_settings
+    from sidecar import settings as sidecar_settings
+
+    for name in [n for n in os.environ if n.startswith("KVFERRY_")]:
+        monkeypatch.delenv(name)
+    module = {"daemon": daemon_settings, "sidecar": sidecar_settings, "router": router_settings}[process]
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    defaults = module.Settings()
+    assert flags.settings_from(parser.parse_args([]), module.FLAGS, defaults) == defaults
+
+
+def test_a_flag_names_a_field_of_its_settings() -> None:
+    """A mistyped field fails when the parser is built, not when the flag is used."""
+    wrong = flags.Flag("listen", "server.lisen", "host:port")
+    with pytest.raises(AttributeError):
+        flags.add_flags(argparse.ArgumentParser(), "KVFERRY_ROUTER_", [wrong], router_settings.Settings())
+    with pytest.raises(ValueError, match=r"group\.field"):
+        flags.add_flags(
+            argparse.ArgumentParser(),
+            "KVFERRY_ROUTER_",
+            [flags.Flag("listen", "listen", "")],
+            router_settings.Settings(),
+        )

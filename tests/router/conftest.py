@@ -134,13 +134,13 @@ class Stack:
         return r
 
     async def registrations_idle(self, timeout_s: float = 5.0) -> None:
-        """Until every D sidecar has sent its queued lease registrations."""
+        """Until every D sidecar has sent its queued retention registrations."""
         async with asyncio.timeout(timeout_s):
             for emu in self.decodes:
-                leases = self.sidecar(emu).leases
-                assert leases is not None
-                while leases.pending:
-                    await leases.wait_idle(timeout_s)
+                sender = self.sidecar(emu).retentions
+                assert sender is not None
+                while sender.pending:
+                    await sender.wait_idle(timeout_s)
 
     async def close(self) -> None:
         engines = [*self.decodes, *self.prefills]

@@ -11,7 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvferry.ids import MAX_ID_BYTES
 from kvferry.releases import release_body, released, tick_body
+from kvferry.turnheaders import conversation_of, safe_id
 from router.choice import (
     Node,
     alike,
@@ -38,7 +40,7 @@ from router.decisions import (
     spends_retry,
     text_only,
 )
-from router.identity import MAX_ID_BYTES, conversation_of, identify, safe_id, tenant_of
+from router.identity import identify, tenant_of
 from router.nodes import DirectRoutes, base_model_of, static_nodes
 from router.relay import SseScrubber, scrub_json
 from router.settings import Settings, add_arguments, from_args

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from controlplane.daemon import Daemon
 from emulator.sidechannel import ReadBlocks, SideChannelError
-from kvferry.hops import NOT_DELIVERED_HEADER
+from kvferry.turnheaders import NOT_DELIVERED_HEADER
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2_grpc
 from router import Router
 from router import Settings as RouterSettings

@@ -134,11 +134,11 @@ class Deployment:
 
     async def registrations_idle(self, timeout_s: float = 10.0) -> None:
         """Until D's sidecar has sent every registration it captured."""
-        leases = self.sidecars["decode"].leases
-        assert leases is not None
+        sender = self.sidecars["decode"].retentions
+        assert sender is not None
         async with asyncio.timeout(timeout_s):
-            while leases.pending:
-                await leases.wait_idle(timeout_s)
+            while sender.pending:
+                await sender.wait_idle(timeout_s)
 
     def conversation(self, topic: str) -> str:
         """A conversation id no other test or run uses."""

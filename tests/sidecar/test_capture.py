@@ -1,4 +1,4 @@
-"""The tap's decisions: request rewrite, reading answers, SSE framing, drafting leases. Pure."""
+"""The tap's decisions: request rewrite, reading answers, SSE framing, drafting retentions. Pure."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvferry.digests import block_digests, seed
+from kvferry.turnheaders import TENANT_HEADER
 from sidecar.capture import (
     FinishedTurn,
     SseRewriter,
@@ -21,15 +22,15 @@ from sidecar.capture import (
     rewrite_json,
 )
 from sidecar.drafts import (
-    LeaseDraft,
+    RetentionDraft,
     digests_of,
-    draft_lease,
+    draft_retention,
     is_loopback,
     rewrite_remote_host,
     wall_deadline,
 )
 
-TENANT = "X-Kvferry-Tenant"
+TENANT = TENANT_HEADER
 
 
 def _plan(body: Any, headers: dict[str, str] | None = None, path: str = "/v1/chat/completions", **kw: Any):  # type: ignore[no-untyped-def]
@@ -356,8 +357,8 @@ def _turn(**params: Any) -> FinishedTurn:
     )
 
 
-def _draft(turn: FinishedTurn, **changes: Any) -> LeaseDraft | str:
-    """draft_lease at mono 1000 / wall 2000, with a 480 s blocks TTL unless changed."""
+def _draft(turn: FinishedTurn, **changes: Any) -> RetentionDraft | str:
+    """draft_retention at mono 1000 / wall 2000, with a 480 s blocks TTL unless changed."""
     kw: dict[str, Any] = {
         "tenant": "t",
         "conversation_id": "c",
@@ -368,45 +369,45 @@ def _draft(turn: FinishedTurn, **changes: Any) -> LeaseDraft | str:
         "now_wall": 2000.0,
         "blocks_ttl_s": 480.0,
     }
-    return draft_lease(turn, **{**kw, **changes})
+    return draft_retention(turn, **{**kw, **changes})
 
 
 def test_draft_from_a_finished_turn() -> None:
     draft = _draft(
         _turn(remote_num_tokens=32, remote_blocks_expiry_time=1480.0), epoch=3, side_channel_host="10.0.0.5"
     )
-    assert isinstance(draft, LeaseDraft)
+    assert isinstance(draft, RetentionDraft)
     assert draft.num_tokens == 32 and draft.expires_at == 2480.0 and draft.epoch == 3
     assert draft.tokens is not None and draft.params["remote_host"] == "10.0.0.5"
     assert list(draft.tokens) == [*range(30), 100, 101]
     assert isinstance(draft.tokens, array.array) and draft.tokens.itemsize == 4  # (queued: compact)
     assert digests_of(draft, "base", 16) == block_digests(draft.tokens, 16, seed("base"))
-    lora = LeaseDraft(**{**draft.__dict__, "model": "my-lora"})
+    lora = RetentionDraft(**{**draft.__dict__, "model": "my-lora"})
     assert digests_of(lora, "base", 16) == block_digests(draft.tokens, 16, seed("base", "my-lora"))
-    same = LeaseDraft(**{**draft.__dict__, "model": "base"})
+    same = RetentionDraft(**{**draft.__dict__, "model": "base"})
     assert digests_of(same, "base", 16) == digests_of(draft, "base", 16)
-    assert digests_of(LeaseDraft(**{**draft.__dict__, "tokens": None}), "base", 16) == b""
+    assert digests_of(RetentionDraft(**{**draft.__dict__, "tokens": None}), "base", 16) == b""
     odd = FinishedTurn({**D_PARAMS, "remote_num_tokens": 32}, [-1, *range(31)], [1], "stop")
     unverifiable = _draft(odd)  # ids no engine sends: kept without them (no digests)
-    assert isinstance(unverifiable, LeaseDraft) and unverifiable.tokens is None
+    assert isinstance(unverifiable, RetentionDraft) and unverifiable.tokens is None
 
 
 def test_a_draft_without_ds_deadline_gets_one_at_capture() -> None:
     """Releases before remote_blocks_expiry_time: D holds the blocks its TTL from now, so the
     draft's deadline is stamped here, not left to the daemon at (maybe much later) registration."""
     draft = _draft(_turn(remote_num_tokens=32), blocks_ttl_s=300.0)
-    assert isinstance(draft, LeaseDraft) and draft.expires_at == 2300.0
+    assert isinstance(draft, RetentionDraft) and draft.expires_at == 2300.0
     # From when D's params came, not from the end of a stream a slow client read long after.
     seen = FinishedTurn(D_PARAMS, None, None, "stop", params_seen_at=1900.0)
     draft = _draft(seen, blocks_ttl_s=300.0)
-    assert isinstance(draft, LeaseDraft) and draft.expires_at == 2200.0
+    assert isinstance(draft, RetentionDraft) and draft.expires_at == 2200.0
 
 
 def test_no_deadline_beyond_ds_blocks_ttl() -> None:
     """D frees the blocks its TTL after finishing, whatever its clock says: a deadline
     further off (an engine whose perf_counter is not this host's) is not believed."""
     draft = _draft(_turn(remote_num_tokens=32, remote_blocks_expiry_time=1000.0 + 3000))
-    assert isinstance(draft, LeaseDraft) and draft.expires_at == 2000.0 + 480
+    assert isinstance(draft, RetentionDraft) and draft.expires_at == 2000.0 + 480
 
 
 @pytest.mark.parametrize(

@@ -8,12 +8,12 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from sidecar.drafts import LeaseDraft
+from sidecar.drafts import RetentionDraft
 from sidecar.engine import EngineInstance, block_size_of, normalize_engine_id
 from sidecar.identity import Answer, Identity, IdentityTracker, State, Step, identity_of, started_at_of
-from sidecar.leases import RegistrationQueue, dead_reason, retry_decision
 from sidecar.metrics import SidecarMetrics
 from sidecar.node import advertised_engine_url, advertised_url
+from sidecar.retentions import RegistrationQueue, dead_reason, retry_decision
 from sidecar.settings import (
     EngineSettings,
     KvEventSettings,
@@ -109,8 +109,8 @@ def test_block_size_from_vllm_metrics() -> None:
     assert block_size_of(text) == 32 and block_size_of("vllm:num_requests_running 0\n") is None
 
 
-def _draft(name: str, epoch: int = 0, expires_at: float = 1e12) -> LeaseDraft:
-    return LeaseDraft("t", name, {}, 32, expires_at, None, "", epoch)
+def _draft(name: str, epoch: int = 0, expires_at: float = 1e12) -> RetentionDraft:
+    return RetentionDraft("t", name, {}, 32, expires_at, None, "", epoch)
 
 
 def test_queue_is_capped_and_drops_the_oldest() -> None:

@@ -109,11 +109,11 @@ async def _one_turn_held(
     sc = await start_sidecar(d)
     await eventually(lambda: _alive_at(client, sc.settings.node_id, 1))
     await _d_turn(http, p, sc, conversation)
-    assert sc.leases is not None and await sc.leases.wait_idle(5)
+    assert sc.retentions is not None and await sc.retentions.wait_idle(5)
     return _HeldTurn(p, d, ports, sc)
 
 
-async def test_engine_restart_seen_by_health_makes_old_leases_node_restarted(
+async def test_engine_restart_seen_by_health_makes_old_retentions_node_restarted(
     client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
 ) -> None:
     held = await _one_turn_held(client, start_emulator, start_sidecar, http, "before")
@@ -129,11 +129,11 @@ async def test_engine_restart_seen_by_health_makes_old_leases_node_restarted(
     assert sc.metrics.value("kvferry_sidecar_engine_restarts_total", signal="identity") == 1
 
     await _d_turn(http, p, sc, "after")
-    assert await sc.leases.wait_idle(5)
+    assert await sc.retentions.wait_idle(5)
     assert (await _lookup(client, "after")).decision == leases_pb2.PULL
 
 
-async def test_a_restarted_sidecar_keeps_its_engines_generation_and_leases(
+async def test_a_restarted_sidecar_keeps_its_engines_generation_and_retentions(
     client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
 ) -> None:
     """The sidecar restarts (an upgrade, a crash), the engine does not: the engine's start
@@ -179,17 +179,17 @@ async def test_a_new_remote_engine_id_is_a_restart_even_when_health_missed_it(
     node_id = sc.settings.node_id
     await eventually(lambda: _alive_at(client, node_id, 1))
     first = await _d_turn(http, p, sc, "old")
-    assert sc.leases is not None and await sc.leases.wait_idle(5)
+    assert sc.retentions is not None and await sc.retentions.wait_idle(5)
 
     await d.stop()
     await start_emulator(**ports)
     second = await _d_turn(http, p, sc, "new")
     assert second["remote_engine_id"] != first["remote_engine_id"]
-    assert await sc.leases.wait_idle(5)
+    assert await sc.retentions.wait_idle(5)
     await eventually(lambda: _alive_at(client, node_id, 2))
     assert (await _lookup(client, "old")).reason == "node_restarted"
     new = await client.leases.Get(leases_pb2.GetLeaseRequest(conversation_id="new"))
-    assert new.generation == 2, "the new engine's lease waited for the new generation"
+    assert new.generation == 2, "the new engine's retention waited for the new generation"
     assert (await _lookup(client, "new")).decision == leases_pb2.PULL
     assert sc.metrics.value("kvferry_sidecar_engine_restarts_total", signal="engine_id") == 1
 
@@ -254,11 +254,11 @@ async def test_daemon_outage_leaves_traffic_alone_and_registrations_catch_up(
         newer = await _d_turn(http, p, sc, "during-outage", topic="harbours")
         dropped = "kvferry_sidecar_lease_registrations_dropped_total"
         await eventually(lambda: _counted(sc, dropped, reason="superseded"), within=10)
-        assert sc.leases is not None and sc.leases.pending == 1  # the newer one, waiting
+        assert sc.retentions is not None and sc.retentions.pending == 1  # the newer one, waiting
 
         second = await make_daemon(settings)  # same address, same etcd and prefix
         client = connect(second)
-        assert await sc.leases.wait_idle(10)
+        assert await sc.retentions.wait_idle(10)
         value = sc.metrics.value
         assert value("kvferry_sidecar_lease_registrations_total", outcome="sent") == 1
         assert value("kvferry_sidecar_lease_registrations_dropped_total", reason="superseded") == 1
@@ -301,7 +301,7 @@ async def test_a_conversations_registration_waits_for_the_one_in_flight(
     monkeypatch.setattr(LeaseStream, "register", slow_first)
     await _d_turn(http, p, sc, "ordered")
     newer = await _d_turn(http, p, sc, "ordered", topic="harbours")
-    assert sc.leases is not None and await sc.leases.wait_idle(5)
+    assert sc.retentions is not None and await sc.retentions.wait_idle(5)
     assert sc.metrics.value("kvferry_sidecar_lease_registrations_total", outcome="sent") == 2
     lease = await client.leases.Get(leases_pb2.GetLeaseRequest(conversation_id="ordered"))
     assert lease.kv_transfer_params["remote_request_id"] == newer["remote_request_id"]
@@ -328,10 +328,10 @@ async def test_registrations_a_stopping_sidecar_could_not_send_are_counted(
         await eventually(lambda: _counted(sc, "kvferry_sidecar_lease_registrations_total", outcome="requeue"))
     finally:
         with structlog.testing.capture_logs() as logs:
-            await sc.stop(lease_grace_s=0.2)
+            await sc.stop(grace_s=0.2)
     dropped = "kvferry_sidecar_lease_registrations_dropped_total"
     assert sc.metrics.value(dropped, reason="shutdown") == 1
-    assert sc.leases is not None and sc.leases.pending == 0
+    assert sc.retentions is not None and sc.retentions.pending == 0
     assert any(e["event"] == "sidecar.stop.registrations_dropped" and e["count"] == 1 for e in logs)
 
 
@@ -366,7 +366,7 @@ async def test_a_registration_the_daemon_may_have_stored_is_not_sent_again(
             return False
 
     await eventually(back, within=20)
-    assert sc.leases is not None and sc.leases.pending == 0
+    assert sc.retentions is not None and sc.retentions.pending == 0
     assert sc.metrics.value("kvferry_sidecar_lease_registrations_total", outcome="requeue") == 0
     assert (await _lookup(client, "unsure")).reason == "no_lease"
 

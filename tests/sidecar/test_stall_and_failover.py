@@ -63,7 +63,7 @@ async def test_a_stalled_engine_is_suspended_and_keeps_its_retentions(
         node_id = sc.settings.node_id
         await eventually(lambda: _alive_at(client, node_id, 1))
         await _d_turn(http, p, sc, "kept")
-        assert sc.leases is not None and await sc.leases.wait_idle(5)
+        assert sc.retentions is not None and await sc.retentions.wait_idle(5)
 
         flowing.clear()  # the stall
 

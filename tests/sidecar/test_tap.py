@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -15,10 +15,11 @@ import pytest
 from aiohttp import web
 
 from controlplane.daemon import Daemon
+from controlplane.settings import Limits
 from emulator import EmulatorServer
 from kvferry.v1 import leases_pb2, nodes_pb2
 from sidecar import Sidecar
-from tests.conftest import Client
+from tests.conftest import Client, DaemonFactory
 from tests.polling import eventually
 from tests.sidecar.conftest import StartEmulator, StartSidecar, sidecar_settings
 from tests.sidecar.helpers import chat, first_turn, prefill, sse_events
@@ -67,7 +68,7 @@ async def test_token_ids_reach_the_client_only_when_asked(
         assert ("token_ids" in text) is return_ids
         assert events[-1] == "[DONE]" and len(events) == 7  # role chunk, 5 tokens, [DONE]
 
-    # A D turn streamed through the tap registers its lease from the final chunk.
+    # A D turn streamed through the tap registers its retention from the final chunk.
     p1 = await prefill(http, p.http_url, messages)
     async with http.post(
         sc.url + "/v1/chat/completions",
@@ -77,7 +78,7 @@ async def test_token_ids_reach_the_client_only_when_asked(
         events = await sse_events(r)
     final = events[-2]
     assert final["kv_transfer_params"]["do_remote_decode"] is True and "token_ids" not in json.dumps(events)
-    assert sc.leases is not None and await sc.leases.wait_idle(5)
+    assert sc.retentions is not None and await sc.retentions.wait_idle(5)
     lease = await _lease(client, "streamed")
     assert lease is not None and lease.num_tokens == final["kv_transfer_params"]["remote_num_tokens"]
     assert len(lease.block_digests) == 16 * (lease.num_tokens // 16)
@@ -132,7 +133,11 @@ async def _metric(sc: Sidecar, name: str, **labels: str) -> bool:
 
 
 async def test_engine_answers_to_bad_input_pass_through(
-    start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession, client: Client
+    start_emulator: StartEmulator,
+    start_sidecar: StartSidecar,
+    http: aiohttp.ClientSession,
+    make_daemon: DaemonFactory,
+    connect: Callable[[Daemon], Client],
 ) -> None:
     p, d = await _pd(start_emulator)
     sc = await start_sidecar(d)
@@ -145,21 +150,30 @@ async def test_engine_answers_to_bad_input_pass_through(
     assert too_long.status == 400
     async with http.post(sc.url + "/v1/chat/completions", json=[1, 2], headers=conv) as r:
         assert r.status == 400
-    # The daemon refuses an id with control characters: the client still gets its answer,
-    # and D is told to free the blocks no retention will ever hand out (through a P).
-    p_node = (await start_sidecar(p, engine__role="prefill")).settings.node_id
+    # A daemon that refuses the registration for good (here: more tokens than it takes; an
+    # id with control characters goes as a digest of itself, which it takes): the client
+    # still gets its answer, and D is told to free the blocks no retention will ever hand
+    # out (through a P).
+    strict = await make_daemon(limits=Limits(max_tokens=100))
+    refused = await start_sidecar(d, against=strict)
+    p_node = (await start_sidecar(p, against=strict, engine__role="prefill")).settings.node_id
 
     async def p_alive() -> bool:  # (the release goes through it)
-        listed = await client.nodes.List(nodes_pb2.ListNodesRequest())
+        listed = await connect(strict).nodes.List(nodes_pb2.ListNodesRequest())
         return any(n.engine_id == p_node and n.alive for n in listed.nodes)
 
     await eventually(p_alive)
     p1 = await prefill(http, p.http_url, first_turn())
     odd = await chat(
-        http, sc.url, first_turn(), max_tokens=3, kv_transfer_params=p1.params, conversation_id="bad\x01id"
+        http,
+        refused.url,
+        first_turn(),
+        max_tokens=3,
+        kv_transfer_params=p1.params,
+        conversation_id="bad\x01id",
     )
     assert odd.status == 200 and odd.params is not None
-    await eventually(lambda: _metric(sc, "kvferry_sidecar_lease_registrations_total", outcome="failed"))
+    await eventually(lambda: _metric(refused, "kvferry_sidecar_lease_registrations_total", outcome="failed"))
 
     async def freed() -> bool:
         async with http.get(d.http_url + "/emulator/state") as r:

@@ -7,6 +7,7 @@ import time
 import aiohttp
 
 from kvferry.digests import block_digests, seed
+from kvferry.turnheaders import CONVERSATION_HEADER, TENANT_HEADER, TURN_ID_HEADER, conversation_of
 from kvferry.v1 import leases_pb2, nodes_pb2
 from tests.conftest import Client
 from tests.polling import eventually
@@ -21,7 +22,7 @@ async def _node_alive(client: Client, engine_id: str) -> bool:
     return any(n.engine_id == engine_id and n.alive for n in nodes)
 
 
-async def test_decode_turn_registers_a_lease_that_prefill_pulls(
+async def test_decode_turn_registers_a_retention_that_prefill_pulls(
     client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
 ) -> None:
     p = await start_emulator(role="prefill", enable_prefix_caching=False)
@@ -40,7 +41,7 @@ async def test_decode_turn_registers_a_lease_that_prefill_pulls(
     d_params = d1.params
     assert d_params is not None and d_params["do_remote_decode"] is True
     assert d_params["remote_host"] == "localhost"  # the client sees what the engine said
-    assert sc.leases is not None and await sc.leases.wait_idle(5)
+    assert sc.retentions is not None and await sc.retentions.wait_idle(5)
     assert sc.metrics.value("kvferry_sidecar_lease_registrations_total", outcome="sent") == 1
 
     lease = await client.leases.Get(leases_pb2.GetLeaseRequest(tenant="acme", conversation_id="conv-1"))
@@ -84,7 +85,7 @@ async def test_a_draft_whose_params_a_struct_cannot_hold_is_refused_and_the_send
     registration fails with a log line; the sender, and the drafts after it, go on."""
     from dataclasses import replace
 
-    from sidecar.drafts import LeaseDraft
+    from sidecar.drafts import RetentionDraft
 
     d = await start_emulator(role="decode")
     sc = await start_sidecar(d)
@@ -93,12 +94,12 @@ async def test_a_draft_whose_params_a_struct_cannot_hold_is_refused_and_the_send
     headers = {"X-Conversation-Id": "good", "X-Kvferry-Tenant": "acme"}
     p1 = await prefill(http, (await start_emulator(role="prefill")).http_url, messages)
     d1 = await chat(http, sc.url, messages, headers, max_tokens=8, kv_transfer_params=p1.params)
-    assert d1.status == 200 and sc.leases is not None and await sc.leases.wait_idle(5)
+    assert d1.status == 200 and sc.retentions is not None and await sc.retentions.wait_idle(5)
     await client.leases.Revoke(leases_pb2.RevokeLeaseRequest(tenant="acme", conversation_id="good"))
     sent = sc.metrics.value("kvferry_sidecar_lease_registrations_total", outcome="sent")
 
     assert d1.params is not None
-    good = LeaseDraft(
+    good = RetentionDraft(
         "acme",
         "good",
         d1.params,
@@ -109,9 +110,9 @@ async def test_a_draft_whose_params_a_struct_cannot_hold_is_refused_and_the_send
         sc.instance.epoch,
     )
     huge = replace(good, conversation_id="huge", params={**good.params, "x": 10**400})
-    sc.leases.submit(huge)
-    sc.leases.submit(good)
-    assert await sc.leases.wait_idle(5)
+    sc.retentions.submit(huge)
+    sc.retentions.submit(good)
+    assert await sc.retentions.wait_idle(5)
     assert sc.metrics.value("kvferry_sidecar_lease_registrations_total", outcome="sent") == sent + 1
     assert sc.metrics.value("kvferry_sidecar_lease_registrations_total", outcome="failed") == 1
     await client.leases.Get(leases_pb2.GetLeaseRequest(tenant="acme", conversation_id="good"))
@@ -132,6 +133,34 @@ async def test_a_turn_the_router_marks_no_retention_registers_nothing(
             http, sc.url, messages, extra, max_tokens=8, kv_transfer_params=p1.params, session_id=name
         )
         assert d1.status == 200, d1.body
-    assert sc.leases is not None and await sc.leases.wait_idle(5)
+    assert sc.retentions is not None and await sc.retentions.wait_idle(5)
     listed = await client.leases.List(leases_pb2.ListLeasesRequest(all_tenants=True))
     assert [lease.conversation_id for lease in listed.leases] == ["kept"]
+
+
+async def test_a_sidecar_with_another_tenant_header_keeps_the_routers_tenant(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    """--tenant-header names the header of other front doors: a turn the router sent (it
+    carries the turn id) is registered under the tenant the router named, which is the one
+    the router looks it up under. Conversation ids are made safe by the router's rule."""
+    p = await start_emulator(role="prefill", enable_prefix_caching=False)
+    sc = await start_sidecar(await start_emulator(role="decode"), tap__tenant_header="X-Team")
+    await eventually(lambda: _node_alive(client, sc.settings.node_id))
+    messages = first_turn()
+    long = "c" * 300  # (longer than the daemon takes)
+    for headers in (
+        {CONVERSATION_HEADER: "routed", TURN_ID_HEADER: "kvf-1", TENANT_HEADER: "acme", "X-Team": "beta"},
+        {CONVERSATION_HEADER: "direct", "X-Team": "beta"},
+        {CONVERSATION_HEADER: long, "X-Team": "beta"},
+    ):
+        p1 = await prefill(http, p.http_url, messages)
+        d1 = await chat(http, sc.url, messages, headers, max_tokens=8, kv_transfer_params=p1.params)
+        assert d1.status == 200, d1.body
+    assert sc.retentions is not None and await sc.retentions.wait_idle(5)
+    listed = await client.leases.List(leases_pb2.ListLeasesRequest(all_tenants=True))
+    assert sorted((lease.tenant, lease.conversation_id) for lease in listed.leases) == [
+        ("acme", "routed"),
+        ("beta", conversation_of({CONVERSATION_HEADER: long}, {})),
+        ("beta", "direct"),
+    ]

@@ -143,7 +143,7 @@ async def test_with_streamed_params_the_turn_is_captured_and_nothing_is_unretain
     assert sc.metrics.value("kvferry_sidecar_turns_total", outcome="captured") == 1
     assert sc.metrics.value(UNCAPTURED) == 0 and sc.metrics.value(UNRETAINED) == 0
     assert not [e for e in logs if e["event"] == "tap.stream.uncaptured"]
-    assert sc.leases is not None and await sc.leases.wait_idle(5)
+    assert sc.retentions is not None and await sc.retentions.wait_idle(5)
     assert sc.metrics.value("kvferry_sidecar_lease_registrations_total", outcome="sent") == 1
     n = await _node(client, node_id)
     assert n is not None and (n.uncaptured_turns, n.unretained_blocks) == (0, 0)

@@ -1,6 +1,6 @@
 """Retention registrations: a bounded queue, and its sender over one Leases/Stream.
 
-The tap hands finished turns to `LeaseSender.submit` and returns at once; the
+The tap hands finished turns to `RetentionSender.submit` and returns at once; the
 sender registers them in the background, several in flight on one
 ``Leases/Stream`` (``kvferry.leaseclient.LeaseStream``). While the daemon is
 unreachable registrations wait in a capped queue: beyond `queue_size` the
@@ -30,7 +30,7 @@ from kvferry.releases import nothing_to_pull, notifiable
 from kvferry.structs import dict_to_struct, struct_to_dict
 from kvferry.v1 import leases_pb2
 from sidecar.daemon import TRANSIENT, Backoff, DaemonLink
-from sidecar.drafts import LeaseDraft, digests_of
+from sidecar.drafts import RetentionDraft, digests_of
 from sidecar.engine import EngineInstance
 from sidecar.metrics import SidecarMetrics
 from sidecar.releases import Releaser
@@ -50,7 +50,7 @@ class RegistrationQueue:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._items: deque[LeaseDraft] = deque()
+        self._items: deque[RetentionDraft] = deque()
         self._pushed = 0
         self._newest: dict[tuple[str, str], int] = {}
         self._outstanding: dict[tuple[str, str], int] = {}
@@ -59,7 +59,7 @@ class RegistrationQueue:
     def __len__(self) -> int:
         return len(self._items)
 
-    def push(self, draft: LeaseDraft) -> LeaseDraft | None:
+    def push(self, draft: RetentionDraft) -> RetentionDraft | None:
         """Add a new draft; -> the oldest one, dropped to make room."""
         self._pushed += 1
         draft = replace(draft, seq=self._pushed)
@@ -69,7 +69,7 @@ class RegistrationQueue:
         self._items.append(draft)
         return self._items.popleft() if len(self._items) > self.capacity else None
 
-    def retry(self, draft: LeaseDraft, now_wall: float, epoch: int) -> tuple[LeaseDraft, str] | None:
+    def retry(self, draft: RetentionDraft, now_wall: float, epoch: int) -> tuple[RetentionDraft, str] | None:
         """Put a failed draft back in front; -> one dropped instead, and why: the draft
         itself when a newer one of its conversation came meanwhile, else the newest
         one when there is no room."""
@@ -79,11 +79,13 @@ class RegistrationQueue:
         self._items.appendleft(draft)
         return (self._items.pop(), "overflow") if len(self._items) > self.capacity else None
 
-    def pop(self, now_wall: float, epoch: int) -> tuple[LeaseDraft | None, list[tuple[LeaseDraft, str]]]:
+    def pop(
+        self, now_wall: float, epoch: int
+    ) -> tuple[RetentionDraft | None, list[tuple[RetentionDraft, str]]]:
         """The oldest draft worth sending whose conversation has none in flight (it is in
         flight from now until `landed`), and the dead ones taken out on the way (with why)."""
-        dead: list[tuple[LeaseDraft, str]] = []
-        waiting: list[LeaseDraft] = []
+        dead: list[tuple[RetentionDraft, str]] = []
+        waiting: list[RetentionDraft] = []
         found = None
         while self._items:
             draft = self._items.popleft()
@@ -99,17 +101,17 @@ class RegistrationQueue:
         self._items.extendleft(reversed(waiting))
         return found, dead
 
-    def take_all(self) -> list[LeaseDraft]:
+    def take_all(self) -> list[RetentionDraft]:
         """Every draft queued, taken out (none is sent any more)."""
         taken = list(self._items)
         self._items.clear()
         return taken
 
-    def landed(self, draft: LeaseDraft) -> None:
+    def landed(self, draft: RetentionDraft) -> None:
         """The try of a draft `pop` gave ended (however): its conversation's next may go."""
         self._flying.discard(_key(draft))
 
-    def _dead(self, draft: LeaseDraft, now_wall: float, epoch: int) -> str | None:
+    def _dead(self, draft: RetentionDraft, now_wall: float, epoch: int) -> str | None:
         """Why not to send the draft (None: send it). Expired or of an earlier engine
         process before superseded: D no longer holds those blocks, nothing to free."""
         reason = dead_reason(draft, now_wall, epoch)
@@ -117,11 +119,11 @@ class RegistrationQueue:
             return "superseded"
         return reason
 
-    def superseded(self, draft: LeaseDraft) -> bool:
+    def superseded(self, draft: RetentionDraft) -> bool:
         """Whether a newer draft of the draft's conversation was pushed after it."""
         return draft.seq < self._newest.get(_key(draft), 0)
 
-    def done(self, draft: LeaseDraft) -> None:
+    def done(self, draft: RetentionDraft) -> None:
         """The draft left for good (registered, or dropped); a conversation with none left
         queued or in flight is forgotten."""
         key = _key(draft)
@@ -133,11 +135,11 @@ class RegistrationQueue:
             self._newest.pop(key, None)
 
 
-def _key(draft: LeaseDraft) -> tuple[str, str]:
+def _key(draft: RetentionDraft) -> tuple[str, str]:
     return draft.tenant, draft.conversation_id
 
 
-def dead_reason(draft: LeaseDraft, now_wall: float, epoch: int) -> str | None:
+def dead_reason(draft: RetentionDraft, now_wall: float, epoch: int) -> str | None:
     """Why a draft is no longer worth registering (None: it is)."""
     if draft.epoch != epoch:
         return "restarted"
@@ -177,7 +179,7 @@ def retry_decision(code: grpc.StatusCode, attempts: int, max_attempts: int, *, s
     return "failed"
 
 
-class LeaseSender:
+class RetentionSender:
     """Sends queued drafts to the daemon, forever, several at a time on one Leases/Stream."""
 
     def __init__(
@@ -194,7 +196,7 @@ class LeaseSender:
         self._instance = instance
         self._link = link
         self._metrics = metrics
-        self._queue = RegistrationQueue(settings.leases.queue_size)
+        self._queue = RegistrationQueue(settings.retentions.queue_size)
         self._in_flight: set[asyncio.Task[None]] = set()
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
@@ -216,7 +218,7 @@ class LeaseSender:
         self._changed()
         return len(left)
 
-    def submit(self, draft: LeaseDraft) -> None:
+    def submit(self, draft: RetentionDraft) -> None:
         """Queue a draft (never blocks)."""
         dropped = self._queue.push(draft)
         if dropped is not None:
@@ -236,17 +238,17 @@ class LeaseSender:
         return True
 
     def _changed(self) -> None:
-        self._metrics.lease_queue.set(len(self._queue))
+        self._metrics.registration_queue.set(len(self._queue))
         if self.pending:
             self._idle.clear()
         else:
             self._idle.set()
         self._wakeup.set()
 
-    def _drop(self, draft: LeaseDraft, reason: str) -> None:
+    def _drop(self, draft: RetentionDraft, reason: str) -> None:
         self._queue.done(draft)
         self._metrics.registrations_dropped.labels(reason).inc()
-        log.info("lease.register.dropped", reason=reason, conversation_id=draft.conversation_id)
+        log.info("retention.register.dropped", reason=reason, conversation_id=draft.conversation_id)
         if reason == "superseded":  # D holds its blocks for no one: have them freed now
             self._release(nothing_to_pull(draft.params), draft.conversation_id)
 
@@ -259,13 +261,13 @@ class LeaseSender:
         model, block_size = (facts.model, facts.block_size) if facts is not None else ("", 0)
         self._releaser.release(params, model, block_size, conversation_id)
 
-    def _next(self) -> LeaseDraft | None:
+    def _next(self) -> RetentionDraft | None:
         draft, dead = self._queue.pop(time.time(), self._instance.epoch)
         for d, reason in dead:
             self._drop(d, reason)
         return draft
 
-    def _request(self, draft: LeaseDraft) -> leases_pb2.RegisterLeaseRequest:
+    def _request(self, draft: RetentionDraft) -> leases_pb2.RegisterLeaseRequest:
         facts = self._instance.facts
         assert facts is not None and self._instance.generation is not None
         req = leases_pb2.RegisterLeaseRequest(
@@ -282,9 +284,9 @@ class LeaseSender:
         req.expires_at.FromNanoseconds(int(draft.expires_at * 1e9))
         return req
 
-    def _failed(self, draft: LeaseDraft, code: grpc.StatusCode, detail: str, *, sent: bool) -> None:
+    def _failed(self, draft: RetentionDraft, code: grpc.StatusCode, detail: str, *, sent: bool) -> None:
         """A try failed with `code`: put it back and pause, or give up."""
-        decision = retry_decision(code, draft.attempts + 1, self._s.leases.max_attempts, sent=sent)
+        decision = retry_decision(code, draft.attempts + 1, self._s.retentions.max_attempts, sent=sent)
         if decision in ("requeue", "retry", "maybe_stored"):  # a daemon (or etcd) in trouble
             self._pause_until = asyncio.get_running_loop().time() + self._backoff.next()
         if decision in ("requeue", "retry"):
@@ -300,7 +302,10 @@ class LeaseSender:
             self._queue.done(draft)
             self._metrics.registrations.labels("failed").inc()
             log.warning(
-                "lease.register.failed", code=code.name, detail=detail, conversation_id=draft.conversation_id
+                "retention.register.failed",
+                code=code.name,
+                detail=detail,
+                conversation_id=draft.conversation_id,
             )
             # Refused for good (a policy's limit: a hybrid model's clipped groups, a lifetime
             # past the daemon's...), so stored nowhere: no turn will pull or free D's blocks.
@@ -333,7 +338,9 @@ class LeaseSender:
                     self._failed(draft, grpc.StatusCode.INVALID_ARGUMENT, str(e), sent=False)
                     self._changed()
                     continue
-                task = asyncio.create_task(self._send(stream, channel, draft, req), name="sidecar-lease")
+                task = asyncio.create_task(
+                    self._send(stream, channel, draft, req), name="sidecar-registration"
+                )
                 self._in_flight.add(task)
                 # (digests of a long sequence take ms: a backlog sent when the daemon is back
                 # must not hold up the answers the tap relays)
@@ -356,7 +363,7 @@ class LeaseSender:
             if (
                 self._instance.registered.is_set()
                 and len(self._queue)
-                and len(self._in_flight) < self._s.leases.max_in_flight
+                and len(self._in_flight) < self._s.retentions.max_in_flight
             ):
                 return
             self._wakeup.clear()
@@ -366,7 +373,7 @@ class LeaseSender:
         self,
         stream: LeaseStream,
         channel: grpc.aio.Channel,
-        draft: LeaseDraft,
+        draft: RetentionDraft,
         req: leases_pb2.RegisterLeaseRequest,
     ) -> None:
         try:
@@ -376,7 +383,7 @@ class LeaseSender:
             raise
         except LeaseOpError as e:
             if e.code in TRANSIENT:
-                log.warning("lease.daemon.unavailable", code=e.code.name, address=self._link.address)
+                log.warning("retention.daemon.unavailable", code=e.code.name, address=self._link.address)
             self._failed(draft, e.code, e.message, sent=e.sent)  # (before any await: it is counted)
             if e.stream_lost:
                 # Only a lost stream moves to another replica: the channel is shared with the
