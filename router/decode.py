@@ -19,11 +19,10 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import hdrs, web
 
-from kvferry.hops import NO_RETENTION_HEADER
+from kvferry.turnheaders import CONVERSATION_HEADER, NO_RETENTION_HEADER, TENANT_HEADER
 from router.choice import Node, choose_decode
 from router.decisions import Failure, FailureKind, decode_body, retry_decode_elsewhere
 from router.errors import bad_gateway, engine_message, passthrough
-from router.identity import CONVERSATION_HEADER
 from router.relay import SseScrubber, scrub_json
 from router.releases import release_prefill
 from router.upstream import Reply, UpstreamError, encode
@@ -31,8 +30,6 @@ from router.upstream import Reply, UpstreamError, encode
 if TYPE_CHECKING:
     from router.turn import Turn
 
-#: The header the D sidecar reads the tenant from (its --tenant-header default).
-SIDECAR_TENANT_HEADER = "X-Kvferry-Tenant"
 _PASSED_RESPONSE_HEADERS = (hdrs.CONTENT_TYPE, "X-Request-Id")
 
 
@@ -74,7 +71,7 @@ def _decode_headers(turn: Turn, retain: bool) -> dict[str, str]:
     if ident.conversation_id and retain:
         extra.append((CONVERSATION_HEADER, ident.conversation_id))
         if ident.tenant:
-            extra.append((SIDECAR_TENANT_HEADER, ident.tenant))
+            extra.append((TENANT_HEADER, ident.tenant))
     elif not retain:  # (a body session_id would still name the conversation to the sidecar)
         extra.append((NO_RETENTION_HEADER, "1"))
     return turn.engine_headers(turn.request_id, extra)
