@@ -35,25 +35,41 @@ REQUIRED_PARAM_KEYS = (
 
 
 class Reason(enum.StrEnum):
+    """Why a lookup answered as it did: the `reason` strings of the API, every one of them.
+
+    proto/kvferry/v1/leases.proto lists exactly these at `LookupResponse.reason` (a test
+    compares the two); the router adds reasons of its own (router.decisions.Skip).
+    """
+
+    #: PULL: every token D holds that the prompt covers.
     PULL = "pull"
+    #: PULL of a prefix: the prompt matches (or is as long as) part of D's tokens only.
     PARTIAL_PULL = "partial_pull"
+    #: No retention for the conversation (never registered, revoked, or collected).
     NO_LEASE = "no_lease"
+    #: Past its deadline, or too close to it to hand out (the safety margin).
     EXPIRED = "expired"
+    #: D's node is not alive (deregistered, suspended, or its liveness lapsed).
     NODE_GONE = "node_gone"
+    #: D's engine restarted since the retention was registered: its blocks are gone.
     NODE_RESTARTED = "node_restarted"
+    #: Fewer reusable tokens than P's recompute threshold: P would recompute anyway.
     BELOW_THRESHOLD = "below_threshold"
+    #: The prompt's digests differ from D's sequence from its first block.
     PREFIX_MISMATCH = "prefix_mismatch"
+    #: An earlier lookup took the retention (handed out once).
     ALREADY_CLAIMED = "already_claimed"
+    #: etcd did not answer: nothing was decided on the retention.
     STORE_UNAVAILABLE = "store_unavailable"
-    # A Lookup sent with prompt_follows whose prompt never came, or was invalid.
+    #: A Lookup sent with prompt_follows whose prompt never came, or was invalid.
     NO_PROMPT = "no_prompt"
-    # The retention was registered by the very request the Lookup is for (it came late):
-    # left unclaimed, for the conversation's next turn.
+    #: The retention was registered by the very request the Lookup is for (it came late):
+    #: left unclaimed, for the conversation's next turn.
     OWN_TURN = "own_turn"
-    # The caller gave the prompt's digests, and D's retention has none to check them against.
+    #: The caller gave the prompt's digests, and D's retention has none to check them against.
     UNVERIFIABLE = "unverifiable"
-    # Only part of D's tokens would be pulled, and D's blocks can only be pulled whole
-    # (a KV-cache group holds freed blocks: see Retention.whole_only).
+    #: Only part of D's tokens would be pulled, and D's blocks can only be pulled whole
+    #: (a KV-cache group holds freed blocks: see Retention.whole_only).
     WHOLE_ONLY = "whole_only"
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 from google.protobuf import struct_pb2
 from hypothesis import given
 from hypothesis import strategies as st
 
+import controlplane
 from controlplane import convert
 from controlplane.policy import (
     RELEASE,
@@ -277,3 +280,14 @@ def test_a_claim_marker_says_expired_once_its_retentions_deadline_passed() -> No
     assert before.reason == Reason.ALREADY_CLAIMED
     after = decide_claimed(Claim(claimed_at=NOW - 3, expires_at=NOW - 1), NOW)
     assert (after.pull, after.reason, after.release) == (False, Reason.EXPIRED, None)
+
+
+def test_the_proto_documents_exactly_the_lookup_reasons() -> None:
+    """LookupResponse.reason's comment in leases.proto is the API's list of reasons: every
+    Reason, in order, and nothing else (it listed 12 of 14)."""
+    proto = Path(controlplane.__file__).parent.parent / "proto" / "kvferry" / "v1" / "leases.proto"
+    text = proto.read_text()
+    message = text[text.index("message LookupResponse {") :]
+    comment = message[: message.index("string reason = 2;")]
+    listed = re.findall(r"^\s*//\s+- (\w+):", comment, re.MULTILINE)
+    assert listed == [r.value for r in Reason]

@@ -310,10 +310,27 @@ class LookupResponse(_message.Message):
     CLAIMED_FIELD_NUMBER: _builtins.int
     decision: Global___Decision.ValueType
     reason: _builtins.str
-    """Machine-readable: pull, partial_pull, no_lease, expired, node_gone,
-    node_restarted, below_threshold, prefix_mismatch, already_claimed,
-    store_unavailable, no_prompt (prompt_follows without a usable prompt),
-    own_turn (the retention was registered for this lookup's own request_id).
+    """Machine-readable, one of (the daemon's controlplane.policy.Reason; a test keeps
+    this list equal to it):
+      - pull: PULL of every token D holds that the prompt covers.
+      - partial_pull: PULL of a prefix: the prompt matches, or is as long as, part of
+        D's tokens only.
+      - no_lease: no retention for the conversation (never registered, revoked, or
+        collected).
+      - expired: past its deadline, or too close to it to hand out (the safety margin).
+      - node_gone: D's node is not alive (deregistered, suspended, or its liveness
+        lapsed).
+      - node_restarted: D's engine restarted since the retention was registered.
+      - below_threshold: fewer reusable tokens than P's recompute threshold.
+      - prefix_mismatch: the prompt's digests differ from D's from the first block.
+      - already_claimed: an earlier lookup took the retention (handed out once).
+      - store_unavailable: etcd did not answer.
+      - no_prompt: a prompt_follows lookup whose prompt never came, or was invalid.
+      - own_turn: the retention was registered for this lookup's own request_id: left
+        for the next turn.
+      - unverifiable: the lookup gave prompt_digests, the retention has none.
+      - whole_only: D's blocks can only be pulled whole (a KV-cache group holds freed
+        blocks), and only part of D's tokens would be.
     """
     detail: _builtins.str
     """Human-readable explanation."""
