@@ -105,7 +105,8 @@ class Prompt:
 
 @dataclass(frozen=True)
 class Handout:
-    """How to turn D's stored kv_transfer_params into the params handed to P.
+    """How to turn D's stored kv_transfer_params into the params handed to P
+    (`controlplane.convert.apply_handout` applies it to the stored bytes).
 
     Always sets ``do_remote_decode: true, do_remote_prefill: false``. A pull sets
     ``remote_num_tokens`` to `num_tokens` and cuts every ``remote_block_ids[g]``
@@ -235,21 +236,6 @@ def _verified_tokens(retention: Retention, prompt: Prompt) -> int | tuple[Reason
 
 def _recompute(reason: Reason, detail: str, release: Handout, engine: str) -> Decision:
     return Decision(False, reason, detail, None, 0, release, engine)
-
-
-def apply_handout(params: dict[str, Any], h: Handout) -> dict[str, Any]:
-    """D's params as P must receive them, as a new dict (see Handout)."""
-    out = dict(params)
-    out["do_remote_decode"] = True
-    out["do_remote_prefill"] = False
-    out["remote_num_tokens"] = h.num_tokens
-    ids = out.get("remote_block_ids") or []
-    if h.keep_blocks is not None:
-        if ids and isinstance(ids[0], list):
-            out["remote_block_ids"] = [list(g[: h.keep_blocks]) for g in ids]
-        else:  # releases before per-group lists: one flat list
-            out["remote_block_ids"] = list(ids[: h.keep_blocks])
-    return out
 
 
 def param_problems(params: dict[str, Any], num_tokens: int, block_size: int) -> list[str]:

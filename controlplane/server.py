@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from controlplane import metrics
 from controlplane.attached import AttachedCounts
 from controlplane.blockindex import IndexUpdate
-from controlplane.convert import apply_handout, struct_to_dict
+from controlplane.convert import apply_handout
 from controlplane.errors import (
     Conflict,
     FailedPrecondition,
@@ -38,6 +38,7 @@ from controlplane.records import NodeRecord, NodeState
 from controlplane.service import ControlPlane, LeaseRegistration, LeaseView, LookupQuery, NodeRegistration
 from kvferry.channels import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 from kvferry.framing import by_size
+from kvferry.structs import struct_to_dict
 from kvferry.tasks import cancel_and_wait
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 

@@ -8,8 +8,8 @@ import time
 import grpc
 import pytest
 
-from controlplane.convert import struct_to_dict
 from controlplane.daemon import Daemon
+from kvferry.structs import struct_to_dict
 from kvferry.v1 import leases_pb2
 from tests.conftest import Client
 from tests.factories import d_params, lease_request, lookup_request, node_request, tokens

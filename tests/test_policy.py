@@ -19,7 +19,6 @@ from controlplane.policy import (
     Policy,
     Prompt,
     Reason,
-    apply_handout,
     decide,
     decide_claimed,
     holds_null_blocks,
@@ -27,6 +26,7 @@ from controlplane.policy import (
 )
 from controlplane.records import Claim, NodeRecord, NodeState, Retention, Role
 from kvferry.digests import DIGEST_SIZE, block_digests, common_prefix_blocks, seed
+from kvferry.structs import struct_to_dict
 from tests.factories import d_params
 
 NOW = 1_000_000.0
@@ -60,10 +60,19 @@ def retention(
     )
 
 
+def handout_of(params: dict[str, Any], h: Handout) -> dict[str, Any]:
+    """D's `params` as P gets them for `h` (convert.apply_handout on the stored bytes)."""
+    stored = struct_pb2.Struct()
+    stored.update(params)
+    out = struct_pb2.Struct()
+    convert.apply_handout(stored.SerializeToString(), h, out)
+    return struct_to_dict(out)
+
+
 def handed(d: Decision, num_tokens: int = 1000) -> dict[str, Any]:
     """The params P would get for decision `d` on a retention of `num_tokens`."""
     assert d.params is not None
-    return apply_handout(d_params("d-1", num_tokens), d.params)
+    return handout_of(d_params("d-1", num_tokens), d.params)
 
 
 def test_pull_hands_over_all_of_ds_tokens_when_the_prompt_is_longer() -> None:
@@ -127,14 +136,14 @@ def test_other_model_never_matches() -> None:
 
 
 def test_release_params_free_without_pulling() -> None:
-    r = apply_handout(d_params("d-1", 100), RELEASE)
+    r = handout_of(d_params("d-1", 100), RELEASE)
     assert r["remote_num_tokens"] == 0 and r["do_remote_decode"] is True and r["remote_block_ids"]
 
 
 def test_flat_block_id_lists_of_older_releases() -> None:
     params = d_params("d-1", 100)
     params["remote_block_ids"] = list(range(7))
-    assert apply_handout(params, Handout(33, 3))["remote_block_ids"] == [0, 1, 2]
+    assert handout_of(params, Handout(33, 3))["remote_block_ids"] == [0, 1, 2]
 
 
 def test_param_problems_name_the_field() -> None:
@@ -182,7 +191,7 @@ def test_handed_params_never_cover_unverified_or_missing_tokens(
     d = decide(held, node(), Prompt(prompt, block_digests(p_seq, block_size, SEED)), policy, NOW)
     if d.pull:
         assert d_has_digests
-        params = apply_handout(d_params("d-1", num_tokens, block_size=block_size), d.params)  # type: ignore[arg-type]
+        params = handout_of(d_params("d-1", num_tokens, block_size=block_size), d.params)  # type: ignore[arg-type]
         n = params["remote_num_tokens"]
         assert n == d.reusable_tokens >= threshold
         assert n <= min(num_tokens, prompt) and n % block_size == 0
@@ -262,15 +271,23 @@ def test_common_prefix_blocks_is_the_longest_common_prefix(a: list[int], b: list
     tokens=st.integers(0, 800),
     flat=st.booleans(),
 )
-def test_struct_handout_equals_dict_handout(n_blocks: int, keep: int | None, tokens: int, flat: bool) -> None:
+def test_a_handout_sets_the_flags_and_cuts_every_group(
+    n_blocks: int, keep: int | None, tokens: int, flat: bool
+) -> None:
     params = d_params("d-1", n_blocks * 16)
     if flat:
         params["remote_block_ids"] = params["remote_block_ids"][0]
-    stored = struct_pb2.Struct()
-    stored.update(params)
-    out = struct_pb2.Struct()
-    convert.apply_handout(stored.SerializeToString(), Handout(tokens, keep), out)
-    assert convert.struct_to_dict(out) == apply_handout(params, Handout(tokens, keep))
+    ids = params["remote_block_ids"]
+    if keep is not None:
+        ids = ids[:keep] if flat else [g[:keep] for g in ids]
+    expected = {
+        **params,
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_num_tokens": tokens,
+        "remote_block_ids": ids,
+    }
+    assert handout_of(params, Handout(tokens, keep)) == expected
 
 
 def test_a_claim_marker_says_expired_once_its_retentions_deadline_passed() -> None:
