@@ -144,6 +144,40 @@ def decide(
     """PULL or RECOMPUTE for `prompt`, given the conversation's retention and its node."""
     if retention is None:
         return Decision(False, Reason.NO_LEASE, "no retention for this conversation")
+    dead = _not_held(retention, node, now)
+    if dead is not None:
+        return dead
+    engine = retention.engine_id
+    left = retention.expires_at - now
+    if left < policy.safety_margin_s:
+        return _recompute(
+            Reason.EXPIRED, f"expires in {left:.1f}s (margin {policy.safety_margin_s:g}s)", RELEASE, engine
+        )
+    reusable, reason, detail = _reusable(retention, prompt)
+    if reason not in (Reason.PULL, Reason.PARTIAL_PULL):
+        return _recompute(reason, detail, RELEASE, engine)
+    if retention.whole_only and reusable < retention.num_tokens:
+        return _recompute(
+            Reason.WHOLE_ONLY,
+            f"{reusable} of D's {retention.num_tokens} tokens, and a KV-cache group of D's holds "
+            "freed (null) blocks: only a whole pull is safe",
+            RELEASE,
+            engine,
+        )
+    if reusable < max(policy.recompute_threshold, 1):
+        return _recompute(
+            Reason.BELOW_THRESHOLD,
+            f"{reusable} reusable tokens < threshold {policy.recompute_threshold}",
+            RELEASE,
+            engine,
+        )
+    handout = Handout(reusable, math.ceil(reusable / retention.block_size))
+    return Decision(True, reason, detail, handout, reusable, None, engine)
+
+
+def _not_held(retention: Retention, node: NodeState | None, now: float) -> Decision | None:
+    """RECOMPUTE without a release when D no longer holds the blocks (past the deadline,
+    the node gone or restarted); None while it does."""
     engine = retention.engine_id
     if now >= retention.expires_at:
         return Decision(
@@ -162,44 +196,28 @@ def decide(
             f"retention was made under {retention.generation}",
             engine_id=engine,
         )
-    release = RELEASE
-    left = retention.expires_at - now
-    if left < policy.safety_margin_s:
-        return _recompute(
-            Reason.EXPIRED, f"expires in {left:.1f}s (margin {policy.safety_margin_s:g}s)", release, engine
-        )
+    return None
 
+
+def _reusable(retention: Retention, prompt: Prompt) -> tuple[int, Reason, str]:
+    """-> (tokens P may take from D, PULL or PARTIAL_PULL, detail), or (0, why not, detail)
+    when the prompt's digests verify none of D's tokens."""
+    engine = retention.engine_id
     reusable = min(retention.num_tokens, prompt.tokens)
-    reason = Reason.PULL
-    detail = f"{reusable} of {prompt.tokens} prompt tokens held by {engine}"
     if prompt.digests is not None:
         verified = _verified_tokens(retention, prompt)
         if isinstance(verified, tuple):
-            return _recompute(*verified, release, engine)
+            return 0, *verified
         if verified < reusable:
-            detail = f"prompt matches D's sequence for {verified} of {reusable} tokens"
-            reusable = verified
-            reason = Reason.PARTIAL_PULL
+            return (
+                verified,
+                Reason.PARTIAL_PULL,
+                f"prompt matches D's sequence for {verified} of {reusable} tokens",
+            )
     elif reusable < retention.num_tokens:
-        reason = Reason.PARTIAL_PULL
         detail = f"prompt is shorter than D's {retention.num_tokens} tokens; {reusable} unverified"
-    if retention.whole_only and reusable < retention.num_tokens:
-        return _recompute(
-            Reason.WHOLE_ONLY,
-            f"{reusable} of D's {retention.num_tokens} tokens, and a KV-cache group of D's holds "
-            "freed (null) blocks: only a whole pull is safe",
-            release,
-            engine,
-        )
-    if reusable < max(policy.recompute_threshold, 1):
-        return _recompute(
-            Reason.BELOW_THRESHOLD,
-            f"{reusable} reusable tokens < threshold {policy.recompute_threshold}",
-            release,
-            engine,
-        )
-    handout = Handout(reusable, math.ceil(reusable / retention.block_size))
-    return Decision(True, reason, detail, handout, reusable, None, engine)
+        return reusable, Reason.PARTIAL_PULL, detail
+    return reusable, Reason.PULL, f"{reusable} of {prompt.tokens} prompt tokens held by {engine}"
 
 
 def decide_claimed(claim: Claim, now: float) -> Decision:
