@@ -82,7 +82,7 @@ class Daemon:
         metrics.INDEXED_BLOCKS.set_function(cp.index.total)
         with contextlib.suppress(StoreUnavailable):
             await cp.nodes.refresh()
-        self.peers = Peers(store)
+        self.peers = Peers(store.replicas)
         self._server, self.port, self._health = await start_server(
             cp, s.server.listen, s.server.max_message_bytes, self.peers
         )

@@ -23,7 +23,7 @@ import structlog
 
 from controlplane.attached import AttachedCounts
 from controlplane.errors import StoreUnavailable
-from controlplane.store import EtcdStore
+from controlplane.store.replicas import ReplicaStore
 from kvferry.v1 import nodes_pb2, nodes_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -50,7 +50,7 @@ class Peers:
 
     def __init__(
         self,
-        store: EtcdStore,
+        store: ReplicaStore,
         ttl_s: int = 10,
         refresh_s: float = 2.0,
         deadline_s: float = 0.02,
@@ -75,11 +75,11 @@ class Peers:
         self.address = address
         while True:
             try:
-                if not self._lease or not await self._store.refresh_replica(self._lease):
+                if not self._lease or not await self._store.refresh(self._lease):
                     self._lease = 0
-                    self._lease = await self._store.put_replica(self.id, address, self._ttl)
+                    self._lease = await self._store.announce(self.id, address, self._ttl)
                     log.info("peers.announced", address=address, id=self.id)
-                await self._follow(await self._store.replicas())
+                await self._follow(await self._store.announced())
             except StoreUnavailable as e:
                 log.info("peers.refresh_failed", error=str(e))
             except Exception:  # (a lease gone under us, an odd key): try again, never stop
@@ -159,7 +159,7 @@ class Peers:
         if self._lease:
             try:
                 async with asyncio.timeout(_STOP_TIMEOUT_S):
-                    await self._store.revoke_lease_quietly(self._lease)
+                    await self._store.withdraw(self._lease)
             except TimeoutError:
                 log.info("peers.revoke_timed_out", lease=self._lease)
         for peer in self._peers.values():

@@ -36,7 +36,8 @@ from controlplane.policy import (
 )
 from controlplane.records import Claim, NodeRecord, NodeState, Retention, Role
 from controlplane.settings import MAX_LIVENESS_TTL_S, MIN_LIVENESS_TTL_S, Settings
-from controlplane.store import ClaimOutcome, EtcdStore
+from controlplane.store import EtcdStore
+from controlplane.store.retentions import ClaimOutcome
 from kvferry.framing import MESSAGE_BUDGET
 from kvferry.ids import id_problem
 from kvferry.logs import Outage
@@ -145,7 +146,7 @@ class NodeCache:
 
     async def refresh(self) -> dict[str, NodeState]:
         known = dict(self.revisions)
-        nodes, revisions = await self._store.load_nodes()
+        nodes, revisions = await self._store.nodes.load()
         # A record this replica wrote or read while that read was on its way (a
         # re-registration through it, say) may be newer than what the read found: it stays.
         for engine, revision in self.revisions.items():
@@ -169,7 +170,7 @@ class NodeCache:
     async def get(self, engine_id: str, fresh: bool = False) -> NodeState | None:
         state = self._nodes.get(engine_id)
         if state is None or fresh or time.monotonic() - self.loaded_at > 4 * self._refresh_s:
-            state, revision = await self._store.get_node(engine_id)
+            state, revision = await self._store.nodes.get(engine_id)
             if state is not None:
                 self.put(state, revision)
             else:
@@ -272,7 +273,7 @@ class ControlPlane:
             # (the next one, previous + 1, must still fit the API's uint64)
             raise InvalidArgument(f"generation {reg.generation} must be below {MAX_GENERATION}")
         for attempt in range(3):
-            current, revision, floor, floor_revision = await self.store.get_node_and_floor(reg.engine_id)
+            current, revision, floor, floor_revision = await self.store.nodes.get_with_floor(reg.engine_id)
             previous = current.record.generation if current else 0
             # An engine id without a record (new, or its record was collected) starts above
             # every collected generation: none of their retentions can match it.
@@ -301,15 +302,16 @@ class ControlPlane:
                 engine_started_at=reg.engine_started_at,
             )
             try:
-                stored, stored_revision = await self.store.put_node(
-                    rec, revision, None if current else floor_revision
+                stored, stored_revision = await self.store.nodes.put(
+                    rec,
+                    revision,
+                    None if current else floor_revision,
+                    previous_lease=current.record.lease_id if current is not None else 0,
                 )
             except Conflict:
                 if attempt == 2:
                     raise
                 continue
-            if current is not None and current.record.lease_id:
-                await self.store.revoke_lease_quietly(current.record.lease_id)
             restarted = current is not None and generation != previous
             self.nodes.put(NodeState(stored, True), stored_revision)
             metrics.NODE_REGISTRATIONS.labels("restarted" if restarted else "ok").inc()
@@ -321,7 +323,7 @@ class ControlPlane:
         """Check that a sidecar attaching speaks for the registered generation; `stream`
         (any object, one per Attach stream) is now the one the node's index follows."""
         _check_id("hello.engine_id", engine_id, self._limits.max_id_bytes)
-        state, _ = await self.store.get_node(engine_id)
+        state, _ = await self.store.nodes.get(engine_id)
         if state is None or state.record.removed_at:
             raise NotFound(f"node {engine_id} is not registered")
         if state.record.suspended_at:
@@ -342,7 +344,7 @@ class ControlPlane:
 
     async def heartbeat(self, rec: NodeRecord) -> tuple[int, NodeRecord]:
         """Keep a node alive. -> (seconds of liveness left, the record to heartbeat next)."""
-        ttl, rec = await self.store.keepalive(rec)
+        ttl, rec = await self.store.nodes.keepalive(rec)
         if ttl <= 0:
             raise FailedPrecondition(f"node {rec.engine_id} was re-registered or removed; register again")
         return ttl, rec
@@ -384,7 +386,7 @@ class ControlPlane:
         a stream a newer registration replaced suspends nothing). Not while this replica
         stops: its sidecars re-register elsewhere. Failing, the liveness lapses at its TTL."""
         try:
-            suspended = await self.store.suspend_node(rec, self._clock())
+            suspended = await self.store.nodes.suspend(rec, self._clock())
         except StoreUnavailable as e:
             log.warning("node.suspend.failed", engine_id=rec.engine_id, error=str(e))
             return
@@ -438,7 +440,7 @@ class ControlPlane:
             revision = self.nodes.revisions.get(engine)
             if dead_s < after or revision is None:
                 continue
-            if await self.store.collect_node(engine, revision, rec.generation):
+            if await self.store.nodes.collect(engine, revision, rec.generation):
                 self.nodes.drop(engine)
                 self.index.drop(engine)
                 collected += 1
@@ -458,7 +460,7 @@ class ControlPlane:
 
     async def deregister_node(self, engine_id: str) -> bool:
         _check_id("engine_id", engine_id, self._limits.max_id_bytes)
-        found = await self.store.delete_node(engine_id, self._clock())
+        found = await self.store.nodes.delete(engine_id, self._clock())
         # The tombstone as stored, at its revision: a refresh that read the node alive just
         # before the delete cannot then bring it back (the newer revision stays).
         try:
@@ -530,7 +532,7 @@ class ControlPlane:
             request_id=reg.request_id,
             whole_only=holds_null_blocks(reg.params),
         )
-        revision, replaced = await self.store.put_retention(tenant, reg.conversation_id, retention, now)
+        revision, replaced = await self.store.retentions.put(tenant, reg.conversation_id, retention, now)
         metrics.REGISTRATIONS.labels("replaced" if replaced else "new").inc()
         release = None
         if replaced is not None:
@@ -580,7 +582,7 @@ class ControlPlane:
         got: _Claimed | None = None
         try:
             if q.peek:
-                stored, claim = await self.store.read(tenant, q.conversation_id)
+                stored, claim = await self.store.retentions.read(tenant, q.conversation_id)
                 retention = stored.retention if stored else None
             else:
                 if later is None:
@@ -646,7 +648,9 @@ class ControlPlane:
         assert outcome.taken is not None
         claim = Claim(claimed_at=claimed_at, expires_at=outcome.taken.expires_at)
         try:
-            await self.store.note_claim_deadline(tenant, conversation_id, outcome.marker_revision, claim)
+            await self.store.retentions.note_claim_deadline(
+                tenant, conversation_id, outcome.marker_revision, claim
+            )
         except StoreUnavailable as e:
             log.warning("lookup.claim_deadline.failed", conversation_id=conversation_id, error=str(e))
 
@@ -663,12 +667,14 @@ class ControlPlane:
 
         A lookup can reach the daemon after the turn it is for went on without it (it came
         late) and registered: that retention is the next turn's to pull, not this one's."""
-        outcome = await self.store.claim(tenant, conversation_id, now)
+        outcome = await self.store.retentions.claim(tenant, conversation_id, now)
         taken = outcome.taken
         if taken is None or not request_id or taken.request_id != request_id:
             return outcome, False
         try:
-            back = await self.store.unclaim(tenant, conversation_id, taken, outcome.marker_revision, now)
+            back = await self.store.retentions.unclaim(
+                tenant, conversation_id, taken, outcome.marker_revision, now
+            )
         except StoreUnavailable as e:
             # It may be back all the same (the answer lost, not the write): a release now
             # would free blocks the next turn may be handed. At worst D keeps them to its TTL.
@@ -700,7 +706,9 @@ class ControlPlane:
 
         async def put_back() -> None:
             try:
-                back = await self.store.unclaim(tenant, conversation_id, taken, marker, self._clock())
+                back = await self.store.retentions.unclaim(
+                    tenant, conversation_id, taken, marker, self._clock()
+                )
             except StoreUnavailable as e:  # spent, then: D frees the blocks at its TTL
                 log.warning("lookup.put_back.failed", conversation_id=conversation_id, error=str(e))
                 return
@@ -756,7 +764,7 @@ class ControlPlane:
     async def get_lease(self, tenant: str, conversation_id: str) -> LeaseView:
         tenant = self._tenant(tenant)
         _check_id("conversation_id", conversation_id, self._limits.max_id_bytes)
-        stored, claim = await self.store.read(tenant, conversation_id)
+        stored, claim = await self.store.retentions.read(tenant, conversation_id)
         if stored is None and claim is None:
             raise NotFound(f"no lease for conversation {conversation_id!r} of tenant {tenant!r}")
         if stored is not None:
@@ -793,7 +801,7 @@ class ControlPlane:
         examined = 0
         while len(out) < page_size and not full and examined < LIST_EXAMINED:
             want = min(page_size - len(out), LIST_EXAMINED - examined)
-            batch, start = await self.store.list_retentions(prefix, start, want)
+            batch, start = await self.store.scans.page(prefix, start, want)
             examined += len(batch)
             for s in batch:
                 r = s.retention
@@ -814,7 +822,7 @@ class ControlPlane:
         release, i.e. not expired, its node alive at the retention's generation)."""
         tenant = self._tenant(tenant)
         _check_id("conversation_id", conversation_id, self._limits.max_id_bytes)
-        stored = await self.store.revoke(tenant, conversation_id)
+        stored = await self.store.retentions.revoke(tenant, conversation_id)
         log.info(
             "retention.revoked", tenant=tenant, conversation_id=conversation_id, found=stored is not None
         )
@@ -839,7 +847,7 @@ class ControlPlane:
         # A background pass at ~2,000 records/s, 100 at a time: a large store never holds
         # lookups up for more than a page's decoding (~1 ms), and the pass costs etcd
         # little (at 5,000/s it moved Lookup p99 at 1,000/s from ~9 to ~17 ms here).
-        async for r in self.store.scan_held(pause_s=0.05):
+        async for r in self.store.scans.scan_held(pause_s=0.05):
             if r.expires_at > now:
                 leases[r.engine_id] = leases.get(r.engine_id, 0) + 1
                 tokens[r.engine_id] = tokens.get(r.engine_id, 0) + r.num_tokens

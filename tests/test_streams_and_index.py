@@ -245,11 +245,11 @@ async def test_a_replica_whose_announcement_lapsed_announces_itself_again(make_d
 
     await eventually(b_knows_a)
     first = a.peers._lease
-    await a._store.revoke_lease_quietly(first)  # the key goes with it
-    assert a.address not in (await a._store.replicas()).values()
+    await a._store.replicas.withdraw(first)  # the key goes with it
+    assert a.address not in (await a._store.replicas.announced()).values()
 
     async def announced_again() -> bool:
-        return a.address in (await a._store.replicas()).values()  # type: ignore[union-attr]
+        return a.address in (await a._store.replicas.announced()).values()  # type: ignore[union-attr]
 
     await eventually(announced_again)
     assert a.peers._lease != first
