@@ -79,7 +79,7 @@ class Daemon:
             log.warning("etcd.unreachable_at_start", endpoints=list(endpoints))
         cp = ControlPlane(store, s)
         self.control_plane = cp
-        metrics.INDEXED_BLOCKS.set_function(cp.index.total)
+        metrics.INDEXED_BLOCKS.set_function(cp.attachments.index.total)
         with contextlib.suppress(StoreUnavailable):
             await cp.nodes.refresh()
         self.peers = Peers(store.replicas)
@@ -106,9 +106,9 @@ class Daemon:
         self._tasks.append(asyncio.create_task(cp.nodes.run(), name="node-cache"))
         if s.nodes.gc_after_s > 0:
             interval = min(60.0, s.nodes.gc_after_s / 4)
-            self._tasks.append(asyncio.create_task(cp.run_node_gc(interval), name="node-gc"))
+            self._tasks.append(asyncio.create_task(cp.registry.run_gc(interval), name="node-gc"))
         if s.gc.gauge_scan_s > 0:
-            self._tasks.append(asyncio.create_task(cp.run_gauges(s.gc.gauge_scan_s), name="gauges"))
+            self._tasks.append(asyncio.create_task(cp.gauges.run(s.gc.gauge_scan_s), name="gauges"))
         log.info(
             "daemon.serving",
             address=self.address,
@@ -130,7 +130,7 @@ class Daemon:
             httpd = self._metrics_httpd
             threading.Thread(target=lambda: (httpd.shutdown(), httpd.server_close()), daemon=True).start()
         if self.control_plane is not None:
-            self.control_plane.stopping = True  # (the streams it ends suspend no node)
+            self.control_plane.begin_stop()
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._server is not None:

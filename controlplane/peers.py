@@ -2,12 +2,13 @@
 
 A sidecar attaches to one replica, and that replica alone indexes its KV events. So
 that `Nodes/Score` on any replica scores every prefill node, each replica announces
-its address in etcd (a key of its own under a lease of its own, gone within `ttl_s`
-of a crash) and asks the others for their own index's scores (`local_only`), merging
-each node's best count; `Nodes/List` likewise takes each node's largest counts from
-its sidecar (controlplane.attached). A peer that does not answer within the deadline is left out
-(its nodes score 0 from this answer, as they did before), and left alone for
-`backoff_s`: a dead or unreachable one must not cost every scoring turn the deadline.
+its address in etcd (a key of its own under an etcd lease of its own, gone within
+`ttl_s` of a crash) and asks the others for their own index's scores (`local_only`);
+`Nodes/List` likewise asks for the counts of the sidecars attached to them. This module
+only asks (cluster.py merges the answers). A peer that does not answer within the
+deadline is left out (its nodes score 0 from this answer, as they did before), and left
+alone for `backoff_s`: a dead or unreachable one must not cost every scoring turn the
+deadline.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from typing import TypeVar
 import grpc
 import structlog
 
-from controlplane.attached import AttachedCounts
 from controlplane.errors import StoreUnavailable
 from controlplane.store.replicas import ReplicaStore
 from kvferry.v1 import nodes_pb2, nodes_pb2_grpc
@@ -96,28 +96,21 @@ class Peers:
                 log.info("peers.following", address=address, id=i)
 
     async def scores(
-        self, request: nodes_pb2.ScoreRequest, time_left_s: float | None
+        self, hashes: list[int], role: int, time_left_s: float | None
     ) -> list[nodes_pb2.ScoreResponse]:
-        """The other replicas' own scores for `request` (those that answered in time:
-        within the deadline, and well within the caller's `time_left_s`)."""
-        local = nodes_pb2.ScoreRequest(block_hashes=request.block_hashes, role=request.role, local_only=True)
+        """The other replicas' own scores of a prompt's block `hashes` for nodes of `role`
+        (those that answered in time: within the deadline, and well within the caller's
+        `time_left_s`)."""
+        local = nodes_pb2.ScoreRequest(block_hashes=hashes, role=role, local_only=True)  # type: ignore[arg-type]
         return await self._ask(
             "Score", lambda stub, deadline: stub.Score(local, timeout=deadline), time_left_s
         )
 
-    async def attached_counts(self, time_left_s: float | None) -> dict[str, AttachedCounts]:
-        """Each node's counts from its sidecar (indexed blocks, uncaptured turns, unretained
-        blocks) at the other replicas (those that answered in time), the largest of each
-        where several have some."""
+    async def node_lists(self, time_left_s: float | None) -> list[nodes_pb2.ListNodesResponse]:
+        """The other replicas' own lists of every node, with the counts their sidecars
+        reported there (those that answered in time)."""
         local = nodes_pb2.ListNodesRequest(include_dead=True, local_only=True)
-        out: dict[str, AttachedCounts] = {}
-        for answer in await self._ask(
-            "List", lambda stub, deadline: stub.List(local, timeout=deadline), time_left_s
-        ):
-            for n in answer.nodes:
-                counts = AttachedCounts(n.indexed_blocks, n.uncaptured_turns, n.unretained_blocks)
-                out[n.engine_id] = counts.merged(out.get(n.engine_id, AttachedCounts()))
-        return out
+        return await self._ask("List", lambda stub, deadline: stub.List(local, timeout=deadline), time_left_s)
 
     async def _ask(
         self,

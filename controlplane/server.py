@@ -15,14 +15,13 @@ from typing import Any, TypeVar
 
 import grpc
 import structlog
-from google.protobuf import timestamp_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from controlplane import metrics
-from controlplane.attached import AttachedCounts
 from controlplane.blockindex import IndexUpdate
+from controlplane.cluster import Cluster
 from controlplane.convert import apply_handout
 from controlplane.errors import (
     Conflict,
@@ -32,14 +31,22 @@ from controlplane.errors import (
     NotFound,
     StoreUnavailable,
 )
+from controlplane.messages import (
+    fill_lookup_response,
+    lease_message,
+    lookup_query_of,
+    node_message,
+    prompt_of,
+    registration_of,
+    retention_registration_of,
+)
 from controlplane.peers import Peers
 from controlplane.policy import RELEASE, Prompt
 from controlplane.records import NodeRecord, NodeState
-from controlplane.service import ControlPlane, LeaseRegistration, LeaseView, LookupQuery, NodeRegistration
+from controlplane.service import ControlPlane
+from controlplane.service.nodes import ListedNode
 from kvferry.channels import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 from kvferry.framing import by_size
-from kvferry.structs import struct_to_dict
-from kvferry.tasks import cancel_and_wait
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -90,85 +97,18 @@ def _rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
     return wrap
 
 
-def _ts(t: float) -> timestamp_pb2.Timestamp:
-    ts = timestamp_pb2.Timestamp()
-    ts.FromNanoseconds(int(t * 1e9))
-    return ts
-
-
-def _from_ts(msg: Any, field: str) -> float | None:
-    if not msg.HasField(field):
-        return None
-    ts: timestamp_pb2.Timestamp = getattr(msg, field)
-    return float(ts.seconds + ts.nanos / 1e9)
-
-
-def node_message(state: NodeState, held: tuple[int, int] = (0, 0)) -> nodes_pb2.Node:
-    r: NodeRecord = state.record
-    return nodes_pb2.Node(
-        engine_id=r.engine_id,
-        role=int(r.role),  # type: ignore[arg-type]
-        model=r.model,
-        block_size=r.block_size,
-        http_url=r.http_url,
-        side_channel_host=r.side_channel_host,
-        side_channel_port=r.side_channel_port,
-        generation=r.generation,
-        alive=state.alive,
-        registered_at=_ts(r.registered_at),
-        live_leases=held[0],
-        held_tokens=held[1],
-        engine_url=r.engine_url,
-        suspended=bool(r.suspended_at),
-    )
-
-
-def lease_message(v: LeaseView, summary: bool = False) -> leases_pb2.Lease:
-    m = leases_pb2.Lease(tenant=v.tenant, conversation_id=v.conversation_id, revision=v.revision)
-    r = v.retention
-    if r is not None:
-        m.engine_id = r.engine_id
-        m.generation = r.generation
-        if not summary:
-            m.kv_transfer_params.ParseFromString(r.params)
-            m.block_digests = r.digests
-        m.num_tokens = r.num_tokens
-        m.block_size = r.block_size
-        m.created_at.CopyFrom(_ts(r.created_at))
-        m.expires_at.CopyFrom(_ts(r.expires_at))
-        m.request_id = r.request_id
-    if v.claim is not None:
-        m.claimed = True
-        m.claimed_at.CopyFrom(_ts(v.claim.claimed_at))
-    return m
-
-
 class NodesServicer(nodes_pb2_grpc.NodesServicer):
-    def __init__(self, cp: ControlPlane, peers: Peers | None = None) -> None:
+    def __init__(self, cp: ControlPlane, cluster: Cluster) -> None:
         self._cp = cp
-        self._peers = peers
+        self._cluster = cluster
 
     @_rpc("Nodes/Register")
     async def Register(
         self, request: nodes_pb2.RegisterNodeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> nodes_pb2.RegisterNodeResponse:
-        rec, restarted = await self._cp.register_node(
-            NodeRegistration(
-                engine_id=request.engine_id,
-                role=int(request.role),
-                model=request.model,
-                block_size=request.block_size,
-                http_url=request.http_url,
-                side_channel_host=request.side_channel_host,
-                side_channel_port=request.side_channel_port,
-                generation=request.generation,
-                liveness_ttl_s=request.liveness_ttl_seconds,
-                engine_url=request.engine_url,
-                engine_started_at=request.engine_started_at,
-                no_restart_seen=request.no_restart_seen,
-            )
-        )
-        return nodes_pb2.RegisterNodeResponse(node=node_message(NodeState(rec, True)), restarted=restarted)
+        rec, restarted = await self._cp.registry.register(registration_of(request))
+        node = node_message(ListedNode(NodeState(rec, True)))
+        return nodes_pb2.RegisterNodeResponse(node=node, restarted=restarted)
 
     async def Attach(
         self,
@@ -184,19 +124,18 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
                 if kind == "hello":
                     if rec is not None and msg.hello.engine_id != rec.engine_id:
                         raise InvalidArgument("an Attach stream speaks for one engine: open another")
-                    rec = await self._cp.attach(msg.hello.engine_id, msg.hello.generation, stream)
-                    ttl, rec = await self._cp.heartbeat(rec)
+                    rec = await self._cp.attachments.attach(msg.hello.engine_id, msg.hello.generation, stream)
+                    ttl, rec = await self._cp.attachments.heartbeat(rec)
                     log.info("node.attached", engine_id=rec.engine_id, generation=rec.generation)
-                    yield nodes_pb2.AttachResponse(
-                        attached=node_message(NodeState(rec, True)), ttl_seconds=ttl
-                    )
+                    attached = node_message(ListedNode(NodeState(rec, True)))
+                    yield nodes_pb2.AttachResponse(attached=attached, ttl_seconds=ttl)
                 elif kind == "heartbeat":
                     if rec is None:
                         raise InvalidArgument("the first message on Attach must be hello")
                     beat = msg.heartbeat
-                    self._cp.report(rec, beat.uncaptured_turns, beat.unretained_blocks, stream)
+                    self._cp.attachments.report(rec, beat.uncaptured_turns, beat.unretained_blocks, stream)
                     try:
-                        ttl, rec = await self._cp.heartbeat(rec)
+                        ttl, rec = await self._cp.attachments.heartbeat(rec)
                     except StoreUnavailable as e:
                         # Keep the stream: the sidecar goes on heartbeating and liveness
                         # resumes when etcd is back.
@@ -208,7 +147,7 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
                     if rec is None:
                         raise InvalidArgument("the first message on Attach must be hello")
                     b = msg.kv_events
-                    self._cp.index_events(
+                    self._cp.attachments.index_events(
                         rec, IndexUpdate(list(b.stored), list(b.removed), b.cleared, b.reset, b.seq), stream
                     )
                 else:
@@ -218,60 +157,25 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
         finally:
             metrics.ATTACHED.dec()
             if rec is not None:
-                self._cp.detach(rec, stream)
+                self._cp.attachments.detach(rec, stream)
                 log.info("node.detached", engine_id=rec.engine_id)
 
     @_rpc("Nodes/List")
     async def List(
         self, request: nodes_pb2.ListNodesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> nodes_pb2.ListNodesResponse:
-        role, dead = int(request.role), request.include_dead
-        # A node's index and counts are at the replica its sidecar is attached to (the router
-        # gates scoring on these: a node attached elsewhere would read 0 here). A peer
-        # asking for this replica's own counts gets them from memory, no etcd read.
-        elsewhere: dict[str, AttachedCounts] = {}
-        if request.local_only:
-            states = await self._cp.list_nodes(role, dead, fresh=False)
-        elif self._peers is None:
-            states = await self._cp.list_nodes(role, dead)
-        else:
-            asking = asyncio.ensure_future(self._peers.attached_counts(context.time_remaining()))
-            try:
-                states = await self._cp.list_nodes(role, dead)
-            except BaseException:  # (etcd out, say: no use asking the peers meanwhile)
-                await cancel_and_wait([asking])
-                raise
-            elsewhere = await asking
-        held = self._cp.held
-        nodes = []
-        for st in states:
-            engine = st.record.engine_id
-            m = node_message(st, held.get(engine, (0, 0)))
-            counts = self._cp.attached_counts(engine)
-            if engine in elsewhere:
-                counts = counts.merged(elsewhere[engine])
-            m.indexed_blocks = counts.indexed_blocks
-            m.uncaptured_turns = counts.uncaptured_turns
-            m.unretained_blocks = counts.unretained_blocks
-            nodes.append(m)
-        return nodes_pb2.ListNodesResponse(nodes=nodes)
+        listed = await self._cluster.list_nodes(
+            int(request.role), request.include_dead, request.local_only, context.time_remaining()
+        )
+        return nodes_pb2.ListNodesResponse(nodes=[node_message(n) for n in listed])
 
     @_rpc("Nodes/Score")
     async def Score(
         self, request: nodes_pb2.ScoreRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> nodes_pb2.ScoreResponse:
-        scores = await self._cp.score(list(request.block_hashes), int(request.role))
-        answers = []
-        if not request.local_only and self._peers is not None:
-            answers = await self._peers.scores(request, context.time_remaining())
-        if answers:  # (a lone replica's scores stand as they are)
-            # Each replica indexes the sidecars attached to it: each node's best count.
-            best = dict(scores)
-            for answer in answers:
-                for s in answer.scores:
-                    if s.cached_blocks > best.get(s.engine_id, s.cached_blocks):
-                        best[s.engine_id] = s.cached_blocks
-            scores = sorted(best.items(), key=lambda x: (-x[1], x[0]))
+        scores = await self._cluster.score(
+            list(request.block_hashes), int(request.role), request.local_only, context.time_remaining()
+        )
         return nodes_pb2.ScoreResponse(
             scores=[nodes_pb2.NodeScore(engine_id=e, cached_blocks=n) for e, n in scores]
         )
@@ -280,7 +184,7 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
     async def Deregister(
         self, request: nodes_pb2.DeregisterNodeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> nodes_pb2.DeregisterNodeResponse:
-        return nodes_pb2.DeregisterNodeResponse(found=await self._cp.deregister_node(request.engine_id))
+        return nodes_pb2.DeregisterNodeResponse(found=await self._cp.registry.deregister(request.engine_id))
 
 
 class LeasesServicer(leases_pb2_grpc.LeasesServicer):
@@ -288,22 +192,8 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         self._cp = cp
 
     async def _register(self, request: leases_pb2.RegisterLeaseRequest) -> leases_pb2.RegisterLeaseResponse:
-        view, replaced, release = await self._cp.register_lease(
-            LeaseRegistration(
-                tenant=request.tenant,
-                conversation_id=request.conversation_id,
-                engine_id=request.engine_id,
-                params=struct_to_dict(request.kv_transfer_params),
-                params_blob=request.kv_transfer_params.SerializeToString(deterministic=True),
-                num_tokens=request.num_tokens,
-                expires_at=_from_ts(request, "expires_at"),
-                block_size=request.block_size,
-                digests=request.block_digests,
-                generation=request.generation,
-                request_id=request.request_id,
-            )
-        )
-        # The stored lease without its params and digests: the caller just sent them.
+        view, replaced, release = await self._cp.retentions.register(retention_registration_of(request))
+        # The stored retention without its params and digests: the caller just sent them.
         resp = leases_pb2.RegisterLeaseResponse(lease=lease_message(view, summary=True), replaced=replaced)
         if release is not None:
             apply_handout(release, RELEASE, resp.release_params)
@@ -319,32 +209,12 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         of a lookup sent with prompt_follows."""
         if request.prompt_follows and later is None:
             raise InvalidArgument("prompt_follows needs Leases/Stream (the prompt comes in a later op)")
-        result = await self._cp.lookup(
-            LookupQuery(
-                tenant=request.tenant,
-                conversation_id=request.conversation_id,
-                prompt_tokens=request.prompt_tokens,
-                prompt_digests=_digests_given(request),
-                peek=request.peek,
-                request_id=request.request_id,
-            ),
-            None if later is None else _prompt_of(later),
+        result = await self._cp.lookups.lookup(
+            lookup_query_of(request), None if later is None else _prompt_of(later)
         )
-        d = result.decision
         if resp is None:
             resp = leases_pb2.LookupResponse()
-        resp.decision = leases_pb2.PULL if d.pull else leases_pb2.RECOMPUTE
-        resp.reason = d.reason.value
-        resp.detail = d.detail
-        resp.reusable_tokens = d.reusable_tokens
-        resp.engine_id = d.engine_id
-        resp.claimed = result.claimed
-        if request.peek:  # nothing was handed out: params forwarded would be read twice
-            return resp
-        if d.params is not None:
-            apply_handout(result.params_blob, d.params, resp.kv_transfer_params)
-        if d.release is not None:
-            apply_handout(result.params_blob, d.release, resp.release_params)
+        fill_lookup_response(result, request.peek, resp)
         return resp
 
     @_rpc("Leases/Register")
@@ -500,13 +370,13 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
     async def Get(
         self, request: leases_pb2.GetLeaseRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> leases_pb2.Lease:
-        return lease_message(await self._cp.get_lease(request.tenant, request.conversation_id))
+        return lease_message(await self._cp.retentions.get(request.tenant, request.conversation_id))
 
     @_rpc("Leases/List")
     async def List(
         self, request: leases_pb2.ListLeasesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> leases_pb2.ListLeasesResponse:
-        views, token = await self._cp.list_leases(
+        views, token = await self._cp.retentions.list(
             request.tenant,
             request.all_tenants,
             request.engine_id,
@@ -520,7 +390,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
     async def Revoke(
         self, request: leases_pb2.RevokeLeaseRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> leases_pb2.RevokeLeaseResponse:
-        view, releasable = await self._cp.revoke_lease(request.tenant, request.conversation_id)
+        view, releasable = await self._cp.retentions.revoke(request.tenant, request.conversation_id)
         if view is None:
             return leases_pb2.RevokeLeaseResponse(found=False)
         resp = leases_pb2.RevokeLeaseResponse(found=True, lease=lease_message(view))
@@ -530,13 +400,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
 
 
 async def _prompt_of(later: asyncio.Future[leases_pb2.LookupPrompt]) -> Prompt:
-    p = await later
-    return Prompt(p.prompt_tokens, _digests_given(p))
-
-
-def _digests_given(m: leases_pb2.LookupRequest | leases_pb2.LookupPrompt) -> bytes | None:
-    """A lookup's prompt_digests, None when not given (an empty set is given: see Prompt)."""
-    return m.prompt_digests if m.HasField("prompt_digests") else None
+    return prompt_of(await later)
 
 
 _INVALID, _EXHAUSTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -649,7 +513,9 @@ async def start_server(
             ("grpc.http2.max_pings_without_data", 0),
         ],
     )
-    nodes_pb2_grpc.add_NodesServicer_to_server(NodesServicer(cp, peers), server)
+    nodes_pb2_grpc.add_NodesServicer_to_server(
+        NodesServicer(cp, Cluster(cp.registry, cp.attachments, peers)), server
+    )
     leases_pb2_grpc.add_LeasesServicer_to_server(LeasesServicer(cp), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -234,7 +234,7 @@ async def test_an_older_attach_stream_ending_keeps_the_newer_ones_index(
     daemon: Daemon, client: Client
 ) -> None:
     assert daemon.control_plane is not None
-    index = daemon.control_plane.index
+    index = daemon.control_plane.attachments.index
     await client.nodes.Register(node_request("d-1"))
     old, new = AttachStream(client), AttachStream(client)
     try:

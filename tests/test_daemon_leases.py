@@ -244,9 +244,9 @@ async def test_a_filtered_listing_reads_a_bounded_part_of_the_store_per_call(
 ) -> None:
     """An engine's few leases among many: each call reads a bounded number of retentions and
     returns a short (even empty) page with a token, never the whole store in one call."""
-    from controlplane import service
+    from controlplane.service import retentions
 
-    monkeypatch.setattr(service, "LIST_EXAMINED", 5)
+    monkeypatch.setattr(retentions, "LIST_EXAMINED", 5)
     await client.nodes.Register(node_request("d-1"))
     await client.nodes.Register(node_request("d-2", side_channel_port=5601))
     for i in range(20):

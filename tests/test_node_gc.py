@@ -96,7 +96,7 @@ async def test_live_and_recently_dead_nodes_are_kept(client: Client, daemon: Dae
     cp = daemon.control_plane
     assert cp is not None
     await cp.nodes.refresh()
-    assert await cp.collect_dead_nodes() == 0  # default: a day
+    assert await cp.registry.collect_dead() == 0  # default: a day
     assert (await cp.store.nodes.get("d-2"))[0] is not None
 
 

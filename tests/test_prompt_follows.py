@@ -300,7 +300,7 @@ async def test_a_claim_whose_caller_gives_up_while_deciding_is_put_back(
     turn already_claimed."""
     await client.nodes.Register(node_request("d-1"))
     await client.leases.Register(lease_request("c"))
-    cp = daemon.control_plane
+    cp = daemon.control_plane.lookups
     decide = cp._decide
     deciding = asyncio.Event()
 

@@ -12,7 +12,7 @@ import pytest
 import structlog
 
 from controlplane.daemon import Daemon
-from controlplane.service import PROMPT_WAIT_S
+from controlplane.service.lookups import PROMPT_WAIT_S
 from kvferry.v1 import leases_pb2, nodes_pb2
 from tests.conftest import Client, DaemonFactory, EtcdProcess, daemon_settings
 from tests.factories import d_params, lease_request, lookup_request, node_request

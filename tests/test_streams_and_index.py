@@ -177,16 +177,15 @@ async def test_a_peer_that_does_not_answer_is_left_alone_for_a_while() -> None:
 
     peers = Peers(None, backoff_s=30.0)  # type: ignore[arg-type]  # (no store: nothing announced)
     await peers._follow({"dead": f"127.0.0.1:{free_port()}"})  # nothing listens there
-    ask = nodes_pb2.ScoreRequest(block_hashes=[1])
-    assert await peers.scores(ask, 1.0) == []
+    assert await peers.scores([1], 0, 1.0) == []
     [dead] = peers._peers.values()
     assert dead.skip_until["Score"] > 0  # failed: skipped from now on
     asked: list[object] = []
     dead.stub.Score = lambda *args, **kwargs: asked.append(args)  # type: ignore[method-assign]
-    assert await peers.scores(ask, 1.0) == []
+    assert await peers.scores([1], 0, 1.0) == []
     assert asked == []  # not asked again
     assert "List" not in dead.skip_until  # (each kind of call on its own)
-    assert await peers.attached_counts(1.0) == {} and dead.skip_until["List"] > 0
+    assert await peers.node_lists(1.0) == [] and dead.skip_until["List"] > 0
     await peers._follow({})  # gone from etcd: its channel closes
     assert peers.addresses == []
     await peers.close()
@@ -206,7 +205,6 @@ async def test_a_peer_late_only_for_a_callers_short_deadline_is_asked_again() ->
     try:
         await peers._follow({"slow": f"127.0.0.1:{port}"})
         [slow] = peers._peers.values()
-        ask = nodes_pb2.ScoreRequest(block_hashes=[1])
         asked = 0
         score = slow.stub.Score
 
@@ -216,14 +214,14 @@ async def test_a_peer_late_only_for_a_callers_short_deadline_is_asked_again() ->
             return score(*args, **kwargs)
 
         slow.stub.Score = counted  # type: ignore[method-assign]
-        assert await peers.scores(ask, 0.001) == [] and asked == 0  # no time: not asked at all
+        assert await peers.scores([1], 0, 0.001) == [] and asked == 0  # no time: not asked at all
         for _ in range(2):  # (5 ms for the peer: missed; asked again next time)...
-            assert await peers.scores(ask, 0.01) == [] and slow.skip_until.get("Score", 0) == 0
+            assert await peers.scores([1], 0, 0.01) == [] and slow.skip_until.get("Score", 0) == 0
         assert (
-            await peers.scores(ask, 0.01) == [] and slow.skip_until["Score"] > 0
+            await peers.scores([1], 0, 0.01) == [] and slow.skip_until["Score"] > 0
         )  # ...but late 3 in a row: hung
         slow.skip_until["Score"] = 0
-        assert await peers.scores(ask, 1.0) == []  # the whole deadline missed: left alone at once
+        assert await peers.scores([1], 0, 1.0) == []  # the whole deadline missed: left alone at once
         assert slow.skip_until["Score"] > 0 and asked == 4
     finally:
         await peers.close()
