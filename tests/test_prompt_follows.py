@@ -114,9 +114,9 @@ async def test_bad_uses_get_clear_errors(client: Client) -> None:
 async def test_waiting_lookups_never_block_the_stream(
     client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from controlplane import server
+    from controlplane.server import stream
 
-    monkeypatch.setattr(server, "STREAM_WINDOW", 4)
+    monkeypatch.setattr(stream, "STREAM_WINDOW", 4)
     await client.nodes.Register(node_request("d-1"))
     call = client.leases.Stream()
     early = [

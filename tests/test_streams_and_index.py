@@ -542,9 +542,10 @@ async def test_a_stream_whose_results_are_not_read_stops_reading_its_ops(
 ) -> None:
     """Results wait for a client that does not read them: at most a window of them, then the
     daemon stops taking ops from that stream (and gRPC flow control holds the client)."""
-    from controlplane import server
+    from controlplane.server import stream
+    from controlplane.server.leases import LeasesServicer
 
-    monkeypatch.setattr(server, "STREAM_WINDOW", 4)
+    monkeypatch.setattr(stream, "STREAM_WINDOW", 4)
     pulled = 0
 
     async def ops() -> AsyncIterator[leases_pb2.LeaseOpBatch]:
@@ -553,7 +554,7 @@ async def test_a_stream_whose_results_are_not_read_stops_reading_its_ops(
             pulled += 1  # a prompt for no waiting lookup: refused at once, no store needed
             yield leases_pb2.LeaseOpBatch(ops=[leases_pb2.LeaseOp(id=i, prompt=leases_pb2.LookupPrompt())])
 
-    servicer = server.LeasesServicer(None)  # type: ignore[arg-type]
+    servicer = LeasesServicer(None, None)  # type: ignore[arg-type]
     results = servicer.Stream(ops(), None)  # type: ignore[arg-type]
     first = await results.__anext__()  # the client reads once, then stops
     await asyncio.sleep(0.2)
