@@ -49,6 +49,7 @@ class EtcdStore:
         claim_marker_s: int,
     ) -> None:
         self.keys = keys
+        self.endpoints = endpoints
         self._client = Client(endpoints, timeout_s)
         self.kv = EtcdKv(self._client, timeout_s)
         self.nodes = NodeStore(self.kv, keys)
