@@ -115,7 +115,7 @@ class Lookups:
         if later is not None and q.peek:
             raise InvalidArgument("prompt_follows is for claiming lookups, not peek")
         if later is None:
-            check_prompt(q.prompt_tokens, q.prompt_digests, self._limits.max_tokens)
+            check_prompt(q.prompt_tokens, q.prompt_digests, self._limits.max_tokens, required=not q.peek)
         return tenant
 
     async def _peek(self, tenant: str, q: LookupQuery) -> LookupResult:

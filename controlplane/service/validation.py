@@ -47,6 +47,8 @@ def tenant_of(tenant: str, max_bytes: int) -> str:
 
 def role_of(value: int) -> Role:
     """A node's role as the API numbers it."""
+    if value == Role.UNSPECIFIED:
+        raise InvalidArgument("role is missing: give PREFILL, DECODE or BOTH")
     if value not in (Role.PREFILL, Role.DECODE, Role.BOTH):
         raise InvalidArgument(f"role {value} is not PREFILL, DECODE or BOTH")
     return Role(value)
@@ -79,13 +81,19 @@ def check_node(rec: NodeRecord, limits: Limits, default_ttl_s: int) -> int:
     return ttl
 
 
-def check_prompt(tokens: int, digests: bytes | None, max_tokens: int) -> None:
-    """A lookup's prompt: its length in tokens and its blocks' digests (None: not given)."""
+def check_prompt(tokens: int, digests: bytes | None, max_tokens: int, required: bool = False) -> None:
+    """A lookup's prompt: its length in tokens (`required`: one must be given) and its
+    blocks' digests (None: not given)."""
     if not 0 <= tokens <= max_tokens:
         raise InvalidArgument(f"prompt_tokens {tokens} must be in 0..{max_tokens}")
     problem = digest_problem("prompt_digests", digests or b"")
     if problem:
         raise InvalidArgument(problem)
+    if required and not tokens:
+        raise InvalidArgument(
+            "prompt_tokens is required: the length of the prompt P is about to compute "
+            "(only a peek may leave it out)"
+        )
 
 
 def check_retention_size(num_tokens: int, params_bytes: int, limits: Limits) -> None:

@@ -222,7 +222,9 @@ class LookupRequest(_message.Message):
     tenant: _builtins.str
     conversation_id: _builtins.str
     prompt_tokens: _builtins.int
-    """Length of the prompt P is about to compute, in tokens."""
+    """Length of the prompt P is about to compute, in tokens. Required (above 0), except
+    for a peek and with prompt_follows (the LookupPrompt op brings it then).
+    """
     prompt_digests: _builtins.bytes
     """Chained digests of the prompt's full blocks (same function as the lease's).
     Given (even empty: a prompt shorter than one block), the pull is verified:
