@@ -121,9 +121,14 @@ def lease_message(v: RetentionView, summary: bool = False) -> leases_pb2.Lease:
         m.created_at.CopyFrom(timestamp(r.created_at))
         m.expires_at.CopyFrom(timestamp(r.expires_at))
         m.request_id = r.request_id
-    if v.claim is not None:
+    c = v.claim
+    if c is not None:
         m.claimed = True
-        m.claimed_at.CopyFrom(timestamp(v.claim.claimed_at))
+        m.claimed_at.CopyFrom(timestamp(c.claimed_at))
+        if r is None:  # (what the marker knows of the retention it took)
+            m.engine_id, m.request_id = c.engine_id, c.claimed_by
+            if c.expires_at:
+                m.expires_at.CopyFrom(timestamp(c.expires_at))
     return m
 
 

@@ -88,16 +88,20 @@ class HeldSummary(msgspec.Struct, frozen=True):
 
 
 class Claim(msgspec.Struct, frozen=True):
-    """Left behind when a retention was handed out, so later lookups can say why. (The
-    claim transaction writes it without reading the retention first: it does not know the
-    engine, nor the deadline; a marker an older version wrote with an engine decodes all
-    the same.)"""
+    """Left behind when a retention was handed out, so later lookups can say why, and
+    Leases/Get what took it. (The claim transaction writes it in the same step that reads
+    the retention: it knows the claiming request, not the retention's engine nor its
+    deadline; writing those in afterwards would cost every turn an etcd write.)"""
 
     claimed_at: float
     expires_at: float = 0.0
     """The deadline of the retention the claim took, when the daemon wrote it in after the
     claim (it does for a retention it found expired or about to: `policy.decide_claimed`
     then answers expired past it); 0 = not known."""
+    engine_id: str = ""
+    """The engine of the retention taken, known when the deadline is ("" = not known)."""
+    claimed_by: str = ""
+    """The request whose lookup claimed it (its X-Request-Id; "" = the lookup named none)."""
 
 
 class NodeState(msgspec.Struct, frozen=True):

@@ -182,6 +182,28 @@ async def test_a_lookup_leaves_its_own_requests_retention_to_the_next_turn(clien
     assert pulled.decision == leases_pb2.PULL and pulled.claimed and pulled.reusable_tokens == 900
 
 
+async def test_get_of_a_claimed_retention_shows_what_its_marker_knows(client: Client) -> None:
+    """A retention a lookup took is gone from etcd; Get showed its marker with an empty
+    engine and request. The marker names the request whose lookup took it and, when the
+    claim found the retention expired or about to, its engine and deadline."""
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("taken"))
+    ask = lookup_request("taken")
+    ask.request_id = "kvf-turn-2"
+    assert (await client.leases.Lookup(ask)).decision == leases_pb2.PULL
+    got = await client.leases.Get(leases_pb2.GetLeaseRequest(conversation_id="taken"))
+    assert got.claimed and got.claimed_at.seconds > 0 and got.request_id == "kvf-turn-2"
+    assert got.engine_id == "" and not got.HasField("expires_at")  # (the claim read neither)
+
+    await client.leases.Register(lease_request("late", expires_in=6))  # inside the safety margin
+    ask = lookup_request("late")
+    ask.request_id = "kvf-turn-9"
+    assert (await client.leases.Lookup(ask)).reason == "expired"
+    got = await client.leases.Get(leases_pb2.GetLeaseRequest(conversation_id="late"))
+    assert got.claimed and got.engine_id == "d-1" and got.request_id == "kvf-turn-9"
+    assert 0 < got.expires_at.ToNanoseconds() / 1e9 - time.time() <= 6
+
+
 async def test_a_retention_replaced_unclaimed_comes_back_to_be_released(client: Client) -> None:
     """No turn claimed it (its next turn skipped the lookup): D still holds its blocks, and
     nothing else will free them before D's TTL. Its release params come back to the

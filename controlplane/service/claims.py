@@ -54,7 +54,7 @@ class Claims:
         A lookup can reach the daemon after the turn it is for went on without it (it came
         late) and registered: that retention is the next turn's to pull, not this one's,
         and goes straight back (`Claimed.own`)."""
-        outcome = await self._store.claim(tenant, conversation_id, now)
+        outcome = await self._store.claim(tenant, conversation_id, now, request_id)
         taken = outcome.taken
         claimed = Claimed(taken, outcome.earlier, False, outcome.marker_revision)
         if taken is None or not request_id or taken.request_id != request_id:
@@ -108,14 +108,21 @@ class Claims:
             self.put_back(done.result(), tenant, conversation_id)
 
     async def note_deadline(
-        self, claimed: Claimed, tenant: str, conversation_id: str, claimed_at: float
+        self, claimed: Claimed, tenant: str, conversation_id: str, claimed_at: float, request_id: str
     ) -> None:
-        """The claim took a retention expired or about to: its deadline goes into the marker,
-        so that the lookups meeting the marker past it answer expired (`decide_claimed`),
-        not already_claimed. (Only then: doing it for every claim would double each turn's
-        etcd writes. One write failing leaves the marker as it was.)"""
-        assert claimed.taken is not None
-        claim = Claim(claimed_at=claimed_at, expires_at=claimed.taken.expires_at)
+        """The claim (of request `request_id`, at `claimed_at`) took a retention expired or
+        about to: its deadline and engine go into the marker, so that the lookups meeting
+        the marker past it answer expired (`decide_claimed`), not already_claimed. (Only
+        then: doing it for every claim would add an etcd write to every turn. One write
+        failing leaves the marker as it was.)"""
+        taken = claimed.taken
+        assert taken is not None
+        claim = Claim(
+            claimed_at=claimed_at,
+            expires_at=taken.expires_at,
+            engine_id=taken.engine_id,
+            claimed_by=request_id,
+        )
         try:
             await self._store.note_claim_deadline(tenant, conversation_id, claimed.marker_revision, claim)
         except StoreUnavailable as e:

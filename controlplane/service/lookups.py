@@ -105,7 +105,7 @@ class Lookups:
             decision = _unavailable(e, got.taken if got is not None else None, now)
         taken = got.taken if got is not None else None
         if got is not None and taken is not None and decision.reason is Reason.EXPIRED:
-            await self._claims.note_deadline(got, tenant, conversation, claimed_at)
+            await self._claims.note_deadline(got, tenant, conversation, claimed_at, q.request_id)
         return self._answered(tenant, q, decision, taken, claimed=taken is not None)
 
     def _checked(self, q: LookupQuery, later: Awaitable[Prompt] | None) -> str:

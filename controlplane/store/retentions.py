@@ -72,15 +72,18 @@ class RetentionStore:
 
         return await self._gc.write_on_lease(r.expires_at, now, write)
 
-    async def claim(self, tenant: str, conversation_id: str, now: float) -> ClaimOutcome:
-        """Take the conversation's retention out of etcd, atomically, leaving a claim marker.
+    async def claim(
+        self, tenant: str, conversation_id: str, now: float, claimed_by: str = ""
+    ) -> ClaimOutcome:
+        """Take the conversation's retention out of etcd, atomically, leaving a claim marker
+        that names `claimed_by` (the request the claiming lookup is for).
 
         One transaction: of any number of concurrent callers on any number of
         replicas, exactly one sees the retention; the others see the marker.
         """
         key = self._keys.retention(tenant, conversation_id)
         ckey = self._keys.claim(tenant, conversation_id)
-        marker = encode(Claim(claimed_at=now))
+        marker = encode(Claim(claimed_at=now, claimed_by=claimed_by))
 
         async def write(lease: int) -> rpc.TxnResponse:
             txn = rpc.TxnRequest(

@@ -67,7 +67,10 @@ class Lease(_message.Message):
     tenant: _builtins.str
     conversation_id: _builtins.str
     engine_id: _builtins.str
-    """The D engine holding the blocks, and the engine generation they belong to."""
+    """The D engine holding the blocks, and the engine generation they belong to. For a
+    claimed lease, known only when the claim found it expired or about to ("" otherwise:
+    the claim's marker is written in the same transaction that reads the retention).
+    """
     generation: _builtins.int
     num_tokens: _builtins.int
     """Tokens whose KV D holds (remote_num_tokens)."""
@@ -77,11 +80,15 @@ class Lease(_message.Message):
     (see kvferry.digests); empty when unknown.
     """
     claimed: _builtins.bool
-    """Handed out already (PULL or release); kept as a tombstone until collected."""
+    """Handed out already (PULL or release): what is left is the claim's marker, kept until
+    collected; the other fields are then what the marker knows.
+    """
     revision: _builtins.int
     """etcd mod revision of the record; changes on every write."""
     request_id: _builtins.str
-    """The request (its X-Request-Id) whose answer D holds these blocks for; "" = unknown."""
+    """The request (its X-Request-Id) whose answer D holds these blocks for; "" = unknown.
+    For a claimed lease: the request whose Lookup claimed it ("" = that Lookup named none).
+    """
     @_builtins.property
     def kv_transfer_params(self) -> _struct_pb2.Struct:
         """D's kv_transfer_params as returned by vLLM (opaque; unknown keys kept)."""
@@ -90,7 +97,7 @@ class Lease(_message.Message):
     def created_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def expires_at(self) -> _timestamp_pb2.Timestamp:
-        """Hard deadline: D frees the blocks then."""
+        """Hard deadline: D frees the blocks then. For a claimed lease, as engine_id."""
 
     @_builtins.property
     def claimed_at(self) -> _timestamp_pb2.Timestamp: ...
