@@ -90,11 +90,11 @@ class EmbeddedEtcd:
             "--quota-backend-bytes=4294967296",
             # Snapshots: each one stalls claims. At 500 (a snapshot every ~0.7 s at 1,000
             # lookups/s) they made most of the lookup tail: bench.lookup_tail, 1,000/s,
-            # p99 at 500 vs 5,000 (same periods): 20k leases 7.6/8.3 vs 6.6/5.6 ms; 100k
-            # leases, 30 s runs 22.8/17.6 vs 19.0/14.9 ms. Fewer snapshots cost restart
+            # p99 at 500 vs 5,000 (same periods): 20k retentions 7.6/8.3 vs 6.6/5.6 ms; 100k
+            # retentions, 30 s runs 22.8/17.6 vs 19.0/14.9 ms. Fewer snapshots cost restart
             # time: a start reads the WAL from the last snapshot on, and the count is in
             # entries, not bytes (a grouped entry carries up to 64 registrations, ~250 KB).
-            # Embedded restart with 105k leases: 1.3 s at 500, 2.1 s at 5,000, 2.2 s at
+            # Embedded restart with 105k retentions: 1.3 s at 500, 2.1 s at 5,000, 2.2 s at
             # 100,000 (restart probe), 2.2-2.4 s in bench.daemon at 5,000.
             "--snapshot-count=5000",
             # A single member waits out a random part of one election timeout before it

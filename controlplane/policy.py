@@ -45,8 +45,9 @@ class Reason(enum.StrEnum):
     PULL = "pull"
     #: PULL of a prefix: the prompt matches (or is as long as) part of D's tokens only.
     PARTIAL_PULL = "partial_pull"
-    #: No retention for the conversation (never registered, revoked, or collected).
-    NO_LEASE = "no_lease"
+    #: No retention for the conversation (never registered, revoked, or collected). (The
+    #: API's string keeps the API's word for a retention.)
+    NO_RETENTION = "no_lease"
     #: Past its deadline, or too close to it to hand out (the safety margin).
     EXPIRED = "expired"
     #: D's node is not alive (deregistered, suspended, or its liveness lapsed).
@@ -143,7 +144,7 @@ def decide(
 ) -> Decision:
     """PULL or RECOMPUTE for `prompt`, given the conversation's retention and its node."""
     if retention is None:
-        return Decision(False, Reason.NO_LEASE, "no retention for this conversation")
+        return Decision(False, Reason.NO_RETENTION, "no retention for this conversation")
     dead = _not_held(retention, node, now)
     if dead is not None:
         return dead

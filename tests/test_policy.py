@@ -90,7 +90,7 @@ def test_prompt_shorter_than_d_trims_to_leading_blocks() -> None:
 
 
 def test_reasons() -> None:
-    assert decide(None, None, Prompt(10), POLICY, NOW).reason == Reason.NO_LEASE
+    assert decide(None, None, Prompt(10), POLICY, NOW).reason == Reason.NO_RETENTION
     assert decide(retention(expires_in=-1), node(), Prompt(2000), POLICY, NOW).reason == Reason.EXPIRED
     near = decide(retention(expires_in=9.9), node(), Prompt(2000), POLICY, NOW)
     assert near.reason == Reason.EXPIRED and near.release is not None, "still held: release it"
