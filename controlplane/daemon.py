@@ -50,6 +50,7 @@ class Daemon:
 
     @property
     def address(self) -> str:
+        """host:port clients reach the gRPC server at."""
         return local_address(self.settings.server.listen, self.port)
 
     async def start(self) -> None:

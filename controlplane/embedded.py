@@ -61,10 +61,12 @@ class EmbeddedEtcd:
 
     @property
     def endpoint(self) -> str:
+        """host:port of its client port."""
         return f"127.0.0.1:{self.client_port}"
 
     @property
     def log_path(self) -> Path:
+        """Where its output goes (beside the data directory)."""
         return self.data_dir.parent / f"{self.data_dir.name}.log"
 
     def command(self) -> list[str]:
@@ -104,6 +106,7 @@ class EmbeddedEtcd:
         ]
 
     async def start(self) -> None:
+        """Start the etcd process (its ports must be free)."""
         for port in (self.client_port, self.peer_port):
             # An etcd already there (another daemon's) would take our requests: the daemon
             # would serve on someone else's data while this etcd fails to start.
@@ -131,10 +134,12 @@ class EmbeddedEtcd:
         )
 
     async def wait_exited(self) -> int:
+        """Until the process exits. -> its exit code."""
         assert self._proc is not None
         return await self._proc.wait()
 
     async def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the process (SIGTERM, then SIGKILL after `timeout_s`)."""
         proc = self._proc
         if proc is None or proc.returncode is not None:
             return

@@ -45,6 +45,7 @@ def lookup(pull: bool, reason: str) -> None:
 
 
 def claim(kind: str) -> None:
+    """Count one retention consumed by a lookup: pull, release or dead (label children cached)."""
     child = _claim_children.get(kind)
     if child is None:
         child = _claim_children[kind] = CLAIMS.labels(kind)

@@ -68,6 +68,7 @@ class Peers:
 
     @property
     def addresses(self) -> list[str]:
+        """The other replicas followed now, by address."""
         return sorted(p.address for p in self._peers.values())
 
     async def run(self, address: str) -> None:

@@ -88,6 +88,7 @@ class Policy:
     max_lifetime_s: float = 3600.0
 
     def validate(self) -> None:
+        """Raise ValueError for knobs P would defeat, or that contradict each other."""
         if self.safety_margin_s < 5.0:
             raise ValueError("safety margin must be at least 5 s: P refuses reads within 5 s of expiry")
         if self.recompute_threshold < 0:
@@ -98,6 +99,8 @@ class Policy:
 
 @dataclass(frozen=True)
 class Prompt:
+    """The prompt a lookup is for."""
+
     tokens: int
     digests: bytes | None = None
     """The digests of the prompt's full blocks. Given (even empty: a prompt shorter than
@@ -124,6 +127,8 @@ RELEASE = Handout(0)
 
 @dataclass(frozen=True)
 class Decision:
+    """A lookup's answer: PULL (with what to hand P) or RECOMPUTE (with why)."""
+
     pull: bool
     reason: Reason
     detail: str = ""
@@ -323,6 +328,7 @@ def holds_null_blocks(params: dict[str, Any]) -> bool:
 
 
 def digest_problem(field_name: str, digests: bytes, max_blocks: int | None = None) -> str | None:
+    """What is wrong with a field of block digests, naming it (None = nothing)."""
     if len(digests) % DIGEST_SIZE:
         return f"{field_name} is {len(digests)} bytes, not a multiple of the digest size {DIGEST_SIZE}"
     if max_blocks is not None and len(digests) // DIGEST_SIZE > max_blocks:

@@ -63,12 +63,14 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
     async def Register(
         self, request: leases_pb2.RegisterLeaseRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> leases_pb2.RegisterLeaseResponse:
+        """Record a retention, replacing the conversation's previous one."""
         return await self._register(request)
 
     @rpc("Leases/Lookup")
     async def Lookup(
         self, request: leases_pb2.LookupRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> leases_pb2.LookupResponse:
+        """PULL or RECOMPUTE for a prompt; claims the retention unless peek."""
         return await self._lookup(request)
 
     def Stream(
@@ -83,12 +85,14 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
     async def Get(
         self, request: leases_pb2.GetLeaseRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> leases_pb2.Lease:
+        """The conversation's retention, or what the marker of the claim that took it knows."""
         return lease_message(await self._retentions.get(request.tenant, request.conversation_id))
 
     @rpc("Leases/List")
     async def List(
         self, request: leases_pb2.ListLeasesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> leases_pb2.ListLeasesResponse:
+        """A page of retentions."""
         views, token = await self._retentions.list(
             request.tenant,
             request.all_tenants,
@@ -103,6 +107,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
     async def Revoke(
         self, request: leases_pb2.RevokeLeaseRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> leases_pb2.RevokeLeaseResponse:
+        """Delete a retention so it is never handed out, with the params that free D's blocks."""
         view, releasable = await self._retentions.revoke(request.tenant, request.conversation_id)
         if view is None:
             return leases_pb2.RevokeLeaseResponse(found=False)

@@ -35,6 +35,7 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
     async def Register(
         self, request: nodes_pb2.RegisterNodeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> nodes_pb2.RegisterNodeResponse:
+        """Record a node (a new generation unless the same process registers again)."""
         rec, restarted = await self._registry.register(registration_of(request))
         return nodes_pb2.RegisterNodeResponse(
             node=node_message(ListedNode(NodeState(rec, True))), restarted=restarted
@@ -45,6 +46,7 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
         request_iterator: AsyncIterator[nodes_pb2.AttachRequest],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[nodes_pb2.AttachResponse]:
+        """A sidecar's stream: hello, then heartbeats (liveness) and KV events (the index)."""
         rec: NodeRecord | None = None
         stream = object()  # this stream, for the node's index to follow
         attachments = self._attachments
@@ -99,6 +101,7 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
     async def List(
         self, request: nodes_pb2.ListNodesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> nodes_pb2.ListNodesResponse:
+        """The nodes, with the largest counts any replica has of them."""
         listed = await self._cluster.list_nodes(
             int(request.role), request.include_dead, request.local_only, context.time_remaining()
         )
@@ -108,6 +111,7 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
     async def Score(
         self, request: nodes_pb2.ScoreRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> nodes_pb2.ScoreResponse:
+        """Alive nodes by how many leading blocks of a prompt they cache."""
         scores = await self._cluster.score(
             list(request.block_hashes), int(request.role), request.local_only, context.time_remaining()
         )
@@ -119,4 +123,5 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
     async def Deregister(
         self, request: nodes_pb2.DeregisterNodeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> nodes_pb2.DeregisterNodeResponse:
+        """End a node's liveness, leaving a tombstone of its record."""
         return nodes_pb2.DeregisterNodeResponse(found=await self._registry.deregister(request.engine_id))

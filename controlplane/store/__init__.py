@@ -59,9 +59,11 @@ class EtcdStore:
         self.replicas = ReplicaStore(self.kv, keys)
 
     async def connect(self) -> None:
+        """Open the client's channel to etcd."""
         await self._client.connect()
 
     async def close(self) -> None:
+        """Send what is queued for group commit, then close the client."""
         await self.kv.batcher.close()
         await self._client.close()
 
