@@ -33,6 +33,8 @@ MAX_BLOCKS_PER_NODE = 2_000_000
 
 
 class BlockIndex:
+    """The block hashes each node's prefix cache holds, per its KV events."""
+
     def __init__(self, max_blocks: int = MAX_BLOCKS_PER_NODE) -> None:
         self._blocks: dict[str, set[int]] = {}
         self.last_seq: dict[str, int] = {}
@@ -54,16 +56,20 @@ class BlockIndex:
         return True
 
     def drop(self, engine_id: str) -> None:
+        """Forget the node's blocks (its stream ended, or its record went)."""
         self._blocks.pop(engine_id, None)
         self.last_seq.pop(engine_id, None)
 
     def count(self, engine_id: str) -> int:
+        """Blocks indexed for the node."""
         return len(self._blocks.get(engine_id, ()))
 
     def total(self) -> int:
+        """Blocks indexed for every node."""
         return sum(len(b) for b in self._blocks.values())
 
     def contains(self, engine_id: str, block_hash: int) -> bool:
+        """Whether the node holds the block."""
         return block_hash in self._blocks.get(engine_id, ())
 
     def leading(self, engine_id: str, hashes: Sequence[int]) -> int:

@@ -1,13 +1,11 @@
-"""kv_transfer_params between the wire (google.protobuf.Struct) and the domain."""
+"""kv_transfer_params as the daemon stores them (a serialized google.protobuf.Struct, byte
+for byte as D sent them) and as it hands them out: the one place that reads or trims them."""
 
 from __future__ import annotations
 
 from google.protobuf import struct_pb2
 
 from controlplane.policy import Handout
-from kvferry.structs import struct_to_dict
-
-__all__ = ["apply_handout", "remote_request_of", "struct_to_dict"]
 
 
 def remote_request_of(blob: bytes) -> str:
@@ -19,10 +17,14 @@ def remote_request_of(blob: bytes) -> str:
 
 
 def apply_handout(blob: bytes, h: Handout, out: struct_pb2.Struct) -> None:
-    """Fill `out` with the stored params `blob` (a serialized Struct) as P must get them.
+    """Fill `out` with the stored params `blob` as P must receive them (see Handout):
+    ``do_remote_decode: true, do_remote_prefill: false``, ``remote_num_tokens`` set to
+    `h.num_tokens`, and, when `h.keep_blocks` is given, every ``remote_block_ids[g]`` cut
+    to its first `keep_blocks` entries (one flat list, as releases had before per-group
+    lists, is cut as it is). Every other key is kept as D sent it.
 
-    Works on the parsed message in place (upb, C speed) instead of going through
-    dicts: this is the lookup hot path. Same result as policy.apply_handout.
+    Works on the parsed message in place (upb, C speed) instead of going through dicts:
+    this is the lookup hot path.
     """
     out.ParseFromString(blob)
     f = out.fields

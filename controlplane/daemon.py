@@ -50,10 +50,47 @@ class Daemon:
 
     @property
     def address(self) -> str:
+        """host:port clients reach the gRPC server at."""
         return local_address(self.settings.server.listen, self.port)
 
     async def start(self) -> None:
+        """Start etcd (the embedded one when no endpoints are given), the gRPC server, the
+        metrics server and the background loops."""
         t0 = time.perf_counter()
+        s = self.settings
+        store = await self._open_store()
+        cp = ControlPlane(store, s)
+        self.control_plane = cp
+        metrics.INDEXED_BLOCKS.set_function(cp.attachments.index.total)
+        with contextlib.suppress(StoreUnavailable):
+            await cp.nodes.refresh()
+        self.peers = Peers(store.replicas)
+        self._server, self.port, self._health = await start_server(
+            cp, s.server.listen, s.server.max_message_bytes, self.peers
+        )
+        announced = advertised(s.server.listen, self.port, s.server.advertise)
+        if announced:
+            self._tasks.append(asyncio.create_task(self.peers.run(announced), name="peers"))
+        else:
+            log.warning(
+                "peers.off",
+                listen=s.server.listen,
+                why="no address other replicas could reach: give --advertise HOST:PORT",
+            )
+        self._serve_metrics()
+        self._start_loops(cp, store)
+        log.info(
+            "daemon.serving",
+            address=self.address,
+            metrics_port=self.metrics_port,
+            etcd=list(store.endpoints),
+            embedded=self.embedded is not None,
+            startup_s=round(time.perf_counter() - t0, 3),
+        )
+
+    async def _open_store(self) -> EtcdStore:
+        """The store, connected (etcd not answering yet is logged, not fatal: lookups answer
+        store_unavailable until it does)."""
         s = self.settings
         endpoints = s.etcd.endpoints
         if not endpoints:
@@ -77,46 +114,31 @@ class Daemon:
         except StoreUnavailable:
             # Serve anyway: lookups answer store_unavailable until etcd is back.
             log.warning("etcd.unreachable_at_start", endpoints=list(endpoints))
-        cp = ControlPlane(store, s)
-        self.control_plane = cp
-        metrics.INDEXED_BLOCKS.set_function(cp.index.total)
-        with contextlib.suppress(StoreUnavailable):
-            await cp.nodes.refresh()
-        self.peers = Peers(store)
-        self._server, self.port, self._health = await start_server(
-            cp, s.server.listen, s.server.max_message_bytes, self.peers
-        )
-        announced = advertised(s.server.listen, self.port, s.server.advertise)
-        if announced:
-            self._tasks.append(asyncio.create_task(self.peers.run(announced), name="peers"))
-        else:
-            log.warning(
-                "peers.off",
-                listen=s.server.listen,
-                why="no address other replicas could reach: give --advertise HOST:PORT",
-            )
-        if s.server.metrics_port >= 0:
-            host, _ = listen_host_port(s.server.listen)
-            try:
-                self._metrics_httpd, _ = start_http_server(s.server.metrics_port, addr=host)
-            except OSError as e:
-                raise OSError(f"cannot serve metrics on {host}:{s.server.metrics_port}: {e}") from e
-            self.metrics_port = self._metrics_httpd.server_address[1]
+        return store
+
+    def _serve_metrics(self) -> None:
+        """Prometheus metrics on their own port, on the gRPC listen host (-1: off)."""
+        s = self.settings.server
+        if s.metrics_port < 0:
+            return
+        host, _ = listen_host_port(s.listen)
+        try:
+            self._metrics_httpd, _ = start_http_server(s.metrics_port, addr=host)
+        except OSError as e:
+            raise OSError(f"cannot serve metrics on {host}:{s.metrics_port}: {e}") from e
+        self.metrics_port = self._metrics_httpd.server_address[1]
+
+    def _start_loops(self, cp: ControlPlane, store: EtcdStore) -> None:
+        """The background loops: etcd names followed, the node view refreshed, dead nodes
+        collected, the gauges scanned."""
+        s = self.settings
         self._tasks.append(asyncio.create_task(store.follow_dns(s.etcd.dns_refresh_s), name="etcd-dns"))
         self._tasks.append(asyncio.create_task(cp.nodes.run(), name="node-cache"))
         if s.nodes.gc_after_s > 0:
             interval = min(60.0, s.nodes.gc_after_s / 4)
-            self._tasks.append(asyncio.create_task(cp.run_node_gc(interval), name="node-gc"))
+            self._tasks.append(asyncio.create_task(cp.registry.run_gc(interval), name="node-gc"))
         if s.gc.gauge_scan_s > 0:
-            self._tasks.append(asyncio.create_task(cp.run_gauges(s.gc.gauge_scan_s), name="gauges"))
-        log.info(
-            "daemon.serving",
-            address=self.address,
-            metrics_port=self.metrics_port,
-            etcd=list(endpoints),
-            embedded=self.embedded is not None,
-            startup_s=round(time.perf_counter() - t0, 3),
-        )
+            self._tasks.append(asyncio.create_task(cp.gauges.run(s.gc.gauge_scan_s), name="gauges"))
 
     async def stop(self) -> None:
         """Stop serving (in-flight RPCs get the grace period), then etcd. Idempotent."""
@@ -130,7 +152,7 @@ class Daemon:
             httpd = self._metrics_httpd
             threading.Thread(target=lambda: (httpd.shutdown(), httpd.server_close()), daemon=True).start()
         if self.control_plane is not None:
-            self.control_plane.stopping = True  # (the streams it ends suspend no node)
+            self.control_plane.begin_stop()
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._server is not None:

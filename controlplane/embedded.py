@@ -61,10 +61,12 @@ class EmbeddedEtcd:
 
     @property
     def endpoint(self) -> str:
+        """host:port of its client port."""
         return f"127.0.0.1:{self.client_port}"
 
     @property
     def log_path(self) -> Path:
+        """Where its output goes (beside the data directory)."""
         return self.data_dir.parent / f"{self.data_dir.name}.log"
 
     def command(self) -> list[str]:
@@ -90,11 +92,11 @@ class EmbeddedEtcd:
             "--quota-backend-bytes=4294967296",
             # Snapshots: each one stalls claims. At 500 (a snapshot every ~0.7 s at 1,000
             # lookups/s) they made most of the lookup tail: bench.lookup_tail, 1,000/s,
-            # p99 at 500 vs 5,000 (same periods): 20k leases 7.6/8.3 vs 6.6/5.6 ms; 100k
-            # leases, 30 s runs 22.8/17.6 vs 19.0/14.9 ms. Fewer snapshots cost restart
+            # p99 at 500 vs 5,000 (same periods): 20k retentions 7.6/8.3 vs 6.6/5.6 ms; 100k
+            # retentions, 30 s runs 22.8/17.6 vs 19.0/14.9 ms. Fewer snapshots cost restart
             # time: a start reads the WAL from the last snapshot on, and the count is in
             # entries, not bytes (a grouped entry carries up to 64 registrations, ~250 KB).
-            # Embedded restart with 105k leases: 1.3 s at 500, 2.1 s at 5,000, 2.2 s at
+            # Embedded restart with 105k retentions: 1.3 s at 500, 2.1 s at 5,000, 2.2 s at
             # 100,000 (restart probe), 2.2-2.4 s in bench.daemon at 5,000.
             "--snapshot-count=5000",
             # A single member waits out a random part of one election timeout before it
@@ -104,6 +106,7 @@ class EmbeddedEtcd:
         ]
 
     async def start(self) -> None:
+        """Start the etcd process (its ports must be free)."""
         for port in (self.client_port, self.peer_port):
             # An etcd already there (another daemon's) would take our requests: the daemon
             # would serve on someone else's data while this etcd fails to start.
@@ -131,10 +134,12 @@ class EmbeddedEtcd:
         )
 
     async def wait_exited(self) -> int:
+        """Until the process exits. -> its exit code."""
         assert self._proc is not None
         return await self._proc.wait()
 
     async def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the process (SIGTERM, then SIGKILL after `timeout_s`)."""
         proc = self._proc
         if proc is None or proc.returncode is not None:
             return

@@ -1,4 +1,5 @@
-"""The daemon's domain errors. The gRPC layer maps each to one status code (server.py)."""
+"""The daemon's domain errors. The gRPC layer maps each to one status code, in one place
+(controlplane.server.status)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,16 @@ class InvalidArgument(KvferryError):
 
 
 class NotFound(KvferryError):
-    pass
+    """What the request names does not exist (a node, a retention)."""
 
 
 class FailedPrecondition(KvferryError):
     """The request is well-formed but the system is not in a state to apply it."""
+
+
+class ResourceExhausted(KvferryError):
+    """The caller has more in flight than the daemon takes at once; it may retry once some
+    of it is answered."""
 
 
 class StoreUnavailable(KvferryError):

@@ -119,6 +119,7 @@ class Client(aetcd.Client):  # type: ignore[misc]
         self._retired: set[asyncio.Task[None]] = set()
 
     async def connect(self) -> None:
+        """Open the channel (resolving the endpoints' names first; see `channel_target`)."""
         if self._connected.is_set():
             return
         self._open(await asyncio.to_thread(channel_target, self._endpoints, self._known))
@@ -150,6 +151,7 @@ class Client(aetcd.Client):  # type: ignore[misc]
             task.add_done_callback(self._retired.discard)
 
     async def close(self) -> None:
+        """Close the channel, and those that name changes retired."""
         if self.channel is not None:
             await self.channel.close(None)
         await asyncio.gather(*self._retired, return_exceptions=True)

@@ -6,12 +6,12 @@ from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
-LOOKUPS = Counter("kvferry_lookups_total", "Lease lookups by decision and reason", ["decision", "reason"])
+LOOKUPS = Counter("kvferry_lookups_total", "Lookups by decision and reason", ["decision", "reason"])
 CLAIMS = Counter("kvferry_claims_total", "Retentions consumed by a lookup (pull or release)", ["kind"])
 REGISTRATIONS = Counter("kvferry_lease_registrations_total", "Retention registrations", ["outcome"])
 NODE_REGISTRATIONS = Counter("kvferry_node_registrations_total", "Node registrations", ["outcome"])
 REUSABLE_TOKENS = Counter("kvferry_reusable_tokens_total", "Tokens handed to prefill nodes to pull")
-LIVE_LEASES = Gauge("kvferry_live_leases", "Live retentions per node (periodic scan)", ["engine_id"])
+LIVE_RETENTIONS = Gauge("kvferry_live_leases", "Live retentions per node (periodic scan)", ["engine_id"])
 HELD_TOKENS = Gauge(
     "kvferry_held_tokens", "Tokens held for live retentions per node (periodic scan)", ["engine_id"]
 )
@@ -45,6 +45,7 @@ def lookup(pull: bool, reason: str) -> None:
 
 
 def claim(kind: str) -> None:
+    """Count one retention consumed by a lookup: pull, release or dead (label children cached)."""
     child = _claim_children.get(kind)
     if child is None:
         child = _claim_children[kind] = CLAIMS.labels(kind)

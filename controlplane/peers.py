@@ -2,12 +2,13 @@
 
 A sidecar attaches to one replica, and that replica alone indexes its KV events. So
 that `Nodes/Score` on any replica scores every prefill node, each replica announces
-its address in etcd (a key of its own under a lease of its own, gone within `ttl_s`
-of a crash) and asks the others for their own index's scores (`local_only`), merging
-each node's best count; `Nodes/List` likewise takes each node's largest counts from
-its sidecar (controlplane.attached). A peer that does not answer within the deadline is left out
-(its nodes score 0 from this answer, as they did before), and left alone for
-`backoff_s`: a dead or unreachable one must not cost every scoring turn the deadline.
+its address in etcd (a key of its own under an etcd lease of its own, gone within
+`ttl_s` of a crash) and asks the others for their own index's scores (`local_only`);
+`Nodes/List` likewise asks for the counts of the sidecars attached to them. This module
+only asks (cluster.py merges the answers). A peer that does not answer within the
+deadline is left out (its nodes score 0 from this answer, as they did before), and left
+alone for `backoff_s`: a dead or unreachable one must not cost every scoring turn the
+deadline.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ from typing import TypeVar
 import grpc
 import structlog
 
-from controlplane.attached import AttachedCounts
 from controlplane.errors import StoreUnavailable
-from controlplane.store import EtcdStore
+from controlplane.store.replicas import ReplicaStore
 from kvferry.v1 import nodes_pb2, nodes_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -50,7 +50,7 @@ class Peers:
 
     def __init__(
         self,
-        store: EtcdStore,
+        store: ReplicaStore,
         ttl_s: int = 10,
         refresh_s: float = 2.0,
         deadline_s: float = 0.02,
@@ -68,6 +68,7 @@ class Peers:
 
     @property
     def addresses(self) -> list[str]:
+        """The other replicas followed now, by address."""
         return sorted(p.address for p in self._peers.values())
 
     async def run(self, address: str) -> None:
@@ -75,11 +76,11 @@ class Peers:
         self.address = address
         while True:
             try:
-                if not self._lease or not await self._store.refresh_replica(self._lease):
+                if not self._lease or not await self._store.refresh(self._lease):
                     self._lease = 0
-                    self._lease = await self._store.put_replica(self.id, address, self._ttl)
+                    self._lease = await self._store.announce(self.id, address, self._ttl)
                     log.info("peers.announced", address=address, id=self.id)
-                await self._follow(await self._store.replicas())
+                await self._follow(await self._store.announced())
             except StoreUnavailable as e:
                 log.info("peers.refresh_failed", error=str(e))
             except Exception:  # (a lease gone under us, an odd key): try again, never stop
@@ -96,28 +97,21 @@ class Peers:
                 log.info("peers.following", address=address, id=i)
 
     async def scores(
-        self, request: nodes_pb2.ScoreRequest, time_left_s: float | None
+        self, hashes: list[int], role: int, time_left_s: float | None
     ) -> list[nodes_pb2.ScoreResponse]:
-        """The other replicas' own scores for `request` (those that answered in time:
-        within the deadline, and well within the caller's `time_left_s`)."""
-        local = nodes_pb2.ScoreRequest(block_hashes=request.block_hashes, role=request.role, local_only=True)
+        """The other replicas' own scores of a prompt's block `hashes` for nodes of `role`
+        (those that answered in time: within the deadline, and well within the caller's
+        `time_left_s`)."""
+        local = nodes_pb2.ScoreRequest(block_hashes=hashes, role=role, local_only=True)  # type: ignore[arg-type]
         return await self._ask(
             "Score", lambda stub, deadline: stub.Score(local, timeout=deadline), time_left_s
         )
 
-    async def attached_counts(self, time_left_s: float | None) -> dict[str, AttachedCounts]:
-        """Each node's counts from its sidecar (indexed blocks, uncaptured turns, unretained
-        blocks) at the other replicas (those that answered in time), the largest of each
-        where several have some."""
+    async def node_lists(self, time_left_s: float | None) -> list[nodes_pb2.ListNodesResponse]:
+        """The other replicas' own lists of every node, with the counts their sidecars
+        reported there (those that answered in time)."""
         local = nodes_pb2.ListNodesRequest(include_dead=True, local_only=True)
-        out: dict[str, AttachedCounts] = {}
-        for answer in await self._ask(
-            "List", lambda stub, deadline: stub.List(local, timeout=deadline), time_left_s
-        ):
-            for n in answer.nodes:
-                counts = AttachedCounts(n.indexed_blocks, n.uncaptured_turns, n.unretained_blocks)
-                out[n.engine_id] = counts.merged(out.get(n.engine_id, AttachedCounts()))
-        return out
+        return await self._ask("List", lambda stub, deadline: stub.List(local, timeout=deadline), time_left_s)
 
     async def _ask(
         self,
@@ -159,7 +153,7 @@ class Peers:
         if self._lease:
             try:
                 async with asyncio.timeout(_STOP_TIMEOUT_S):
-                    await self._store.revoke_lease_quietly(self._lease)
+                    await self._store.withdraw(self._lease)
             except TimeoutError:
                 log.info("peers.revoke_timed_out", lease=self._lease)
         for peer in self._peers.values():

@@ -23,6 +23,7 @@ from typing import Any
 
 from controlplane.records import Claim, NodeState, Retention
 from kvferry.digests import DIGEST_SIZE, common_prefix_blocks
+from kvferry.limits import MAX_LIFETIME_S
 
 # The keys P needs in order to pull (vLLM NixlConnector, P side).
 REQUIRED_PARAM_KEYS = (
@@ -35,25 +36,42 @@ REQUIRED_PARAM_KEYS = (
 
 
 class Reason(enum.StrEnum):
+    """Why a lookup answered as it did: the `reason` strings of the API, every one of them.
+
+    proto/kvferry/v1/leases.proto lists exactly these at `LookupResponse.reason` (a test
+    compares the two); the router adds reasons of its own (router.decisions.Skip).
+    """
+
+    #: PULL: every token D holds that the prompt covers.
     PULL = "pull"
+    #: PULL of a prefix: the prompt matches (or is as long as) part of D's tokens only.
     PARTIAL_PULL = "partial_pull"
-    NO_LEASE = "no_lease"
+    #: No retention for the conversation (never registered, revoked, or collected). (The
+    #: API's string keeps the API's word for a retention.)
+    NO_RETENTION = "no_lease"
+    #: Past its deadline, or too close to it to hand out (the safety margin).
     EXPIRED = "expired"
+    #: D's node is not alive (deregistered, suspended, or its liveness lapsed).
     NODE_GONE = "node_gone"
+    #: D's engine restarted since the retention was registered: its blocks are gone.
     NODE_RESTARTED = "node_restarted"
+    #: Fewer reusable tokens than P's recompute threshold: P would recompute anyway.
     BELOW_THRESHOLD = "below_threshold"
+    #: The prompt's digests differ from D's sequence from its first block.
     PREFIX_MISMATCH = "prefix_mismatch"
+    #: An earlier lookup took the retention (handed out once).
     ALREADY_CLAIMED = "already_claimed"
+    #: etcd did not answer: nothing was decided on the retention.
     STORE_UNAVAILABLE = "store_unavailable"
-    # A Lookup sent with prompt_follows whose prompt never came, or was invalid.
+    #: A Lookup sent with prompt_follows whose prompt never came, or was invalid.
     NO_PROMPT = "no_prompt"
-    # The retention was registered by the very request the Lookup is for (it came late):
-    # left unclaimed, for the conversation's next turn.
+    #: The retention was registered by the very request the Lookup is for (it came late):
+    #: left unclaimed, for the conversation's next turn.
     OWN_TURN = "own_turn"
-    # The caller gave the prompt's digests, and D's retention has none to check them against.
+    #: The caller gave the prompt's digests, and D's retention has none to check them against.
     UNVERIFIABLE = "unverifiable"
-    # Only part of D's tokens would be pulled, and D's blocks can only be pulled whole
-    # (a KV-cache group holds freed blocks: see Retention.whole_only).
+    #: Only part of D's tokens would be pulled, and D's blocks can only be pulled whole
+    #: (a KV-cache group holds freed blocks: see Retention.whole_only).
     WHOLE_ONLY = "whole_only"
 
 
@@ -68,9 +86,10 @@ class Policy:
     # Lifetime of a retention whose D sent no deadline (vLLM decoder_kv_blocks_ttl).
     default_lifetime_s: float = 480.0
     # Longest lifetime a registration may ask for.
-    max_lifetime_s: float = 3600.0
+    max_lifetime_s: float = MAX_LIFETIME_S
 
     def validate(self) -> None:
+        """Raise ValueError for knobs P would defeat, or that contradict each other."""
         if self.safety_margin_s < 5.0:
             raise ValueError("safety margin must be at least 5 s: P refuses reads within 5 s of expiry")
         if self.recompute_threshold < 0:
@@ -81,6 +100,8 @@ class Policy:
 
 @dataclass(frozen=True)
 class Prompt:
+    """The prompt a lookup is for."""
+
     tokens: int
     digests: bytes | None = None
     """The digests of the prompt's full blocks. Given (even empty: a prompt shorter than
@@ -89,7 +110,8 @@ class Prompt:
 
 @dataclass(frozen=True)
 class Handout:
-    """How to turn D's stored kv_transfer_params into the params handed to P.
+    """How to turn D's stored kv_transfer_params into the params handed to P
+    (`controlplane.convert.apply_handout` applies it to the stored bytes).
 
     Always sets ``do_remote_decode: true, do_remote_prefill: false``. A pull sets
     ``remote_num_tokens`` to `num_tokens` and cuts every ``remote_block_ids[g]``
@@ -106,6 +128,8 @@ RELEASE = Handout(0)
 
 @dataclass(frozen=True)
 class Decision:
+    """A lookup's answer: PULL (with what to hand P) or RECOMPUTE (with why)."""
+
     pull: bool
     reason: Reason
     detail: str = ""
@@ -126,7 +150,41 @@ def decide(
 ) -> Decision:
     """PULL or RECOMPUTE for `prompt`, given the conversation's retention and its node."""
     if retention is None:
-        return Decision(False, Reason.NO_LEASE, "no retention for this conversation")
+        return Decision(False, Reason.NO_RETENTION, "no retention for this conversation")
+    dead = _not_held(retention, node, now)
+    if dead is not None:
+        return dead
+    engine = retention.engine_id
+    left = retention.expires_at - now
+    if left < policy.safety_margin_s:
+        return _recompute(
+            Reason.EXPIRED, f"expires in {left:.1f}s (margin {policy.safety_margin_s:g}s)", RELEASE, engine
+        )
+    reusable, reason, detail = _reusable(retention, prompt)
+    if reason not in (Reason.PULL, Reason.PARTIAL_PULL):
+        return _recompute(reason, detail, RELEASE, engine)
+    if retention.whole_only and reusable < retention.num_tokens:
+        return _recompute(
+            Reason.WHOLE_ONLY,
+            f"{reusable} of D's {retention.num_tokens} tokens, and a KV-cache group of D's holds "
+            "freed (null) blocks: only a whole pull is safe",
+            RELEASE,
+            engine,
+        )
+    if reusable < max(policy.recompute_threshold, 1):
+        return _recompute(
+            Reason.BELOW_THRESHOLD,
+            f"{reusable} reusable tokens < threshold {policy.recompute_threshold}",
+            RELEASE,
+            engine,
+        )
+    handout = Handout(reusable, math.ceil(reusable / retention.block_size))
+    return Decision(True, reason, detail, handout, reusable, None, engine)
+
+
+def _not_held(retention: Retention, node: NodeState | None, now: float) -> Decision | None:
+    """RECOMPUTE without a release when D no longer holds the blocks (past the deadline,
+    the node gone or restarted); None while it does."""
     engine = retention.engine_id
     if now >= retention.expires_at:
         return Decision(
@@ -145,44 +203,28 @@ def decide(
             f"retention was made under {retention.generation}",
             engine_id=engine,
         )
-    release = RELEASE
-    left = retention.expires_at - now
-    if left < policy.safety_margin_s:
-        return _recompute(
-            Reason.EXPIRED, f"expires in {left:.1f}s (margin {policy.safety_margin_s:g}s)", release, engine
-        )
+    return None
 
+
+def _reusable(retention: Retention, prompt: Prompt) -> tuple[int, Reason, str]:
+    """-> (tokens P may take from D, PULL or PARTIAL_PULL, detail), or (0, why not, detail)
+    when the prompt's digests verify none of D's tokens."""
+    engine = retention.engine_id
     reusable = min(retention.num_tokens, prompt.tokens)
-    reason = Reason.PULL
-    detail = f"{reusable} of {prompt.tokens} prompt tokens held by {engine}"
     if prompt.digests is not None:
         verified = _verified_tokens(retention, prompt)
         if isinstance(verified, tuple):
-            return _recompute(*verified, release, engine)
+            return 0, *verified
         if verified < reusable:
-            detail = f"prompt matches D's sequence for {verified} of {reusable} tokens"
-            reusable = verified
-            reason = Reason.PARTIAL_PULL
+            return (
+                verified,
+                Reason.PARTIAL_PULL,
+                f"prompt matches D's sequence for {verified} of {reusable} tokens",
+            )
     elif reusable < retention.num_tokens:
-        reason = Reason.PARTIAL_PULL
         detail = f"prompt is shorter than D's {retention.num_tokens} tokens; {reusable} unverified"
-    if retention.whole_only and reusable < retention.num_tokens:
-        return _recompute(
-            Reason.WHOLE_ONLY,
-            f"{reusable} of D's {retention.num_tokens} tokens, and a KV-cache group of D's holds "
-            "freed (null) blocks: only a whole pull is safe",
-            release,
-            engine,
-        )
-    if reusable < max(policy.recompute_threshold, 1):
-        return _recompute(
-            Reason.BELOW_THRESHOLD,
-            f"{reusable} reusable tokens < threshold {policy.recompute_threshold}",
-            release,
-            engine,
-        )
-    handout = Handout(reusable, math.ceil(reusable / retention.block_size))
-    return Decision(True, reason, detail, handout, reusable, None, engine)
+        return reusable, Reason.PARTIAL_PULL, detail
+    return reusable, Reason.PULL, f"{reusable} of {prompt.tokens} prompt tokens held by {engine}"
 
 
 def decide_claimed(claim: Claim, now: float) -> Decision:
@@ -219,21 +261,6 @@ def _verified_tokens(retention: Retention, prompt: Prompt) -> int | tuple[Reason
 
 def _recompute(reason: Reason, detail: str, release: Handout, engine: str) -> Decision:
     return Decision(False, reason, detail, None, 0, release, engine)
-
-
-def apply_handout(params: dict[str, Any], h: Handout) -> dict[str, Any]:
-    """D's params as P must receive them, as a new dict (see Handout)."""
-    out = dict(params)
-    out["do_remote_decode"] = True
-    out["do_remote_prefill"] = False
-    out["remote_num_tokens"] = h.num_tokens
-    ids = out.get("remote_block_ids") or []
-    if h.keep_blocks is not None:
-        if ids and isinstance(ids[0], list):
-            out["remote_block_ids"] = [list(g[: h.keep_blocks]) for g in ids]
-        else:  # releases before per-group lists: one flat list
-            out["remote_block_ids"] = list(ids[: h.keep_blocks])
-    return out
 
 
 def param_problems(params: dict[str, Any], num_tokens: int, block_size: int) -> list[str]:
@@ -302,6 +329,7 @@ def holds_null_blocks(params: dict[str, Any]) -> bool:
 
 
 def digest_problem(field_name: str, digests: bytes, max_blocks: int | None = None) -> str | None:
+    """What is wrong with a field of block digests, naming it (None = nothing)."""
     if len(digests) % DIGEST_SIZE:
         return f"{field_name} is {len(digests)} bytes, not a multiple of the digest size {DIGEST_SIZE}"
     if max_blocks is not None and len(digests) // DIGEST_SIZE > max_blocks:

@@ -31,6 +31,8 @@ class Role(enum.IntEnum):
 
 
 class NodeRecord(msgspec.Struct, frozen=True):
+    """A node registration as stored (its liveness is a key of its own: see the layout)."""
+
     engine_id: str
     role: Role
     model: str
@@ -88,16 +90,20 @@ class HeldSummary(msgspec.Struct, frozen=True):
 
 
 class Claim(msgspec.Struct, frozen=True):
-    """Left behind when a retention was handed out, so later lookups can say why. (The
-    claim transaction writes it without reading the retention first: it does not know the
-    engine, nor the deadline; a marker an older version wrote with an engine decodes all
-    the same.)"""
+    """Left behind when a retention was handed out, so later lookups can say why, and
+    Leases/Get what took it. (The claim transaction writes it in the same step that reads
+    the retention: it knows the claiming request, not the retention's engine nor its
+    deadline; writing those in afterwards would cost every turn an etcd write.)"""
 
     claimed_at: float
     expires_at: float = 0.0
     """The deadline of the retention the claim took, when the daemon wrote it in after the
     claim (it does for a retention it found expired or about to: `policy.decide_claimed`
     then answers expired past it); 0 = not known."""
+    engine_id: str = ""
+    """The engine of the retention taken, known when the deadline is ("" = not known)."""
+    claimed_by: str = ""
+    """The request whose lookup claimed it (its X-Request-Id; "" = the lookup named none)."""
 
 
 class NodeState(msgspec.Struct, frozen=True):
@@ -116,30 +122,37 @@ _bounds_decoder = msgspec.json.Decoder(list[bytes])
 
 
 def encode(obj: NodeRecord | Retention | Claim) -> bytes:
+    """A record as stored (JSON)."""
     return _node_encoder.encode(obj)
 
 
 def decode_retention(raw: bytes) -> Retention:
+    """A stored retention (raises one of kvferry.decoding.UNDECODABLE)."""
     return _retention_decoder.decode(raw)
 
 
 def decode_summary(raw: bytes) -> HeldSummary:
+    """The gauge fields of a stored retention, skipping the rest."""
     return _summary_decoder.decode(raw)
 
 
 def encode_bounds(bounds: list[bytes]) -> bytes:
+    """Gauge-scan window bounds as stored."""
     return _node_encoder.encode(bounds)
 
 
 def decode_bounds(raw: bytes) -> list[bytes]:
+    """Stored gauge-scan window bounds."""
     return _bounds_decoder.decode(raw)
 
 
 def decode_node(raw: bytes) -> NodeRecord:
+    """A stored node record."""
     return _node_decoder.decode(raw)
 
 
 def decode_claim(raw: bytes) -> Claim:
+    """A stored claim marker."""
     return _claim_decoder.decode(raw)
 
 
@@ -161,24 +174,31 @@ class Keys:
         self.replicas = f"{self.prefix}/replicas/".encode()
 
     def replica(self, replica_id: str) -> bytes:
+        """The key announcing a daemon replica."""
         return self.replicas + _seg(replica_id).encode()
 
     def replica_id(self, key: bytes) -> str:
+        """The replica id of an announcement key."""
         return unquote(key[len(self.replicas) :].decode(errors="replace"))
 
     def node(self, engine_id: str) -> bytes:
+        """The key of a node's record."""
         return self.nodes + _seg(engine_id).encode()
 
     def alive_key(self, engine_id: str) -> bytes:
+        """The key of a node's liveness."""
         return self.alive + _seg(engine_id).encode()
 
     def retention(self, tenant: str, conversation_id: str) -> bytes:
+        """The key of a conversation's retention."""
         return self.retentions + f"{_seg(tenant)}/{_seg(conversation_id)}".encode()
 
     def tenant_retentions(self, tenant: str) -> bytes:
+        """The prefix of a tenant's retentions."""
         return self.retentions + f"{_seg(tenant)}/".encode()
 
     def claim(self, tenant: str, conversation_id: str) -> bytes:
+        """The key of a conversation's claim marker."""
         return self.claimed + f"{_seg(tenant)}/{_seg(conversation_id)}".encode()
 
     def split_retention(self, key: bytes) -> tuple[str, str]:
@@ -191,6 +211,7 @@ class Keys:
         raise ValueError(f"not a retention key: {key!r}")
 
     def engine_of(self, key: bytes) -> str:
+        """The engine id of a node or liveness key."""
         rest = key.decode()
         for base in (self.nodes.decode(), self.alive.decode()):
             if rest.startswith(base):

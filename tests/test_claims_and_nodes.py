@@ -214,16 +214,16 @@ async def test_a_lapsed_liveness_lease_is_renewed_once_not_per_heartbeat(
     stream = AttachStream(client)
     try:
         await stream.send(hello("d-1"))
-        state, _ = await store.get_node("d-1")
+        state, _ = await store.nodes.get("d-1")
         assert state is not None
-        await store.revoke_lease_quietly(state.record.lease_id)  # the lapse
+        await store.kv.revoke_quietly(state.record.lease_id)  # the lapse
         await stream.send(heartbeat(1))
-        renewed, revision = await store.get_node("d-1")
+        renewed, revision = await store.nodes.get("d-1")
         assert renewed is not None and renewed.alive and renewed.record.lease_id != state.record.lease_id
         for seq in (2, 3, 4):
             ack = await stream.send(heartbeat(seq))
             assert ack is not None and ack.ttl_seconds > 0
-        after, revision_after = await store.get_node("d-1")
+        after, revision_after = await store.nodes.get("d-1")
         assert after is not None and after.record.lease_id == renewed.record.lease_id
         assert revision_after == revision  # the record was not written again
     finally:
@@ -234,7 +234,7 @@ async def test_an_older_attach_stream_ending_keeps_the_newer_ones_index(
     daemon: Daemon, client: Client
 ) -> None:
     assert daemon.control_plane is not None
-    index = daemon.control_plane.index
+    index = daemon.control_plane.attachments.index
     await client.nodes.Register(node_request("d-1"))
     old, new = AttachStream(client), AttachStream(client)
     try:
@@ -303,7 +303,7 @@ async def test_a_refresh_read_before_a_registration_does_not_put_the_old_generat
     cache = daemon.control_plane.nodes
     store = daemon.control_plane.store
     read_done, let_go = asyncio.Event(), asyncio.Event()
-    load = store.load_nodes
+    load = store.nodes.load
 
     async def slow_load():  # type: ignore[no-untyped-def]
         loaded = await load()
@@ -311,7 +311,7 @@ async def test_a_refresh_read_before_a_registration_does_not_put_the_old_generat
         await let_go.wait()
         return loaded
 
-    store.load_nodes = slow_load  # type: ignore[method-assign]
+    store.nodes.load = slow_load  # type: ignore[method-assign]
     refresh = asyncio.create_task(cache.refresh())
     await read_done.wait()  # it has read generation 1
     assert (await client.nodes.Register(node_request("d-1"))).node.generation == 2

@@ -8,8 +8,8 @@ import time
 import grpc
 import pytest
 
-from controlplane.convert import struct_to_dict
 from controlplane.daemon import Daemon
+from kvferry.structs import struct_to_dict
 from kvferry.v1 import leases_pb2
 from tests.conftest import Client
 from tests.factories import d_params, lease_request, lookup_request, node_request, tokens
@@ -182,6 +182,28 @@ async def test_a_lookup_leaves_its_own_requests_retention_to_the_next_turn(clien
     assert pulled.decision == leases_pb2.PULL and pulled.claimed and pulled.reusable_tokens == 900
 
 
+async def test_get_of_a_claimed_retention_shows_what_its_marker_knows(client: Client) -> None:
+    """A retention a lookup took is gone from etcd; Get showed its marker with an empty
+    engine and request. The marker names the request whose lookup took it and, when the
+    claim found the retention expired or about to, its engine and deadline."""
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("taken"))
+    ask = lookup_request("taken")
+    ask.request_id = "kvf-turn-2"
+    assert (await client.leases.Lookup(ask)).decision == leases_pb2.PULL
+    got = await client.leases.Get(leases_pb2.GetLeaseRequest(conversation_id="taken"))
+    assert got.claimed and got.claimed_at.seconds > 0 and got.request_id == "kvf-turn-2"
+    assert got.engine_id == "" and not got.HasField("expires_at")  # (the claim read neither)
+
+    await client.leases.Register(lease_request("late", expires_in=6))  # inside the safety margin
+    ask = lookup_request("late")
+    ask.request_id = "kvf-turn-9"
+    assert (await client.leases.Lookup(ask)).reason == "expired"
+    got = await client.leases.Get(leases_pb2.GetLeaseRequest(conversation_id="late"))
+    assert got.claimed and got.engine_id == "d-1" and got.request_id == "kvf-turn-9"
+    assert 0 < got.expires_at.ToNanoseconds() / 1e9 - time.time() <= 6
+
+
 async def test_a_retention_replaced_unclaimed_comes_back_to_be_released(client: Client) -> None:
     """No turn claimed it (its next turn skipped the lookup): D still holds its blocks, and
     nothing else will free them before D's TTL. Its release params come back to the
@@ -244,9 +266,9 @@ async def test_a_filtered_listing_reads_a_bounded_part_of_the_store_per_call(
 ) -> None:
     """An engine's few leases among many: each call reads a bounded number of retentions and
     returns a short (even empty) page with a token, never the whole store in one call."""
-    from controlplane import service
+    from controlplane.service import retentions
 
-    monkeypatch.setattr(service, "LIST_EXAMINED", 5)
+    monkeypatch.setattr(retentions, "LIST_EXAMINED", 5)
     await client.nodes.Register(node_request("d-1"))
     await client.nodes.Register(node_request("d-2", side_channel_port=5601))
     for i in range(20):
@@ -316,7 +338,7 @@ async def test_a_slow_claim_is_decided_on_the_time_it_ended(daemon: Daemon, clie
     await client.nodes.Register(node_request("d-1"))
     margin = daemon.settings.policy.safety_margin_s
     await client.leases.Register(lease_request("conv-slow", expires_in=margin + 0.3))
-    store = daemon.control_plane.store
+    store = daemon.control_plane.store.retentions
     claim = store.claim
 
     async def slow_claim(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -332,7 +354,7 @@ async def test_a_slow_claim_is_decided_on_the_time_it_ended(daemon: Daemon, clie
 async def test_a_retention_past_its_deadline_is_not_put_back(daemon: Daemon, client: Client) -> None:
     await client.nodes.Register(node_request("d-1"))
     await client.leases.Register(lease_request("conv-late", expires_in=5))
-    store = daemon.control_plane.store
+    store = daemon.control_plane.store.retentions
     now = time.time()
     taken = await store.claim("default", "conv-late", now)
     assert taken.taken is not None

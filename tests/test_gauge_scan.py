@@ -18,7 +18,6 @@ import pytest
 import structlog
 from aetcd import rpc
 
-from controlplane import store as store_mod
 from controlplane.errors import StoreUnavailable
 from controlplane.etcd import LeaseGone
 from controlplane.records import (
@@ -31,6 +30,7 @@ from controlplane.records import (
     prefix_end,
 )
 from controlplane.store import EtcdStore
+from controlplane.store import scans as scans_mod
 
 
 def retention(engine: str, tokens: int) -> Retention:
@@ -52,7 +52,7 @@ async def store(etcd_endpoint: str) -> AsyncIterator[EtcdStore]:
 
 async def held(s: EtcdStore) -> dict[str, tuple[int, int]]:
     out: dict[str, tuple[int, int]] = {}
-    async for r in s.scan_held(pause_s=0):
+    async for r in s.scans.scan_held(pause_s=0):
         n, t = out.get(r.engine_id, (0, 0))
         out[r.engine_id] = (n + 1, t + r.num_tokens)
     return out
@@ -66,10 +66,10 @@ async def stored_bounds(s: EtcdStore) -> list[bytes]:
 async def scanned(store: EtcdStore, monkeypatch: pytest.MonkeyPatch, page: int, n: int) -> float:
     """`n` one-token retentions on d-a (tenant "t", c000...), a scan with window bounds
     every `page`-th key done. -> the time they were registered at."""
-    monkeypatch.setattr(store_mod, "SCAN_PAGE", page)
+    monkeypatch.setattr(scans_mod, "SCAN_PAGE", page)
     now = time.time()
     for i in range(n):
-        await store.put_retention("t", f"c{i:03d}", retention("d-a", 1), now)
+        await store.retentions.put("t", f"c{i:03d}", retention("d-a", 1), now)
     assert await held(store) == {"d-a": (n, n)}
     return now
 
@@ -98,20 +98,20 @@ async def replica(store: EtcdStore, etcd_endpoint: str) -> AsyncIterator[tuple[E
 async def test_every_retention_once_with_sampled_then_remembered_bounds(
     store: EtcdStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(store_mod, "SCAN_PAGE", 7)
+    monkeypatch.setattr(scans_mod, "SCAN_PAGE", 7)
     now = time.time()
     for i in range(60):
-        await store.put_retention("t", f"c{i:03d}", retention("d-a" if i % 3 else "d-b", 100), now)
+        await store.retentions.put("t", f"c{i:03d}", retention("d-a" if i % 3 else "d-b", 100), now)
     expected = {"d-a": (40, 4000), "d-b": (20, 2000)}
-    assert len(store._sampled) == 60 // 7  # every 7th registration: a window bound
+    assert len(store.scans._sampled) == 60 // 7  # every 7th registration: a window bound
     assert await held(store) == expected
     bounds = await stored_bounds(store)
     assert len(bounds) == 60 // 7 and bounds == sorted(bounds)  # every 7th key seen
     # Churn between passes: a remembered bound's key is gone, new keys land around them.
     for i in range(0, 60, 5):
-        await store.claim("t", f"c{i:03d}", now)
+        await store.retentions.claim("t", f"c{i:03d}", now)
     for i in range(60, 75):
-        await store.put_retention("t", f"c{i:03d}", retention("d-b", 10), now)
+        await store.retentions.put("t", f"c{i:03d}", retention("d-b", 10), now)
     assert await held(store) == {"d-a": (32, 3200), "d-b": (31, 1750)}
 
 
@@ -129,7 +129,7 @@ async def test_a_new_replica_reads_windows_from_the_bounds_kept_in_etcd(
 async def test_bad_bounds_in_etcd_are_ignored_with_a_log_line(store: EtcdStore) -> None:
     now = time.time()
     for i in range(20):
-        await store.put_retention("t", f"c{i}", retention("d-a", 1), now)
+        await store.retentions.put("t", f"c{i}", retention("d-a", 1), now)
     outside = [store.keys.retentions[:-1], b"\xff"]  # not inside the prefix
     for value in (b"not json", encode_bounds(outside), encode_bounds([store.keys.retention("t", "c5")] * 2)):
         await store._client.kvstub.Put(rpc.PutRequest(key=store.keys.scan_bounds, value=value))
@@ -142,7 +142,7 @@ async def listed(s: EtcdStore, prefix: bytes, limit: int) -> list[str]:
     out: list[str] = []
     start = b""
     while True:
-        page, start = await s.list_retentions(prefix, start, limit)
+        page, start = await s.scans.page(prefix, start, limit)
         assert len(page) <= limit
         out.extend(f"{r.tenant}/{r.conversation_id}" for r in page)
         if not start:
@@ -153,10 +153,10 @@ async def listed(s: EtcdStore, prefix: bytes, limit: int) -> list[str]:
 async def test_listing_pages_through_the_windows_and_sees_every_retention_once(
     store: EtcdStore, etcd_endpoint: str, monkeypatch: pytest.MonkeyPatch, limit: int
 ) -> None:
-    monkeypatch.setattr(store_mod, "SCAN_PAGE", 4)
+    monkeypatch.setattr(scans_mod, "SCAN_PAGE", 4)
     now = time.time()
     for i in range(30):
-        await store.put_retention("a" if i % 2 else "b", f"c{i:03d}", retention("d-a", 1), now)
+        await store.retentions.put("a" if i % 2 else "b", f"c{i:03d}", retention("d-a", 1), now)
     assert await held(store) == {"d-a": (30, 30)}  # a scan: window bounds every 4th key
     bounds = await stored_bounds(store)
     assert len(bounds) == 7
@@ -193,7 +193,7 @@ async def test_a_listing_is_not_disturbed_by_keys_sampled_while_it_runs(
     first = asyncio.create_task(listed(store, store.keys.retentions, 1000))
     await waiting.wait()
     for i in range(12):  # keys sampled below where the first listing stands
-        await store.put_retention("t", f"a{i:03d}", retention("d-a", 1), now)
+        await store.retentions.put("t", f"a{i:03d}", retention("d-a", 1), now)
     assert len(await listed(store, store.keys.retentions, 1000)) == 52
     gate.set()
     keys = await first
@@ -205,7 +205,7 @@ async def test_stale_bounds_over_an_emptied_store_cost_few_requests(
 ) -> None:
     await scanned(store, monkeypatch, 2, 200)
     for i in range(199):
-        await store.revoke("t", f"c{i:03d}")
+        await store.retentions.revoke("t", f"c{i:03d}")
     ranges = 0
     real = store._client.kvstub.Range
 
@@ -225,16 +225,16 @@ async def test_a_record_this_version_cannot_read_is_skipped_with_a_log_line(stor
     whole listing and stopped the node cache's refresh loop for good."""
     now = time.time()
     for i in range(3):
-        await store.put_retention("t", f"c{i}", retention("d-a", 1), now)
+        await store.retentions.put("t", f"c{i}", retention("d-a", 1), now)
     garbled = b'{"engine_id": 7}'
     await store._client.kvstub.Put(rpc.PutRequest(key=store.keys.retention("t", "c1x"), value=garbled))
     await store._client.kvstub.Put(rpc.PutRequest(key=store.keys.node("d-new"), value=garbled))
     with structlog.testing.capture_logs() as logs:
         assert await listed(store, store.keys.retentions, 10) == ["t/c0", "t/c1", "t/c2"]
         assert await held(store) == {"d-a": (3, 3)}
-        states, _ = await store.load_nodes()
+        states, _ = await store.nodes.load()
         assert "d-new" not in states
-        assert await store.get_node("d-new") == (None, 0)
+        assert await store.nodes.get("d-new") == (None, 0)
     assert {e["event"] for e in logs} == {"etcd.record.undecodable"}
 
 
@@ -247,22 +247,22 @@ async def test_a_claim_of_a_record_this_version_cannot_read_takes_nothing(store:
     put = store._client.kvstub.Put
     await put(rpc.PutRequest(key=store.keys.retention("t", "odd"), value=b'{"engine_id": 7}'))
     with structlog.testing.capture_logs() as logs:
-        outcome = await store.claim("t", "odd", now)
+        outcome = await store.retentions.claim("t", "odd", now)
     assert outcome.taken is None and outcome.earlier is None
     assert [e["event"] for e in logs] == ["etcd.record.undecodable"]
-    again = await store.claim("t", "odd", now + 1)  # the marker this claim left
+    again = await store.retentions.claim("t", "odd", now + 1)  # the marker this claim left
     assert again.taken is None and again.earlier is not None
 
     await put(rpc.PutRequest(key=store.keys.claim("t", "marked"), value=b"[]"))
-    marked = await store.claim("t", "marked", now)
+    marked = await store.retentions.claim("t", "marked", now)
     assert marked.taken is None and marked.earlier is not None and marked.earlier.claimed_at == now
 
     for engine in ("d-a", "d-b"):
         rec = NodeRecord(engine, Role.DECODE, "m", 16, "http://d", "10.0.0.7", 5600, 1, now, 30)
-        await store.put_node(rec, 0)
+        await store.nodes.put(rec, 0)
     await put(rpc.PutRequest(key=store.keys.alive_key("d-a"), value=b"not-a-generation"))
     with structlog.testing.capture_logs() as logs:
-        states, _ = await store.load_nodes()
+        states, _ = await store.nodes.load()
     assert not states["d-a"].alive and states["d-b"].alive
     assert [e["event"] for e in logs] == ["etcd.record.undecodable"]
 
@@ -276,7 +276,7 @@ async def test_a_liveness_lease_gone_before_its_write_is_store_unavailable(
     async def lease_gone(*args: object, **kwargs: object) -> None:
         raise LeaseGone("etcdserver: requested lease not found")
 
-    monkeypatch.setattr(store, "_txn", lease_gone)
+    monkeypatch.setattr(store.kv, "txn", lease_gone)
     rec = NodeRecord("d-s", Role.DECODE, "m", 16, "http://d", "10.0.0.7", 5600, 1, time.time(), 2)
     with pytest.raises(StoreUnavailable, match="liveness lease of d-s"):
-        await store.put_node(rec, 0)
+        await store.nodes.put(rec, 0)

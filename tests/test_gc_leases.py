@@ -1,4 +1,4 @@
-"""The GC lease table (controlplane.store.GcLeases) against a fake etcd whose grants the
+"""The GC lease table (controlplane.store.gcleases.GcLeases) against a fake etcd whose grants the
 test releases: one grant per bucket however many callers, and a cancelled caller does
 not fail the others waiting for the same grant."""
 
@@ -10,7 +10,7 @@ import pytest
 from aetcd import rpc
 
 from controlplane.errors import StoreUnavailable
-from controlplane.store import GcLeases
+from controlplane.store.gcleases import GcLeases
 
 
 class FakeLeases:

@@ -50,8 +50,8 @@ async def test_every_txn_writes(client: Client, daemon: Daemon) -> None:
     await client.leases.List(leases_pb2.ListLeasesRequest())
     await client.nodes.Deregister(nodes_pb2.DeregisterNodeRequest(engine_id="d-1"))
     await daemon.control_plane.nodes.refresh()
-    await daemon.control_plane.scan_gauges()
-    await daemon.control_plane.collect_dead_nodes()
+    await daemon.control_plane.gauges.scan()
+    await daemon.control_plane.registry.collect_dead()
     await store.ready(1.0)
     assert sent, "the scenario sends writes"
     read_only = [r for r in sent if not (_writes(r.success) or _writes(r.failure))]

@@ -30,7 +30,7 @@ async def listed(c: Client) -> set[str]:
 async def wait_collected(d: Daemon, engine_id: str, polls: int = 100) -> None:
     assert d.control_plane is not None
     for _ in range(polls):  # 10 s
-        if (await d.control_plane.store.get_node(engine_id))[0] is None:
+        if (await d.control_plane.store.nodes.get(engine_id))[0] is None:
             return
         await asyncio.sleep(0.1)
     raise AssertionError(f"{engine_id} was not collected")
@@ -77,15 +77,15 @@ async def test_collection_loses_to_a_concurrent_registration(client: Client, dae
     store = daemon.control_plane.store  # type: ignore[union-attr]
 
     async def lapsed() -> bool:  # (etcd expires leases on a 500 ms tick: not at the TTL exactly)
-        state, _ = await store.get_node("d-1")
+        state, _ = await store.nodes.get("d-1")
         return state is not None and not state.alive
 
     await eventually(lapsed, within=10)
-    state, revision = await store.get_node("d-1")
+    state, revision = await store.nodes.get("d-1")
     assert state is not None and not state.alive
     await client.nodes.Register(node_request("d-1"))  # back before the collector acted
-    assert not await store.collect_node("d-1", revision, state.record.generation)
-    now, _ = await store.get_node("d-1")
+    assert not await store.nodes.collect("d-1", revision, state.record.generation)
+    now, _ = await store.nodes.get("d-1")
     assert now is not None and now.alive
 
 
@@ -96,8 +96,8 @@ async def test_live_and_recently_dead_nodes_are_kept(client: Client, daemon: Dae
     cp = daemon.control_plane
     assert cp is not None
     await cp.nodes.refresh()
-    assert await cp.collect_dead_nodes() == 0  # default: a day
-    assert (await cp.store.get_node("d-2"))[0] is not None
+    assert await cp.registry.collect_dead() == 0  # default: a day
+    assert (await cp.store.nodes.get("d-2"))[0] is not None
 
 
 async def test_the_floor_is_only_written_when_it_rises(client: Client, daemon: Daemon) -> None:
@@ -113,10 +113,10 @@ async def test_the_floor_is_only_written_when_it_rises(client: Client, daemon: D
         for _ in range(times):
             await client.nodes.Register(node_request(engine))
         await client.nodes.Deregister(nodes_pb2.DeregisterNodeRequest(engine_id=engine))
-    assert await store.collect_node("d-high", (await store.get_node("d-high"))[1], 3)
+    assert await store.nodes.collect("d-high", (await store.nodes.get("d-high"))[1], 3)
     raised = await floor()
     assert raised[0] == 3
-    assert await store.collect_node("d-low", (await store.get_node("d-low"))[1], 1)
+    assert await store.nodes.collect("d-low", (await store.nodes.get("d-low"))[1], 1)
     assert await floor() == raised  # not rewritten: registrations have nothing to conflict on
 
 
@@ -130,7 +130,7 @@ async def test_a_refresh_that_read_before_a_deregistration_does_not_bring_the_no
     assert cp is not None
     await client.nodes.Register(node_request("d-1"))
     await client.leases.Register(lease_request("c"))
-    real = cp.store.load_nodes
+    real = cp.store.nodes.load
     read, go_on = asyncio.Event(), asyncio.Event()
 
     async def slow_load():  # type: ignore[no-untyped-def]
@@ -139,13 +139,13 @@ async def test_a_refresh_that_read_before_a_deregistration_does_not_bring_the_no
         await go_on.wait()
         return loaded
 
-    cp.store.load_nodes = slow_load  # type: ignore[method-assign]
+    cp.store.nodes.load = slow_load  # type: ignore[method-assign]
     refresh = asyncio.ensure_future(cp.nodes.refresh())
     await read.wait()
     await client.nodes.Deregister(nodes_pb2.DeregisterNodeRequest(engine_id="d-1"))
     go_on.set()
     await refresh
-    cp.store.load_nodes = real  # type: ignore[method-assign]
+    cp.store.nodes.load = real  # type: ignore[method-assign]
     state = cp.nodes.snapshot()["d-1"]
     assert not state.alive and state.record.removed_at
     answer = await client.leases.Lookup(lookup_request("c"))

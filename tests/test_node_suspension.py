@@ -79,7 +79,8 @@ async def test_a_stream_ending_after_a_newer_registration_suspends_nothing(
 
 async def _stream_count(daemon: Daemon, n: int) -> bool:
     assert daemon.control_plane is not None
-    return len(daemon.control_plane._streams) == n and not daemon.control_plane._putting_back
+    cp = daemon.control_plane
+    return len(cp.attachments._streams) == n and cp.background.idle
 
 
 async def test_a_stopping_replica_suspends_none_of_its_nodes(make_daemon: DaemonFactory, connect) -> None:  # type: ignore[no-untyped-def]

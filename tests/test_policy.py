@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 from google.protobuf import struct_pb2
 from hypothesis import given
 from hypothesis import strategies as st
 
+import controlplane
 from controlplane import convert
 from controlplane.policy import (
     RELEASE,
@@ -16,7 +19,6 @@ from controlplane.policy import (
     Policy,
     Prompt,
     Reason,
-    apply_handout,
     decide,
     decide_claimed,
     holds_null_blocks,
@@ -24,6 +26,7 @@ from controlplane.policy import (
 )
 from controlplane.records import Claim, NodeRecord, NodeState, Retention, Role
 from kvferry.digests import DIGEST_SIZE, block_digests, common_prefix_blocks, seed
+from kvferry.structs import struct_to_dict
 from tests.factories import d_params
 
 NOW = 1_000_000.0
@@ -57,10 +60,19 @@ def retention(
     )
 
 
+def handout_of(params: dict[str, Any], h: Handout) -> dict[str, Any]:
+    """D's `params` as P gets them for `h` (convert.apply_handout on the stored bytes)."""
+    stored = struct_pb2.Struct()
+    stored.update(params)
+    out = struct_pb2.Struct()
+    convert.apply_handout(stored.SerializeToString(), h, out)
+    return struct_to_dict(out)
+
+
 def handed(d: Decision, num_tokens: int = 1000) -> dict[str, Any]:
     """The params P would get for decision `d` on a retention of `num_tokens`."""
     assert d.params is not None
-    return apply_handout(d_params("d-1", num_tokens), d.params)
+    return handout_of(d_params("d-1", num_tokens), d.params)
 
 
 def test_pull_hands_over_all_of_ds_tokens_when_the_prompt_is_longer() -> None:
@@ -78,7 +90,7 @@ def test_prompt_shorter_than_d_trims_to_leading_blocks() -> None:
 
 
 def test_reasons() -> None:
-    assert decide(None, None, Prompt(10), POLICY, NOW).reason == Reason.NO_LEASE
+    assert decide(None, None, Prompt(10), POLICY, NOW).reason == Reason.NO_RETENTION
     assert decide(retention(expires_in=-1), node(), Prompt(2000), POLICY, NOW).reason == Reason.EXPIRED
     near = decide(retention(expires_in=9.9), node(), Prompt(2000), POLICY, NOW)
     assert near.reason == Reason.EXPIRED and near.release is not None, "still held: release it"
@@ -124,14 +136,14 @@ def test_other_model_never_matches() -> None:
 
 
 def test_release_params_free_without_pulling() -> None:
-    r = apply_handout(d_params("d-1", 100), RELEASE)
+    r = handout_of(d_params("d-1", 100), RELEASE)
     assert r["remote_num_tokens"] == 0 and r["do_remote_decode"] is True and r["remote_block_ids"]
 
 
 def test_flat_block_id_lists_of_older_releases() -> None:
     params = d_params("d-1", 100)
     params["remote_block_ids"] = list(range(7))
-    assert apply_handout(params, Handout(33, 3))["remote_block_ids"] == [0, 1, 2]
+    assert handout_of(params, Handout(33, 3))["remote_block_ids"] == [0, 1, 2]
 
 
 def test_param_problems_name_the_field() -> None:
@@ -179,7 +191,7 @@ def test_handed_params_never_cover_unverified_or_missing_tokens(
     d = decide(held, node(), Prompt(prompt, block_digests(p_seq, block_size, SEED)), policy, NOW)
     if d.pull:
         assert d_has_digests
-        params = apply_handout(d_params("d-1", num_tokens, block_size=block_size), d.params)  # type: ignore[arg-type]
+        params = handout_of(d_params("d-1", num_tokens, block_size=block_size), d.params)  # type: ignore[arg-type]
         n = params["remote_num_tokens"]
         assert n == d.reusable_tokens >= threshold
         assert n <= min(num_tokens, prompt) and n % block_size == 0
@@ -259,15 +271,23 @@ def test_common_prefix_blocks_is_the_longest_common_prefix(a: list[int], b: list
     tokens=st.integers(0, 800),
     flat=st.booleans(),
 )
-def test_struct_handout_equals_dict_handout(n_blocks: int, keep: int | None, tokens: int, flat: bool) -> None:
+def test_a_handout_sets_the_flags_and_cuts_every_group(
+    n_blocks: int, keep: int | None, tokens: int, flat: bool
+) -> None:
     params = d_params("d-1", n_blocks * 16)
     if flat:
         params["remote_block_ids"] = params["remote_block_ids"][0]
-    stored = struct_pb2.Struct()
-    stored.update(params)
-    out = struct_pb2.Struct()
-    convert.apply_handout(stored.SerializeToString(), Handout(tokens, keep), out)
-    assert convert.struct_to_dict(out) == apply_handout(params, Handout(tokens, keep))
+    ids = params["remote_block_ids"]
+    if keep is not None:
+        ids = ids[:keep] if flat else [g[:keep] for g in ids]
+    expected = {
+        **params,
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_num_tokens": tokens,
+        "remote_block_ids": ids,
+    }
+    assert handout_of(params, Handout(tokens, keep)) == expected
 
 
 def test_a_claim_marker_says_expired_once_its_retentions_deadline_passed() -> None:
@@ -277,3 +297,14 @@ def test_a_claim_marker_says_expired_once_its_retentions_deadline_passed() -> No
     assert before.reason == Reason.ALREADY_CLAIMED
     after = decide_claimed(Claim(claimed_at=NOW - 3, expires_at=NOW - 1), NOW)
     assert (after.pull, after.reason, after.release) == (False, Reason.EXPIRED, None)
+
+
+def test_the_proto_documents_exactly_the_lookup_reasons() -> None:
+    """LookupResponse.reason's comment in leases.proto is the API's list of reasons: every
+    Reason, in order, and nothing else (it listed 12 of 14)."""
+    proto = Path(controlplane.__file__).parent.parent / "proto" / "kvferry" / "v1" / "leases.proto"
+    text = proto.read_text()
+    message = text[text.index("message LookupResponse {") :]
+    comment = message[: message.index("string reason = 2;")]
+    listed = re.findall(r"^\s*//\s+- (\w+):", comment, re.MULTILINE)
+    assert listed == [r.value for r in Reason]

@@ -114,9 +114,9 @@ async def test_bad_uses_get_clear_errors(client: Client) -> None:
 async def test_waiting_lookups_never_block_the_stream(
     client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from controlplane import server
+    from controlplane.server import stream
 
-    monkeypatch.setattr(server, "STREAM_WINDOW", 4)
+    monkeypatch.setattr(stream, "STREAM_WINDOW", 4)
     await client.nodes.Register(node_request("d-1"))
     call = client.leases.Stream()
     early = [
@@ -267,7 +267,7 @@ async def test_settling_waits_for_a_claim_still_at_etcd_when_its_caller_left(
     settling had returned: the store then closed under it, and the retention was spent."""
     await client.nodes.Register(node_request("d-1"))
     await client.leases.Register(lease_request("c"))
-    store = daemon.control_plane.store
+    store = daemon.control_plane.store.retentions
     claim = store.claim
     reached, claimed = asyncio.Event(), asyncio.Event()
 
@@ -300,7 +300,7 @@ async def test_a_claim_whose_caller_gives_up_while_deciding_is_put_back(
     turn already_claimed."""
     await client.nodes.Register(node_request("d-1"))
     await client.leases.Register(lease_request("c"))
-    cp = daemon.control_plane
+    cp = daemon.control_plane.lookups
     decide = cp._decide
     deciding = asyncio.Event()
 

@@ -12,7 +12,7 @@ import pytest
 import structlog
 
 from controlplane.daemon import Daemon
-from controlplane.service import PROMPT_WAIT_S
+from controlplane.service.lookups import PROMPT_WAIT_S
 from kvferry.v1 import leases_pb2, nodes_pb2
 from tests.conftest import Client, DaemonFactory, EtcdProcess, daemon_settings
 from tests.factories import d_params, lease_request, lookup_request, node_request
@@ -121,9 +121,15 @@ async def test_bad_lookups_and_nodes(client: Client) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await client.leases.Lookup(leases_pb2.LookupRequest(conversation_id="c", prompt_digests=b"abc"))
     assert "prompt_digests is 3 bytes" in (e.value.details() or "")
+    with pytest.raises(grpc.aio.AioRpcError) as e:  # (it answered below_threshold)
+        await client.leases.Lookup(leases_pb2.LookupRequest(conversation_id="c"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt_tokens is required" in (e.value.details() or "")
+    peek = await client.leases.Lookup(leases_pb2.LookupRequest(conversation_id="c", peek=True))
+    assert peek.reason == "no_lease"  # a peek may leave it out (the router's stream probe does)
     for bad, text in [
         (node_request(role=7), "role 7"),
-        (node_request(role=0), "role 0"),
+        (node_request(role=0), "role is missing: give PREFILL, DECODE or BOTH"),
         (node_request(block_size=0), "block_size 0"),
         (node_request(side_channel_port=0), "side_channel_port 0"),
         (node_request(http_url="ftp://x"), "http_url"),

@@ -177,16 +177,15 @@ async def test_a_peer_that_does_not_answer_is_left_alone_for_a_while() -> None:
 
     peers = Peers(None, backoff_s=30.0)  # type: ignore[arg-type]  # (no store: nothing announced)
     await peers._follow({"dead": f"127.0.0.1:{free_port()}"})  # nothing listens there
-    ask = nodes_pb2.ScoreRequest(block_hashes=[1])
-    assert await peers.scores(ask, 1.0) == []
+    assert await peers.scores([1], 0, 1.0) == []
     [dead] = peers._peers.values()
     assert dead.skip_until["Score"] > 0  # failed: skipped from now on
     asked: list[object] = []
     dead.stub.Score = lambda *args, **kwargs: asked.append(args)  # type: ignore[method-assign]
-    assert await peers.scores(ask, 1.0) == []
+    assert await peers.scores([1], 0, 1.0) == []
     assert asked == []  # not asked again
     assert "List" not in dead.skip_until  # (each kind of call on its own)
-    assert await peers.attached_counts(1.0) == {} and dead.skip_until["List"] > 0
+    assert await peers.node_lists(1.0) == [] and dead.skip_until["List"] > 0
     await peers._follow({})  # gone from etcd: its channel closes
     assert peers.addresses == []
     await peers.close()
@@ -206,7 +205,6 @@ async def test_a_peer_late_only_for_a_callers_short_deadline_is_asked_again() ->
     try:
         await peers._follow({"slow": f"127.0.0.1:{port}"})
         [slow] = peers._peers.values()
-        ask = nodes_pb2.ScoreRequest(block_hashes=[1])
         asked = 0
         score = slow.stub.Score
 
@@ -216,14 +214,14 @@ async def test_a_peer_late_only_for_a_callers_short_deadline_is_asked_again() ->
             return score(*args, **kwargs)
 
         slow.stub.Score = counted  # type: ignore[method-assign]
-        assert await peers.scores(ask, 0.001) == [] and asked == 0  # no time: not asked at all
+        assert await peers.scores([1], 0, 0.001) == [] and asked == 0  # no time: not asked at all
         for _ in range(2):  # (5 ms for the peer: missed; asked again next time)...
-            assert await peers.scores(ask, 0.01) == [] and slow.skip_until.get("Score", 0) == 0
+            assert await peers.scores([1], 0, 0.01) == [] and slow.skip_until.get("Score", 0) == 0
         assert (
-            await peers.scores(ask, 0.01) == [] and slow.skip_until["Score"] > 0
+            await peers.scores([1], 0, 0.01) == [] and slow.skip_until["Score"] > 0
         )  # ...but late 3 in a row: hung
         slow.skip_until["Score"] = 0
-        assert await peers.scores(ask, 1.0) == []  # the whole deadline missed: left alone at once
+        assert await peers.scores([1], 0, 1.0) == []  # the whole deadline missed: left alone at once
         assert slow.skip_until["Score"] > 0 and asked == 4
     finally:
         await peers.close()
@@ -245,11 +243,11 @@ async def test_a_replica_whose_announcement_lapsed_announces_itself_again(make_d
 
     await eventually(b_knows_a)
     first = a.peers._lease
-    await a._store.revoke_lease_quietly(first)  # the key goes with it
-    assert a.address not in (await a._store.replicas()).values()
+    await a._store.replicas.withdraw(first)  # the key goes with it
+    assert a.address not in (await a._store.replicas.announced()).values()
 
     async def announced_again() -> bool:
-        return a.address in (await a._store.replicas()).values()  # type: ignore[union-attr]
+        return a.address in (await a._store.replicas.announced()).values()  # type: ignore[union-attr]
 
     await eventually(announced_again)
     assert a.peers._lease != first
@@ -544,9 +542,10 @@ async def test_a_stream_whose_results_are_not_read_stops_reading_its_ops(
 ) -> None:
     """Results wait for a client that does not read them: at most a window of them, then the
     daemon stops taking ops from that stream (and gRPC flow control holds the client)."""
-    from controlplane import server
+    from controlplane.server import stream
+    from controlplane.server.leases import LeasesServicer
 
-    monkeypatch.setattr(server, "STREAM_WINDOW", 4)
+    monkeypatch.setattr(stream, "STREAM_WINDOW", 4)
     pulled = 0
 
     async def ops() -> AsyncIterator[leases_pb2.LeaseOpBatch]:
@@ -555,7 +554,7 @@ async def test_a_stream_whose_results_are_not_read_stops_reading_its_ops(
             pulled += 1  # a prompt for no waiting lookup: refused at once, no store needed
             yield leases_pb2.LeaseOpBatch(ops=[leases_pb2.LeaseOp(id=i, prompt=leases_pb2.LookupPrompt())])
 
-    servicer = server.LeasesServicer(None)  # type: ignore[arg-type]
+    servicer = LeasesServicer(None, None)  # type: ignore[arg-type]
     results = servicer.Stream(ops(), None)  # type: ignore[arg-type]
     first = await results.__anext__()  # the client reads once, then stops
     await asyncio.sleep(0.2)

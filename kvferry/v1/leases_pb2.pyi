@@ -67,7 +67,10 @@ class Lease(_message.Message):
     tenant: _builtins.str
     conversation_id: _builtins.str
     engine_id: _builtins.str
-    """The D engine holding the blocks, and the engine generation they belong to."""
+    """The D engine holding the blocks, and the engine generation they belong to. For a
+    claimed lease, known only when the claim found it expired or about to ("" otherwise:
+    the claim's marker is written in the same transaction that reads the retention).
+    """
     generation: _builtins.int
     num_tokens: _builtins.int
     """Tokens whose KV D holds (remote_num_tokens)."""
@@ -77,11 +80,15 @@ class Lease(_message.Message):
     (see kvferry.digests); empty when unknown.
     """
     claimed: _builtins.bool
-    """Handed out already (PULL or release); kept as a tombstone until collected."""
+    """Handed out already (PULL or release): what is left is the claim's marker, kept until
+    collected; the other fields are then what the marker knows.
+    """
     revision: _builtins.int
     """etcd mod revision of the record; changes on every write."""
     request_id: _builtins.str
-    """The request (its X-Request-Id) whose answer D holds these blocks for; "" = unknown."""
+    """The request (its X-Request-Id) whose answer D holds these blocks for; "" = unknown.
+    For a claimed lease: the request whose Lookup claimed it ("" = that Lookup named none).
+    """
     @_builtins.property
     def kv_transfer_params(self) -> _struct_pb2.Struct:
         """D's kv_transfer_params as returned by vLLM (opaque; unknown keys kept)."""
@@ -90,7 +97,7 @@ class Lease(_message.Message):
     def created_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def expires_at(self) -> _timestamp_pb2.Timestamp:
-        """Hard deadline: D frees the blocks then."""
+        """Hard deadline: D frees the blocks then. For a claimed lease, as engine_id."""
 
     @_builtins.property
     def claimed_at(self) -> _timestamp_pb2.Timestamp: ...
@@ -222,7 +229,9 @@ class LookupRequest(_message.Message):
     tenant: _builtins.str
     conversation_id: _builtins.str
     prompt_tokens: _builtins.int
-    """Length of the prompt P is about to compute, in tokens."""
+    """Length of the prompt P is about to compute, in tokens. Required (above 0), except
+    for a peek and with prompt_follows (the LookupPrompt op brings it then).
+    """
     prompt_digests: _builtins.bytes
     """Chained digests of the prompt's full blocks (same function as the lease's).
     Given (even empty: a prompt shorter than one block), the pull is verified:
@@ -310,10 +319,27 @@ class LookupResponse(_message.Message):
     CLAIMED_FIELD_NUMBER: _builtins.int
     decision: Global___Decision.ValueType
     reason: _builtins.str
-    """Machine-readable: pull, partial_pull, no_lease, expired, node_gone,
-    node_restarted, below_threshold, prefix_mismatch, already_claimed,
-    store_unavailable, no_prompt (prompt_follows without a usable prompt),
-    own_turn (the retention was registered for this lookup's own request_id).
+    """Machine-readable, one of (the daemon's controlplane.policy.Reason; a test keeps
+    this list equal to it):
+      - pull: PULL of every token D holds that the prompt covers.
+      - partial_pull: PULL of a prefix: the prompt matches, or is as long as, part of
+        D's tokens only.
+      - no_lease: no retention for the conversation (never registered, revoked, or
+        collected).
+      - expired: past its deadline, or too close to it to hand out (the safety margin).
+      - node_gone: D's node is not alive (deregistered, suspended, or its liveness
+        lapsed).
+      - node_restarted: D's engine restarted since the retention was registered.
+      - below_threshold: fewer reusable tokens than P's recompute threshold.
+      - prefix_mismatch: the prompt's digests differ from D's from the first block.
+      - already_claimed: an earlier lookup took the retention (handed out once).
+      - store_unavailable: etcd did not answer.
+      - no_prompt: a prompt_follows lookup whose prompt never came, or was invalid.
+      - own_turn: the retention was registered for this lookup's own request_id: left
+        for the next turn.
+      - unverifiable: the lookup gave prompt_digests, the retention has none.
+      - whole_only: D's blocks can only be pulled whole (a KV-cache group holds freed
+        blocks), and only part of D's tokens would be.
     """
     detail: _builtins.str
     """Human-readable explanation."""

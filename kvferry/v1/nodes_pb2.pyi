@@ -153,6 +153,7 @@ class RegisterNodeRequest(_message.Message):
     NO_RESTART_SEEN_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     role: Global___Role.ValueType
+    """Required: PREFILL, DECODE or BOTH."""
     model: _builtins.str
     block_size: _builtins.int
     http_url: _builtins.str

@@ -20,8 +20,8 @@ Reference = Callable[[str, dict[str, Any]], Awaitable[str]]
 def answers_late(daemon: Daemon, delay_s: float) -> None:
     """The daemon claims and decides as ever, then answers lookups `delay_s` late (busy,
     or starved of CPU by the engines beside it)."""
-    cp = daemon.control_plane
-    assert cp is not None
+    assert daemon.control_plane is not None
+    cp = daemon.control_plane.lookups
     lookup = cp.lookup
 
     async def late(*args: Any, **kwargs: Any) -> Any:

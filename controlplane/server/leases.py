@@ -1,0 +1,121 @@
+"""The Leases servicer (the API's name for retentions): each RPC translates its message
+(controlplane.messages), calls one domain operation, and builds the reply; errors become
+statuses in server/status.py. Leases/Stream runs the same ops in server/stream.py."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from controlplane.convert import apply_handout
+from controlplane.errors import InvalidArgument
+from controlplane.messages import (
+    fill_lookup_response,
+    lease_message,
+    lookup_query_of,
+    prompt_of,
+    retention_registration_of,
+)
+from controlplane.policy import RELEASE, Prompt
+from controlplane.server.status import rpc
+from controlplane.server.stream import Later, OpStream
+from controlplane.service.lookups import Lookups
+from controlplane.service.retentions import Retentions
+from kvferry.v1 import leases_pb2, leases_pb2_grpc
+
+
+class LeasesServicer(leases_pb2_grpc.LeasesServicer):
+    """kvferry.v1.Leases."""
+
+    def __init__(self, retentions: Retentions, lookups: Lookups) -> None:
+        self._retentions = retentions
+        self._lookups = lookups
+
+    async def _register(self, request: leases_pb2.RegisterLeaseRequest) -> leases_pb2.RegisterLeaseResponse:
+        view, replaced, release = await self._retentions.register(retention_registration_of(request))
+        # The stored retention without its params and digests: the caller just sent them.
+        resp = leases_pb2.RegisterLeaseResponse(lease=lease_message(view, summary=True), replaced=replaced)
+        if release is not None:
+            apply_handout(release, RELEASE, resp.release_params)
+        return resp
+
+    async def _lookup(
+        self,
+        request: leases_pb2.LookupRequest,
+        resp: leases_pb2.LookupResponse | None = None,
+        later: Later | None = None,
+    ) -> leases_pb2.LookupResponse:
+        """Answer a lookup into `resp` (a new message if None); `later` brings the prompt
+        of a lookup sent with prompt_follows."""
+        if request.prompt_follows and later is None:
+            raise InvalidArgument("prompt_follows needs Leases/Stream (the prompt comes in a later op)")
+        result = await self._lookups.lookup(
+            lookup_query_of(request), None if later is None else _prompt(later)
+        )
+        if resp is None:
+            resp = leases_pb2.LookupResponse()
+        fill_lookup_response(result, request.peek, resp)
+        return resp
+
+    @rpc("Leases/Register")
+    async def Register(
+        self, request: leases_pb2.RegisterLeaseRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> leases_pb2.RegisterLeaseResponse:
+        """Record a retention, replacing the conversation's previous one."""
+        return await self._register(request)
+
+    @rpc("Leases/Lookup")
+    async def Lookup(
+        self, request: leases_pb2.LookupRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> leases_pb2.LookupResponse:
+        """PULL or RECOMPUTE for a prompt; claims the retention unless peek."""
+        return await self._lookup(request)
+
+    def Stream(
+        self,
+        request_iterator: AsyncIterator[leases_pb2.LeaseOpBatch],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[leases_pb2.LeaseOpResultBatch]:
+        """Register and Lookup ops on one stream, answered in completion order (stream.py)."""
+        return OpStream(self._register, self._lookup).serve(request_iterator, context)
+
+    @rpc("Leases/Get")
+    async def Get(
+        self, request: leases_pb2.GetLeaseRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> leases_pb2.Lease:
+        """The conversation's retention, or what the marker of the claim that took it knows."""
+        return lease_message(await self._retentions.get(request.tenant, request.conversation_id))
+
+    @rpc("Leases/List")
+    async def List(
+        self, request: leases_pb2.ListLeasesRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> leases_pb2.ListLeasesResponse:
+        """A page of retentions."""
+        views, token = await self._retentions.list(
+            request.tenant,
+            request.all_tenants,
+            request.engine_id,
+            request.include_inactive,
+            request.page_size,
+            request.page_token,
+        )
+        return leases_pb2.ListLeasesResponse(leases=[lease_message(v) for v in views], next_page_token=token)
+
+    @rpc("Leases/Revoke")
+    async def Revoke(
+        self, request: leases_pb2.RevokeLeaseRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> leases_pb2.RevokeLeaseResponse:
+        """Delete a retention so it is never handed out, with the params that free D's blocks."""
+        view, releasable = await self._retentions.revoke(request.tenant, request.conversation_id)
+        if view is None:
+            return leases_pb2.RevokeLeaseResponse(found=False)
+        resp = leases_pb2.RevokeLeaseResponse(found=True, lease=lease_message(view))
+        if releasable and view.retention is not None:
+            apply_handout(view.retention.params, RELEASE, resp.release_params)
+        return resp
+
+
+async def _prompt(later: Later) -> Prompt:
+    return prompt_of(await later)

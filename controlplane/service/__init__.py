@@ -1,0 +1,61 @@
+"""The daemon's domain operations: validate, decide (policy), apply (store).
+
+No gRPC and no generated stubs here: the servicers (controlplane.server) translate
+messages to the plain dataclasses of these modules and back. One module per concern:
+
+- validation.py: the input checks, each naming the field (pure);
+- nodecache.py: this replica's view of the nodes, and the decisions made on it;
+- nodes.py: node registrations (the generation rule), listing, collection;
+- attachments.py: the sidecars' Attach streams, heartbeats, KV-event index, counts;
+- retentions.py: registering, reading, listing and revoking retentions;
+- claims.py: the claim, own-turn and put-back of a retention (one place for all three);
+- lookups.py: validate -> claim -> decide;
+- gauges.py: per-node gauges from a paced scan;
+- background.py: what a stop waits for.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from controlplane.service.attachments import Attachments
+from controlplane.service.background import Background
+from controlplane.service.claims import Claims
+from controlplane.service.gauges import Gauges
+from controlplane.service.lookups import Lookups
+from controlplane.service.nodecache import NodeCache
+from controlplane.service.nodes import NodeRegistry
+from controlplane.service.retentions import Retentions
+from controlplane.settings import Settings
+from controlplane.store import EtcdStore
+
+
+class ControlPlane:
+    """Every operation the gRPC API offers, on plain data: one part per concern, on one
+    store and one view of the nodes."""
+
+    def __init__(self, store: EtcdStore, settings: Settings, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.settings = settings
+        self.background = Background()
+        self.nodes = NodeCache(store.nodes, settings.nodes.cache_refresh_s)
+        self.gauges = Gauges(store.scans, clock)
+        lim = settings.limits
+        self.attachments = Attachments(
+            store.nodes, self.nodes, self.background, lim.max_id_bytes, lim.max_tokens, clock
+        )
+        self.registry = NodeRegistry(store.nodes, self.nodes, self.attachments, self.gauges, settings, clock)
+        self.retentions = Retentions(store, self.nodes, settings, clock)
+        self.claims = Claims(store.retentions, self.background, clock)
+        self.lookups = Lookups(self.claims, store.retentions, self.nodes, settings, clock)
+
+    def begin_stop(self) -> None:
+        """The replica stops: the Attach streams it ends from now on suspend no node (their
+        sidecars re-register elsewhere)."""
+        self.attachments.stopping = True
+
+    async def settle(self) -> None:
+        """Until the claims of callers that went away are put back and the nodes of ended
+        streams suspended (a stop waits for them before the store closes)."""
+        await self.background.settle()

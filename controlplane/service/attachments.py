@@ -1,0 +1,142 @@
+"""Nodes attached to this replica: the sidecars' Attach streams, their heartbeats (the
+node's liveness), their KV events (the block index Nodes/Score reads) and their counts.
+
+Only the replica a sidecar is attached to holds its index and counts (in memory, never
+in etcd); a stream that ends drops them and suspends the node (see
+NodeRecord.suspended_at), unless the replica is stopping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import structlog
+
+from controlplane import metrics
+from controlplane.attached import AttachedCounts
+from controlplane.blockindex import MAX_BLOCKS_PER_NODE, BlockIndex, IndexUpdate
+from controlplane.errors import FailedPrecondition, InvalidArgument, NotFound, StoreUnavailable
+from controlplane.records import NodeRecord, NodeState, Role
+from controlplane.service.background import Background
+from controlplane.service.nodecache import NodeCache
+from controlplane.service.validation import check_id
+from controlplane.store.nodes import NodeStore
+
+log = structlog.get_logger(__name__)
+
+
+class Attachments:
+    """The Attach streams of this replica, and what their sidecars report."""
+
+    def __init__(
+        self,
+        store: NodeStore,
+        nodes: NodeCache,
+        background: Background,
+        max_id_bytes: int,
+        max_hashes: int,
+        clock: Callable[[], float],
+    ) -> None:
+        self._store = store
+        self._nodes = nodes
+        self._background = background
+        self._max_id_bytes = max_id_bytes
+        self._max_hashes = max_hashes
+        self._clock = clock
+        self.index = BlockIndex()
+        self._streams: dict[str, object] = {}  # engine id -> the Attach stream its index follows
+        self._reports: dict[str, AttachedCounts] = {}  # engine id -> its stream's last heartbeat's
+        self.stopping = False
+        """Set when the replica stops: the Attach streams it ends suspend no node."""
+
+    async def attach(self, engine_id: str, generation: int, stream: object) -> NodeRecord:
+        """Check that a sidecar attaching speaks for the registered generation; `stream`
+        (any object, one per Attach stream) is now the one the node's index follows."""
+        check_id("hello.engine_id", engine_id, self._max_id_bytes)
+        state, _ = await self._store.get(engine_id)
+        if state is None or state.record.removed_at:
+            raise NotFound(f"node {engine_id} is not registered")
+        if state.record.suspended_at:
+            raise FailedPrecondition(
+                f"node {engine_id} is suspended (its last Attach stream ended): register it"
+            )
+        if generation != state.record.generation:
+            raise FailedPrecondition(
+                f"node {engine_id} is registered at generation {state.record.generation}, not {generation}"
+            )
+        if self._streams.get(engine_id) is not stream:
+            # What the previous stream indexed is its sidecar's view: the new one starts
+            # from its own reset (or sends no KV events at all).
+            self.index.drop(engine_id)
+            self._reports.pop(engine_id, None)
+        self._streams[engine_id] = stream
+        return state.record
+
+    async def heartbeat(self, rec: NodeRecord) -> tuple[int, NodeRecord]:
+        """Keep a node alive. -> (seconds of liveness left, the record to heartbeat next)."""
+        ttl, rec = await self._store.keepalive(rec)
+        if ttl <= 0:
+            raise FailedPrecondition(f"node {rec.engine_id} was re-registered or removed; register again")
+        return ttl, rec
+
+    def index_events(self, rec: NodeRecord, update: IndexUpdate, stream: object) -> None:
+        """Fold one KV-event batch of an attached node into the block index (a stream the
+        node re-attached past sends none: its deltas would spoil the newer one's snapshot)."""
+        if self._streams.get(rec.engine_id) is not stream:
+            return
+        if not self.index.apply(rec.engine_id, update):
+            log.warning("index.overflow", engine_id=rec.engine_id, max_blocks=MAX_BLOCKS_PER_NODE)
+        metrics.INDEXED_HASHES.inc(len(update.stored) + len(update.removed))
+
+    def report(self, rec: NodeRecord, uncaptured_turns: int, unretained_blocks: int, stream: object) -> None:
+        """Keep what a heartbeat of an attached node's sidecar counted (in memory)."""
+        if self._streams.get(rec.engine_id) is stream:
+            self._reports[rec.engine_id] = AttachedCounts(0, uncaptured_turns, unretained_blocks)
+
+    def counts(self, engine_id: str) -> AttachedCounts:
+        """What this replica knows of the node from its sidecar."""
+        counts = self._reports.get(engine_id, AttachedCounts())
+        return replace(counts, indexed_blocks=self.index.count(engine_id))
+
+    def detach(self, rec: NodeRecord, stream: object) -> None:
+        """An Attach stream ended: if the node's index followed it, the index would go stale,
+        so drop it (a sidecar that re-attached meanwhile keeps the newer stream's)."""
+        if self._streams.get(rec.engine_id) is stream:
+            del self._streams[rec.engine_id]
+            self.index.drop(rec.engine_id)
+            self._reports.pop(rec.engine_id, None)
+        if not self.stopping:
+            self._background.spawn(self._suspend(rec), "suspend-node")
+
+    async def _suspend(self, rec: NodeRecord) -> None:
+        """Suspend the node an Attach stream spoke for, now that it ended: nobody vouches for
+        its engine process until a sidecar registers it again (see NodeRecord.suspended_at;
+        a stream a newer registration replaced suspends nothing). Not while this replica
+        stops: its sidecars re-register elsewhere. Failing, the liveness lapses at its TTL."""
+        try:
+            suspended = await self._store.suspend(rec, self._clock())
+        except StoreUnavailable as e:
+            log.warning("node.suspend.failed", engine_id=rec.engine_id, error=str(e))
+            return
+        if suspended is not None:
+            held, revision = suspended
+            self._nodes.put(NodeState(held, False), revision)
+            metrics.NODE_REGISTRATIONS.labels("suspended").inc()
+            log.info("node.suspended", engine_id=rec.engine_id, generation=rec.generation)
+
+    def score(self, hashes: list[int], role: int) -> list[tuple[str, int]]:
+        """Alive nodes (of `role`, 0 = any) by how many leading prompt blocks they cache,
+        in this replica's index."""
+        if len(hashes) > self._max_hashes:
+            raise InvalidArgument(f"block_hashes has {len(hashes)} entries, at most {self._max_hashes}")
+        engines = [
+            e
+            for e, s in self._nodes.snapshot().items()
+            if s.alive and (not role or s.record.role == role or s.record.role == Role.BOTH)
+        ]
+        return self.index.score(engines, hashes)
+
+    def forget(self, engine_id: str) -> None:
+        """A node's record was deleted: its index goes too."""
+        self.index.drop(engine_id)

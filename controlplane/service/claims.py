@@ -1,0 +1,129 @@
+"""Claims on retentions, all in one place: the claim that takes a conversation's retention
+for a lookup, the put-back of a lookup's own retention (it came late, after its own turn
+registered), the put-back of what was taken for a caller that went away, and the
+deadline noted in a marker.
+
+A retention is handed out once: a claim takes it out of etcd (store.retentions.claim),
+and only a claim whose answer reaches nobody puts it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import structlog
+
+from controlplane.errors import StoreUnavailable
+from controlplane.records import Claim, Retention
+from controlplane.service.background import Background
+from controlplane.store.retentions import RetentionStore
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """What a lookup's claim came back with."""
+
+    taken: Retention | None = None
+    """The retention the claim took (None: there was none, or it was the lookup's own)."""
+    earlier: Claim | None = None
+    """The marker of an earlier claim, when that is what the claim found."""
+    own: bool = False
+    """It was the asking request's own retention, taken and put straight back."""
+    marker_revision: int = 0
+    """The revision of the marker the claim left (0: it took nothing)."""
+
+
+class Claims:
+    """Claims of this replica's lookups on the conversations' retentions."""
+
+    def __init__(self, store: RetentionStore, background: Background, clock: Callable[[], float]) -> None:
+        self._store = store
+        self._background = background
+        self._clock = clock
+
+    async def claim(self, tenant: str, conversation_id: str, request_id: str, now: float) -> Claimed:
+        """Claim the conversation's retention for the lookup of request `request_id`.
+
+        A lookup can reach the daemon after the turn it is for went on without it (it came
+        late) and registered: that retention is the next turn's to pull, not this one's,
+        and goes straight back (`Claimed.own`)."""
+        outcome = await self._store.claim(tenant, conversation_id, now, request_id)
+        taken = outcome.taken
+        claimed = Claimed(taken, outcome.earlier, False, outcome.marker_revision)
+        if taken is None or not request_id or taken.request_id != request_id:
+            return claimed
+        try:
+            back = await self._store.unclaim(tenant, conversation_id, taken, outcome.marker_revision, now)
+        except StoreUnavailable as e:
+            # It may be back all the same (the answer lost, not the write): a release now
+            # would free blocks the next turn may be handed. At worst D keeps them to its TTL.
+            log.warning("lookup.own_turn.unknown", conversation_id=conversation_id, error=str(e))
+            return Claimed(own=True)
+        if not back:  # replaced meanwhile, past its deadline, or revoked: this one is spent
+            return claimed
+        log.info("lookup.own_turn", conversation_id=conversation_id, request_id=request_id)
+        return Claimed(own=True)
+
+    async def claim_while(
+        self, tenant: str, conversation_id: str, request_id: str, now: float, waiting: Awaitable[T]
+    ) -> tuple[Claimed, T]:
+        """`claim`, in a task of its own, while `waiting` (the caller's prompt) is awaited.
+        -> (the claim, what `waiting` gave). Cancelled, what the claim takes goes back once
+        it is done (the claim itself runs on: one cancelled at etcd may be spent)."""
+        claiming = asyncio.ensure_future(self.claim(tenant, conversation_id, request_id, now))
+        self._background.track(claiming)
+        try:
+            waited = await waiting
+            return await asyncio.shield(claiming), waited
+        except asyncio.CancelledError:
+            claiming.add_done_callback(functools.partial(self._put_back_when_done, tenant, conversation_id))
+            raise
+
+    def put_back(self, claimed: Claimed, tenant: str, conversation_id: str) -> None:
+        """Put what a claim took back, in the background: its caller went away, and no
+        answer reaches anyone (a stop waits for it: see Background.settle)."""
+        taken, marker = claimed.taken, claimed.marker_revision
+        if claimed.own or taken is None:
+            return
+
+        async def put_back() -> None:
+            try:
+                back = await self._store.unclaim(tenant, conversation_id, taken, marker, self._clock())
+            except StoreUnavailable as e:  # spent, then: D frees the blocks at its TTL
+                log.warning("lookup.put_back.failed", conversation_id=conversation_id, error=str(e))
+                return
+            log.info("lookup.put_back", conversation_id=conversation_id, back=back)
+
+        self._background.spawn(put_back(), "put-back")
+
+    def _put_back_when_done(self, tenant: str, conversation_id: str, done: asyncio.Future[Claimed]) -> None:
+        if not done.cancelled() and done.exception() is None:
+            self.put_back(done.result(), tenant, conversation_id)
+
+    async def note_deadline(
+        self, claimed: Claimed, tenant: str, conversation_id: str, claimed_at: float, request_id: str
+    ) -> None:
+        """The claim (of request `request_id`, at `claimed_at`) took a retention expired or
+        about to: its deadline and engine go into the marker, so that the lookups meeting
+        the marker past it answer expired (`decide_claimed`), not already_claimed. (Only
+        then: doing it for every claim would add an etcd write to every turn. One write
+        failing leaves the marker as it was.)"""
+        taken = claimed.taken
+        assert taken is not None
+        claim = Claim(
+            claimed_at=claimed_at,
+            expires_at=taken.expires_at,
+            engine_id=taken.engine_id,
+            claimed_by=request_id,
+        )
+        try:
+            await self._store.note_claim_deadline(tenant, conversation_id, claimed.marker_revision, claim)
+        except StoreUnavailable as e:
+            log.warning("lookup.claim_deadline.failed", conversation_id=conversation_id, error=str(e))

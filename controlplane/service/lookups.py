@@ -1,0 +1,196 @@
+"""Lookups: validate the query, claim the conversation's retention, decide on the prompt.
+
+The claim and everything that puts a claim back live in claims.py; the decision is
+policy.decide on this replica's view of D's node (nodecache.py); this module sequences
+them, and answers store_unavailable when etcd fails on the way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+
+import structlog
+
+from controlplane import metrics
+from controlplane.errors import InvalidArgument, StoreUnavailable
+from controlplane.policy import RELEASE, Decision, Prompt, Reason, decide, decide_claimed
+from controlplane.records import Claim, Retention
+from controlplane.service.claims import Claimed, Claims
+from controlplane.service.nodecache import NodeCache
+from controlplane.service.validation import check_id, check_prompt, tenant_of
+from controlplane.settings import Settings
+from controlplane.store.retentions import RetentionStore
+
+log = structlog.get_logger(__name__)
+
+#: How long a Lookup sent with prompt_follows waits for its prompt.
+PROMPT_WAIT_S = 10.0
+
+_OWN_TURN = Decision(False, Reason.OWN_TURN, "registered for this same request: left to the next turn")
+
+
+@dataclass(frozen=True)
+class LookupQuery:
+    """A Lookup as asked."""
+
+    tenant: str
+    conversation_id: str
+    prompt_tokens: int
+    prompt_digests: bytes | None  # None: not given (an unverified pull; see policy.Prompt)
+    peek: bool
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """A Lookup's answer: the decision, and whether a retention was claimed for it."""
+
+    decision: Decision
+    claimed: bool
+    params_blob: bytes = b""
+    """The retention's stored params, to which decision.params / decision.release apply."""
+
+
+class Lookups:
+    """Every lookup of this replica."""
+
+    def __init__(
+        self,
+        claims: Claims,
+        store: RetentionStore,
+        nodes: NodeCache,
+        settings: Settings,
+        clock: Callable[[], float],
+    ) -> None:
+        self._claims = claims
+        self._store = store
+        self._nodes = nodes
+        self._policy = settings.policy
+        self._limits = settings.limits
+        self._clock = clock
+
+    async def lookup(self, q: LookupQuery, later: Awaitable[Prompt] | None = None) -> LookupResult:
+        """Claim the conversation's retention (unless `q.peek`) and decide on the prompt.
+
+        With `later`, the prompt is still being computed by the caller: the claim's
+        etcd round trip runs while it is awaited (at most PROMPT_WAIT_S; a prompt that
+        never comes is an empty one, and the claimed retention is released).
+        """
+        tenant = self._checked(q, later)
+        if q.peek:
+            return await self._peek(tenant, q)
+        conversation = q.conversation_id
+        now = claimed_at = self._clock()
+        prompt, missing = Prompt(q.prompt_tokens, q.prompt_digests), ""
+        got: Claimed | None = None
+        try:
+            if later is None:
+                got = await self._claims.claim(tenant, conversation, q.request_id, now)
+            else:
+                waiting = self._late_prompt(later, conversation)
+                got, (prompt, missing) = await self._claims.claim_while(
+                    tenant, conversation, q.request_id, now, waiting
+                )
+            now = self._clock()  # decide on the time it is now (the claim may have been slow)
+            try:
+                decision = await self._decide(got, prompt, missing, now)
+            except asyncio.CancelledError:
+                # The caller went away (its deadline, its stream): no answer reaches anyone,
+                # so what the claim took goes back, for the next turn.
+                self._claims.put_back(got, tenant, conversation)
+                raise
+        except StoreUnavailable as e:
+            decision = _unavailable(e, got.taken if got is not None else None, now)
+        taken = got.taken if got is not None else None
+        if got is not None and taken is not None and decision.reason is Reason.EXPIRED:
+            await self._claims.note_deadline(got, tenant, conversation, claimed_at, q.request_id)
+        return self._answered(tenant, q, decision, taken, claimed=taken is not None)
+
+    def _checked(self, q: LookupQuery, later: Awaitable[Prompt] | None) -> str:
+        """-> the query's tenant, its fields checked."""
+        tenant = tenant_of(q.tenant, self._limits.max_id_bytes)
+        check_id("conversation_id", q.conversation_id, self._limits.max_id_bytes)
+        if later is not None and q.peek:
+            raise InvalidArgument("prompt_follows is for claiming lookups, not peek")
+        if later is None:
+            check_prompt(q.prompt_tokens, q.prompt_digests, self._limits.max_tokens, required=not q.peek)
+        return tenant
+
+    async def _peek(self, tenant: str, q: LookupQuery) -> LookupResult:
+        """What a lookup would answer, claiming nothing."""
+        retention: Retention | None = None
+        try:
+            stored, claim = await self._store.read(tenant, q.conversation_id)
+            retention = stored.retention if stored else None
+            prompt = Prompt(q.prompt_tokens, q.prompt_digests)
+            decision = await self._decision(retention, claim, prompt, self._clock())
+        except StoreUnavailable as e:
+            retention, decision = None, _unavailable(e, None, 0.0)
+        return self._answered(tenant, q, decision, retention, claimed=False)
+
+    async def _decide(self, got: Claimed, prompt: Prompt, missing: str, now: float) -> Decision:
+        """The decision on what a claim took, for `prompt` (`missing`: why a prompt_follows
+        lookup has none: nothing to verify a pull against, so RECOMPUTE, releasing it)."""
+        if got.own:
+            return _OWN_TURN
+        decision = await self._decision(got.taken, got.earlier, prompt, now)
+        if missing and got.taken is not None:
+            decision = replace(decision, reason=Reason.NO_PROMPT, detail=missing)
+        return decision
+
+    async def _decision(
+        self, retention: Retention | None, claim: Claim | None, prompt: Prompt, now: float
+    ) -> Decision:
+        if retention is not None:
+            return await self._nodes.decision(retention, prompt, self._policy, now)
+        if claim is not None:
+            return decide_claimed(claim, now)
+        return decide(None, None, prompt, self._policy, now)
+
+    async def _late_prompt(self, later: Awaitable[Prompt], conversation_id: str) -> tuple[Prompt, str]:
+        """The prompt of a prompt_follows lookup -> (prompt, "") or (an empty prompt, why
+        there is no usable one). The retention is claimed either way; an empty prompt
+        never pulls, and the answer releases D's blocks."""
+        try:
+            async with asyncio.timeout(PROMPT_WAIT_S):
+                prompt = await later
+        except TimeoutError:
+            log.info("lookup.prompt_missing", conversation_id=conversation_id, waited_s=PROMPT_WAIT_S)
+            return Prompt(0), f"no prompt within {PROMPT_WAIT_S:g}s"
+        try:
+            check_prompt(prompt.tokens, prompt.digests, self._limits.max_tokens)
+        except InvalidArgument as e:
+            log.warning("lookup.prompt_invalid", conversation_id=conversation_id, error=str(e))
+            return Prompt(0), f"invalid prompt: {e}"
+        if not prompt.tokens:
+            return prompt, "the caller could not make the prompt"
+        return prompt, ""
+
+    def _answered(
+        self, tenant: str, q: LookupQuery, decision: Decision, retention: Retention | None, claimed: bool
+    ) -> LookupResult:
+        """Count and log the answer. -> the result."""
+        metrics.lookup(decision.pull, decision.reason.value)
+        if claimed:
+            metrics.claim("pull" if decision.pull else "release" if decision.release else "dead")
+            metrics.REUSABLE_TOKENS.inc(decision.reusable_tokens)
+        log.debug(
+            "retention.lookup",
+            tenant=tenant,
+            conversation_id=q.conversation_id,
+            reason=decision.reason.value,
+            claimed=claimed,
+        )
+        return LookupResult(decision, claimed, retention.params if retention else b"")
+
+
+def _unavailable(e: StoreUnavailable, taken: Retention | None, now: float) -> Decision:
+    """store_unavailable. A retention claimed before etcd failed (reading the node, say) is
+    spent either way, so its release is handed out while its deadline holds; a D that
+    restarted meanwhile ignores the notification."""
+    log.warning("lookup.store_unavailable", error=str(e))
+    release = RELEASE if taken is not None and now < taken.expires_at else None
+    engine = taken.engine_id if taken is not None else ""
+    return Decision(False, Reason.STORE_UNAVAILABLE, str(e), release=release, engine_id=engine)

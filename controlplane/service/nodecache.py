@@ -1,0 +1,115 @@
+"""This replica's view of the node records and their liveness, and the lookup decisions
+made on it (confirmed by a fresh read before they pull or give the reuse up)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from controlplane import metrics
+from controlplane.errors import StoreUnavailable
+from controlplane.policy import Decision, Policy, Prompt, Reason, decide
+from controlplane.records import NodeState, Retention
+from controlplane.store.nodes import NodeStore
+from kvferry.logs import Outage
+
+log = structlog.get_logger(__name__)
+
+
+class NodeCache:
+    """This replica's view of node records and liveness, at most `refresh_s` stale.
+
+    Lookups decide on it without an extra etcd read; a node missing from the
+    view is fetched, and a decision that a node is gone or restarted is checked
+    against a fresh read before it is answered (`decision`).
+    """
+
+    def __init__(self, store: NodeStore, refresh_s: float) -> None:
+        self._store = store
+        self._refresh_s = refresh_s
+        self._nodes: dict[str, NodeState] = {}
+        self.revisions: dict[str, int] = {}
+        """Mod revision of each node's record as last loaded."""
+        self.dead_since: dict[str, float] = {}
+        """time.monotonic() when this replica first saw each (still) dead node dead."""
+        self.loaded_at = 0.0
+
+    async def refresh(self) -> dict[str, NodeState]:
+        """Read every node from etcd into the view. -> the nodes."""
+        known = dict(self.revisions)
+        nodes, revisions = await self._store.load()
+        # A record this replica wrote or read while that read was on its way (a
+        # re-registration through it, say) may be newer than what the read found: it stays.
+        for engine, revision in self.revisions.items():
+            moved = revision != known.get(engine)
+            if moved and revision > revisions.get(engine, 0) and engine in self._nodes:
+                nodes[engine], revisions[engine] = self._nodes[engine], revision
+        now = time.monotonic()
+        before, seen = self.revisions, self.dead_since
+        # A record that changed since (a registration this replica did not see alive)
+        # starts its dead time again.
+        self.dead_since = {
+            e: seen[e] if e in seen and before.get(e) == revisions.get(e) else now
+            for e, n in nodes.items()
+            if not n.alive
+        }
+        self._nodes, self.revisions = nodes, revisions
+        self.loaded_at = now
+        metrics.NODES_ALIVE.set(sum(1 for n in nodes.values() if n.alive))
+        return nodes
+
+    async def get(self, engine_id: str, fresh: bool = False) -> NodeState | None:
+        """A node as the view has it (read from etcd when it has none, when `fresh` is asked
+        for, or when the view is four refreshes old)."""
+        state = self._nodes.get(engine_id)
+        if state is None or fresh or time.monotonic() - self.loaded_at > 4 * self._refresh_s:
+            state, revision = await self._store.get(engine_id)
+            if state is not None:
+                self.put(state, revision)
+            else:
+                self._nodes.pop(engine_id, None)
+        return state
+
+    def put(self, state: NodeState, revision: int) -> None:
+        """A node's state as of its record's mod `revision` (an older one is not taken)."""
+        engine = state.record.engine_id
+        if revision >= self.revisions.get(engine, 0):
+            self._nodes[engine], self.revisions[engine] = state, revision
+
+    def snapshot(self) -> dict[str, NodeState]:
+        """Every node in the view, as a new dict."""
+        return dict(self._nodes)
+
+    def drop(self, engine_id: str) -> None:
+        """Forget a node (its record was deleted, or could not be read)."""
+        self._nodes.pop(engine_id, None)
+
+    async def decision(self, retention: Retention, prompt: Prompt, policy: Policy, now: float) -> Decision:
+        """The lookup decision for `retention` on the view of its node. The view may be a
+        moment old: a pull, or giving up the reuse because the node is gone or restarted,
+        is confirmed on a fresh read first (a pull must not reach a node suspended or
+        registered anew since: another process behind the same engine id, see
+        sidecar/identity.py)."""
+        node = await self.get(retention.engine_id)
+        decided = decide(retention, node, prompt, policy, now)
+        if decided.pull or decided.reason in (Reason.NODE_GONE, Reason.NODE_RESTARTED):
+            node = await self.get(retention.engine_id, fresh=True)
+            decided = decide(retention, node, prompt, policy, now)
+        return decided
+
+    async def run(self) -> None:
+        """Refresh every `refresh_s`; an etcd outage is logged when it starts (then once a
+        minute) and when it ends, not at every refresh."""
+        outage = Outage()
+        while True:
+            try:
+                await self.refresh()
+            except StoreUnavailable as e:
+                outage.report(log, False, "nodes.refresh.failed", "nodes.refresh.recovered", error=str(e))
+            except Exception:  # a defect: logged, and the cache keeps being refreshed
+                log.exception("nodes.refresh.error")
+            else:
+                outage.report(log, True, "nodes.refresh.failed", "nodes.refresh.recovered")
+            await asyncio.sleep(self._refresh_s)

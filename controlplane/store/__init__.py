@@ -1,0 +1,84 @@
+"""The etcd adapter: every etcd call the daemon makes, and nothing else.
+
+Talks to etcd through aetcd (its client, generated etcd API and error types); hot
+paths build the etcd requests directly so that each kvferry operation is one etcd
+round trip. Library errors are translated at the boundary (controlplane.etcd) into the
+project's own `StoreUnavailable` / `Conflict` (see errors.py).
+
+One part per kind of record, on one connection (`EtcdStore`):
+
+- kv.py: the etcd operations and request builders every part is built from;
+- nodes.py: node records, liveness and the generation floor;
+- retentions.py: retentions and claim markers (the lookup hot path);
+- gcleases.py: the shared etcd leases that garbage-collect those;
+- scans.py: listings and the gauge scan, in bounded windows;
+- replicas.py: the daemon replicas' announcements.
+
+etcd lease strategy (DESIGN.md): one liveness lease per node registration; retentions
+and claim markers share time-bucketed GC leases, never one etcd lease per record.
+Retention deadlines live in the values and are enforced at lookup; etcd leases only
+garbage-collect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from controlplane.errors import StoreUnavailable
+from controlplane.etcd import Client
+from controlplane.records import Keys
+from controlplane.store.gcleases import GcLeases
+from controlplane.store.kv import EtcdKv, get
+from controlplane.store.nodes import NodeStore
+from controlplane.store.replicas import ReplicaStore
+from controlplane.store.retentions import RetentionStore
+from controlplane.store.scans import RetentionScans
+
+
+class EtcdStore:
+    """The daemon's records in etcd, one part per kind, on one client."""
+
+    def __init__(
+        self,
+        endpoints: tuple[str, ...],
+        keys: Keys,
+        timeout_s: float,
+        bucket_s: int,
+        max_keys_per_lease: int,
+        claim_marker_s: int,
+    ) -> None:
+        self.keys = keys
+        self.endpoints = endpoints
+        self._client = Client(endpoints, timeout_s)
+        self.kv = EtcdKv(self._client, timeout_s)
+        self.nodes = NodeStore(self.kv, keys)
+        self.scans = RetentionScans(self.kv, keys)
+        gc = GcLeases(self._client, bucket_s, max_keys_per_lease, timeout_s)
+        self.retentions = RetentionStore(self.kv, keys, gc, self.scans.sample, claim_marker_s)
+        self.replicas = ReplicaStore(self.kv, keys)
+
+    async def connect(self) -> None:
+        """Open the client's channel to etcd."""
+        await self._client.connect()
+
+    async def close(self) -> None:
+        """Send what is queued for group commit, then close the client."""
+        await self.kv.batcher.close()
+        await self._client.close()
+
+    async def follow_dns(self, interval_s: float) -> None:
+        """Keep resolving the endpoints' names (when gRPC would not): see `channel_target`."""
+        await self._client.follow_dns(interval_s)
+
+    async def ready(self, timeout_s: float) -> None:
+        """Wait until etcd answers a read, or raise StoreUnavailable."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await self.kv.read("ready", get(self.keys.nodes, limit=1))
+                return
+            except StoreUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)

@@ -1,0 +1,237 @@
+"""Node records and their liveness in etcd.
+
+A node's record lives at ``nodes/<engine_id>`` (no etcd lease: it outlives the process
+as a tombstone that remembers the generation); its liveness key ``alive/<engine_id>``
+holds the generation, on one etcd liveness lease per registration that heartbeats
+refresh. The generation floor keeps generations rising across deleted records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import structlog
+
+from controlplane import metrics
+from controlplane.errors import Conflict, StoreUnavailable
+from controlplane.etcd import LeaseGone
+from controlplane.records import Keys, NodeRecord, NodeState, decode_node, encode, prefix_end
+from controlplane.store.kv import EtcdKv, absent, decoded, delete_op, get, mod_is, put_op
+
+log = structlog.get_logger(__name__)
+
+
+def _is_alive(rec: NodeRecord, alive_generation: int | None) -> bool:
+    """The liveness rule: not deregistered, and the liveness key (None = absent) holds the
+    record's generation (a key left by an older generation does not count)."""
+    return not rec.removed_at and not rec.suspended_at and alive_generation == rec.generation
+
+
+def _node_state(node_kvs: Sequence[Any], alive_kvs: Sequence[Any]) -> tuple[NodeState | None, int]:
+    """A node record and its liveness key as read -> (state or None, record mod revision)."""
+    rec = decoded(decode_node, node_kvs[0]) if node_kvs else None
+    if rec is None:  # (no record, or none this version reads: the node counts as gone)
+        return None, 0
+    alive = _is_alive(rec, _alive_generation(alive_kvs[0]) if alive_kvs else None)
+    return NodeState(rec, alive), int(node_kvs[0].mod_revision)
+
+
+def _alive_generation(kv: Any) -> int | None:
+    """The generation a liveness key holds (None, with a log line, for a value that is none:
+    the node counts as not alive, and the other nodes' records still load)."""
+    try:
+        return int(kv.value or b"0")
+    except ValueError:
+        log.warning(
+            "etcd.record.undecodable", key=bytes(kv.key).decode("utf-8", "replace"), error="not a generation"
+        )
+        return None
+
+
+def _floor(kvs: Sequence[Any]) -> tuple[int, int]:
+    """The generation floor as read -> (value, mod revision); (0, 0) when never written."""
+    return (int(kvs[0].value or b"0"), int(kvs[0].mod_revision)) if kvs else (0, 0)
+
+
+class NodeStore:
+    """Node records, their liveness and the generation floor. One method = one operation."""
+
+    def __init__(self, kv: EtcdKv, keys: Keys) -> None:
+        self._kv = kv
+        self._keys = keys
+
+    async def load(self) -> tuple[dict[str, NodeState], dict[str, int]]:
+        """Every node record with its liveness, in one read. -> (states, node key mod revisions)."""
+        k = self._keys
+        records, lives = await self._kv.read(
+            "load_nodes", get(k.nodes, prefix_end(k.nodes)), get(k.alive, prefix_end(k.alive))
+        )
+        alive = {k.engine_of(kv.key): _alive_generation(kv) for kv in lives.kvs}
+        states: dict[str, NodeState] = {}
+        revisions: dict[str, int] = {}
+        for kv in records.kvs:
+            rec = decoded(decode_node, kv)
+            if rec is None:
+                continue
+            states[rec.engine_id] = NodeState(rec, _is_alive(rec, alive.get(rec.engine_id)))
+            revisions[rec.engine_id] = int(kv.mod_revision)
+        return states, revisions
+
+    async def get(self, engine_id: str) -> tuple[NodeState | None, int]:
+        """A node's record and liveness, and its record's mod revision (0 = no record)."""
+        k = self._keys
+        record, alive = await self._kv.read("get_node", get(k.node(engine_id)), get(k.alive_key(engine_id)))
+        return _node_state(record.kvs, alive.kvs)
+
+    async def get_with_floor(self, engine_id: str) -> tuple[NodeState | None, int, int, int]:
+        """`get`, and the generation floor with its mod revision (what a registration of an
+        engine id without a record must stay above), in one read."""
+        k = self._keys
+        record, alive, floor = await self._kv.read(
+            "get_node", get(k.node(engine_id)), get(k.alive_key(engine_id)), get(k.generation_floor)
+        )
+        state, revision = _node_state(record.kvs, alive.kvs)
+        return state, revision, *_floor(floor.kvs)
+
+    async def put(
+        self,
+        rec: NodeRecord,
+        expect_revision: int,
+        floor_revision: int | None = None,
+        previous_lease: int = 0,
+    ) -> tuple[NodeRecord, int]:
+        """Store a node record and start a fresh liveness lease for it. -> (the record as
+        stored, its mod revision).
+
+        `expect_revision` is the node key's mod revision the caller decided on
+        (0 = must not exist), `floor_revision` the generation floor's it decided the
+        generation on (None = it did not); a concurrent change raises Conflict. Once
+        stored, `previous_lease` (the liveness lease of the registration this replaces,
+        0 = none) is revoked.
+        """
+        k = self._keys
+        lease = await self._kv.grant("lease_grant", rec.liveness_ttl)
+        metrics.NODE_LEASE_GRANTS.inc()
+        stored = msgspec.structs.replace(rec, lease_id=lease)
+        cmp = [mod_is(k.node(rec.engine_id), expect_revision)]
+        if floor_revision is not None:
+            cmp.append(mod_is(k.generation_floor, floor_revision))
+        writes = [
+            put_op(k.node(rec.engine_id), encode(stored)),
+            put_op(k.alive_key(rec.engine_id), b"%d" % rec.generation, lease),
+        ]
+        try:
+            resp = await self._kv.txn("put_node", cmp, writes, [])
+        except LeaseGone as e:  # (its TTL ran out before etcd got to the write: etcd is slow)
+            raise StoreUnavailable(f"the liveness lease of {rec.engine_id} expired before it was used") from e
+        if not resp.succeeded:
+            await self._kv.revoke_quietly(lease)
+            raise Conflict(f"node {rec.engine_id} changed concurrently")
+        if previous_lease:
+            await self._kv.revoke_quietly(previous_lease)
+        return stored, int(resp.header.revision)
+
+    async def keepalive(self, rec: NodeRecord) -> tuple[int, NodeRecord]:
+        """Refresh a node's liveness lease. -> (seconds left, the record as it stands now:
+        its lease may be a new one); 0 if the node was re-registered or removed.
+
+        A lapsed liveness lease (etcd outage, long pause) is re-created as long as the
+        node record still holds this generation: the engine never restarted, so
+        the blocks it holds are still good. The caller keeps the returned record,
+        so the next heartbeat refreshes the new lease instead of making another.
+        """
+        ttl = await self._kv.refresh(rec.lease_id)
+        if ttl:
+            return ttl, rec
+        current, revision = await self.get(rec.engine_id)
+        if current is None or current.record.generation != rec.generation:
+            return 0, rec
+        if current.record.removed_at or current.record.suspended_at:  # (a late heartbeat: no revival)
+            return 0, rec
+        if current.record.lease_id != rec.lease_id:  # renewed meanwhile (another stream or replica)
+            ttl = await self._kv.refresh(current.record.lease_id)
+            if ttl:
+                return ttl, current.record
+        renewed, _ = await self.put(current.record, revision)
+        log.info("node.liveness.renewed", engine_id=rec.engine_id, lease=renewed.lease_id)
+        return rec.liveness_ttl, renewed
+
+    async def delete(self, engine_id: str, now: float) -> bool:
+        """End a node's liveness and leave a tombstone of its record.
+
+        The tombstone keeps the generation, so a later registration of the same
+        engine id gets a newer one and the retentions of this one stay dead.
+        """
+        state, revision = await self.get(engine_id)
+        if state is None or state.record.removed_at:
+            return False
+        k = self._keys
+        tomb = msgspec.structs.replace(state.record, removed_at=now, lease_id=0)
+        resp = await self._kv.txn(
+            "delete_node",
+            [mod_is(k.node(engine_id), revision)],
+            [put_op(k.node(engine_id), encode(tomb)), delete_op(k.alive_key(engine_id))],
+            [],
+        )
+        if not resp.succeeded:
+            raise Conflict(f"node {engine_id} changed concurrently")
+        if state.record.lease_id:
+            await self._kv.revoke_quietly(state.record.lease_id)
+        return True
+
+    async def suspend(self, rec: NodeRecord, now: float) -> tuple[NodeRecord, int] | None:
+        """End the liveness of registration `rec` at once, keeping its generation (see
+        NodeRecord.suspended_at): only while the node's record is still that registration
+        (same generation, same liveness lease), so an Attach stream that ends late never
+        suspends the registration that replaced it. -> (the suspended record, its mod
+        revision), None when there was nothing to suspend."""
+        state, revision = await self.get(rec.engine_id)
+        if state is None:
+            return None
+        cur = state.record
+        if (
+            cur.removed_at
+            or cur.suspended_at
+            or (cur.generation, cur.lease_id) != (rec.generation, rec.lease_id)
+        ):
+            return None
+        k = self._keys
+        held = msgspec.structs.replace(cur, suspended_at=now, lease_id=0)
+        resp = await self._kv.txn(
+            "suspend_node",
+            [mod_is(k.node(rec.engine_id), revision)],
+            [put_op(k.node(rec.engine_id), encode(held)), delete_op(k.alive_key(rec.engine_id))],
+            [],
+        )
+        if not resp.succeeded:  # registered again meanwhile
+            return None
+        await self._kv.revoke_quietly(cur.lease_id)
+        return held, int(resp.header.revision)
+
+    async def collect(self, engine_id: str, expect_revision: int, generation: int) -> bool:
+        """Delete a dead node's record, raising the generation floor to its generation in
+        the same transaction: an engine id registered afresh later gets a generation above
+        every deleted one, so no retention of a deleted record can match a new process.
+
+        Only if the record is unchanged since `expect_revision` and has no liveness key.
+        -> whether it was deleted.
+        """
+        k = self._keys
+        (read,) = await self._kv.read("collect_node", get(k.generation_floor))
+        floor, floor_revision = _floor(read.kvs)
+        resp = await self._kv.txn(
+            "collect_node",
+            [
+                mod_is(k.node(engine_id), expect_revision),
+                absent(k.alive_key(engine_id)),
+                mod_is(k.generation_floor, floor_revision),
+            ],
+            # The floor is only written when it rises: an unchanged one leaves fresh
+            # registrations (which compare its revision) nothing to conflict on.
+            [delete_op(k.node(engine_id))]
+            + ([put_op(k.generation_floor, b"%d" % generation)] if generation > floor else []),
+            [],
+        )
+        return bool(resp.succeeded)
