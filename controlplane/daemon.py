@@ -17,7 +17,7 @@ import structlog
 from prometheus_client import start_http_server
 
 from controlplane import metrics
-from controlplane.embedded import EmbeddedEtcd
+from controlplane.embedded import SECOND_DAEMON, EmbeddedEtcd, port_free
 from controlplane.errors import StoreUnavailable
 from controlplane.peers import Peers
 from controlplane.records import Keys
@@ -58,6 +58,7 @@ class Daemon:
         metrics server and the background loops."""
         t0 = time.perf_counter()
         s = self.settings
+        _check_listen_free(s.server.listen)  # (before waiting on an etcd, not after)
         store = await self._open_store()
         cp = ControlPlane(store, s)
         self.control_plane = cp
@@ -175,6 +176,17 @@ class Daemon:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def _check_listen_free(listen: str) -> None:
+    """Refuse at once when something already listens on the gRPC address (a daemon left
+    running, say), rather than after starting and waiting for etcd."""
+    host, port = listen_host_port(listen)
+    if port and not port_free(host or "0.0.0.0", port):
+        raise OSError(
+            f"cannot listen on {listen}: the port is in use (another kvferry daemon?); "
+            f"a second daemon on this machine needs {SECOND_DAEMON}"
+        )
 
 
 def advertised(listen: str, port: int, advertise: str) -> str:

@@ -7,16 +7,35 @@ retentions and nodes survive a daemon restart.
 from __future__ import annotations
 
 import asyncio
+import errno
+import fcntl
 import os
 import shutil
 import signal
 import socket
 import sys
 from pathlib import Path
+from typing import BinaryIO
 
 import structlog
 
 log = structlog.get_logger(__name__)
+
+SECOND_DAEMON = "its own --embedded-port, --data-dir and --listen (and --metrics-port, if set)"
+"""What to give a second daemon on one machine, named by every error that meets the first."""
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether nothing listens on host:port now (connections of a stopped process, in
+    TIME_WAIT, do not count: a server binds with SO_REUSEADDR too). Only "in use" counts:
+    an address that is not this host's is for the server's own bind to report."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            return e.errno != errno.EADDRINUSE  # (another problem is the server's to report)
+    return True
 
 
 def etcd_binary() -> Path:
@@ -58,6 +77,7 @@ class EmbeddedEtcd:
         self.peer_port = peer_port
         self.name = name
         self._proc: asyncio.subprocess.Process | None = None
+        self._lock: BinaryIO | None = None
 
     @property
     def endpoint(self) -> str:
@@ -106,21 +126,17 @@ class EmbeddedEtcd:
         ]
 
     async def start(self) -> None:
-        """Start the etcd process (its ports must be free)."""
+        """Start the etcd process (its ports and its data directory must be free)."""
         for port in (self.client_port, self.peer_port):
             # An etcd already there (another daemon's) would take our requests: the daemon
             # would serve on someone else's data while this etcd fails to start.
-            with socket.socket() as probe:
-                # (SO_REUSEADDR: only a listener counts, not connections of a stopped one)
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    probe.bind(("127.0.0.1", port))
-                except OSError as e:
-                    raise OSError(
-                        f"embedded etcd port {port} is in use (another kvferry daemon?): "
-                        f"choose another --embedded-port ({e})"
-                    ) from e
+            if not port_free("127.0.0.1", port):
+                raise OSError(
+                    f"embedded etcd port {port} is in use (another kvferry daemon?); "
+                    f"a second daemon on this machine needs {SECOND_DAEMON}"
+                )
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_data_dir()
         with open(self.log_path, "ab") as out:  # noqa: ASYNC230 - once, at start-up
             self._proc = await asyncio.create_subprocess_exec(
                 *_with_parent_death_signal(self.command()),
@@ -133,6 +149,20 @@ class EmbeddedEtcd:
             "etcd.embedded.started", endpoint=self.endpoint, data_dir=str(self.data_dir), pid=self._proc.pid
         )
 
+    def _lock_data_dir(self) -> None:
+        """Hold the data directory for this process's life: a second etcd on it would wait
+        for etcd's own lock, silently, while the daemon waits for it to answer."""
+        lock = open(self.data_dir.parent / f"{self.data_dir.name}.lock", "ab")  # noqa: SIM115
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            raise OSError(
+                f"embedded etcd data directory {self.data_dir} is in use (another kvferry "
+                f"daemon?); a second daemon on this machine needs {SECOND_DAEMON}"
+            ) from None
+        self._lock = lock
+
     async def wait_exited(self) -> int:
         """Until the process exits. -> its exit code."""
         assert self._proc is not None
@@ -141,12 +171,14 @@ class EmbeddedEtcd:
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the process (SIGTERM, then SIGKILL after `timeout_s`)."""
         proc = self._proc
-        if proc is None or proc.returncode is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), timeout_s)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-        log.info("etcd.embedded.stopped", code=proc.returncode)
+        if proc is not None and proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), timeout_s)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+            log.info("etcd.embedded.stopped", code=proc.returncode)
+        if self._lock is not None:
+            self._lock.close()  # (closing releases the flock)
+            self._lock = None
