@@ -9,59 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 import pytest
 
-from emulator import EmulatorServer
 from emulator import engine as engine_module
 from emulator.sidechannel import Notify
 from tests.emulator.conftest import StartEmulator
-from tests.emulator.helpers import Answer, Client, async_test, conversation
+from tests.emulator.helpers import Client, async_test, conversation
+from tests.emulator.pd import (
+    FirstTurn,
+    fully_free,
+    next_turn,
+    not_held,
+    pd_turn,
+    reference_answer,
+    wait_until_free,
+)
 from tests.polling import eventually
-
-
-async def _turn(
-    http: Client,
-    p: EmulatorServer,
-    d: EmulatorServer,
-    messages: list[dict[str, Any]],
-    pull_from: dict[str, Any] | None = None,
-) -> tuple[Answer, Answer]:
-    """One P/D turn; returns P's and D's answers."""
-    prefill = await http.prefill(p, messages, pull_from)
-    assert prefill.status == 200, prefill.body
-    assert prefill.params is not None and prefill.params["do_remote_prefill"] is True
-    decode = await http.chat(d, messages, max_tokens=64, kv_transfer_params=prefill.params)
-    assert decode.status == 200, decode.body
-    return prefill, decode
-
-
-def _next_turn(messages: list[dict[str, Any]], answer: str, text: str = "Go on. ") -> list[dict[str, Any]]:
-    return [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": text * 4}]
-
-
-async def _fully_free(http: Client, emu: EmulatorServer) -> bool:
-    state = await http.state(emu)
-    return not state["held_requests"] and state["free_blocks"] == state["num_blocks"]
-
-
-async def _not_held(http: Client, emu: EmulatorServer, request_id: str) -> bool:
-    return request_id not in (await http.state(emu))["held_requests"]
-
-
-async def wait_until_free(http: Client, emu: EmulatorServer) -> bool:
-    await eventually(lambda: _fully_free(http, emu), within=15)
-    return True
-
-
-async def _reference_answer(start: StartEmulator, http: Client, messages: list[dict[str, Any]]) -> str:
-    """The answer of a fresh engine that computes everything itself."""
-    alone = await start()
-    answer = await http.chat(alone, messages, max_tokens=64)
-    assert answer.pull == "none"
-    assert answer.count("computed") == answer.body["usage"]["prompt_tokens"]
-    return answer.content
 
 
 @async_test(timeout=15)
@@ -70,7 +34,7 @@ async def test_two_turns_pull_the_decoders_blocks(start_emulator: StartEmulator,
     d = await start_emulator(role="decode")
     first = conversation()
 
-    prefill, decode = await _turn(http, p, d, first)
+    prefill, decode = await pd_turn(http, p, d, first)
     prompt_len = prefill.body["usage"]["prompt_tokens"]
     assert prefill.count("computed") == prompt_len
     assert decode.pull == "pulled" and decode.count("pulled") == prompt_len
@@ -90,15 +54,15 @@ async def test_two_turns_pull_the_decoders_blocks(start_emulator: StartEmulator,
     state = await http.state(d)
     assert list(state["held_requests"]) == [params["remote_request_id"]]
 
-    second = _next_turn(first, decode.content)
-    prefill2, decode2 = await _turn(http, p, d, second, pull_from=params)
+    second = next_turn(first, decode.content)
+    prefill2, decode2 = await pd_turn(http, p, d, second, pull_from=params)
     assert prefill2.pull == "pulled"
     assert prefill2.count("pulled") == params["remote_num_tokens"]
     assert prefill2.count("computed") == prefill2.body["usage"]["prompt_tokens"] - params["remote_num_tokens"]
     await eventually(  # the notify travels beside P's answer, not before it
-        lambda: _not_held(http, d, params["remote_request_id"])
+        lambda: not_held(http, d, params["remote_request_id"])
     )
-    assert decode2.content == await _reference_answer(start_emulator, http, second)
+    assert decode2.content == await reference_answer(start_emulator, http, second)
 
 
 @async_test(timeout=15)
@@ -107,8 +71,8 @@ async def test_pull_saves_prefill_time(start_emulator: StartEmulator, http: Clie
     p = await start_emulator(enable_prefix_caching=False, prefill_ms_per_token=3.0, transfer_ms_per_block=1.0)
     d = await start_emulator()
     first = conversation()
-    _, decode = await _turn(http, p, d, first)
-    second = _next_turn(first, decode.content)
+    _, decode = await pd_turn(http, p, d, first)
+    second = next_turn(first, decode.content)
 
     began = time.perf_counter()
     reused = await http.prefill(p, second, decode.params)
@@ -129,15 +93,9 @@ async def test_pull_saves_prefill_time(start_emulator: StartEmulator, http: Clie
 
 @async_test(timeout=15)
 async def test_notify_does_not_hold_up_the_answer_but_always_arrives(
-    start_emulator: StartEmulator, http: Client, monkeypatch: pytest.MonkeyPatch
+    first_turn: FirstTurn, http: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    p = await start_emulator(enable_prefix_caching=False)
-    d = await start_emulator()
-    first = conversation()
-    _, decode = await _turn(http, p, d, first)
-    params = decode.params
-    assert params is not None
-    second = _next_turn(first, decode.content)
+    p, d, params, second = first_turn.p, first_turn.d, first_turn.params, first_turn.second
 
     real_notify = engine_module.notify_remote
     delivered, gate = asyncio.Event(), asyncio.Event()
@@ -159,7 +117,7 @@ async def test_notify_does_not_hold_up_the_answer_but_always_arrives(
     delivered.clear()
     gate.clear()
     assert prefill.params is not None
-    third = _next_turn(second, "An answer.")
+    third = next_turn(second, "An answer.")
     answer = await http.chat(d, second, max_tokens=64, kv_transfer_params=prefill.params)
     assert answer.pull == "pulled" and answer.params is not None
     refused = await http.prefill(p, third, {**answer.params, "remote_num_tokens": 0})
@@ -173,20 +131,15 @@ async def test_notify_does_not_hold_up_the_answer_but_always_arrives(
 
 @async_test(timeout=15)
 async def test_second_read_of_the_same_params_reads_freed_blocks_silently(
-    start_emulator: StartEmulator, http: Client
+    first_turn: FirstTurn, http: Client
 ) -> None:
     """As on vLLM: D freed the blocks after the first read, and nothing stops a second one.
     It succeeds with whatever the blocks hold by then; D counts it as an unheld read (and
     logs the notify of an unknown request), which is how a test catches a double handout."""
-    p = await start_emulator(enable_prefix_caching=False)
-    d = await start_emulator()
-    first = conversation()
-    _, decode = await _turn(http, p, d, first)
-    second = _next_turn(first, decode.content)
-
-    assert (await http.prefill(p, second, decode.params)).pull == "pulled"
+    p, d, params, second = first_turn.p, first_turn.d, first_turn.params, first_turn.second
+    assert (await http.prefill(p, second, params)).pull == "pulled"
     assert (await http.state(d))["unheld_reads"] == 0
-    stale = await http.prefill(p, second, decode.params)
+    stale = await http.prefill(p, second, params)
     assert stale.status == 200 and stale.pull == "pulled"
     assert (await http.state(d))["unheld_reads"] == 1
 
@@ -197,8 +150,8 @@ async def test_reads_close_to_expiry_are_refused(start_emulator: StartEmulator, 
     lenient = await start_emulator(enable_prefix_caching=False, kv_load_failure_policy="recompute")
     d = await start_emulator(decoder_kv_blocks_ttl=4.0)  # always within 5 s of expiry
     first = conversation()
-    _, decode = await _turn(http, strict, d, first)
-    second = _next_turn(first, decode.content)
+    _, decode = await pd_turn(http, strict, d, first)
+    second = next_turn(first, decode.content)
 
     refused = await http.prefill(strict, second, decode.params)
     assert refused.status == 500
@@ -207,7 +160,7 @@ async def test_reads_close_to_expiry_are_refused(start_emulator: StartEmulator, 
 
     # Streamed, the failed load ends a stream already begun (vLLM finishes the request with
     # an error): an error event, then the end of the stream.
-    _, decode = await _turn(http, strict, d, first)
+    _, decode = await pd_turn(http, strict, d, first)
     assert decode.params is not None
     kv = {**decode.params, "do_remote_decode": True, "do_remote_prefill": False}
     body = {
@@ -225,7 +178,7 @@ async def test_reads_close_to_expiry_are_refused(start_emulator: StartEmulator, 
     assert "KV load failed (expiry_too_close)" in error["error"]["message"]
     assert decode.params["remote_request_id"] in (await http.state(d))["held_requests"]
 
-    _, decode = await _turn(http, strict, d, first)
+    _, decode = await pd_turn(http, strict, d, first)
     recomputed = await http.prefill(lenient, second, decode.params)
     assert recomputed.status == 200
     assert recomputed.pull == "recomputed:expiry_too_close"
@@ -243,24 +196,24 @@ async def test_skipped_pulls_still_free_the_decoders_blocks(
     first = conversation()
     second_text = "Short. "
 
-    _, decode = await _turn(http, cautious, d, first)
-    skipped = await http.prefill(cautious, _next_turn(first, decode.content, second_text), decode.params)
+    _, decode = await pd_turn(http, cautious, d, first)
+    skipped = await http.prefill(cautious, next_turn(first, decode.content, second_text), decode.params)
     assert skipped.pull == "skipped:below_threshold"
     assert skipped.count("computed") == skipped.body["usage"]["prompt_tokens"]
-    await eventually(lambda: _fully_free(http, d))
+    await eventually(lambda: fully_free(http, d))
 
-    _, decode = await _turn(http, caching, d, first)
-    local = await http.prefill(caching, _next_turn(first, decode.content, second_text), decode.params)
+    _, decode = await pd_turn(http, caching, d, first)
+    local = await http.prefill(caching, next_turn(first, decode.content, second_text), decode.params)
     assert local.pull == "skipped:below_threshold"
     assert local.count("cached") > 0
-    await eventually(lambda: _fully_free(http, d))
+    await eventually(lambda: fully_free(http, d))
 
-    _, decode = await _turn(http, cautious, d, first)
+    _, decode = await pd_turn(http, cautious, d, first)
     assert decode.params is not None
     release_only = {**decode.params, "remote_num_tokens": 0}
-    freed = await http.prefill(cautious, _next_turn(first, decode.content), release_only)
+    freed = await http.prefill(cautious, next_turn(first, decode.content), release_only)
     assert freed.pull == "skipped:no_remote_tokens"
-    await eventually(lambda: _fully_free(http, d))
+    await eventually(lambda: fully_free(http, d))
 
 
 @async_test(timeout=10)
@@ -270,13 +223,13 @@ async def test_decoder_frees_unclaimed_blocks_at_the_deadline(
     p = await start_emulator(enable_prefix_caching=False, kv_load_failure_policy="recompute")
     d = await start_emulator(decoder_kv_blocks_ttl=1.5)  # (held still when the next line looks)
     first = conversation()
-    _, decode = await _turn(http, p, d, first)
+    _, decode = await pd_turn(http, p, d, first)
     assert decode.params is not None
     assert (await http.state(d))["held_requests"]
-    await eventually(lambda: _fully_free(http, d))
+    await eventually(lambda: fully_free(http, d))
     late = await http.prefill(
         p,
-        _next_turn(first, decode.content),
+        next_turn(first, decode.content),
         {**decode.params, "remote_blocks_expiry_time": time.perf_counter() + 60},
     )
     # A deadline P cannot see (not forwarded): the read of the freed blocks goes through.
@@ -290,25 +243,19 @@ async def test_answers_with_reuse_equal_answers_without(start_emulator: StartEmu
     messages = conversation()
     params = None
     for turn in range(3):
-        prefill, decode = await _turn(http, p, d, messages, pull_from=params)
+        prefill, decode = await pd_turn(http, p, d, messages, pull_from=params)
         assert prefill.pull == ("none" if turn == 0 else "pulled")
-        assert decode.content == await _reference_answer(start_emulator, http, messages)
+        assert decode.content == await reference_answer(start_emulator, http, messages)
         params = decode.params
-        messages = _next_turn(messages, decode.content, f"Turn {turn}, continue. ")
+        messages = next_turn(messages, decode.content, f"Turn {turn}, continue. ")
 
 
 @async_test(timeout=15)
 async def test_trimmed_pull_is_right_and_an_untrimmed_one_is_wrong(
-    start_emulator: StartEmulator, http: Client
+    start_emulator: StartEmulator, first_turn: FirstTurn, http: Client
 ) -> None:
-    p = await start_emulator(enable_prefix_caching=False)
-    d = await start_emulator()
-    first = conversation()
-    _, decode = await _turn(http, p, d, first)
-    params = decode.params
-    assert params is not None
-    second = _next_turn(first, decode.content)
-    reference = await _reference_answer(start_emulator, http, second)
+    p, d, params, second = first_turn.p, first_turn.d, first_turn.params, first_turn.second
+    reference = await reference_answer(start_emulator, http, second)
 
     # Cut to the leading 5 blocks the right way: token count and block list together.
     trimmed = {**params, "remote_num_tokens": 80, "remote_block_ids": [params["remote_block_ids"][0][:5]]}
@@ -318,7 +265,7 @@ async def test_trimmed_pull_is_right_and_an_untrimmed_one_is_wrong(
     assert answer.content == reference
 
     # Cut only the token count: P takes the tail of the list, KV of other positions.
-    _, decode = await _turn(http, p, d, first)
+    _, decode = await pd_turn(http, p, d, first_turn.first)
     assert decode.params is not None
     wrong = {**decode.params, "remote_num_tokens": 80}
     prefill = await http.prefill(p, second, wrong)
@@ -329,18 +276,15 @@ async def test_trimmed_pull_is_right_and_an_untrimmed_one_is_wrong(
 
 @async_test(timeout=15)
 async def test_pull_for_a_diverged_prompt_changes_the_answer(
-    start_emulator: StartEmulator, http: Client
+    start_emulator: StartEmulator, first_turn: FirstTurn, http: Client
 ) -> None:
-    p = await start_emulator(enable_prefix_caching=False)
-    d = await start_emulator()
-    first = conversation()
-    _, decode = await _turn(http, p, d, first)
+    p, d = first_turn.p, first_turn.d
     # The client edited the earlier answer: P's prompt no longer begins with D's tokens.
-    diverged = _next_turn(first, decode.content.upper() + "!")
-    prefill = await http.prefill(p, diverged, decode.params)
+    diverged = next_turn(first_turn.first, first_turn.decode.content.upper() + "!")
+    prefill = await http.prefill(p, diverged, first_turn.params)
     assert prefill.pull == "pulled"
     answer = await http.chat(d, diverged, max_tokens=64, kv_transfer_params=prefill.params)
-    assert answer.content != await _reference_answer(start_emulator, http, diverged)
+    assert answer.content != await reference_answer(start_emulator, http, diverged)
 
 
 @async_test(timeout=15)
@@ -415,7 +359,7 @@ async def test_client_disconnect_retains_nothing(start_emulator: StartEmulator, 
         assert response.status == 200
         await response.content.readline()
         response.close()
-    await eventually(lambda: _fully_free(http, d))
+    await eventually(lambda: fully_free(http, d))
     assert await wait_until_free(http, p)
 
 
@@ -454,7 +398,7 @@ async def test_pinned_blocks_survive_pressure(start_emulator: StartEmulator, htt
     p = await start_emulator(enable_prefix_caching=False)
     d = await start_emulator(num_blocks=64)
     first = conversation()
-    _, decode = await _turn(http, p, d, first)
+    _, decode = await pd_turn(http, p, d, first)
     assert decode.params is not None
     held = len(decode.params["remote_block_ids"][0])
     for i in range(4):  # fill the rest of D's pool with other conversations
@@ -462,11 +406,11 @@ async def test_pinned_blocks_survive_pressure(start_emulator: StartEmulator, htt
         assert (await http.chat(d, other, max_tokens=8)).status == 200
     state = await http.state(d)
     assert state["free_blocks"] == 64 - held
-    second = _next_turn(first, decode.content)
+    second = next_turn(first, decode.content)
     prefill = await http.prefill(p, second, decode.params)
     assert prefill.pull == "pulled"
     answer = await http.chat(d, second, max_tokens=64, kv_transfer_params=prefill.params)
-    assert answer.content == await _reference_answer(start_emulator, http, second)
+    assert answer.content == await reference_answer(start_emulator, http, second)
 
 
 @async_test(timeout=10)
@@ -477,22 +421,19 @@ async def test_prefiller_frees_blocks_its_decoder_never_read(
     prefill = await http.prefill(p, conversation())
     assert prefill.params is not None
     assert list((await http.state(p))["held_requests"]) == [prefill.params["remote_request_id"]]
-    await eventually(lambda: _fully_free(http, p))
+    await eventually(lambda: fully_free(http, p))
 
 
 @async_test(timeout=15)
 async def test_params_of_a_previous_engine_generation_fail(
-    start_emulator: StartEmulator, http: Client
+    start_emulator: StartEmulator, first_turn: FirstTurn, http: Client
 ) -> None:
-    p = await start_emulator(enable_prefix_caching=False)
-    d = await start_emulator()
-    first = conversation()
-    _, decode = await _turn(http, p, d, first)
+    p, d = first_turn.p, first_turn.d
     port = d.side_channel_port
     await d.stop()
     restarted = await start_emulator(side_channel_port=port)  # same address, new engine id
     assert restarted.engine_id != d.engine_id
-    stale = await http.prefill(p, _next_turn(first, decode.content), decode.params)
+    stale = await http.prefill(p, first_turn.second, first_turn.params)
     assert stale.status == 500
 
 
@@ -532,15 +473,15 @@ async def test_a_d_restarted_under_its_fixed_engine_id_as_vllm_p_sees_it(
     fresh = await start_emulator(enable_prefix_caching=False, kv_load_failure_policy="recompute")
     d = await start_emulator(**fixed)
     first = conversation()
-    _, one = await _turn(http, cached, d, first)
-    _, two = await _turn(http, cached, d, _next_turn(first, one.content))
+    _, one = await pd_turn(http, cached, d, first)
+    _, two = await pd_turn(http, cached, d, next_turn(first, one.content))
     assert one.params is not None and two.params is not None
-    assert (await http.prefill(cached, _next_turn(first, one.content), one.params)).pull == "pulled"
+    assert (await http.prefill(cached, next_turn(first, one.content), one.params)).pull == "pulled"
 
     await d.stop()
     again = await start_emulator(**fixed)
     assert again.engine_id == d.engine_id
-    turn = _next_turn(_next_turn(first, one.content), two.content)
+    turn = next_turn(next_turn(first, one.content), two.content)
     failed = await http.prefill(cached, turn, two.params)
     assert failed.status == 200 and failed.pull == "recomputed:transfer_error"
     stale = await http.prefill(fresh, turn, two.params)
