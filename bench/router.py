@@ -50,10 +50,11 @@ import grpc
 import msgspec
 from aiohttp import web
 
-from bench.demo import TIMING, Deployment, deployment, free_port, pct, timing_text
+from bench.demo import TIMING, Deployment, deployment, pct, timing_text
 from kvferry import logs
 from kvferry.tasks import run_main
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
+from realvllm.process import free_port
 from router import Router
 from router.decisions import decode_body, prefill_body
 from router.upstream import encode, tokenize_request, tokens_of
