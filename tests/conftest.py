@@ -24,7 +24,7 @@ from controlplane.embedded import EmbeddedEtcd
 from controlplane.settings import EtcdSettings, GcSettings, NodeSettings, ServerSettings, Settings
 from emulator import EmulatorServer
 from kvferry.v1 import leases_pb2_grpc, nodes_pb2_grpc
-from realvllm import process
+from realvllm.process import free_port
 from tests.emulator.helpers import config as emulator_config
 
 # No per-example deadline: one example stalled by a full GC or a lost CPU on a loaded 2-core
@@ -41,11 +41,6 @@ hypothesis.settings.load_profile("kvferry")
 # apart. The real-vLLM scenarios keep them (tests/scenarios/backends.py).
 if os.environ.get("KVFERRY_ENGINES") != "vllm":
     os.environ.setdefault("KVFERRY_RELEASE_TICKS_S", "")
-
-
-def free_port() -> int:
-    """A port on loopback for a process a test starts (see realvllm.process.free_port)."""
-    return process.free_port()
 
 
 class EtcdProcess:

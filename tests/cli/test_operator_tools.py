@@ -11,7 +11,8 @@ import structlog
 
 from controlplane.daemon import Daemon
 from kvferry.v1 import leases_pb2, nodes_pb2
-from tests.conftest import Client, fake_completions, free_port
+from realvllm.process import free_port
+from tests.conftest import Client, fake_completions
 from tests.factories import lease_request, node_request
 
 BIN = Path(sys.executable).parent

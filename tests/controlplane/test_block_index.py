@@ -9,7 +9,8 @@ from typing import Any
 
 from controlplane.blockindex import BlockIndex, IndexUpdate
 from kvferry.v1 import nodes_pb2
-from tests.conftest import Client, free_port
+from realvllm.process import free_port
+from tests.conftest import Client
 from tests.factories import node_request
 from tests.polling import eventually
 

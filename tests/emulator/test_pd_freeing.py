@@ -245,7 +245,7 @@ async def test_a_d_restarted_under_its_fixed_engine_id_as_vllm_p_sees_it(
     handshakes with the new process and reads its memory at the old block ids, silently
     (counted as an unheld read by the new D). The emulator checked nothing of the kind:
     every read handshook anew."""
-    from tests.conftest import free_port
+    from realvllm.process import free_port
 
     fixed = {"engine_id": "d-fixed", "side_channel_port": free_port()}
     cached = await start_emulator(enable_prefix_caching=False, kv_load_failure_policy="recompute")

@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from kvferry.v1 import leases_pb2
-from tests.conftest import Client, free_port
+from realvllm.process import free_port
+from tests.conftest import Client
 from tests.factories import lease_request, lookup_request, node_request, tokens
 
 

@@ -9,8 +9,8 @@ from typing import Any
 import aiohttp
 
 from kvferry.v1 import leases_pb2
+from realvllm.process import free_port
 from router import Router
-from tests.conftest import free_port
 from tests.polling import eventually
 from tests.router.conftest import MakeStack, Reference, one_turn_held, router_settings
 from tests.router.helpers import CHAT, ask, first_turn, next_turn, unheld_reads

@@ -15,8 +15,8 @@ from controlplane.daemon import Daemon
 from emulator.sidechannel import ReadBlocks, SideChannelError
 from kvferry.hops import NOT_DELIVERED_HEADER
 from kvferry.v1 import leases_pb2_grpc, nodes_pb2_grpc
+from realvllm.process import free_port
 from router import Router
-from tests.conftest import free_port
 from tests.factories import lease_request, node_request
 from tests.polling import eventually
 from tests.router.conftest import MakeStack, Reference, router_settings

@@ -16,8 +16,8 @@ import aiohttp
 
 from emulator import EmulatorServer
 from kvferry.v1 import leases_pb2, nodes_pb2
+from realvllm.process import free_port
 from sidecar import Sidecar
-from tests.conftest import free_port
 from tests.polling import eventually
 from tests.router.conftest import MakeStack, Reference, Stack, emulator_config, sidecar_for
 from tests.router.helpers import CHAT, ask, first_turn, next_turn

@@ -10,9 +10,9 @@ from dataclasses import replace
 import aiohttp
 
 from controlplane.daemon import Daemon
+from realvllm.process import free_port
 from router import Router
 from sidecar import Sidecar
-from tests.conftest import free_port
 from tests.polling import eventually
 from tests.router.conftest import MakeStack, Reference, router_settings, sidecar_for
 from tests.router.fakes import behind_first, fake_engine
