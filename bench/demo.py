@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ from emulator import EmulatorConfig, EmulatorServer
 from kvferry import logs
 from kvferry.tasks import run_main
 from kvferry.v1 import nodes_pb2, nodes_pb2_grpc
+from realvllm.process import free_port
 from router import Router
 from router import Settings as RouterSettings
 from router.settings import DaemonSettings, ReuseSettings, ServerSettings
@@ -59,12 +59,6 @@ def timing_text() -> str:
         f"prefill {t['prefill_ms_per_token']} ms/token, transfer {t['transfer_ms_per_block']} ms/block, "
         f"decode {t['decode_ms_per_token']} ms/token"
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- the deployment ---------------------------------------------------------------------------

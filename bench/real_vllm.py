@@ -9,7 +9,7 @@ same run, on the same engines:
 - **off**: kvferry's router with reuse off (P recomputes the whole history);
 - **kvferry**: kvferry's router, daemon (embedded etcd) and sidecars;
 - **stand-in**: the per-request structure of vLLM's example multi-turn proxy
-  (``bench.router.MultiturnProxyStandIn``), straight to the engines.
+  (``bench.router_paths.MultiturnProxyStandIn``), straight to the engines.
 
 Turn 1 is a JSON answer (vLLM 0.32 returns D's kv_transfer_params only there: its
 streams carry none), turn 2 streams and is measured: seconds to its first token, the
@@ -40,7 +40,7 @@ from typing import Any
 import aiohttp
 
 from bench.demo import DaemonProcess, _wait_nodes, router_settings
-from bench.router import CHAT, MultiturnProxyStandIn, first_token
+from bench.router_paths import CHAT, MultiturnProxyStandIn, first_token
 from kvferry import logs
 from kvferry.tasks import run_main
 from realvllm.engine import EngineSpec, VllmEngine

@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ import grpc
 import zmq
 import zmq.asyncio
 
+from bench.load import pct
 from emulator.kvevents import (
     MEDIUM_GPU,
     BlockRemoved,
@@ -48,15 +48,10 @@ from emulator.kvevents import (
 )
 from kvferry.tasks import run_main
 from kvferry.v1 import nodes_pb2, nodes_pb2_grpc
+from realvllm.process import free_port
 
 ENGINE_ID = "bench-d"
 BLOCK = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rss_bytes(pid: int) -> int:
@@ -65,12 +60,6 @@ def _rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-def pct(xs: list[float], p: float) -> float:
-    """The p-th percentile of seconds, in milliseconds."""
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(p / 100 * len(s)))] * 1e3
 
 
 async def start_daemon(data_dir: Path) -> tuple[asyncio.subprocess.Process, int]:
@@ -229,10 +218,16 @@ async def ttfb(session: aiohttp.ClientSession, url: str, headers: dict[str, str]
     return elapsed
 
 
-async def bench(args: argparse.Namespace) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="kvferry-bench-sidecar-"))
-    daemon, daemon_port = await start_daemon(tmp / "etcd")
-    publisher = Publisher()
+Rows = list[tuple[str, str, str]]
+"""The table the benchmark prints: (figure, value, note), in order."""
+
+
+async def start_engine_and_sidecar(
+    daemon_port: int, publisher: Publisher
+) -> tuple[list[asyncio.subprocess.Process], str, str]:
+    """An emulated D (`kvferry emulate`) and `kvferry sidecar` in front of it, on the daemon
+    at `daemon_port`, reading `publisher`'s KV events. -> (their processes, the engine's
+    URL, the sidecar's)."""
     engine_port, tap_port = free_port(), free_port()
     procs = [
         await spawn(
@@ -247,71 +242,100 @@ async def bench(args: argparse.Namespace) -> None:
             "--kv-events-replay-endpoint", publisher.replay_endpoint,
         ),
     ]  # fmt: skip
-    engine, tap = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{tap_port}"
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{daemon_port}")
-    nodes = nodes_pb2_grpc.NodesStub(channel)
-    rows: list[tuple[str, str, str]] = []
-    try:
-        await wait_http(engine + "/health")
-        await wait_http(tap + "/kvferry/metrics")
-        deadline = time.perf_counter() + 30
-        while await indexed(nodes) < 0:  # registered and attached
-            if time.perf_counter() > deadline:
-                raise TimeoutError("the sidecar did not register the node")
-            await asyncio.sleep(0.02)
-        publisher.publish_all(stored_payloads(1, 1, 1, 1))  # warm-up (and the slow joiner's replay)
-        await wait_indexed(nodes, 1)
+    return procs, f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{tap_port}"
 
-        # 1. KV-event ingest.
-        n, per_event, per_batch = args.hashes, args.per_event, args.per_batch
-        store = stored_payloads(1_000, n, per_event, per_batch)
-        remove = removed_payloads(1_000, n, per_event, per_batch)
-        phases = (("BlockStored", store, n + 1), ("BlockRemoved", remove, 1))
-        for label, payloads, target in phases:
-            rss_before = _rss_bytes(daemon.pid)
-            t0 = time.perf_counter()
-            publisher.publish_all(payloads)
-            secs = await wait_indexed(nodes, target) - t0
-            if label == "BlockStored":
-                grown = _rss_bytes(daemon.pid) - rss_before
-                rows.append(
-                    (
-                        "daemon memory per indexed block",
-                        f"{grown / n:.0f} bytes",
-                        f"daemon RSS grew {grown / 2**20:.1f} MiB for {n:,} blocks",
-                    )
-                )
+
+async def wait_attached(
+    engine: str, tap: str, nodes: nodes_pb2_grpc.NodesAsyncStub, publisher: Publisher
+) -> None:
+    """Until the engine and the sidecar answer, the node is registered and attached, and a
+    first block published is indexed (a warm-up, and the slow joiner's replay)."""
+    await wait_http(engine + "/health")
+    await wait_http(tap + "/kvferry/metrics")
+    deadline = time.perf_counter() + 30
+    while await indexed(nodes) < 0:  # registered and attached
+        if time.perf_counter() > deadline:
+            raise TimeoutError("the sidecar did not register the node")
+        await asyncio.sleep(0.02)
+    publisher.publish_all(stored_payloads(1, 1, 1, 1))  # warm-up (and the slow joiner's replay)
+    await wait_indexed(nodes, 1)
+
+
+async def ingest(
+    daemon_pid: int,
+    publisher: Publisher,
+    nodes: nodes_pb2_grpc.NodesAsyncStub,
+    args: argparse.Namespace,
+    rows: Rows,
+) -> None:
+    """1. KV-event ingest: args.hashes blocks stored, then removed; and the daemon's memory
+    per indexed block."""
+    n, per_event, per_batch = args.hashes, args.per_event, args.per_batch
+    store = stored_payloads(1_000, n, per_event, per_batch)
+    remove = removed_payloads(1_000, n, per_event, per_batch)
+    phases = (("BlockStored", store, n + 1), ("BlockRemoved", remove, 1))
+    for label, payloads, target in phases:
+        rss_before = _rss_bytes(daemon_pid)
+        t0 = time.perf_counter()
+        publisher.publish_all(payloads)
+        secs = await wait_indexed(nodes, target) - t0
+        if label == "BlockStored":
+            grown = _rss_bytes(daemon_pid) - rss_before
             rows.append(
                 (
-                    f"KV ingest, {label} -> daemon index",
-                    f"{n / secs:,.0f} hashes/s",
-                    f"{n:,} hashes in {len(payloads):,} payloads, {secs:.2f}s",
+                    "daemon memory per indexed block",
+                    f"{grown / n:.0f} bytes",
+                    f"daemon RSS grew {grown / 2**20:.1f} MiB for {n:,} blocks",
                 )
             )
-            print(f"{label}: {n / secs:,.0f} hashes/s", file=sys.stderr)
+        rows.append(
+            (
+                f"KV ingest, {label} -> daemon index",
+                f"{n / secs:,.0f} hashes/s",
+                f"{n:,} hashes in {len(payloads):,} payloads, {secs:.2f}s",
+            )
+        )
+        print(f"{label}: {n / secs:,.0f} hashes/s", file=sys.stderr)
 
-        # 2. TTFB, straight vs through the sidecar, interleaved.
-        paths = {
-            "engine": (engine, {}),
-            "sidecar, pass-through": (tap, {}),
-            "sidecar, tapped (conversation)": (
-                tap,
-                {"X-Conversation-Id": "bench", "X-Kvferry-Tenant": "bench"},
-            ),
-        }
-        samples: dict[str, list[float]] = {p: [] for p in paths}
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
-            for _ in range(20):  # warm connections and code paths
-                for url, headers in paths.values():
-                    await ttfb(session, url, headers)
-            for _ in range(args.requests):
-                for name, (url, headers) in paths.items():
-                    samples[name].append(await ttfb(session, url, headers))
-        base = pct(samples["engine"], 50)
-        for name, xs in samples.items():
-            p50 = pct(xs, 50)
-            extra = "" if name == "engine" else f"+{p50 - base:.3f} ms at p50"
-            rows.append((f"TTFB, {name}", f"{p50:.3f} / {pct(xs, 90):.3f} / {pct(xs, 99):.3f} ms", extra))
+
+async def ttfb_rows(engine: str, tap: str, requests: int, rows: Rows) -> None:
+    """2. TTFB, straight vs through the sidecar, interleaved: `requests` samples a path."""
+    paths = {
+        "engine": (engine, {}),
+        "sidecar, pass-through": (tap, {}),
+        "sidecar, tapped (conversation)": (
+            tap,
+            {"X-Conversation-Id": "bench", "X-Kvferry-Tenant": "bench"},
+        ),
+    }
+    samples: dict[str, list[float]] = {p: [] for p in paths}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+        for _ in range(20):  # warm connections and code paths
+            for url, headers in paths.values():
+                await ttfb(session, url, headers)
+        for _ in range(requests):
+            for name, (url, headers) in paths.items():
+                samples[name].append(await ttfb(session, url, headers))
+    base = pct(samples["engine"], 50)
+    for name, xs in samples.items():
+        p50 = pct(xs, 50)
+        extra = "" if name == "engine" else f"+{p50 - base:.3f} ms at p50"
+        rows.append((f"TTFB, {name}", f"{p50:.3f} / {pct(xs, 90):.3f} / {pct(xs, 99):.3f} ms", extra))
+
+
+async def bench(args: argparse.Namespace) -> None:
+    """Start the daemon, the engine and its sidecar; run both measurements; print the table."""
+    tmp = Path(tempfile.mkdtemp(prefix="kvferry-bench-sidecar-"))
+    daemon, daemon_port = await start_daemon(tmp / "etcd")
+    publisher = Publisher()
+    procs, engine, tap = await start_engine_and_sidecar(daemon_port, publisher)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{daemon_port}")
+    nodes = nodes_pb2_grpc.NodesStub(channel)
+    rows: Rows = []
+    try:
+        await wait_attached(engine, tap, nodes, publisher)
+        await ingest(daemon.pid, publisher, nodes, args, rows)
+        await ttfb_rows(engine, tap, args.requests, rows)
     finally:
         await channel.close(None)
         for proc in [*procs, daemon]:

@@ -160,6 +160,8 @@ class Stack:
 
 
 MakeStack = Callable[..., Awaitable[Stack]]
+Reference = Callable[[str, dict[str, Any]], Awaitable[str]]
+"""The `reference` fixture: (path, body) -> the answer one engine computing it all gives."""
 
 
 @pytest.fixture
@@ -217,7 +219,7 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 @pytest.fixture
-async def reference(http: aiohttp.ClientSession) -> AsyncIterator[Callable[..., Awaitable[str]]]:
+async def reference(http: aiohttp.ClientSession) -> AsyncIterator[Reference]:
     """The answer a single engine computing everything itself gives (the no-reuse answer)."""
     emu = EmulatorServer(emulator_config(num_blocks=16384), shutdown_timeout=0.5)
     await emu.start()

@@ -11,9 +11,9 @@ import aiohttp
 import pytest
 
 from kvferry import logs
+from realvllm.process import free_port
 from router.cli import build_parser, main
 from router.settings import from_args
-from tests.conftest import free_port
 
 
 def test_bad_flags_exit_2(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,6 +17,7 @@ import pytest
 
 from kvferry.tasks import cancel_and_wait
 from kvferry.v1 import nodes_pb2
+from router.nodes import NodeDirectory
 from tests.conftest import DaemonFactory, EtcdProcess, daemon_settings
 from tests.polling import eventually
 from tests.router.conftest import MakeStack
@@ -103,6 +104,41 @@ async def gates() -> AsyncIterator[Callable[[str], Awaitable[Gate]]]:
         await gate.close()
 
 
+class Refreshes:
+    """Counts the refreshes of a router's node list (its directory's `refresh`, wrapped)."""
+
+    def __init__(self, directory: NodeDirectory) -> None:
+        self.count = 0
+        refresh = directory.refresh
+
+        async def counted_refresh() -> None:
+            await refresh()
+            self.count += 1
+
+        directory.refresh = counted_refresh  # type: ignore[method-assign]
+
+    async def wait(self, times: int) -> None:
+        """Until the router has refreshed its node list `times` more times."""
+        until = self.count + times
+
+        async def done() -> bool:
+            return self.count >= until
+
+        await eventually(done, within=20)
+
+
+async def _turns_until(
+    done: asyncio.Event, http: aiohttp.ClientSession, url: str, topic: str, statuses: dict[int, int]
+) -> None:
+    """Turns of conversation `topic` one after another until `done`; `statuses` counts each
+    answer's status."""
+    messages = first_turn(topic)
+    while not done.is_set():
+        res = await ask(http, url, {"messages": messages, "max_tokens": 4, "conversation_id": topic})
+        statuses[res.status] = statuses.get(res.status, 0) + 1
+        messages = next_turn(messages, res.text)[-3:] if res.status == 200 else messages
+
+
 async def test_a_control_plane_outage_longer_than_the_liveness_ttl_costs_no_turn(
     gates: Callable[[str], Awaitable[Gate]],
     private_etcd: EtcdProcess,
@@ -121,24 +157,7 @@ async def test_a_control_plane_outage_longer_than_the_liveness_ttl_costs_no_turn
     router = await stack.router()
     directory = router.directory
     assert directory is not None
-    refreshes = 0
-    refresh = directory.refresh
-
-    async def counted_refresh() -> None:
-        nonlocal refreshes
-        await refresh()
-        refreshes += 1
-
-    directory.refresh = counted_refresh  # type: ignore[method-assign]
-
-    async def refreshed(times: int) -> None:
-        """Until the router has refreshed its node list `times` more times."""
-        until = refreshes + times
-
-        async def done() -> bool:
-            return refreshes >= until
-
-        await eventually(done, within=20)
+    refreshes = Refreshes(directory)
 
     async def listed(alive: bool) -> bool:
         try:
@@ -149,28 +168,20 @@ async def test_a_control_plane_outage_longer_than_the_liveness_ttl_costs_no_turn
 
     statuses: dict[int, int] = {}
     done = asyncio.Event()
-
-    async def turns(topic: str) -> None:
-        messages = first_turn(topic)
-        while not done.is_set():
-            res = await ask(
-                http, router.url, {"messages": messages, "max_tokens": 4, "conversation_id": topic}
-            )
-            statuses[res.status] = statuses.get(res.status, 0) + 1
-            messages = next_turn(messages, res.text)[-3:] if res.status == 200 else messages
-
-    serving = [asyncio.create_task(turns(f"outage {i}")) for i in range(2)]
+    serving = [
+        asyncio.create_task(_turns_until(done, http, router.url, f"outage {i}", statuses)) for i in range(2)
+    ]
     try:
         gate.open.clear()
         with stalled(private_etcd):
             await asyncio.sleep(LIVENESS_TTL_S + 1.0)  # (the outage itself: nothing to wait on)
         # etcd answers again; the sidecars do not get through yet: the nodes are listed lapsed.
         await eventually(lambda: listed(alive=False), within=10)
-        await refreshed(3)
+        await refreshes.wait(3)
         kept_lapsed = router.metrics.value("kvferry_router_nodes_lapsed")
         gate.open.set()
         await eventually(lambda: listed(alive=True), within=20)
-        await refreshed(2)
+        await refreshes.wait(2)
     finally:
         done.set()
         await asyncio.gather(*serving)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,10 +11,8 @@ import aiohttp
 
 from bench.demo import DaemonProcess
 from router import Router
-from tests.router.conftest import MakeStack
+from tests.router.conftest import MakeStack, Reference
 from tests.router.helpers import CHAT, Result, ask, first_turn, next_turn, unheld_reads
-
-Reference = Callable[[str, dict[str, Any]], Awaitable[str]]
 
 
 @dataclass
@@ -113,22 +110,7 @@ async def _survive_a_kill(
     await stack.registrations_idle(20)
 
     # Turn 2 for everyone: half are running when the daemon dies, the rest arrive after.
-    done, midway = 0, asyncio.Event()
-
-    async def turn_two(c: Conversation) -> Result:
-        nonlocal done
-        res = await c.turn(http, router)
-        done += 1
-        if done == 30:
-            midway.set()
-        return res
-
-    early = asyncio.gather(*(turn_two(c) for c in convs[:100]))
-    async with asyncio.timeout(30):
-        await midway.wait()
-    await daemon.kill()  # 70 of the first 100 still in flight
-    late = await asyncio.gather(*(turn_two(c) for c in convs[100:]))
-    two = [*await early, *late]
+    two, late = await _turn_two_across_a_kill(convs, daemon, http, router)
     assert all(r.status == 200 for r in two), [r.body for r in two if r.status != 200][:3]
     assert any(r.decision == "PULL" for r in two)  # before the kill
     assert not any(r.decision == "PULL" for r in two[::2])  # (their turn one streamed)
@@ -157,3 +139,26 @@ async def _survive_a_kill(
     assert await _check_answers(convs, reference) == 200 * 2 + 20 + 180
     assert router.metrics.value("kvferry_router_upstream_errors_total", role="decode", kind="status_5xx") == 0
     assert unheld_reads(stack.decodes) == 0  # no retention was handed out twice, even across the restart
+
+
+async def _turn_two_across_a_kill(
+    convs: list[Conversation], daemon: DaemonProcess, http: aiohttp.ClientSession, router: Router
+) -> tuple[list[Result], list[Result]]:
+    """Turn 2 of the first 100 conversations, the daemon killed when 30 are done, then turn 2
+    of the other 100: -> (every turn two's answer, those of the turns sent after the kill)."""
+    done, midway = 0, asyncio.Event()
+
+    async def turn_two(c: Conversation) -> Result:
+        nonlocal done
+        res = await c.turn(http, router)
+        done += 1
+        if done == 30:
+            midway.set()
+        return res
+
+    early = asyncio.gather(*(turn_two(c) for c in convs[:100]))
+    async with asyncio.timeout(30):
+        await midway.wait()
+    await daemon.kill()  # 70 of the first 100 still in flight
+    late = await asyncio.gather(*(turn_two(c) for c in convs[100:]))
+    return [*await early, *late], late

@@ -4,17 +4,14 @@ answered after its turn went on without it is released, however late it comes.""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 
 from controlplane.daemon import Daemon
 from tests.polling import eventually
-from tests.router.conftest import MakeStack, Stack
+from tests.router.conftest import MakeStack, Reference, Stack
 from tests.router.helpers import CHAT, ask, first_turn, next_turn
-
-Reference = Callable[[str, dict[str, Any]], Awaitable[str]]
 
 
 def answers_late(daemon: Daemon, delay_s: float) -> None:

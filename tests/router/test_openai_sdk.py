@@ -9,7 +9,7 @@ emulated P and D with their sidecars, the router.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import aiohttp
@@ -20,11 +20,10 @@ from openai.types import Completion, CompletionUsage
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from router import Router
-from tests.router.conftest import MODEL, MakeStack, Stack
+from tests.router.conftest import MODEL, MakeStack, Reference, Stack
 from tests.router.helpers import CHAT, COMPLETIONS, first_turn, next_turn, tokenize
 
 M = TypeVar("M", bound=openai.BaseModel)
-Reference = Callable[[str, dict[str, Any]], Awaitable[str]]
 Sdk = Callable[..., AsyncOpenAI]
 FINISHED = ("stop", "length")
 

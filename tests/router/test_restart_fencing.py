@@ -16,13 +16,11 @@ import aiohttp
 
 from emulator import EmulatorServer
 from kvferry.v1 import leases_pb2, nodes_pb2
+from realvllm.process import free_port
 from sidecar import Sidecar
-from tests.conftest import free_port
 from tests.polling import eventually
-from tests.router.conftest import MakeStack, Stack, emulator_config, sidecar_for
+from tests.router.conftest import MakeStack, Reference, Stack, emulator_config, sidecar_for
 from tests.router.helpers import CHAT, ask, first_turn, next_turn
-
-Reference = Any
 
 #: The sidecar's health window: 3 probes a second apart (the restart is over long before).
 HEALTH = {"health_interval_s": 1.0, "health_failures": 3, "health_timeout_s": 1.0}

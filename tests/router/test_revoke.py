@@ -9,10 +9,10 @@ from typing import Any
 
 import aiohttp
 
+from tests.cli.test_operator_tools import BIN, run
 from tests.polling import eventually
 from tests.router.conftest import MakeStack, one_turn_held
 from tests.router.helpers import CHAT, ask, next_turn, unheld_reads
-from tests.test_operator_tools import BIN, run
 
 KVFERRY = str(BIN / "kvferry")
 

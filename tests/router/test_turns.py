@@ -6,14 +6,13 @@ router. The no-reuse answer comes from a single engine computing the whole promp
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import pytest
 
 from kvferry.v1 import leases_pb2, nodes_pb2
-from tests.router.conftest import MakeStack
+from tests.router.conftest import MakeStack, Reference
 from tests.router.helpers import (
     CHAT,
     COMPLETIONS,
@@ -24,8 +23,6 @@ from tests.router.helpers import (
     tokenize,
     unheld_reads,
 )
-
-Reference = Callable[[str, dict[str, Any]], Awaitable[str]]
 
 
 async def test_a_turn_after_a_finished_turn_pulls_and_answers_the_same(

@@ -10,7 +10,7 @@ from router import Router
 from router.http_api import version_of
 from tests.conftest import serve_app
 from tests.router.conftest import MakeStack, router_settings
-from tests.router.test_failures import fake_engine
+from tests.router.fakes import fake_engine
 
 
 async def test_version_is_the_engines_as_vllm_answers_it(http: aiohttp.ClientSession) -> None:

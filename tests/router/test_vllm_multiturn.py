@@ -32,10 +32,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.router.conftest import MakeStack
+from tests.router.conftest import MakeStack, Reference
 from tests.router.helpers import CHAT, ask, pulled_tokens
 
-Reference = Callable[[str, dict[str, Any]], Awaitable[str]]
 Conversations = dict[str, list[dict[str, str]]]
 
 CONFIG = {
@@ -133,14 +132,9 @@ async def _run_conversation(
     return sent
 
 
-@pytest.mark.parametrize("streams_params", [False, True], ids=["vllm-0.32", "vllm-pr-40186"])
-async def test_vllm_multi_turn_benchmark_input_runs_through_the_router(
-    tmp_path: Path,
-    make_stack: MakeStack,
-    http: aiohttp.ClientSession,
-    reference: Reference,
-    streams_params: bool,
-) -> None:
+def _benchmark_input(tmp_path: Path) -> Conversations:
+    """The conversations CONFIG generates from a corpus of harbour words, read as the
+    benchmark reads its input, from both of its formats (written in `tmp_path`)."""
     words = [
         "ferry",
         "harbour",
@@ -165,7 +159,18 @@ async def test_vllm_multi_turn_benchmark_input_runs_through_the_router(
         json.dumps([{"id": k, "messages": v} for k, v in conversations.items()])
     )
     assert load_input(tmp_path / "sharegpt.json") == conversations
+    return conversations
 
+
+@pytest.mark.parametrize("streams_params", [False, True], ids=["vllm-0.32", "vllm-pr-40186"])
+async def test_vllm_multi_turn_benchmark_input_runs_through_the_router(
+    tmp_path: Path,
+    make_stack: MakeStack,
+    http: aiohttp.ClientSession,
+    reference: Reference,
+    streams_params: bool,
+) -> None:
+    conversations = _benchmark_input(tmp_path)
     stack = await make_stack(d_config={"stream_kv_transfer_params": streams_params})
     router = await stack.router()
     [d] = stack.decodes

@@ -8,11 +8,11 @@ import json
 import math
 
 from kvferry.v1 import leases_pb2
+from tests.cli.test_operator_tools import BIN, run
 from tests.polling import eventually
 from tests.scenarios.conftest import Deployment
 from tests.scenarios.helpers import scrape
 from tests.scenarios.test_conversations import reused_turn
-from tests.test_operator_tools import BIN, run
 
 KVFERRY = str(BIN / "kvferry")
 

@@ -14,8 +14,9 @@ import pytest
 from controlplane.daemon import Daemon
 from emulator import EmulatorServer
 from kvferry.v1 import leases_pb2, nodes_pb2
+from realvllm.process import free_port
 from sidecar.cli import build_parser
-from tests.conftest import Client, free_port
+from tests.conftest import Client
 from tests.polling import eventually
 from tests.sidecar.conftest import StartEmulator
 from tests.sidecar.helpers import chat, first_turn, prefill

@@ -17,8 +17,9 @@ from controlplane.daemon import Daemon
 from emulator import EmulatorServer
 from kvferry.blockhash import external_block_hash
 from kvferry.v1 import nodes_pb2
+from realvllm.process import free_port
 from sidecar import Sidecar
-from tests.conftest import Client, DaemonFactory, free_port
+from tests.conftest import Client, DaemonFactory
 from tests.factories import VECTORS
 from tests.polling import eventually
 from tests.sidecar.conftest import StartEmulator, StartSidecar

@@ -15,8 +15,9 @@ from controlplane.daemon import Daemon
 from emulator import EmulatorServer
 from kvferry.leaseclient import LeaseStream
 from kvferry.v1 import leases_pb2, nodes_pb2
+from realvllm.process import free_port
 from sidecar import Sidecar
-from tests.conftest import Client, DaemonFactory, EtcdProcess, daemon_settings, free_port
+from tests.conftest import Client, DaemonFactory, EtcdProcess, daemon_settings
 from tests.polling import eventually
 from tests.sidecar.conftest import StartEmulator, StartSidecar, sidecar_settings
 from tests.sidecar.helpers import chat, first_turn, prefill

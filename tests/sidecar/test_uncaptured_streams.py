@@ -14,11 +14,11 @@ from controlplane.daemon import Daemon
 from emulator import EmulatorServer
 from kvferry.v1 import nodes_pb2
 from sidecar import Sidecar
+from tests.cli.test_operator_tools import BIN, run
 from tests.conftest import Client
 from tests.polling import eventually
 from tests.sidecar.conftest import StartEmulator, StartSidecar
 from tests.sidecar.helpers import chat, first_turn, prefill, sse_events
-from tests.test_operator_tools import BIN, run
 
 UNCAPTURED = "kvferry_sidecar_uncaptured_turns_total"
 UNRETAINED = "kvferry_sidecar_unretained_blocks"

@@ -13,7 +13,8 @@ from prometheus_client import REGISTRY
 from controlplane.daemon import Daemon
 from controlplane.settings import EtcdSettings
 from kvferry.v1 import leases_pb2, nodes_pb2
-from tests.conftest import Client, DaemonFactory, free_port
+from realvllm.process import free_port
+from tests.conftest import Client, DaemonFactory
 from tests.factories import lease_request, lookup_request, node_request
 from tests.polling import eventually
 

@@ -17,9 +17,9 @@ import pytest
 from controlplane.daemon import Daemon
 from kvferry.v1 import leases_pb2, nodes_pb2
 from tests.conftest import Client, DaemonFactory
+from tests.controlplane.test_claims_and_nodes import AttachStream, hello
 from tests.factories import lease_request, lookup_request, node_request
 from tests.polling import eventually
-from tests.test_claims_and_nodes import AttachStream, hello
 
 
 async def _node(client: Client, engine_id: str = "d-1") -> nodes_pb2.Node:

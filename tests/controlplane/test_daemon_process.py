@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.daemon import Daemon
 from kvferry.v1 import leases_pb2_grpc
-from tests.conftest import Client, DaemonFactory, daemon_settings, free_port
+from realvllm.process import free_port
+from tests.conftest import Client, DaemonFactory, daemon_settings
 from tests.factories import lease_request, lookup_request, node_request
 
 BIN = Path(sys.executable).parent

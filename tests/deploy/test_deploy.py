@@ -34,7 +34,7 @@ from sidecar import cli as sidecar_cli
 from sidecar import settings as sidecar_settings
 from sidecar.metrics import SidecarMetrics
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
 # -- the processes deploy/ starts ---------------------------------------------------------------

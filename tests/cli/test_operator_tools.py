@@ -11,7 +11,8 @@ import structlog
 
 from controlplane.daemon import Daemon
 from kvferry.v1 import leases_pb2, nodes_pb2
-from tests.conftest import Client, fake_completions, free_port
+from realvllm.process import free_port
+from tests.conftest import Client, fake_completions
 from tests.factories import lease_request, node_request
 
 BIN = Path(sys.executable).parent
@@ -117,6 +118,11 @@ async def test_cli_tables_and_json(daemon: Daemon, client: Client) -> None:
     assert "d-1" not in out
     code, out, _ = await run(kvferry, "nodes", "rm", "d-1", "--json", "--daemon", daemon.address)
     assert code == 2 and json.loads(out)["found"] is False
+    await _bad_ids_and_deadlines_exit_2(kvferry, daemon)
+
+
+async def _bad_ids_and_deadlines_exit_2(kvferry: str, daemon: Daemon) -> None:
+    """Ids no record can have and deadlines gRPC cannot take: exit 2 with an error line."""
     for action in (("leases", "get"), ("leases", "revoke"), ("nodes", "rm")):  # an id not UTF-8
         code, _, err = await run(
             kvferry, *action, b"\xff".decode("utf-8", "surrogateescape"), "--daemon", daemon.address

@@ -1,0 +1,142 @@
+"""What the daemon benchmarks (bench.daemon, bench.lookup_tail) send, and to what: the
+retention each conversation registers, the lookup of its next turn, the decode node they
+name, and `kvferry daemon` in a process of its own, restartable, its etcd counters read
+from its /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+
+from kvferry.digests import block_digests, seed
+from kvferry.structs import dict_to_struct
+from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
+from realvllm.process import free_port
+
+BLOCK = 16
+TOKENS = 2048  # per conversation: 128 blocks of ids and digests (~3.7 KB per record)
+SEED = seed("bench-model")
+DIGESTS = block_digests(list(range(TOKENS)), BLOCK, SEED)
+PROMPT_DIGESTS = block_digests(list(range(TOKENS + 300)), BLOCK, SEED)
+
+
+def retention(conv: str) -> leases_pb2.RegisterLeaseRequest:
+    """The registration of conversation `conv`'s retention on d-0, as the sidecar sends it."""
+    req = leases_pb2.RegisterLeaseRequest(
+        tenant="bench",
+        conversation_id=conv,
+        engine_id="d-0",
+        num_tokens=TOKENS,
+        block_size=BLOCK,
+        block_digests=DIGESTS,
+    )
+    dict_to_struct(
+        {
+            "do_remote_prefill": False,
+            "do_remote_decode": True,
+            "remote_block_ids": [list(range(1000, 1000 + TOKENS // BLOCK))],
+            "remote_engine_id": "d-0",
+            "remote_request_id": f"chatcmpl-{conv}",
+            "remote_host": "10.0.0.7",
+            "remote_port": 5600,
+            "tp_size": 1,
+            "remote_num_tokens": TOKENS,
+        },
+        req.kv_transfer_params,
+    )  # as the sidecar builds it
+    return req
+
+
+async def register_node(channel: grpc.aio.Channel) -> None:
+    """The decode node every benchmark retention is registered under."""
+    await nodes_pb2_grpc.NodesStub(channel).Register(
+        nodes_pb2.RegisterNodeRequest(
+            engine_id="d-0", role=nodes_pb2.DECODE, model="bench-model", block_size=BLOCK,
+            http_url="http://127.0.0.1:1", side_channel_host="10.0.0.7", side_channel_port=5600,
+            liveness_ttl_seconds=3600,
+        )
+    )  # fmt: skip
+
+
+def lookup(conv: str) -> leases_pb2.LookupRequest:
+    """The next turn's lookup of conversation `conv`: its prompt extends the retained one."""
+    return leases_pb2.LookupRequest(
+        tenant="bench", conversation_id=conv, prompt_tokens=TOKENS + 300, prompt_digests=PROMPT_DIGESTS
+    )
+
+
+class DaemonProcess:
+    """`kvferry daemon` in its own process: on an external etcd, or embedded (etcd=None)."""
+
+    def __init__(self, data_dir: Path, etcd: str | None) -> None:
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.etcd_port = free_port()
+        self.data_dir = data_dir
+        self.etcd = etcd
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> float:
+        """Start and wait until a Lookup is answered. -> seconds from exec to serving."""
+        t0 = time.perf_counter()
+        store = (
+            ["--etcd", self.etcd]
+            if self.etcd
+            else ["--data-dir", str(self.data_dir), "--embedded-port", str(self.etcd_port)]
+        )
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvferry_cli", "--log-level", "warning", "daemon",
+            "--listen", f"127.0.0.1:{self.port}", "--metrics-port", str(self.metrics_port), *store,
+            stdin=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        fast_retry = [
+            ("grpc.initial_reconnect_backoff_ms", 20),
+            ("grpc.min_reconnect_backoff_ms", 20),
+            ("grpc.max_reconnect_backoff_ms", 50),
+        ]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{self.port}", options=fast_retry) as ch:
+            stub = leases_pb2_grpc.LeasesStub(ch)
+            while True:
+                try:
+                    r = await stub.Lookup(lookup("probe"), timeout=1, wait_for_ready=True)
+                    if r.reason != "store_unavailable":
+                        return time.perf_counter() - t0
+                except grpc.aio.AioRpcError:
+                    pass
+                await asyncio.sleep(0.01)
+
+    async def restart(self) -> float:
+        """Stop (SIGTERM, if running) and start again. -> seconds from SIGTERM to serving."""
+        t0 = time.perf_counter()
+        await self.stop()
+        await self.start()
+        return time.perf_counter() - t0
+
+    async def stop(self) -> None:
+        if self.proc and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+            await self.proc.wait()
+
+    def metrics(self) -> dict[str, float]:
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10)
+            .read()
+            .decode()
+        )
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            m = re.match(r'kvferry_etcd_seconds_count\{op="(\w+)"\} (\S+)', line)
+            if m:
+                out[m.group(1)] = float(m.group(2))
+            elif line.startswith("kvferry_gc_lease_grants_total "):
+                out["gc_grants"] = float(line.split()[1])
+            elif line.startswith("kvferry_etcd_batch_items_sum "):
+                out["batched_txns"] = float(line.split()[1])
+        return out

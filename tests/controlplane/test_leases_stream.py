@@ -1,0 +1,98 @@
+"""Leases/Stream on the daemon's side (the sidecar's and router's path): many ops per
+message with an answer or error each, a window of unread results, keepalive pings."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from kvferry.v1 import leases_pb2, nodes_pb2, nodes_pb2_grpc
+from tests.conftest import Client
+from tests.factories import lease_request, lookup_request, node_request
+
+
+async def test_stream_multiplexes_register_and_lookup_with_per_op_errors(client: Client) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    ops = [leases_pb2.LeaseOp(id=i, register=lease_request(f"s-{i}")) for i in range(50)]
+    bad = lease_request("s-bad")
+    bad.num_tokens = -1
+    ops.append(leases_pb2.LeaseOp(id=999, register=bad))
+    ops.append(leases_pb2.LeaseOp(id=1000))  # no op at all
+
+    async def run(items: list[leases_pb2.LeaseOp]) -> list[leases_pb2.LeaseOpResult]:
+        # Written explicitly, several ops per message as LeaseStream sends them, then half-closed.
+        call = client.leases.Stream()
+        for i in range(0, len(items), 7):
+            await call.write(leases_pb2.LeaseOpBatch(ops=items[i : i + 7]))
+        await call.done_writing()
+        return [r async for batch in call for r in batch.results]
+
+    results = {r.id: r for r in await run(ops)}
+    assert set(results) == set(range(50)) | {999, 1000}
+    assert all(results[i].WhichOneof("result") == "register" for i in range(50))
+    assert results[999].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "num_tokens -1" in results[999].error.message
+    assert results[1000].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+    lookups = [leases_pb2.LeaseOp(id=i, lookup=lookup_request(f"s-{i % 50}")) for i in range(100)]
+    answers = await run(lookups)
+    pulls = [r for r in answers if r.lookup.decision == leases_pb2.PULL]
+    assert len(answers) == 100 and len(pulls) == 50, "each lease handed out exactly once"
+    assert {r.id % 50 for r in pulls} == set(range(50))
+
+
+async def test_a_stream_whose_results_are_not_read_stops_reading_its_ops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Results wait for a client that does not read them: at most a window of them, then the
+    daemon stops taking ops from that stream (and gRPC flow control holds the client)."""
+    from controlplane.server import stream
+    from controlplane.server.leases import LeasesServicer
+
+    monkeypatch.setattr(stream, "STREAM_WINDOW", 4)
+    pulled = 0
+
+    async def ops() -> AsyncIterator[leases_pb2.LeaseOpBatch]:
+        nonlocal pulled
+        for i in range(50):
+            pulled += 1  # a prompt for no waiting lookup: refused at once, no store needed
+            yield leases_pb2.LeaseOpBatch(ops=[leases_pb2.LeaseOp(id=i, prompt=leases_pb2.LookupPrompt())])
+
+    servicer = LeasesServicer(None, None)  # type: ignore[arg-type]
+    results = servicer.Stream(ops(), None)  # type: ignore[arg-type]
+    first = await results.__anext__()  # the client reads once, then stops
+    await asyncio.sleep(0.2)
+    # (a window sent, a window waiting to be, and the batch the reader holds)
+    assert 1 <= len(first.results) <= 4 and pulled <= 2 * 4 + 2, (len(first.results), pulled)
+    got = len(first.results)
+    async for batch in results:  # reading again lets the rest through
+        got += len(batch.results)
+    assert got == 50 and pulled == 50
+
+
+async def test_the_daemon_allows_its_clients_keepalive_pings(
+    make_daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """Routers and sidecars ping the daemon on idle connections (kvferry.channels). A server
+    that allows fewer pings answers the third with GOAWAY too_many_pings, ending every
+    stream on the connection, and the client then pings half as often. Here every second
+    (the fewest gRPC clients send) instead of every 10 s."""
+    import controlplane.server
+    import kvferry.channels
+
+    monkeypatch.setattr(kvferry.channels, "KEEPALIVE_TIME_MS", 1000)
+    monkeypatch.setattr(controlplane.server, "KEEPALIVE_TIME_MS", 1000)
+    daemon = await make_daemon()
+    channel = grpc.aio.insecure_channel(daemon.address, options=kvferry.channels.daemon_channel_options(1000))
+    try:
+        await nodes_pb2_grpc.NodesStub(channel).List(nodes_pb2.ListNodesRequest())
+        states = set()
+        for _ in range(40):  # idle, pinging
+            states.add(channel.get_state())
+            await asyncio.sleep(0.1)
+        assert states == {grpc.ChannelConnectivity.READY}, states  # (a GOAWAY leaves it IDLE)
+    finally:
+        await channel.close(None)
