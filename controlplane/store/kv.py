@@ -54,6 +54,11 @@ def absent(key: bytes) -> rpc.Compare:
     return rpc.Compare(key=key, target=rpc.Compare.VERSION, result=rpc.Compare.EQUAL, version=0)
 
 
+def on_lease(key: bytes, lease: int) -> rpc.Compare:
+    """The transaction's condition that `key` exists on etcd lease `lease`."""
+    return rpc.Compare(key=key, target=rpc.Compare.LEASE, result=rpc.Compare.EQUAL, lease=lease)
+
+
 def mod_is(key: bytes, revision: int) -> rpc.Compare:
     """The transaction's condition that `key` was last written at `revision` (0: absent)."""
     return rpc.Compare(key=key, target=rpc.Compare.MOD, result=rpc.Compare.EQUAL, mod_revision=revision)

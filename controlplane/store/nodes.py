@@ -3,12 +3,18 @@
 A node's record lives at ``nodes/<engine_id>`` (no etcd lease: it outlives the process
 as a tombstone that remembers the generation); its liveness key ``alive/<engine_id>``
 holds the generation, on one etcd liveness lease per registration that heartbeats
-refresh. The generation floor keeps generations rising across deleted records.
+refresh, and the wall-clock time the liveness ends unless a heartbeat comes first: etcd
+renews every lease's whole TTL when it restarts (the embedded one restarts with the
+daemon), so the lease alone would keep a node registered by hand for a 10-minute
+liveness alive 10 more minutes after each restart. The generation floor keeps
+generations rising across deleted records.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -18,34 +24,50 @@ from controlplane import metrics
 from controlplane.errors import Conflict, StoreUnavailable
 from controlplane.etcd import LeaseGone
 from controlplane.records import Keys, NodeRecord, NodeState, decode_node, encode, prefix_end
-from controlplane.store.kv import EtcdKv, absent, decoded, delete_op, get, mod_is, put_op
+from controlplane.store.kv import EtcdKv, absent, decoded, delete_op, get, mod_is, on_lease, put_op
 
 log = structlog.get_logger(__name__)
 
 
-def _is_alive(rec: NodeRecord, alive_generation: int | None) -> bool:
+Liveness = tuple[int, float]
+"""What a liveness key holds: the generation, and the wall-clock time its liveness ends
+(infinity for a key written before it said)."""
+
+
+def _liveness_value(generation: int, until: float) -> bytes:
+    return b"%d %.3f" % (generation, until)
+
+
+def _is_alive(rec: NodeRecord, liveness: Liveness | None, now: float) -> bool:
     """The liveness rule: not deregistered, and the liveness key (None = absent) holds the
-    record's generation (a key left by an older generation does not count)."""
-    return not rec.removed_at and not rec.suspended_at and alive_generation == rec.generation
+    record's generation (a key left by an older generation does not count) and a time
+    still ahead."""
+    if rec.removed_at or rec.suspended_at or liveness is None:
+        return False
+    generation, until = liveness
+    return generation == rec.generation and now < until
 
 
-def _node_state(node_kvs: Sequence[Any], alive_kvs: Sequence[Any]) -> tuple[NodeState | None, int]:
+def _node_state(
+    node_kvs: Sequence[Any], alive_kvs: Sequence[Any], now: float
+) -> tuple[NodeState | None, int]:
     """A node record and its liveness key as read -> (state or None, record mod revision)."""
     rec = decoded(decode_node, node_kvs[0]) if node_kvs else None
     if rec is None:  # (no record, or none this version reads: the node counts as gone)
         return None, 0
-    alive = _is_alive(rec, _alive_generation(alive_kvs[0]) if alive_kvs else None)
+    alive = _is_alive(rec, _liveness(alive_kvs[0]) if alive_kvs else None, now)
     return NodeState(rec, alive), int(node_kvs[0].mod_revision)
 
 
-def _alive_generation(kv: Any) -> int | None:
-    """The generation a liveness key holds (None, with a log line, for a value that is none:
-    the node counts as not alive, and the other nodes' records still load)."""
+def _liveness(kv: Any) -> Liveness | None:
+    """What a liveness key holds (None, with a log line, for a value that is none: the node
+    counts as not alive, and the other nodes' records still load)."""
     try:
-        return int(kv.value or b"0")
+        generation, _, until = (kv.value or b"0").partition(b" ")
+        return int(generation), float(until) if until else math.inf
     except ValueError:
         log.warning(
-            "etcd.record.undecodable", key=bytes(kv.key).decode("utf-8", "replace"), error="not a generation"
+            "etcd.record.undecodable", key=bytes(kv.key).decode("utf-8", "replace"), error="not a liveness"
         )
         return None
 
@@ -58,9 +80,12 @@ def _floor(kvs: Sequence[Any]) -> tuple[int, int]:
 class NodeStore:
     """Node records, their liveness and the generation floor. One method = one operation."""
 
-    def __init__(self, kv: EtcdKv, keys: Keys) -> None:
+    def __init__(self, kv: EtcdKv, keys: Keys, clock: Callable[[], float] = time.time) -> None:
         self._kv = kv
         self._keys = keys
+        self._clock = clock
+        # When each liveness lease this replica wrote or refreshed ends, as its key says.
+        self._until: dict[int, float] = {}
 
     async def load(self) -> tuple[dict[str, NodeState], dict[str, int]]:
         """Every node record with its liveness, in one read. -> (states, node key mod revisions)."""
@@ -68,14 +93,15 @@ class NodeStore:
         records, lives = await self._kv.read(
             "load_nodes", get(k.nodes, prefix_end(k.nodes)), get(k.alive, prefix_end(k.alive))
         )
-        alive = {k.engine_of(kv.key): _alive_generation(kv) for kv in lives.kvs}
+        alive = {k.engine_of(kv.key): _liveness(kv) for kv in lives.kvs}
+        now = self._clock()
         states: dict[str, NodeState] = {}
         revisions: dict[str, int] = {}
         for kv in records.kvs:
             rec = decoded(decode_node, kv)
             if rec is None:
                 continue
-            states[rec.engine_id] = NodeState(rec, _is_alive(rec, alive.get(rec.engine_id)))
+            states[rec.engine_id] = NodeState(rec, _is_alive(rec, alive.get(rec.engine_id), now))
             revisions[rec.engine_id] = int(kv.mod_revision)
         return states, revisions
 
@@ -83,7 +109,7 @@ class NodeStore:
         """A node's record and liveness, and its record's mod revision (0 = no record)."""
         k = self._keys
         record, alive = await self._kv.read("get_node", get(k.node(engine_id)), get(k.alive_key(engine_id)))
-        return _node_state(record.kvs, alive.kvs)
+        return _node_state(record.kvs, alive.kvs, self._clock())
 
     async def get_with_floor(self, engine_id: str) -> tuple[NodeState | None, int, int, int]:
         """`get`, and the generation floor with its mod revision (what a registration of an
@@ -92,7 +118,7 @@ class NodeStore:
         record, alive, floor = await self._kv.read(
             "get_node", get(k.node(engine_id)), get(k.alive_key(engine_id)), get(k.generation_floor)
         )
-        state, revision = _node_state(record.kvs, alive.kvs)
+        state, revision = _node_state(record.kvs, alive.kvs, self._clock())
         return state, revision, *_floor(floor.kvs)
 
     async def put(
@@ -118,9 +144,10 @@ class NodeStore:
         cmp = [mod_is(k.node(rec.engine_id), expect_revision)]
         if floor_revision is not None:
             cmp.append(mod_is(k.generation_floor, floor_revision))
+        until = self._clock() + rec.liveness_ttl
         writes = [
             put_op(k.node(rec.engine_id), encode(stored)),
-            put_op(k.alive_key(rec.engine_id), b"%d" % rec.generation, lease),
+            put_op(k.alive_key(rec.engine_id), _liveness_value(rec.generation, until), lease),
         ]
         try:
             resp = await self._kv.txn("put_node", cmp, writes, [])
@@ -129,7 +156,9 @@ class NodeStore:
         if not resp.succeeded:
             await self._kv.revoke_quietly(lease)
             raise Conflict(f"node {rec.engine_id} changed concurrently")
+        self._until[lease] = until
         if previous_lease:
+            self._until.pop(previous_lease, None)
             await self._kv.revoke_quietly(previous_lease)
         return stored, int(resp.header.revision)
 
@@ -144,7 +173,9 @@ class NodeStore:
         """
         ttl = await self._kv.refresh(rec.lease_id)
         if ttl:
+            await self._extend(rec)
             return ttl, rec
+        self._until.pop(rec.lease_id, None)
         current, revision = await self.get(rec.engine_id)
         if current is None or current.record.generation != rec.generation:
             return 0, rec
@@ -153,10 +184,31 @@ class NodeStore:
         if current.record.lease_id != rec.lease_id:  # renewed meanwhile (another stream or replica)
             ttl = await self._kv.refresh(current.record.lease_id)
             if ttl:
+                await self._extend(current.record)
                 return ttl, current.record
         renewed, _ = await self.put(current.record, revision)
         log.info("node.liveness.renewed", engine_id=rec.engine_id, lease=renewed.lease_id)
         return rec.liveness_ttl, renewed
+
+    async def _extend(self, rec: NodeRecord) -> None:
+        """Move the liveness key's end a TTL ahead once half of it is used (every other
+        heartbeat: they come every third of it), on the same lease and only while the key
+        is still this registration's (a suspension or deregistration deleted it)."""
+        now = self._clock()
+        if self._until.get(rec.lease_id, 0.0) - now > rec.liveness_ttl / 2:
+            return
+        k = self._keys
+        until = now + rec.liveness_ttl
+        key = k.alive_key(rec.engine_id)
+        put = put_op(key, _liveness_value(rec.generation, until), rec.lease_id)
+        try:
+            resp = await self._kv.txn("extend_liveness", [on_lease(key, rec.lease_id)], [put], [])
+        except LeaseGone:  # (ended meanwhile: the next heartbeat renews it)
+            return
+        if resp.succeeded:
+            self._until[rec.lease_id] = until
+        else:
+            self._until.pop(rec.lease_id, None)
 
     async def delete(self, engine_id: str, now: float) -> bool:
         """End a node's liveness and leave a tombstone of its record.
