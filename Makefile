@@ -35,10 +35,11 @@ test-vllm: $(STAMP)
 	KVFERRY_ENGINES=vllm KVFERRY_VLLM_PYTHON=$(VLLM_VENV)/bin/python \
 	  $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=900 tests/scenarios
 
-## make check: format, lint, types, import contracts, proto drift
+## make check: format, lint, types, import contracts, sizes, proto drift
 check: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
+	$(BIN)/python scripts/check_sizes.py
 	$(BIN)/mypy $(wildcard controlplane kvferry kvferry_cli sidecar router emulator bench realvllm) scripts
 	$(BIN)/lint-imports
 	$(BIN)/python scripts/gen_protos.py
