@@ -12,6 +12,7 @@ ratios come from this one run.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import itertools
 import os
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -31,7 +32,7 @@ from bench.daemon_workload import TOKENS, DaemonProcess, lookup, register_node, 
 from bench.load import closed_loop, open_loop, pct
 from controlplane.embedded import EmbeddedEtcd
 from controlplane.etcd import Client as _Client
-from kvferry.leaseclient import LeaseStream
+from kvferry.leaseclient import LeaseOpError, LeaseStream
 from kvferry.tasks import run_main
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
 from realvllm.process import free_port
@@ -95,6 +96,9 @@ class Clients:
     sidecar: LeaseStream
     router: LeaseStream
     convs: itertools.count[int]
+    failed: collections.Counter[str] = field(default_factory=collections.Counter)
+    """Lookups that got no answer, by status: past what the daemon serves, a call can be
+    cancelled (the ratio is the figure; one such call used to end the benchmark)."""
 
     @classmethod
     def connect(cls, port: int) -> Clients:
@@ -105,11 +109,19 @@ class Clients:
         return cls(channel, unary, sidecar, router, itertools.count())
 
     async def claim_unary(self) -> None:
-        r = await self.unary.Lookup(lookup(f"c{next(self.convs)}"), timeout=10)
+        try:
+            r = await self.unary.Lookup(lookup(f"c{next(self.convs)}"), timeout=10)
+        except grpc.aio.AioRpcError as e:
+            self.failed[e.code().name] += 1
+            return
         assert r.decision == leases_pb2.PULL, r
 
     async def claim_stream(self) -> None:
-        r = await self.router.lookup(lookup(f"c{next(self.convs)}"), 10)
+        try:
+            r = await self.router.lookup(lookup(f"c{next(self.convs)}"), 10)
+        except LeaseOpError as e:
+            self.failed[e.code.name] += 1
+            return
         assert r.decision == leases_pb2.PULL, r
 
     async def close(self) -> None:
@@ -177,24 +189,31 @@ async def _claims(clients: Clients, args: argparse.Namespace, raw_p50: float, ro
     """3. Lookup+claim under offered load (open loop), one at a time, and at the most
     (closed loop), on both paths."""
     for path, claim in (("stream", clients.claim_stream), ("unary", clients.claim_unary)):
-        await _offered_claims(path, claim, args.phase_s, raw_p50, rows)
+        await _offered_claims(path, claim, args.phase_s, raw_p50, rows, clients.failed)
         await _sequential_claims(path, claim, raw_p50, rows)
         await _max_claims(path, claim, args.claims, rows)
 
 
 async def _offered_claims(
-    path: str, claim: Callable[[], Awaitable[None]], phase_s: float, raw_p50: float, rows: Rows
+    path: str,
+    claim: Callable[[], Awaitable[None]],
+    phase_s: float,
+    raw_p50: float,
+    rows: Rows,
+    failed: collections.Counter[str],
 ) -> None:
     """Lookup+claim offered at 100, 500 and 1,000/s for `phase_s` each."""
     for rate in (100, 500, 1000):
         seconds = phase_s  # (1,000 samples at 100/s: a p99 of more than a handful)
+        failed.clear()
         lat, lat_scheduled, got = await open_loop(rate, seconds, functools.partial(_ignore_index, claim))
+        lost = "".join(f"; {n} {code}" for code, n in failed.items())
         rows.append(
             (
                 f"Lookup+claim {path} @ {rate}/s: p50 / p99",
                 f"{pct(lat, 50):.2f} / {pct(lat, 99):.2f} ms",
                 f"achieved {got:,.0f}/s; p50 {pct(lat, 50) / raw_p50:.2f}x raw txn; "
-                f"from schedule {pct(lat_scheduled, 50):.2f} / {pct(lat_scheduled, 99):.2f}",
+                f"from schedule {pct(lat_scheduled, 50):.2f} / {pct(lat_scheduled, 99):.2f}{lost}",
             )
         )
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import pytest
@@ -21,7 +20,6 @@ from aetcd import rpc
 from controlplane.errors import StoreUnavailable
 from controlplane.etcd import LeaseGone
 from controlplane.records import (
-    Keys,
     NodeRecord,
     Retention,
     Role,
@@ -39,15 +37,6 @@ def retention(engine: str, tokens: int) -> Retention:
         engine_id=engine, generation=1, params=b"", num_tokens=tokens, block_size=16,
         created_at=now, expires_at=now + 300,
     )  # fmt: skip
-
-
-@pytest.fixture
-async def store(etcd_endpoint: str) -> AsyncIterator[EtcdStore]:
-    s = EtcdStore((etcd_endpoint,), Keys(f"/t-{uuid.uuid4().hex[:10]}"), 2.0, 60, 10_000, 600)
-    await s.connect()
-    await s.ready(10)
-    yield s
-    await s.close()
 
 
 async def held(s: EtcdStore) -> dict[str, tuple[int, int]]:

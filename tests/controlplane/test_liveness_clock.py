@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator
 
 import grpc
-import pytest
 
-from controlplane.records import Keys, NodeRecord, Role
+from controlplane.records import NodeRecord, Role
 from controlplane.store import EtcdStore
 from kvferry.v1 import nodes_pb2
 from tests.conftest import Client, DaemonFactory, EtcdProcess, daemon_settings
@@ -25,15 +22,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture
-async def store(etcd_endpoint: str) -> AsyncIterator[EtcdStore]:
-    s = EtcdStore((etcd_endpoint,), Keys(f"/t-{uuid.uuid4().hex[:10]}"), 2.0, 60, 10_000, 600)
-    await s.connect()
-    await s.ready(10)
-    yield s
-    await s.close()
 
 
 def _node(ttl: int) -> NodeRecord:
