@@ -4,6 +4,7 @@ statuses in server/status.py. Leases/Stream runs the same ops in server/stream.p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -52,7 +53,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         if request.prompt_follows and later is None:
             raise InvalidArgument("prompt_follows needs Leases/Stream (the prompt comes in a later op)")
         result = await self._lookups.lookup(
-            lookup_query_of(request), None if later is None else _prompt(later)
+            lookup_query_of(request), None if later is None else functools.partial(_prompt, later)
         )
         if resp is None:
             resp = leases_pb2.LookupResponse()

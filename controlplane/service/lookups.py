@@ -28,6 +28,9 @@ log = structlog.get_logger(__name__)
 #: How long a Lookup sent with prompt_follows waits for its prompt.
 PROMPT_WAIT_S = 10.0
 
+#: The prompt of a lookup sent with prompt_follows: awaits it (from the caller's stream).
+LatePrompt = Callable[[], Awaitable[Prompt]]
+
 _OWN_TURN = Decision(False, Reason.OWN_TURN, "registered for this same request: left to the next turn")
 
 
@@ -71,12 +74,13 @@ class Lookups:
         self._limits = settings.limits
         self._clock = clock
 
-    async def lookup(self, q: LookupQuery, later: Awaitable[Prompt] | None = None) -> LookupResult:
+    async def lookup(self, q: LookupQuery, later: LatePrompt | None = None) -> LookupResult:
         """Claim the conversation's retention (unless `q.peek`) and decide on the prompt.
 
         With `later`, the prompt is still being computed by the caller: the claim's
-        etcd round trip runs while it is awaited (at most PROMPT_WAIT_S; a prompt that
-        never comes is an empty one, and the claimed retention is released).
+        etcd round trip runs while `later()` is awaited (at most PROMPT_WAIT_S; a prompt
+        that never comes is an empty one, and the claimed retention is released). It is
+        called only then: a query refused first leaves no coroutine behind unawaited.
         """
         tenant = self._checked(q, later)
         if q.peek:
@@ -108,7 +112,7 @@ class Lookups:
             await self._claims.note_deadline(got, tenant, conversation, claimed_at, q.request_id)
         return self._answered(tenant, q, decision, taken, claimed=taken is not None)
 
-    def _checked(self, q: LookupQuery, later: Awaitable[Prompt] | None) -> str:
+    def _checked(self, q: LookupQuery, later: LatePrompt | None) -> str:
         """-> the query's tenant, its fields checked."""
         tenant = tenant_of(q.tenant, self._limits.max_id_bytes)
         check_id("conversation_id", q.conversation_id, self._limits.max_id_bytes)
@@ -149,13 +153,13 @@ class Lookups:
             return decide_claimed(claim, now)
         return decide(None, None, prompt, self._policy, now)
 
-    async def _late_prompt(self, later: Awaitable[Prompt], conversation_id: str) -> tuple[Prompt, str]:
+    async def _late_prompt(self, later: LatePrompt, conversation_id: str) -> tuple[Prompt, str]:
         """The prompt of a prompt_follows lookup -> (prompt, "") or (an empty prompt, why
         there is no usable one). The retention is claimed either way; an empty prompt
         never pulls, and the answer releases D's blocks."""
         try:
             async with asyncio.timeout(PROMPT_WAIT_S):
-                prompt = await later
+                prompt = await later()
         except TimeoutError:
             log.info("lookup.prompt_missing", conversation_id=conversation_id, waited_s=PROMPT_WAIT_S)
             return Prompt(0), f"no prompt within {PROMPT_WAIT_S:g}s"
