@@ -71,20 +71,37 @@ class Claims:
         log.info("lookup.own_turn", conversation_id=conversation_id, request_id=request_id)
         return Claimed(own=True)
 
+    async def claim_guarded(self, tenant: str, conversation_id: str, request_id: str, now: float) -> Claimed:
+        """`claim`, in a task of its own. Cancelled (the caller's deadline, its stream), the
+        claim runs on, for one cancelled at etcd may have been written all the same, and
+        what it takes goes back once it is done: never spent with no answer to anyone."""
+        claiming = self._claiming(tenant, conversation_id, request_id, now)
+        try:
+            return await asyncio.shield(claiming)
+        except asyncio.CancelledError:
+            claiming.add_done_callback(functools.partial(self._put_back_when_done, tenant, conversation_id))
+            raise
+
     async def claim_while(
         self, tenant: str, conversation_id: str, request_id: str, now: float, waiting: Awaitable[T]
     ) -> tuple[Claimed, T]:
-        """`claim`, in a task of its own, while `waiting` (the caller's prompt) is awaited.
-        -> (the claim, what `waiting` gave). Cancelled, what the claim takes goes back once
-        it is done (the claim itself runs on: one cancelled at etcd may be spent)."""
-        claiming = asyncio.ensure_future(self.claim(tenant, conversation_id, request_id, now))
-        self._background.track(claiming)
+        """`claim_guarded` while `waiting` (the caller's prompt) is awaited. -> (the claim,
+        what `waiting` gave)."""
+        claiming = self._claiming(tenant, conversation_id, request_id, now)
         try:
             waited = await waiting
             return await asyncio.shield(claiming), waited
         except asyncio.CancelledError:
             claiming.add_done_callback(functools.partial(self._put_back_when_done, tenant, conversation_id))
             raise
+
+    def _claiming(
+        self, tenant: str, conversation_id: str, request_id: str, now: float
+    ) -> asyncio.Task[Claimed]:
+        """`claim` started in a task a stop waits for (Background.settle)."""
+        claiming = asyncio.ensure_future(self.claim(tenant, conversation_id, request_id, now))
+        self._background.track(claiming)
+        return claiming
 
     def put_back(self, claimed: Claimed, tenant: str, conversation_id: str) -> None:
         """Put what a claim took back, in the background: its caller went away, and no

@@ -91,7 +91,7 @@ class Lookups:
         got: Claimed | None = None
         try:
             if later is None:
-                got = await self._claims.claim(tenant, conversation, q.request_id, now)
+                got = await self._claims.claim_guarded(tenant, conversation, q.request_id, now)
             else:
                 waiting = self._late_prompt(later, conversation)
                 got, (prompt, missing) = await self._claims.claim_while(
