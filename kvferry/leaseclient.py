@@ -30,7 +30,9 @@ class LeaseOpError(Exception):
     """An operation failed; `code` is the gRPC status the unary call would have returned.
 
     `stream_lost`: the stream itself broke or ended (the replica or the way to it is in
-    doubt), rather than the daemon answering this one op with an error or the op timing out.
+    doubt), rather than the daemon answering this one op with an error or the op timing out;
+    `code` is then the status the stream ended with (a stream refused with, say,
+    PERMISSION_DENIED or RESOURCE_EXHAUSTED ran none of its ops unanswered).
     `sent`: the op was handed to the stream, so the daemon may have carried it out; false
     only when it surely never left this process.
     """
@@ -288,10 +290,8 @@ class LeaseStream:
                     fut = self._pending.get(res.id)
                     if fut is not None and not fut.done():
                         fut.set_result(res)
-        except grpc.aio.AioRpcError as e:
-            error = LeaseOpError(
-                grpc.StatusCode.UNAVAILABLE, f"lease stream broke: {e.code().name}: {e.details()}", True
-            )
+        except grpc.aio.AioRpcError as e:  # its status kept: it may prove the ops unwritten
+            error = LeaseOpError(e.code(), f"lease stream broke: {e.code().name}: {e.details()}", True)
         except asyncio.CancelledError:
             error = LeaseOpError(grpc.StatusCode.CANCELLED, "lease stream closed")
             raise

@@ -187,7 +187,7 @@ class DaemonClient:
         """A lookup sent to `replica` at `sent_at` failed: count it against the replica
         (and the breaker), fail over when it looks gone or hung; -> the turn's reuse."""
         late = e.code is grpc.StatusCode.DEADLINE_EXCEEDED
-        unreachable = e.code in _UNREACHABLE
+        unreachable = e.code in _UNREACHABLE or e.stream_lost  # (a lost stream: whatever its status)
         if late or unreachable:
             self.breaker.record(False, time.monotonic())
         if late and sent_at > replica.late_at:

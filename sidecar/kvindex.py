@@ -256,11 +256,17 @@ class Verdict(enum.Enum):
     APPLY = "apply"
     """The next one: fold it in."""
     DUPLICATE = "duplicate"
-    """Already folded in from a replay: skip it."""
+    """Already folded in (from a replay, or delivered twice): skip it."""
     GAP = "gap"
     """Some before it are missing: replay from `SeqTracker.expected` first."""
     RESTART = "restart"
-    """It went backwards: a new engine publishes from 0."""
+    """It went back to the start, or far back: a new engine publishes from 0."""
+
+
+#: How far below the next expected seq a batch is still taken for one seen again (a
+#: replay overlapping the live stream, a duplicate delivery) rather than a new engine.
+#: vLLM's publisher numbers batches from 0 in each engine process and never reuses a seq.
+DUPLICATE_SPAN = 1024
 
 
 @dataclass
@@ -270,6 +276,11 @@ class SeqTracker:
     After a replay, messages already queued on the SUB socket repeat what the
     replay returned; they are duplicates, not a restart, until a message at or
     past `expected` arrives (SUB delivers in order) or `overlap_s` has passed.
+    Past that window a seq a little below `expected` (within `DUPLICATE_SPAN`) is
+    still a batch seen again: only a seq back at 0 (the batch just folded in aside)
+    or further back than the span is a new engine. A new engine that published only
+    a few batches before one of them came round again is told apart by its process
+    identity instead (a probe after the publisher's reconnection, identity.py).
     """
 
     expected: int = 0
@@ -283,6 +294,8 @@ class SeqTracker:
         if seq > self.expected:
             return Verdict.GAP
         if self._overlap_until is not None and now < self._overlap_until:
+            return Verdict.DUPLICATE
+        if seq == self.expected - 1 or (seq > 0 and self.expected - seq <= DUPLICATE_SPAN):
             return Verdict.DUPLICATE
         return Verdict.RESTART
 

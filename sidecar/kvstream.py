@@ -5,11 +5,12 @@ start, and whenever the seq jumps, the missing batches are asked of the replay
 endpoint (DEALER: ``[b"", start seq]`` -> ``[b"", topic, seq, payload]`` ... until
 seq -1, or ``[b"", seq, payload]`` from older releases: `replay_answer`) before
 going on; SUB keeps queueing live messages meanwhile, and those the replay
-already covered are skipped (see `SeqTracker`). A seq going backwards is
-a new engine process (`EngineInstance.restart`); the publisher going away puts
-the engine in doubt at once (kvmonitor.py). What cannot be replayed (no
-replay endpoint, the engine's buffer no longer reaches back, a replay timing
-out) makes the next batch a reset: the daemon gets the mirror as it stands.
+already covered are skipped (see `SeqTracker`), as is a batch delivered twice. A
+seq back at 0 (or far back) is a new engine process (`EngineInstance.restart`);
+the publisher going away puts the engine in doubt at once (kvmonitor.py). What
+cannot be replayed (no replay endpoint, the engine's buffer no longer reaches
+back, a replay timing out) makes the next batch a reset: the daemon gets the
+mirror as it stands.
 A payload (or a message) that does not decode is counted and skipped, never fatal;
 the warnings about them are thinned (`kvferry.logs.Throttle`).
 """

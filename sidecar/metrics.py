@@ -54,7 +54,8 @@ class SidecarMetrics(OwnRegistry):
         )
         self.registrations_dropped = self.counter(
             "kvferry_sidecar_lease_registrations_dropped",
-            "Registrations given up: overflow (queue full), expired, restarted (engine), attempts, "
+            "Registrations given up: overflow (queue full), expired, restarted (engine), attempts (D was "
+            "told to free its blocks), "
             "maybe_stored (the daemon may have stored it: sending it again is not safe), superseded "
             "(the conversation's next turn came first: D was told to free its blocks), shutdown (queued "
             "when the sidecar stopped), cancelled (on its way when it stopped: maybe stored)",

@@ -7,7 +7,9 @@ unreachable registrations wait in a capped queue: beyond `queue_size` the
 oldest is dropped, entries past their deadline or from an engine process that
 has since restarted are dropped, and a registration is tried at most
 `max_attempts` times. One that reached the daemon without a clear answer (which
-etcd may have stored) is never sent again (`retry_decision`). A conversation's
+etcd may have stored) is never sent again; one whose status proves it stored
+nowhere, for good (refused) or after its last try, has D free its blocks
+(`retry_decision`). A conversation's
 draft that a newer turn's draft overtook while it waited (or failed) is not sent:
 registered, it would replace the newer retention; D is told to free its blocks
 instead. Every drop is counted.
@@ -152,31 +154,49 @@ def dead_reason(draft: RetentionDraft, now_wall: float, epoch: int) -> str | Non
 NOT_ANSWERED = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 )
-#: After these, a try that reached the daemon may have been stored all the same.
-MAYBE_STORED = NOT_ANSWERED | {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+#: The daemon (or the gRPC layer in front of it) turned the registration, or its whole
+#: stream, away before writing anything, and would again: stored nowhere, ever.
+REFUSED = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
+#: Turned away before writing, for a passing reason (the node re-registering, a
+#: transaction that lost a race, an overloaded daemon): worth another try.
+NOT_WRITTEN = frozenset(
+    {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+)
 
 
 def retry_decision(code: grpc.StatusCode, attempts: int, max_attempts: int, *, sent: bool) -> str:
-    """After a failed try, what to do with the draft (`sent`: the try reached the daemon's stream).
+    """After a failed try, what to do with the draft, from what its status proves about the
+    write (`sent`: the try reached the daemon's stream; `code`: the op's error, or the
+    status its stream ended with).
 
-    "maybe_stored": the try reached the daemon and failed in a way that leaves open
-    whether etcd stored it (a timeout, a lost answer, etcd slow). It is not sent again:
-    by the time a resend lands, the retention may have been handed out and D's blocks
-    freed, and storing it again would hand them to a second P (wrong KV, silently).
-    The next turn of the conversation recomputes at worst.
-    "requeue": it never reached the daemon: wait for it, bounded by the queue's
-    capacity and the draft's deadline, not by attempts.
-    "retry": the daemon answered with a passing trouble that stored nothing
-    (FAILED_PRECONDITION while the node re-registers, ABORTED ...). "attempts": tried
-    enough. "failed": refused for good (INVALID_ARGUMENT, ...).
+    "failed": refused for good (`REFUSED`), whether sent or not: nothing was stored, and
+    D is told to free its blocks. "maybe_stored": the try reached the daemon and failed in
+    a way that leaves open whether etcd stored it (a timeout, a lost answer, etcd slow, a
+    daemon's defect: any code not known to prove the contrary). It is not sent again: by
+    the time a resend lands, the retention may have been handed out and D's blocks freed,
+    and storing it again would hand them to a second P (wrong KV, silently). The next turn
+    of the conversation recomputes at worst. "requeue": it never reached the daemon: wait
+    for it, bounded by the queue's capacity and the draft's deadline, not by attempts.
+    "retry": turned away unwritten for a passing reason (`NOT_WRITTEN`, or a local failure
+    before it left); "attempts": tried enough (nothing stored either).
     """
-    if sent and code in MAYBE_STORED:
+    if code in REFUSED:
+        return "failed"
+    if sent and code not in NOT_WRITTEN:
         return "maybe_stored"
     if code in NOT_ANSWERED:
         return "requeue"
-    if code in TRANSIENT or code == grpc.StatusCode.FAILED_PRECONDITION:
-        return "retry" if attempts < max_attempts else "attempts"
-    return "failed"
+    return "retry" if attempts < max_attempts else "attempts"
 
 
 class RetentionSender:
@@ -249,7 +269,9 @@ class RetentionSender:
         self._queue.done(draft)
         self._metrics.registrations_dropped.labels(reason).inc()
         log.info("retention.register.dropped", reason=reason, conversation_id=draft.conversation_id)
-        if reason == "superseded":  # D holds its blocks for no one: have them freed now
+        # D holds its blocks for no one (overtaken; or stored nowhere: each try was turned
+        # away unwritten, as one that may have been stored is dropped at once): free them now
+        if reason in ("superseded", "attempts"):
             self._release(nothing_to_pull(draft.params), draft.conversation_id)
 
     def _release(self, params: dict[str, Any], conversation_id: str) -> None:

@@ -342,6 +342,45 @@ async def test_encodings_malformed_payloads_gaps_and_restarts(
     assert [n.generation for n in nodes if n.engine_id == node_id] == [2]
 
 
+async def test_batches_delivered_again_are_skipped_not_taken_for_a_restart(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, fake: FakePublisher
+) -> None:
+    """A batch seen twice (a duplicate delivery, a replay overlapping the live stream) once
+    the replay's window has closed: its seq is at or a little below the last one, which
+    was read as a new engine, bumping the node's generation and voiding every retention
+    of D. Skipped now, the index as it was; a seq back at 0 is still a restart."""
+    d = await start_emulator(role="decode")
+    sc = await start_sidecar(
+        d, kv_events__endpoint=fake.endpoint, kv_events__replay_endpoint=fake.replay_endpoint
+    )
+    node_id = sc.settings.node_id
+    await subscribed(sc)
+    for seq in range(4):
+        await fake.publish(seq, _maps({"type": "BlockStored", "block_hashes": [seq + 1]}))
+    await eventually(lambda: index_of(client, node_id, {1, 2, 3, 4}))  # (live: the window closed)
+
+    async def again(seq: int) -> None:  # what the engine already sent, sent again
+        await fake.pub.send_multipart(
+            [b"", seq.to_bytes(8, "big", signed=True), _maps({"type": "AllBlocksCleared"})]
+        )
+
+    for seq in (3, 3, 1, 2):
+        await again(seq)
+    await fake.publish(4, _maps({"type": "BlockStored", "block_hashes": [5]}))
+    await eventually(lambda: index_of(client, node_id, {1, 2, 3, 4, 5}))
+    assert sc.metrics.value("kvferry_sidecar_engine_restarts_total", signal="kv_seq") == 0
+    assert sc.metrics.value("kvferry_sidecar_kv_payloads_total", source="live") == 9
+    nodes = (await client.nodes.List(nodes_pb2.ListNodesRequest())).nodes
+    assert [n.generation for n in nodes if n.engine_id == node_id] == [1]
+
+    fake.kept.clear()
+    await fake.publish(0, _maps({"type": "BlockStored", "block_hashes": [100]}))  # a new engine
+    await eventually(lambda: index_of(client, node_id, {100}))
+    assert sc.metrics.value("kvferry_sidecar_engine_restarts_total", signal="kv_seq") == 1
+    nodes = (await client.nodes.List(nodes_pb2.ListNodesRequest())).nodes
+    assert [n.generation for n in nodes if n.engine_id == node_id] == [2]
+
+
 async def test_another_replica_rebuilds_the_index_after_failover(
     daemon: Daemon,
     client: Client,

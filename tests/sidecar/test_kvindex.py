@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.kvevents import Cleared, KvEvent, Removed, Stored
-from sidecar.kvindex import KvBatch, KvMirror, SeqTracker, Verdict, replay_outcome
+from sidecar.kvindex import DUPLICATE_SPAN, KvBatch, KvMirror, SeqTracker, Verdict, replay_outcome
 
 
 def daemon_apply(index: set[int], batches: list[KvBatch]) -> set[int]:
@@ -242,10 +243,30 @@ def test_seq_tracker_skips_what_a_replay_already_covered() -> None:
     assert t.classify(4, 10.5) is Verdict.DUPLICATE  # queued on SUB before the replay answered
     assert t.classify(10, 10.6) is Verdict.APPLY
     t.applied(10)
-    assert t.classify(4, 10.7) is Verdict.RESTART  # in order again: backwards is a new engine
+    assert t.classify(0, 10.7) is Verdict.RESTART  # in order again: back at 0 is a new engine
     t2 = SeqTracker(expected=3)
     t2.replayed(None, now=0.0)
-    assert t2.expected == 3 and t2.classify(1, 5.0) is Verdict.RESTART  # overlap window over
+    assert t2.expected == 3 and t2.classify(0, 5.0) is Verdict.RESTART  # overlap window over
+
+
+@pytest.mark.parametrize(
+    ("expected", "seq", "verdict"),
+    [
+        (11, 10, Verdict.DUPLICATE),  # the batch just folded in, delivered again
+        (11, 4, Verdict.DUPLICATE),  # a little below: seen again (no replay window open)
+        (1, 0, Verdict.DUPLICATE),  # batch 0, the only one folded in, again
+        (11, 0, Verdict.RESTART),  # back at the start: vLLM numbers from 0 per process
+        (5000, 5000 - DUPLICATE_SPAN, Verdict.DUPLICATE),
+        (5000, 4999 - DUPLICATE_SPAN, Verdict.RESTART),  # far back: not one seen again
+        (11, 11, Verdict.APPLY),
+        (11, 12, Verdict.GAP),
+    ],
+)
+def test_seq_tracker_tells_a_duplicate_from_a_restart(expected: int, seq: int, verdict: Verdict) -> None:
+    """A seq at or a little below the last one seen, out of any replay's window, is a
+    duplicate (it was taken for a restart: the node's generation bumped, every retention
+    of D voided); a restart is the seq going back to the start."""
+    assert SeqTracker(expected=expected).classify(seq, now=100.0) is verdict
 
 
 def test_seq_tracker_skip_to_gives_up_on_the_missing() -> None:
