@@ -1,0 +1,147 @@
+"""A/B of two trees' daemons under one client, in interleaved rounds, so that a change's
+effect is measured in one sitting on this noisy machine (the raw etcd transaction varies by
+40% between runs here: two separate bench.daemon runs do not compare).
+
+    git worktree add /tmp/before REV
+    python -m bench.daemon_ab /tmp/before:kvferry_cli .:kvferry_cli [--retentions N] [--rounds R]
+
+Each side is TREE:MODULE, the module that runs ``kvferry`` in that tree (``kvferry.cli``
+before the command line got its own package). Per round and side: a fresh daemon on its
+own embedded etcd, N retentions preloaded over a Leases/Stream, then stream lookups one
+at a time (p50), stream and unary lookups 64 in flight, stream turns (register + lookup)
+128 in flight. Prints each round and the medians with the ratio B/A.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import grpc
+
+from bench.daemon_workload import lookup, register_node, retention
+from bench.load import closed_loop, pct
+from kvferry.leaseclient import LeaseStream
+from kvferry.tasks import run_main
+from kvferry.v1 import leases_pb2, leases_pb2_grpc
+from realvllm.process import free_port
+
+FIGURES = (
+    "stream lookup one at a time, p50 ms",
+    "stream lookups 64 in flight, /s",
+    "unary lookups 64 in flight, /s",
+    "stream turns 128 in flight, /s",
+)
+
+
+@asynccontextmanager
+async def daemon(side: str) -> AsyncIterator[str]:
+    """A daemon of `side` (TREE:MODULE) on its own embedded etcd, serving; -> its address."""
+    tree, _, module = side.partition(":")
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", module, "--log-level", "warning", "daemon",
+        "--listen", f"127.0.0.1:{port}", "--metrics-port", "-1",
+        "--data-dir", f"{tempfile.mkdtemp()}/etcd", "--embedded-port", str(free_port()),
+        cwd=tree, stdin=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    address = f"127.0.0.1:{port}"
+    try:
+        await _serving(address)
+        yield address
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await proc.wait()
+
+
+async def _serving(address: str) -> None:
+    """Until the daemon at `address` answers a Lookup with its store ready."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        unary = leases_pb2_grpc.LeasesStub(channel)
+        while True:
+            try:
+                answer = await unary.Lookup(lookup("probe"), timeout=2, wait_for_ready=True)
+                if answer.reason != "store_unavailable":
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.05)
+
+
+async def measure(side: str, retentions: int) -> tuple[float, ...]:
+    """One round of one side: the FIGURES, in order."""
+    async with (
+        daemon(side) as address,
+        grpc.aio.insecure_channel(address) as channel,
+        grpc.aio.insecure_channel(address) as router_channel,  # (the router's stream: its own)
+    ):
+        await register_node(channel)
+        sidecar, router = LeaseStream(channel), LeaseStream(router_channel)
+        unary = leases_pb2_grpc.LeasesStub(channel)
+
+        async def preload(i: int) -> None:
+            await sidecar.register(retention(f"c{i}"), 30)
+
+        await closed_loop(retentions, 256, preload)
+        convs = itertools.count()
+
+        async def stream_claim(_: int) -> None:
+            assert (await router.lookup(lookup(f"c{next(convs)}"), 10)).decision == leases_pb2.PULL
+
+        async def unary_claim(_: int) -> None:
+            r = await unary.Lookup(lookup(f"c{next(convs)}"), timeout=10)
+            assert r.decision == leases_pb2.PULL
+
+        async def turn(i: int) -> None:
+            await sidecar.register(retention(f"t{i}"), 30)
+            await router.lookup(lookup(f"t{i}"), 10)
+
+        lat = []
+        for i in range(1000):
+            t = time.perf_counter()
+            await stream_claim(i)
+            lat.append(time.perf_counter() - t)
+        figures = (
+            pct(lat, 50),
+            4000 / await closed_loop(4000, 64, stream_claim),
+            3000 / await closed_loop(3000, 64, unary_claim),
+            5000 / await closed_loop(5000, 128, turn),
+        )
+        await sidecar.close()
+        await router.close()
+        return figures
+
+
+async def run(args: argparse.Namespace) -> int:
+    rounds: dict[str, list[tuple[float, ...]]] = {args.a: [], args.b: []}
+    for r in range(args.rounds):
+        for side in (args.a, args.b):
+            rounds[side].append(await measure(side, args.retentions))
+            print(f"round {r + 1} {side}: " + ", ".join(f"{x:.2f}" for x in rounds[side][-1]), flush=True)
+    print(f"\nmedians of {args.rounds} rounds, {args.retentions:,} retentions; A = {args.a}, B = {args.b}")
+    for k, name in enumerate(FIGURES):
+        a = statistics.median(x[k] for x in rounds[args.a])
+        b = statistics.median(x[k] for x in rounds[args.b])
+        print(f"  {name:40s} A {a:9.2f}   B {b:9.2f}   B/A {b / a:.3f}")
+    return 0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("a", help="TREE:MODULE of side A (e.g. /tmp/before:kvferry_cli)")
+    p.add_argument("b", help="TREE:MODULE of side B (e.g. .:kvferry_cli)")
+    p.add_argument("--retentions", type=int, default=20_000)
+    p.add_argument("--rounds", type=int, default=3)
+    run_main(run(p.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
