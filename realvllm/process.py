@@ -115,7 +115,7 @@ class EngineProcess:
         self.cwd = cwd
         self.starts = 0
         self._proc: subprocess.Popen[bytes] | None = None
-        self._log_start = 0
+        self._log_read = 0
 
     @property
     def pid(self) -> int | None:
@@ -130,7 +130,7 @@ class EngineProcess:
             raise RuntimeError(f"{self.name} is already running")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
-            self._log_start = out.tell()
+            self._log_read = out.tell()  # (this start's part of the log begins here)
             out.write(f"\n=== start {self.starts + 1}: {' '.join(self.command)}\n".encode())
             out.flush()
             self._proc = subprocess.Popen(
@@ -179,13 +179,16 @@ class EngineProcess:
         return time.monotonic() - started
 
     def _log_says(self, needle: bytes) -> bool:
-        """Whether this start's part of the log contains `needle`."""
+        """Whether this start's part of the log contains `needle` (each call reads only what
+        was written since the last, plus a needle's length of overlap)."""
         try:
             with open(self.log_path, "rb") as log:
-                log.seek(self._log_start)
-                return needle in log.read()
+                log.seek(self._log_read)
+                new = log.read()
         except OSError:
             return False
+        self._log_read += max(0, len(new) - len(needle))
+        return needle in new
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM the process group, SIGKILL it after `grace_s`; idempotent."""
