@@ -15,24 +15,22 @@ at a time (p50), stream and unary lookups 64 in flight, stream turns (register +
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
-import signal
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import grpc
 
-from bench.daemon_workload import lookup, register_node, retention
+from bench.daemon_workload import DaemonProcess, lookup, register_node, retention
 from bench.load import closed_loop, pct
 from kvferry.leaseclient import LeaseStream
 from kvferry.tasks import run_main
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
-from realvllm.process import free_port
 
 FIGURES = (
     "stream lookup one at a time, p50 ms",
@@ -40,40 +38,20 @@ FIGURES = (
     "unary lookups 64 in flight, /s",
     "stream turns 128 in flight, /s",
 )
+CLAIMS_PER_ROUND = 8000
+"""Preloaded retentions each round claims (1,000 one at a time, 4,000 + 3,000 at once)."""
 
 
 @asynccontextmanager
 async def daemon(side: str) -> AsyncIterator[str]:
     """A daemon of `side` (TREE:MODULE) on its own embedded etcd, serving; -> its address."""
     tree, _, module = side.partition(":")
-    port = free_port()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", module, "--log-level", "warning", "daemon",
-        "--listen", f"127.0.0.1:{port}", "--metrics-port", "-1",
-        "--data-dir", f"{tempfile.mkdtemp()}/etcd", "--embedded-port", str(free_port()),
-        cwd=tree, stdin=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-    address = f"127.0.0.1:{port}"
+    d = DaemonProcess(Path(tempfile.mkdtemp()) / "etcd", None, Path(tree), module)
+    await d.start()
     try:
-        await _serving(address)
-        yield address
+        yield f"127.0.0.1:{d.port}"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        await proc.wait()
-
-
-async def _serving(address: str) -> None:
-    """Until the daemon at `address` answers a Lookup with its store ready."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        unary = leases_pb2_grpc.LeasesStub(channel)
-        while True:
-            try:
-                answer = await unary.Lookup(lookup("probe"), timeout=2, wait_for_ready=True)
-                if answer.reason != "store_unavailable":
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.05)
+        await d.stop()
 
 
 async def measure(side: str, retentions: int) -> tuple[float, ...]:
@@ -121,16 +99,25 @@ async def measure(side: str, retentions: int) -> tuple[float, ...]:
 
 
 async def run(args: argparse.Namespace) -> int:
-    rounds: dict[str, list[tuple[float, ...]]] = {args.a: [], args.b: []}
+    if args.retentions < CLAIMS_PER_ROUND:
+        print(
+            f"--retentions must be at least {CLAIMS_PER_ROUND:,}: each round claims that many",
+            file=sys.stderr,
+        )
+        return 2
+    sides = {"A": args.a, "B": args.b}
+    rounds: dict[str, list[tuple[float, ...]]] = {"A": [], "B": []}
     for r in range(args.rounds):
-        for side in (args.a, args.b):
-            rounds[side].append(await measure(side, args.retentions))
-            print(f"round {r + 1} {side}: " + ", ".join(f"{x:.2f}" for x in rounds[side][-1]), flush=True)
+        for name, side in sides.items():
+            rounds[name].append(await measure(side, args.retentions))
+            print(
+                f"round {r + 1} {name} ({side}): " + ", ".join(f"{x:.2f}" for x in rounds[name][-1]),
+                flush=True,
+            )
     print(f"\nmedians of {args.rounds} rounds, {args.retentions:,} retentions; A = {args.a}, B = {args.b}")
-    for k, name in enumerate(FIGURES):
-        a = statistics.median(x[k] for x in rounds[args.a])
-        b = statistics.median(x[k] for x in rounds[args.b])
-        print(f"  {name:40s} A {a:9.2f}   B {b:9.2f}   B/A {b / a:.3f}")
+    for k, figure in enumerate(FIGURES):
+        a, b = (statistics.median(x[k] for x in rounds[name]) for name in "AB")
+        print(f"  {figure:40s} A {a:9.2f}   B {b:9.2f}   B/A {b / a:.3f}")
     return 0
 
 

@@ -73,14 +73,20 @@ def lookup(conv: str) -> leases_pb2.LookupRequest:
 
 
 class DaemonProcess:
-    """`kvferry daemon` in its own process: on an external etcd, or embedded (etcd=None)."""
+    """`kvferry daemon` in its own process: on an external etcd, or embedded (etcd=None).
+    `tree` and `module` name another checkout's daemon (bench.daemon_ab: the module that
+    runs ``kvferry`` there, ``kvferry.cli`` before the command line got its own package)."""
 
-    def __init__(self, data_dir: Path, etcd: str | None) -> None:
+    def __init__(
+        self, data_dir: Path, etcd: str | None, tree: Path | None = None, module: str = "kvferry_cli"
+    ) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
         self.etcd_port = free_port()
         self.data_dir = data_dir
         self.etcd = etcd
+        self.tree = tree
+        self.module = module
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self) -> float:
@@ -92,9 +98,9 @@ class DaemonProcess:
             else ["--data-dir", str(self.data_dir), "--embedded-port", str(self.etcd_port)]
         )
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvferry_cli", "--log-level", "warning", "daemon",
+            sys.executable, "-m", self.module, "--log-level", "warning", "daemon",
             "--listen", f"127.0.0.1:{self.port}", "--metrics-port", str(self.metrics_port), *store,
-            stdin=asyncio.subprocess.DEVNULL,
+            stdin=asyncio.subprocess.DEVNULL, cwd=self.tree,
         )  # fmt: skip
         fast_retry = [
             ("grpc.initial_reconnect_backoff_ms", 20),
