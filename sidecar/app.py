@@ -19,7 +19,6 @@ from typing import Any
 import aiohttp
 import structlog
 import zmq.asyncio
-from aiohttp import web
 
 from kvferry.hops import KEEPALIVE_S
 from kvferry.tasks import cancel_and_wait
@@ -32,8 +31,9 @@ from sidecar.metrics import SidecarMetrics
 from sidecar.node import NodeSession
 from sidecar.releases import Releaser
 from sidecar.retentions import RetentionSender
+from sidecar.serving import Deadlines, TapServer
 from sidecar.settings import Settings, listen_address
-from sidecar.tap import Tap, start_server
+from sidecar.tap import Tap
 from sidecar.unretained import UnretainedLedger
 
 log = structlog.get_logger(__name__)
@@ -71,7 +71,7 @@ class Sidecar:
         self._link = DaemonLink(settings.daemon.addresses)
         self._http: aiohttp.ClientSession | None = None
         self._zmq: zmq.asyncio.Context | None = None
-        self._runner: web.AppRunner | None = None
+        self._server: TapServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.retentions: RetentionSender | None = None
         self._releaser: Releaser | None = None
@@ -97,7 +97,9 @@ class Sidecar:
             )
             tap = Tap(s, self._http, self.instance, self.retentions, self.metrics, self.unretained)
             host, port = listen_address(s)
-            self._runner, self.port = await start_server(tap.app(), host, port)
+            self._server = TapServer(tap.app(), Deadlines(s.tap.head_timeout_s, s.tap.idle_timeout_s))
+            await self._server.start(host, port)
+            self.port = self._server.port
             self.node.tap_port = self.port
             http = self._http
             self._spawn(lambda: watch_health(http, s.engine, self.instance), "health")
@@ -134,9 +136,9 @@ class Sidecar:
     async def stop(self, grace_s: float = 1.0) -> None:
         """Stop everything; idempotent. Registrations on their way get `grace_s`, then
         releases on their way as long again."""
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._server is not None:
+            await self._server.close()
+            self._server = None
         if self.retentions is not None and self.retentions.pending and self._tasks:
             await self.retentions.wait_idle(grace_s)
         await cancel_and_wait(self._tasks)

@@ -12,7 +12,7 @@ import socket
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
-from kvferry.flags import Flag, add_flags, items, joined, settings_from
+from kvferry.flags import Flag, add_flags, items, joined, seconds, settings_from
 from kvferry.ids import id_problem
 from kvferry.limits import MAX_BLOCK_SIZE, MAX_LIFETIME_S, MAX_LIVENESS_TTL_S, MAX_PORT, MIN_LIVENESS_TTL_S
 from kvferry.turnheaders import TENANT_HEADER
@@ -134,7 +134,17 @@ class TapSettings:
     absent = the daemon's default tenant); the router's always name it in
     `kvferry.turnheaders.TENANT_HEADER`, whatever this says."""
     max_body_bytes: int = 64 * 1024 * 1024
-    """Largest request body accepted."""
+    """Largest request body accepted, as sent and decompressed alike (413 beyond)."""
+    max_bodies_bytes: int = 256 * 1024 * 1024
+    """Request body bytes held at once by all requests in flight (503 beyond)."""
+    head_timeout_s: float = 10.0
+    """A request's head must arrive within this of its first byte (of the connection's
+    opening, for its first request): else 408 and the connection is closed."""
+    body_timeout_s: float = 60.0
+    """A request's body must arrive within this of its head (408 beyond)."""
+    idle_timeout_s: float = 15.0
+    """An idle keep-alive connection is closed after this (more than the router's and
+    sidecars' pools keep one: `kvferry.hops.KEEPALIVE_S`)."""
     connect_timeout_s: float = 10.0
     """Timeout for connecting to the engine."""
 
@@ -203,6 +213,7 @@ class Settings:
         if d.rpc_timeout_s <= 0 or not 0 < d.backoff_initial_s <= d.backoff_max_s:
             raise ValueError("RPC timeout and backoff must be positive, initial <= max")
         listen_host_port(self.tap.listen)
+        _check_tap_limits(self.tap)
         r = self.retentions
         if r.queue_size < 1 or r.max_attempts < 1 or r.max_in_flight < 1:
             raise ValueError("registration queue size, attempts and in-flight limit must be positive")
@@ -263,6 +274,20 @@ def _rank_ports(k: KvEventSettings) -> None:
         raise ValueError("the ranks' KV-event ports and their replay ports overlap: move the replay port")
 
 
+#: The smallest body limit taken (a chat request with a long prompt must pass).
+MIN_BODY_BYTES = 64 * 1024
+
+
+def _check_tap_limits(t: TapSettings) -> None:
+    """Raise ValueError on a body limit or deadline of the tap out of range."""
+    if t.max_body_bytes < MIN_BODY_BYTES:
+        raise ValueError(f"max body bytes must be at least {MIN_BODY_BYTES}")
+    if t.max_bodies_bytes < t.max_body_bytes:
+        raise ValueError("max bodies bytes (all requests) must be at least max body bytes (one request)")
+    if min(t.head_timeout_s, t.body_timeout_s, t.idle_timeout_s) <= 0:
+        raise ValueError("head, body and idle timeouts must be positive")
+
+
 def listen_address(s: Settings) -> tuple[str, int]:
     """(host, port) the tap binds."""
     return listen_host_port(s.tap.listen)
@@ -303,6 +328,26 @@ FLAGS = (
         "the engine's data-parallel ranks on this node (the endpoints are the first's; rank r: port + r)",
         int,
     ),
+    Flag(
+        "max-body-bytes",
+        "tap.max_body_bytes",
+        "largest request body, sent and decompressed (413 beyond)",
+        int,
+    ),
+    Flag(
+        "max-bodies-bytes",
+        "tap.max_bodies_bytes",
+        "request body bytes held at once by all requests (503 beyond)",
+        int,
+    ),
+    Flag("head-timeout", "tap.head_timeout_s", "seconds a request's head may take to arrive (408)", seconds),
+    Flag(
+        "body-timeout",
+        "tap.body_timeout_s",
+        "seconds a request's body may take after its head (408)",
+        seconds,
+    ),
+    Flag("idle-timeout", "tap.idle_timeout_s", "seconds an idle keep-alive connection is kept", seconds),
     Flag("tenant-header", "tap.tenant_header", "header naming the tenant of requests not from the router"),
     Flag("advertise-url", "tap.advertise_url", "URL registered as the node's http_url"),
     Flag(

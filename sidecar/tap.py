@@ -1,4 +1,4 @@
-"""The HTTP tap: an aiohttp reverse proxy in front of the engine, for every path.
+"""The HTTP tap: an aiohttp reverse proxy in front of the engine's serving paths.
 
 Answers pass through chunk by chunk as they arrive (each chunk is written to
 the client at once; nothing is buffered but an SSE event's unterminated tail).
@@ -10,6 +10,9 @@ never delaying it. A streamed turn D finished without saying which blocks it
 keeps (vLLM without PR 40186) goes in the ledger of blocks no retention names
 (``sidecar.unretained``). Anything the engine does with bad input is passed back
 as the engine answered it. ``/kvferry/metrics`` is the sidecar's own.
+
+Which paths are proxied, and to whom, is `sidecar.paths`' table, applied by the gate
+(`sidecar.gate`); a body is read with `sidecar.bodies`' caps and deadline.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from multidict import CIMultiDict
 
 from kvferry.hops import never_delivered
 from kvferry.turnheaders import NO_RETENTION_HEADER, NOT_DELIVERED_HEADER
+from sidecar.bodies import BodyBudget, BodyLimits, request_body
 from sidecar.capture import RequestPlan, SseRewriter, TurnObserver, plan_request, rewrite_json
 from sidecar.drafts import draft_retention
 from sidecar.engine import DEFAULT_BLOCK_SIZE, EngineInstance
+from sidecar.gate import ROUTE_KEY, gate
 from sidecar.metrics import SidecarMetrics
 from sidecar.retentions import RetentionSender
 from sidecar.settings import Settings
@@ -41,7 +46,6 @@ from sidecar.unretained import (
 
 log = structlog.get_logger(__name__)
 
-METRICS_PATH = "/kvferry/metrics"
 _HOP_BY_HOP = frozenset(
     h.lower()
     for h in (
@@ -118,19 +122,27 @@ class Tap:
         self._unretained = unretained
         self._capture = settings.engine.role != "prefill"
         self._side_channel_host = settings.side_channel_host
+        self._body_limits = BodyLimits(settings.tap.max_body_bytes, settings.tap.body_timeout_s)
+        self.bodies = BodyBudget(settings.tap.max_bodies_bytes)
+        """Request body bytes held by the requests in flight."""
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self._s.tap.max_body_bytes)
-        app.router.add_get(METRICS_PATH, self._serve_metrics)
-        app.router.add_route("*", "/{tail:.*}", self.proxy)
+        app = web.Application(client_max_size=self._s.tap.max_body_bytes, middlewares=[gate])
+        app.router.add_route("*", "/{tail:.*}", self._serve)
         return app
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
+        if request[ROUTE_KEY].local:
+            return await self._serve_metrics(request)
+        async with request_body(request, self._body_limits, self.bodies) as body:
+            return await self.proxy(request, body)
 
     async def _serve_metrics(self, request: web.Request) -> web.Response:
         payload, content_type = self._metrics.render()
         return web.Response(body=payload, headers={"Content-Type": content_type})
 
-    async def proxy(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
+    async def proxy(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        """Pass `request` (its body read: `body`) to the engine, and its answer back."""
         capture = self._capture and NO_RETENTION_HEADER not in request.headers
         plan = plan_request(
             request.method, request.path, request.headers, body, self._s.tap.tenant_header, capture
@@ -281,17 +293,3 @@ class Tap:
             )
         else:
             log.debug("tap.stream.uncaptured", conversation_id=plan.conversation_id, blocks=blocks)
-
-
-async def start_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve `app`; -> (runner, bound port)."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    try:
-        await site.start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    bound = runner.addresses[0]
-    return runner, int(bound[1])

@@ -245,9 +245,11 @@ async def test_what_the_engine_receives(
         assert sent == {"model": "m", "messages": [], "session_id": "s-1", "return_token_ids": True}
         assert seen["path_qs"] == "/v1/chat/completions?trace=1"
         assert seen["headers"]["X-Custom"] == "yes" and seen["headers"]["Accept-Encoding"] == "identity"
-        async with http.put(sc.url + "/anything/else", data=b"raw \x00 bytes") as r:
+        async with http.post(sc.url + "/detokenize", data=b"raw \x00 bytes") as r:
             seen = await r.json()
-        assert seen["method"] == "PUT" and seen["body"] == "raw \x00 bytes"
+        assert seen["method"] == "POST" and seen["body"] == "raw \x00 bytes"
+        async with http.put(sc.url + "/anything/else", data=b"raw") as r:  # (not a serving path)
+            assert r.status == 404 and "not served" in (await r.json())["error"]["message"]
         async with http.post(sc.url + "/v1/completions", json={"prompt": "hi"}) as r:
             assert json.loads((await r.json())["body"]) == {"prompt": "hi"}  # no conversation: untouched
         # A compressed body is read decompressed, and goes on so: not as still compressed.
