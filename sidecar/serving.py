@@ -18,6 +18,7 @@ import asyncio
 import json
 import ssl
 from dataclasses import dataclass
+from typing import cast
 
 import structlog
 from aiohttp import web
@@ -52,8 +53,7 @@ class HeadGuard(asyncio.Protocol):
     # -- asyncio.Protocol, passed on -------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        self._transport = cast(asyncio.Transport, transport)  # (uvloop's is not a subclass)
         self.inner.connection_made(transport)
         self._arm()
 
