@@ -76,6 +76,7 @@ class Sidecar:
         self.retentions: RetentionSender | None = None
         self._releaser: Releaser | None = None
         self.node: NodeSession | None = None
+        self.tap: Tap | None = None
 
     @property
     def url(self) -> str:
@@ -95,7 +96,7 @@ class Sidecar:
             self.node = NodeSession(
                 s, self.instance, self.mirror, self._link, self._http, self.metrics, self.unretained
             )
-            tap = Tap(s, self._http, self.instance, self.retentions, self.metrics, self.unretained)
+            tap = self.tap = Tap(s, self._http, self.instance, self.retentions, self.metrics, self.unretained)
             host, port = listen_address(s)
             self._server = TapServer(tap.app(), Deadlines(s.tap.head_timeout_s, s.tap.idle_timeout_s))
             await self._server.start(host, port)

@@ -26,6 +26,11 @@ from aiohttp.web_protocol import RequestHandler
 
 log = structlog.get_logger(__name__)
 
+#: After an answer sent before its request's body was all read (a refusal), how long the
+#: rest is read and dropped, so that the client, still sending, sees the answer rather
+#: than a reset; then the connection is closed. Nothing read then is kept.
+LINGER_S = 2.0
+
 
 def _raw_408(message: str) -> bytes:
     body = json.dumps(
@@ -140,6 +145,7 @@ class TapServer:
             shutdown_timeout=2.0,
             keepalive_timeout=deadlines.idle_timeout_s,
             auto_decompress=False,
+            lingering_time=LINGER_S,
         )
         self._deadlines = deadlines
         self._server: asyncio.Server | None = None

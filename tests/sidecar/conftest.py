@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from controlplane.daemon import Daemon
 from emulator import EmulatorServer
@@ -21,7 +22,7 @@ from sidecar import Settings, Sidecar
 from sidecar.settings import DaemonSettings, EngineSettings, KvEventSettings, TapSettings
 from tests.conftest import StartEmulator
 
-__all__ = ["StartEmulator", "StartSidecar", "sidecar_settings"]
+__all__ = ["EchoEngine", "StartEmulator", "StartSidecar", "sidecar_settings"]
 
 StartSidecar = Callable[..., Awaitable[Sidecar]]
 
@@ -79,3 +80,52 @@ async def start_sidecar(daemon: Daemon) -> AsyncIterator[StartSidecar]:
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
         yield session
+
+
+@dataclass
+class EchoEngine:
+    """A stand-in engine that answers with what it received (a test double for raw proxying)."""
+
+    url: str = ""
+    seen: list[str] = field(default_factory=list)
+    """Method and path (with query) of every request, in order, but the sidecar's own
+    probes (/health, GET /metrics and /v1/models)."""
+
+
+@pytest.fixture
+async def echo() -> AsyncIterator[EchoEngine]:
+    engine = EchoEngine()
+
+    async def answer(request: web.Request) -> web.Response:
+        seen = f"{request.method} {request.path_qs}"
+        if seen not in ("GET /metrics", "GET /v1/models"):
+            engine.seen.append(seen)
+        return web.json_response(
+            {
+                "method": request.method,
+                "path_qs": request.path_qs,
+                "headers": dict(request.headers),
+                "body": (await request.read()).decode(),
+            },
+            headers={"X-Engine": "echo"},
+        )
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_route("*", "/{tail:.*}", answer)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    engine.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    yield engine
+    await runner.cleanup()
+
+
+@pytest.fixture
+def echo_engine(echo: EchoEngine) -> str:
+    """The URL of an `EchoEngine`."""
+    return echo.url

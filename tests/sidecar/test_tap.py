@@ -5,14 +5,13 @@ from __future__ import annotations
 import gzip
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import aiohttp
 import grpc
 import pytest
-from aiohttp import web
 
 from controlplane.daemon import Daemon
 from controlplane.settings import Limits
@@ -196,35 +195,6 @@ async def test_engine_down_is_a_502_and_metrics_are_the_sidecars(
     await d.stop()
     async with http.get(sc.url + "/v1/models") as r:
         assert r.status == 502 and (await r.json())["error"]["code"] == 502
-
-
-@pytest.fixture
-async def echo_engine() -> AsyncIterator[str]:
-    """A stand-in engine that answers with what it received (a test double for raw proxying)."""
-
-    async def echo(request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "method": request.method,
-                "path_qs": request.path_qs,
-                "headers": dict(request.headers),
-                "body": (await request.read()).decode(),
-            },
-            headers={"X-Engine": "echo"},
-        )
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response()
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_route("*", "/{tail:.*}", echo)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    await runner.cleanup()
 
 
 async def test_what_the_engine_receives(
