@@ -1,5 +1,10 @@
 """One sidecar, in-process: ``async with Sidecar(settings) as sc: ... sc.url ...``.
 
+With TLS (`sidecar.settings.SecuritySettings`) the tap serves HTTPS, asking clients for
+a certificate, and the sidecar presents its own to the daemon and to other nodes; a
+`CertReloader` loads rotated files into both SSL contexts. With a policy the tap's gate
+checks every caller (`sidecar.access`).
+
 Starts the tap (HTTP), the health watch, the node session (Register + Attach),
 the retention sender and, when configured, the KV-event ingest; `stop` shuts
 the tap down (in-flight answers get the runner's grace), gives queued retention
@@ -11,8 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -21,6 +29,8 @@ import structlog
 import zmq.asyncio
 
 from kvferry.hops import KEEPALIVE_S
+from kvferry.security.policy import Policy, load_policy
+from kvferry.security.tls import CertReloader, TlsFiles, client_ssl_context, server_ssl_context
 from kvferry.tasks import cancel_and_wait
 from kvferry.urls import local_address
 from sidecar.daemon import DaemonLink
@@ -41,6 +51,23 @@ log = structlog.get_logger(__name__)
 
 #: Pause before a component that failed unexpectedly is started again.
 RESTART_DELAY_S = 1.0
+
+
+@dataclass(frozen=True)
+class Security:
+    """The TLS files and the policy a sidecar runs with, read (None, None: development mode)."""
+
+    tls: TlsFiles | None
+    policy: Policy | None
+
+
+def load_security(s: Settings) -> Security:
+    """Read the TLS files and the policy file the settings name; ValueError saying what is wrong."""
+    sec = s.security
+    named = sec.tls_files
+    tls = None if named is None else TlsFiles.from_flags(named.ca, named.cert, named.key)
+    policy = load_policy(Path(sec.policy)) if sec.policy else None
+    return Security(tls, policy)
 
 
 async def _supervise(run: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
@@ -68,7 +95,9 @@ class Sidecar:
         self.instance.on_restart(lambda: self.unretained.restart(self.instance.epoch))
         self.metrics.unretained_blocks.set_function(lambda: self.unretained.blocks(time.monotonic()))
         self.port = 0
-        self._link = DaemonLink(settings.daemon.addresses)
+        self.security = load_security(settings)
+        self._link = DaemonLink(settings.daemon.addresses, self.security.tls)
+        self._reloader: CertReloader | None = None
         self._http: aiohttp.ClientSession | None = None
         self._zmq: zmq.asyncio.Context | None = None
         self._server: TapServer | None = None
@@ -80,14 +109,17 @@ class Sidecar:
 
     @property
     def url(self) -> str:
-        """Base URL of the tap, e.g. ``http://127.0.0.1:PORT``."""
-        return f"http://{local_address(self.settings.tap.listen, self.port)}"
+        """Base URL of the tap, e.g. ``http://127.0.0.1:PORT`` (https with TLS)."""
+        return f"{self.settings.scheme}://{local_address(self.settings.tap.listen, self.port)}"
 
     async def start(self) -> None:
         s = self.settings
         try:
+            server_ssl, client_ssl = self._ssl_contexts()
             self._http = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=KEEPALIVE_S),
+                connector=aiohttp.TCPConnector(
+                    limit=0, ttl_dns_cache=60, keepalive_timeout=KEEPALIVE_S, ssl=client_ssl or True
+                ),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.tap.connect_timeout_s),
                 auto_decompress=False,
             )
@@ -98,8 +130,10 @@ class Sidecar:
             )
             tap = self.tap = Tap(s, self._http, self.instance, self.retentions, self.metrics, self.unretained)
             host, port = listen_address(s)
-            self._server = TapServer(tap.app(), Deadlines(s.tap.head_timeout_s, s.tap.idle_timeout_s))
-            await self._server.start(host, port)
+            self._server = TapServer(
+                tap.app(self.security.policy), Deadlines(s.tap.head_timeout_s, s.tap.idle_timeout_s)
+            )
+            await self._server.start(host, port, server_ssl)
             self.port = self._server.port
             self.node.tap_port = self.port
             http = self._http
@@ -131,6 +165,23 @@ class Sidecar:
             kv_events=s.kv_events.endpoint or None,
         )
 
+    def _ssl_contexts(self) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
+        """(the tap's, the client's) SSL contexts, kept up to date by a reloader; None without TLS.
+
+        The tap asks for a client certificate without requiring one at the handshake: the
+        gate refuses a caller with neither a certificate nor a token of the policy (401),
+        and lets health probes, which carry none, through (`sidecar.access`)."""
+        tls = self.security.tls
+        if tls is None:
+            return None, None
+        server = server_ssl_context(tls, require_client_cert=False)
+        client = client_ssl_context(tls)
+        watched = TlsFiles(tls.ca, tls.cert, tls.key)  # (its own: `changed()` answers each asker once)
+        watched.changed()  # (the files as just loaded)
+        self._reloader = CertReloader(watched, [server, client])
+        self._reloader.start()
+        return server, client
+
     def _spawn(self, run: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
         self._tasks.append(asyncio.create_task(_supervise(run, name), name=f"sidecar-{name}"))
 
@@ -144,6 +195,9 @@ class Sidecar:
             await self.retentions.wait_idle(grace_s)
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
+        if self._reloader is not None:
+            await self._reloader.stop()
+            self._reloader = None
         dropped = self.retentions.abandon() if self.retentions is not None else 0
         if dropped:
             log.warning("sidecar.stop.registrations_dropped", count=dropped, grace_s=grace_s)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from kvferry import flags, logs
 from kvferry.tasks import run_process
 from sidecar import settings as sidecar_settings
-from sidecar.app import Sidecar
+from sidecar.app import Sidecar, load_security
 from sidecar.settings import Settings
 
 
@@ -52,6 +52,7 @@ def run_args(args: argparse.Namespace) -> int:
     flags.warn_unknown_variables("sidecar", sidecar_settings.ENV_PREFIX, args)
     try:
         settings = sidecar_settings.from_args(args)
+        load_security(settings)  # (unreadable TLS files or a bad policy: said here, exit 2)
     except ValueError as e:
         print(f"kvferry sidecar: {e}", file=sys.stderr)
         return 2

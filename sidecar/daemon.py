@@ -1,4 +1,10 @@
-"""The sidecar's connection to the daemon: one gRPC channel, failover between replicas, backoff."""
+"""The sidecar's connection to the daemon: one gRPC channel, failover between replicas, backoff.
+
+With TLS the channel presents the sidecar's certificate (its identity at the daemon);
+when the files change (a rotation), the next `channel()` makes a new channel with the new
+certificate. Calls open on the old one go on; it is closed at the next failover or at
+`close`.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,8 @@ from collections.abc import Sequence
 import grpc
 import structlog
 
-from kvferry.channels import daemon_channel_options
+from kvferry.channels import daemon_channel, daemon_channel_options
+from kvferry.security.tls import TlsFiles
 from kvferry.v1 import leases_pb2_grpc, nodes_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -50,18 +57,36 @@ class Backoff:
 class DaemonLink:
     """The channel to the current daemon replica; `failover` moves to the next one."""
 
-    def __init__(self, addresses: Sequence[str]) -> None:
+    def __init__(self, addresses: Sequence[str], tls: TlsFiles | None = None) -> None:
         self._addresses = list(addresses)
         self._index = 0
         self._channel: grpc.aio.Channel | None = None
+        # (a TlsFiles of its own: `changed()` answers each asker once)
+        self._tls = None if tls is None else TlsFiles(tls.ca, tls.cert, tls.key)
+        if self._tls is not None:
+            self._tls.changed()
+        self._retired: list[grpc.aio.Channel] = []
 
     @property
     def address(self) -> str:
         return self._addresses[self._index]
 
     def channel(self) -> grpc.aio.Channel:
+        """The channel to the current replica (a new one after the TLS files changed)."""
+        if self._channel is not None and self._tls is not None and self._tls.changed():
+            log.info("daemon.channel.rotated", address=self.address, cert=str(self._tls.cert))
+            self._retired.append(self._channel)
+            self._channel = None
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+            try:
+                self._channel = daemon_channel(self.address, self._tls, _CHANNEL_OPTIONS)
+            except ValueError as e:  # (files being rewritten: the old certificate until they load)
+                if not self._retired:
+                    raise
+                log.warning("daemon.channel.tls_unreadable", error=str(e))
+                assert self._tls is not None
+                self._tls.forget()
+                self._channel = self._retired.pop()
         return self._channel
 
     def nodes(self, channel: grpc.aio.Channel) -> nodes_pb2_grpc.NodesAsyncStub:
@@ -76,6 +101,7 @@ class DaemonLink:
         The failed channel is closed; calls still open on it end and are retried
         on the new one by their owners.
         """
+        await self._close_retired()
         if len(self._addresses) < 2 or failed is not self._channel:
             return
         self._channel = None
@@ -83,7 +109,13 @@ class DaemonLink:
         log.info("daemon.failover", address=self.address)
         await failed.close(None)
 
+    async def _close_retired(self) -> None:
+        retired, self._retired = self._retired, []
+        for channel in retired:
+            await channel.close(None)
+
     async def close(self) -> None:
+        await self._close_retired()
         if self._channel is not None:
             await self._channel.close(None)
             self._channel = None

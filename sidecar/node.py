@@ -68,10 +68,10 @@ def batch_message(b: KvBatch) -> nodes_pb2.AttachRequest:
 
 def advertised_url(s: Settings, tap_port: int) -> str:
     """The tap's URL as the node registers it: --advertise-url, else the side-channel host
-    (the pod's address, say; an IPv6 one in brackets) with the tap's port."""
+    (the pod's address, say; an IPv6 one in brackets) with the tap's port (https with TLS)."""
     if s.tap.advertise_url:
         return s.tap.advertise_url
-    return f"http://{join_host_port(s.side_channel_host, tap_port or listen_address(s)[1])}"
+    return f"{s.scheme}://{join_host_port(s.side_channel_host, tap_port or listen_address(s)[1])}"
 
 
 def advertised_engine_url(s: Settings, http_url: str) -> str:

@@ -10,11 +10,13 @@ import argparse
 import re
 import socket
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from urllib.parse import urlsplit
 
-from kvferry.flags import Flag, add_flags, items, joined, seconds, settings_from
+from kvferry.flags import Flag, add_flags, bool_text, boolean, items, joined, seconds, settings_from
 from kvferry.ids import id_problem
 from kvferry.limits import MAX_BLOCK_SIZE, MAX_LIFETIME_S, MAX_LIVENESS_TTL_S, MAX_PORT, MIN_LIVENESS_TTL_S
+from kvferry.security.tls import TlsFiles, check_listen
 from kvferry.turnheaders import TENANT_HEADER
 from kvferry.urls import is_http_url, is_loopback, listen_host_port
 
@@ -121,8 +123,9 @@ class DaemonSettings:
 class TapSettings:
     """The HTTP reverse proxy in front of the engine."""
 
-    listen: str = "0.0.0.0:8100"
-    """host:port the proxy listens on (port 0 picks a free one)."""
+    listen: str = "127.0.0.1:8100"
+    """host:port the proxy listens on (port 0 picks a free one). Another address than a
+    loopback one needs TLS (`SecuritySettings`), or --insecure."""
     advertise_url: str = ""
     """URL registered as the node's http_url; "" = http://<side-channel host>:<listen port>."""
     advertise_engine_url: str = ""
@@ -162,6 +165,38 @@ class RetentionSettings:
 
 
 @dataclass(frozen=True)
+class SecuritySettings:
+    """TLS and who may call the tap (see `sidecar.access`); none of it: development mode."""
+
+    tls_ca: str = ""
+    """CA (PEM) the tap verifies clients' certificates against, and the daemon's and
+    other nodes' with; with --tls-cert and --tls-key, the tap serves HTTPS."""
+    tls_cert: str = ""
+    """This sidecar's certificate (PEM): the tap's server certificate, and its client
+    certificate to the daemon and to other nodes. Re-read when the file changes."""
+    tls_key: str = ""
+    """The certificate's private key (PEM)."""
+    policy: str = ""
+    """Policy file (TOML, `kvferry.security.policy`): who may call the tap; "" = every
+    caller is trusted as an admin (development mode)."""
+    insecure: bool = False
+    """Let the tap listen on a non-loopback address without TLS (plaintext on purpose)."""
+
+    @property
+    def tls_files(self) -> TlsFiles | None:
+        """The TLS files named (not read), or None; ValueError when only some are."""
+        given = {"--tls-ca": self.tls_ca, "--tls-cert": self.tls_cert, "--tls-key": self.tls_key}
+        if not any(given.values()):
+            return None
+        missing = [flag for flag, path in given.items() if not path]
+        if missing:
+            raise ValueError(
+                f"TLS needs --tls-ca, --tls-cert and --tls-key together; missing {', '.join(missing)}"
+            )
+        return TlsFiles(Path(self.tls_ca), Path(self.tls_cert), Path(self.tls_key))
+
+
+@dataclass(frozen=True)
 class Settings:
     """Everything one sidecar needs."""
 
@@ -170,6 +205,7 @@ class Settings:
     daemon: DaemonSettings = field(default_factory=DaemonSettings)
     tap: TapSettings = field(default_factory=TapSettings)
     retentions: RetentionSettings = field(default_factory=RetentionSettings)
+    security: SecuritySettings = field(default_factory=SecuritySettings)
 
     def validate(self) -> None:
         """Raise ValueError on a setting out of range."""
@@ -214,6 +250,9 @@ class Settings:
             raise ValueError("RPC timeout and backoff must be positive, initial <= max")
         listen_host_port(self.tap.listen)
         _check_tap_limits(self.tap)
+        plaintext = check_listen(self.tap.listen, self.security.tls_files, self.security.insecure)
+        if plaintext:
+            raise ValueError(plaintext)
         r = self.retentions
         if r.queue_size < 1 or r.max_attempts < 1 or r.max_in_flight < 1:
             raise ValueError("registration queue size, attempts and in-flight limit must be positive")
@@ -225,6 +264,11 @@ class Settings:
             return self.engine.engine_id
         port = urlsplit(self.engine.url).port or 80
         return f"{socket.gethostname()}-{port}"
+
+    @property
+    def scheme(self) -> str:
+        """The tap's URL scheme: https with TLS."""
+        return "https" if self.security.tls_cert else "http"
 
     @property
     def side_channel_host(self) -> str:
@@ -367,6 +411,25 @@ FLAGS = (
     ),
     Flag(
         "lease-queue-size", "retentions.queue_size", "registrations kept while the daemon is unreachable", int
+    ),
+    Flag(
+        "tls-ca",
+        "security.tls_ca",
+        "CA (PEM) that clients', the daemon's and other nodes' certificates are checked with",
+    ),
+    Flag(
+        "tls-cert",
+        "security.tls_cert",
+        "this sidecar's certificate (PEM): HTTPS server and client to the daemon",
+    ),
+    Flag("tls-key", "security.tls_key", "the certificate's private key (PEM)"),
+    Flag("policy", "security.policy", "policy file (TOML): who may call the tap (empty: everyone, as admin)"),
+    Flag(
+        "insecure",
+        "security.insecure",
+        "serve plaintext on a non-loopback address (without TLS)",
+        boolean,
+        to_text=bool_text,
     ),
 )
 """The sidecar's flags, in --help's order."""

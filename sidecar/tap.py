@@ -26,12 +26,13 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
 from kvferry.hops import never_delivered
+from kvferry.security.policy import Policy
 from kvferry.turnheaders import NO_RETENTION_HEADER, NOT_DELIVERED_HEADER
 from sidecar.bodies import BodyBudget, BodyLimits, request_body
 from sidecar.capture import RequestPlan, SseRewriter, TurnObserver, plan_request, rewrite_json
 from sidecar.drafts import draft_retention
 from sidecar.engine import DEFAULT_BLOCK_SIZE, EngineInstance
-from sidecar.gate import ROUTE_KEY, gate
+from sidecar.gate import ROUTE_KEY, TOKEN_USED_KEY, gate
 from sidecar.metrics import SidecarMetrics
 from sidecar.retentions import RetentionSender
 from sidecar.settings import Settings
@@ -70,13 +71,16 @@ def _connection_named(headers: Mapping[str, str]) -> set[str]:
     return {name.strip().lower() for name in headers.get("Connection", "").split(",")}
 
 
-def request_headers(headers: Mapping[str, str], tapped: bool) -> CIMultiDict[str]:
-    """Client headers as the engine should get them."""
+def request_headers(headers: Mapping[str, str], tapped: bool, token_used: bool = False) -> CIMultiDict[str]:
+    """Client headers as the engine should get them (`token_used`: without Authorization,
+    which named the caller to the tap)."""
     out: CIMultiDict[str] = CIMultiDict()
     named = _connection_named(headers)
     for name, value in headers.items():
         lower = name.lower()
         if lower in _NOT_FORWARDED or lower in named or (tapped and lower == "accept-encoding"):
+            continue
+        if token_used and lower == "authorization":
             continue
         out.add(name, value)
     if tapped:
@@ -126,8 +130,10 @@ class Tap:
         self.bodies = BodyBudget(settings.tap.max_bodies_bytes)
         """Request body bytes held by the requests in flight."""
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=self._s.tap.max_body_bytes, middlewares=[gate])
+    def app(self, policy: Policy | None = None) -> web.Application:
+        """The tap's application, its callers checked against `policy` (None: development mode)."""
+        middlewares = [gate(policy, self._s.tap.tenant_header)]
+        app = web.Application(client_max_size=self._s.tap.max_body_bytes, middlewares=middlewares)
         app.router.add_route("*", "/{tail:.*}", self._serve)
         return app
 
@@ -154,7 +160,7 @@ class Tap:
             upstream = await self._http.request(
                 request.method,
                 self._base + request.raw_path,
-                headers=request_headers(request.headers, tapped),
+                headers=request_headers(request.headers, tapped, request[TOKEN_USED_KEY]),
                 data=(plan.body if plan else body) or None,
                 allow_redirects=False,
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),

@@ -237,7 +237,8 @@ async def test_administrative_paths_are_an_admins_and_development_callers_are(
             assert r.status == 200
     assert echo.seen == ["POST /reset_prefix_cache"]
     allowed = [e for e in logs if e["event"] == "audit.allowed"]
-    assert allowed and allowed[0]["path"] == "/reset_prefix_cache" and allowed[0]["caller"] == "development"
+    assert allowed and allowed[0]["action"] == "POST /reset_prefix_cache"
+    assert allowed[0]["identity"] == "development" and allowed[0]["role"] == "admin"
 
 
 async def test_oversized_bodies_are_refused_with_413(start_tap: StartTap, echo: EchoEngine) -> None:
