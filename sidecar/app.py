@@ -97,7 +97,8 @@ class Sidecar:
         self.port = 0
         self.security = load_security(settings)
         self._link = DaemonLink(settings.daemon.addresses, self.security.tls)
-        self._reloader: CertReloader | None = None
+        self.reloader: CertReloader | None = None
+        """Loads rotated TLS files into the tap's and the client's contexts (None: no TLS)."""
         self._http: aiohttp.ClientSession | None = None
         self._zmq: zmq.asyncio.Context | None = None
         self._server: TapServer | None = None
@@ -178,8 +179,8 @@ class Sidecar:
         client = client_ssl_context(tls)
         watched = TlsFiles(tls.ca, tls.cert, tls.key)  # (its own: `changed()` answers each asker once)
         watched.changed()  # (the files as just loaded)
-        self._reloader = CertReloader(watched, [server, client])
-        self._reloader.start()
+        self.reloader = CertReloader(watched, [server, client])
+        self.reloader.start()
         return server, client
 
     def _spawn(self, run: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
@@ -195,9 +196,9 @@ class Sidecar:
             await self.retentions.wait_idle(grace_s)
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
-        if self._reloader is not None:
-            await self._reloader.stop()
-            self._reloader = None
+        if self.reloader is not None:
+            await self.reloader.stop()
+            self.reloader = None
         dropped = self.retentions.abandon() if self.retentions is not None else 0
         if dropped:
             log.warning("sidecar.stop.registrations_dropped", count=dropped, grace_s=grace_s)

@@ -22,7 +22,7 @@ from sidecar import Settings, Sidecar
 from sidecar.settings import DaemonSettings, EngineSettings, KvEventSettings, TapSettings
 from tests.conftest import StartEmulator
 
-__all__ = ["EchoEngine", "StartEmulator", "StartSidecar", "sidecar_settings"]
+__all__ = ["EchoEngine", "StartEmulator", "StartSidecar", "StartTap", "sidecar_settings"]
 
 StartSidecar = Callable[..., Awaitable[Sidecar]]
 
@@ -129,3 +129,26 @@ async def echo() -> AsyncIterator[EchoEngine]:
 def echo_engine(echo: EchoEngine) -> str:
     """The URL of an `EchoEngine`."""
     return echo.url
+
+
+StartTap = Callable[..., Awaitable[Sidecar]]
+"""Starts a sidecar in front of the echo engine."""
+
+
+@pytest.fixture
+async def start_tap(
+    echo: EchoEngine, daemon: Daemon, start_emulator: StartEmulator
+) -> AsyncIterator[StartTap]:
+    """Sidecars in front of the echo engine (keywords: `sidecar_settings`'s)."""
+    emu = await start_emulator()  # (the settings' ports)
+    started: list[Sidecar] = []
+
+    async def start(**changes: Any) -> Sidecar:
+        sc = Sidecar(sidecar_settings(emu, daemon, engine__url=echo.url, engine__model="m", **changes))
+        await sc.start()
+        started.append(sc)
+        return sc
+
+    yield start
+    for sc in started:
+        await sc.stop()

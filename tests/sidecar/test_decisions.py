@@ -258,6 +258,11 @@ def test_a_data_parallel_engines_ranks_publish_on_their_own_endpoints() -> None:
         {"kv_events": {"endpoint": "tcp://h:5557", "replay_endpoint": "tcp://h:5558", "ranks": 2}},
         {"tap": {"advertise_url": "10.0.0.1:8100"}},
         {"tap": {"advertise_engine_url": "off"}},
+        {"tap": {"listen": "0.0.0.0:8100"}},  # plaintext beyond loopback, without --insecure
+        {"tap": {"max_body_bytes": 1000}},
+        {"tap": {"max_bodies_bytes": 1024 * 1024}},  # less than one body
+        {"tap": {"head_timeout_s": 0.0}},
+        {"security": {"tls_ca": "ca.pem"}},  # TLS files in part
     ],
 )
 def test_invalid_settings_are_refused(change: dict[str, dict[str, object]]) -> None:

@@ -11,7 +11,6 @@ import asyncio
 import gzip
 import json
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,13 +18,11 @@ import aiohttp
 import pytest
 import structlog
 
-from controlplane.daemon import Daemon
 from kvferry.tasks import cancel_and_wait
-from sidecar import Sidecar
 from sidecar.bodies import BodyBudget, BodyDecoder, BodyRefused
 from sidecar.paths import Access, Refusal, Route, route_of
 from tests.polling import eventually
-from tests.sidecar.conftest import EchoEngine, StartEmulator, sidecar_settings
+from tests.sidecar.conftest import EchoEngine, StartTap
 
 LIMIT = 64 * 1024
 
@@ -174,28 +171,6 @@ async def _raw(url: str, data: bytes) -> Raw:
         return answer
     finally:
         writer.close()
-
-
-StartTap = Callable[..., Awaitable[Sidecar]]
-
-
-@pytest.fixture
-async def start_tap(
-    echo: EchoEngine, daemon: Daemon, start_emulator: StartEmulator
-) -> AsyncIterator[StartTap]:
-    """Sidecars in front of the echo engine (keywords: `sidecar_settings`'s)."""
-    emu = await start_emulator()  # (the settings' ports)
-    started: list[Sidecar] = []
-
-    async def start(**changes: Any) -> Sidecar:
-        sc = Sidecar(sidecar_settings(emu, daemon, engine__url=echo.url, engine__model="m", **changes))
-        await sc.start()
-        started.append(sc)
-        return sc
-
-    yield start
-    for sc in started:
-        await sc.stop()
 
 
 async def test_absolute_form_and_unknown_targets_never_reach_the_engine(
