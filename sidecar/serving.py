@@ -160,7 +160,12 @@ class TapServer:
         loop = asyncio.get_running_loop()
         try:
             self._server = await loop.create_server(
-                lambda: HeadGuard(factory(), head_timeout_s), host or None, port, ssl=ssl_context
+                lambda: HeadGuard(factory(), head_timeout_s),
+                host or None,
+                port,
+                ssl=ssl_context,
+                # (a TLS handshake is part of the first head's time)
+                ssl_handshake_timeout=head_timeout_s if ssl_context is not None else None,
             )
         except BaseException:
             await self._runner.cleanup()
