@@ -11,13 +11,14 @@ socket is paused past 128 KiB), and this module reads chunk by chunk:
 
 - a declared Content-Length over the cap is refused before a byte is read (413);
 - the bytes read, and the bytes they decompress to (zlib with ``max_length``, never
-  more than the cap and one step), stop at the cap (413);
+  more than the cap and one byte), stop at the cap (413); br and zstd are refused (415);
 - every byte held counts against a `BodyBudget` shared by all requests: a request that
   would go beyond waits for nothing, it is refused at once (503, Retry-After);
 - the whole body must arrive within the body deadline (408).
 
-A refused body's memory is dropped with the refusal; aiohttp then discards the rest of
-what the client sends (its lingering close, bounded in time) without keeping it.
+A body is gathered in an anonymous memory mapping of its own, unmapped with the refusal
+(or after the answer): its memory goes back to the system, not to the heap. aiohttp then
+discards the rest of what the client sends (its lingering close, bounded in time).
 `BodyDecoder` and `BodyBudget` are plain synchronous objects; `request_body` is the I/O.
 """
 

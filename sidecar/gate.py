@@ -37,7 +37,7 @@ _STATUS = {"unauthenticated": 401, "permission_denied": 403}
 
 
 def error_response(status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
-    """An OpenAI-style JSON error, on a connection closed after it when the body may be unread."""
+    """An OpenAI-style JSON error: ``{"error": {"message", "type", "param", "code"}}``."""
     kind = HTTPStatus(status).phrase.replace(" ", "").replace("-", "")
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
     return web.json_response(body, status=status, headers=headers)
