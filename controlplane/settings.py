@@ -10,6 +10,7 @@ import argparse
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from controlplane.nodeurls import NodeNetworks
 from controlplane.policy import Policy
 from kvferry.flags import Flag, add_flags, items, joined, settings_from
 from kvferry.ids import MAX_ID_BYTES
@@ -42,6 +43,17 @@ class EtcdSettings:
     """The embedded etcd's client port."""
     embedded_peer_port: int = embedded_client_port + EMBEDDED_PEER_PORT_OFFSET
     """The embedded etcd's peer port."""
+    ca: Path | None = None
+    """CA that signed the external etcd's server certificate (None: plaintext to etcd)."""
+    cert: Path | None = None
+    """Client certificate the daemon presents to etcd (its --client-cert-auth)."""
+    key: Path | None = None
+    """That certificate's private key."""
+
+    @property
+    def tls(self) -> bool:
+        """Whether the daemon speaks TLS to etcd."""
+        return self.ca is not None
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,9 @@ class NodeSettings:
     """A node record dead (deregistered, or its liveness lapsed) this long is deleted,
     seconds; 0 = kept forever. Engine ids that never come back (pods named by a
     Deployment) would otherwise pile up in etcd and in every replica's refresh."""
+    networks: NodeNetworks = field(default_factory=NodeNetworks)
+    """The networks a node's URLs and side channel must lie in (empty: any address but
+    link-local, metadata, unspecified, multicast and broadcast ones; see controlplane.nodeurls)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +162,31 @@ class Settings:
             raise ValueError(f"etcd timeout must be positive, not {self.etcd.timeout_s}")
         if not self.etcd.dns_refresh_s > 0:
             raise ValueError(f"etcd DNS refresh must be positive, not {self.etcd.dns_refresh_s}")
+        self._validate_etcd_tls()
+
+    def _validate_etcd_tls(self) -> None:
+        e = self.etcd
+        if (e.cert is None) != (e.key is None):
+            missing = "--etcd-key" if e.key is None else "--etcd-cert"
+            raise ValueError(
+                f"etcd client certificate needs both --etcd-cert and --etcd-key: {missing} is missing"
+            )
+        if e.cert is not None and e.ca is None:
+            raise ValueError("--etcd-cert/--etcd-key need --etcd-ca: the CA of etcd's server certificate")
+        if e.ca is not None and not e.endpoints:
+            raise ValueError("--etcd-ca is for an external etcd: give its endpoints with --etcd")
+        for flag, path in (("--etcd-ca", e.ca), ("--etcd-cert", e.cert), ("--etcd-key", e.key)):
+            if path is not None and not path.is_file():
+                raise ValueError(f"{flag} {path}: no such file")
+
+
+def _path(text: str) -> Path | None:
+    """A file flag's value ("" = not given)."""
+    return Path(text) if text else None
+
+
+def _path_text(value: Path | None) -> str:
+    return "" if value is None else str(value)
 
 
 FLAGS = (
@@ -165,6 +205,21 @@ FLAGS = (
         to_field=items,
         to_text=joined,
     ),
+    Flag(
+        "etcd-ca",
+        "etcd.ca",
+        "CA of the external etcd's server certificate (TLS to etcd)",
+        to_field=_path,
+        to_text=_path_text,
+    ),
+    Flag(
+        "etcd-cert",
+        "etcd.cert",
+        "client certificate for the external etcd",
+        to_field=_path,
+        to_text=_path_text,
+    ),
+    Flag("etcd-key", "etcd.key", "its private key", to_field=_path, to_text=_path_text),
     Flag("etcd-prefix", "etcd.prefix", "key prefix of all of kvferry's keys"),
     Flag("etcd-timeout", "etcd.timeout_s", "seconds per etcd request", float),
     Flag(
@@ -194,6 +249,14 @@ FLAGS = (
         "nodes.gc_after_s",
         "seconds a dead node's record is kept before it is deleted (0 = forever)",
         float,
+    ),
+    Flag(
+        "node-networks",
+        "nodes.networks",
+        "CIDRs a node's URLs and side channel must lie in, comma-separated (names must resolve "
+        "into them); empty = any but link-local, metadata, multicast and the like",
+        to_field=lambda text: NodeNetworks.parse(items(text)),
+        to_text=str,
     ),
     Flag("gc-bucket", "gc.bucket_s", "seconds of retention deadlines per shared GC lease", int),
     Flag("gauge-scan", "gc.gauge_scan_s", "seconds between per-node gauge scans (0 = off)", float),
