@@ -19,6 +19,7 @@ from prometheus_client import start_http_server
 from controlplane import metrics
 from controlplane.embedded import SECOND_DAEMON, EmbeddedEtcd, port_free
 from controlplane.errors import StoreUnavailable
+from controlplane.etcd import EtcdTls
 from controlplane.peers import Peers
 from controlplane.records import Keys
 from controlplane.server import start_server
@@ -29,6 +30,9 @@ from kvferry.tasks import cancel_and_wait
 from kvferry.urls import join_host_port, listen_host_port, local_address, split_host_port
 
 log = structlog.get_logger(__name__)
+
+#: Seconds between checks of the TLS files for a rotation.
+CERT_CHECK_S = 5.0
 
 
 @dataclass
@@ -107,6 +111,7 @@ class Daemon:
             s.gc.bucket_s,
             s.gc.max_keys_per_lease,
             s.gc.claim_marker_s,
+            EtcdTls(s.etcd.ca, s.etcd.cert, s.etcd.key) if s.etcd.ca is not None else None,
         )
         self._store = store
         await store.connect()
@@ -134,6 +139,7 @@ class Daemon:
         collected, the gauges scanned."""
         s = self.settings
         self._tasks.append(asyncio.create_task(store.follow_dns(s.etcd.dns_refresh_s), name="etcd-dns"))
+        self._tasks.append(asyncio.create_task(store.follow_certs(CERT_CHECK_S), name="etcd-certs"))
         self._tasks.append(asyncio.create_task(cp.nodes.run(), name="node-cache"))
         if s.nodes.gc_after_s > 0:
             interval = min(60.0, s.nodes.gc_after_s / 4)
