@@ -12,9 +12,12 @@ from pathlib import Path
 
 from controlplane.nodeurls import NodeNetworks
 from controlplane.policy import Policy
-from kvferry.flags import Flag, add_flags, items, joined, settings_from
+from kvferry.flags import Flag, add_flags, bool_text, boolean, items, joined, settings_from
 from kvferry.ids import MAX_ID_BYTES
 from kvferry.limits import MAX_LIVENESS_TTL_S, MAX_PORT, MIN_LIVENESS_TTL_S
+from kvferry.security.policy import Policy as AccessPolicy
+from kvferry.security.policy import load_policy
+from kvferry.security.tls import TlsFiles, check_listen
 from kvferry.urls import split_host_port
 
 ENV_PREFIX = "KVFERRY_"
@@ -74,6 +77,44 @@ class ServerSettings:
 
 
 @dataclass(frozen=True)
+class SecuritySettings:
+    """TLS on the daemon's listeners, and who may call it (see README "Security model")."""
+
+    tls_ca: Path | None = None
+    """CA that signed the clients' certificates (and the peer replicas')."""
+    tls_cert: Path | None = None
+    """This daemon's certificate: served to clients, presented to peer replicas."""
+    tls_key: Path | None = None
+    """Its private key."""
+    policy: Path | None = None
+    """The policy file: identities, roles, token digests (None: every caller is an admin)."""
+    insecure: bool = False
+    """Serve plaintext on a non-loopback address all the same."""
+    token_listen: str = ""
+    """A second TLS address that asks for no client certificate, for people with a bearer
+    token of the policy (grpcurl, `kvferry --token`); "" = none. (gRPC's Python server
+    either requires client certificates or never asks for one: the main port requires.)"""
+
+    def tls_files(self) -> TlsFiles | None:
+        """The TLS files (None: plaintext); ValueError naming what is missing or unreadable."""
+        return TlsFiles.from_flags(self.tls_ca, self.tls_cert, self.tls_key)
+
+    def access_policy(self) -> AccessPolicy | None:
+        """The policy, loaded (None: development mode); PolicyError naming the bad entry."""
+        return None if self.policy is None else load_policy(self.policy)
+
+    def validate(self, listen: str) -> None:
+        """Raise ValueError on TLS files, a policy or listen addresses that do not go together."""
+        tls = self.tls_files()
+        problem = check_listen(listen, tls, self.insecure)
+        if problem:
+            raise ValueError(problem)
+        self.access_policy()
+        if self.token_listen and (tls is None or self.policy is None):
+            raise ValueError("--token-listen needs TLS (--tls-ca, --tls-cert, --tls-key) and --policy")
+
+
+@dataclass(frozen=True)
 class NodeSettings:
     """Nodes' liveness and records."""
 
@@ -127,10 +168,12 @@ class Settings:
     nodes: NodeSettings = field(default_factory=NodeSettings)
     gc: GcSettings = field(default_factory=GcSettings)
     limits: Limits = field(default_factory=Limits)
+    security: SecuritySettings = field(default_factory=SecuritySettings)
 
     def validate(self) -> None:
         """Raise ValueError on a setting out of range."""
         self.policy.validate()
+        self.security.validate(self.server.listen)
         if not MIN_LIVENESS_TTL_S <= self.nodes.liveness_ttl_s <= MAX_LIVENESS_TTL_S:
             bounds = f"{MIN_LIVENESS_TTL_S}..{MAX_LIVENESS_TTL_S}"
             raise ValueError(f"liveness TTL must be {bounds} s, not {self.nodes.liveness_ttl_s}")
@@ -191,6 +234,36 @@ def _path_text(value: Path | None) -> str:
 
 FLAGS = (
     Flag("listen", "server.listen", "gRPC address (host:port)"),
+    Flag(
+        "tls-ca",
+        "security.tls_ca",
+        "CA of the clients' certificates (TLS on)",
+        to_field=_path,
+        to_text=_path_text,
+    ),
+    Flag(
+        "tls-cert", "security.tls_cert", "this daemon's certificate (PEM)", to_field=_path, to_text=_path_text
+    ),
+    Flag("tls-key", "security.tls_key", "its private key (PEM)", to_field=_path, to_text=_path_text),
+    Flag(
+        "policy",
+        "security.policy",
+        "policy file: identities, roles, token digests (none: every caller is an admin)",
+        to_field=_path,
+        to_text=_path_text,
+    ),
+    Flag(
+        "insecure",
+        "security.insecure",
+        "serve plaintext on a non-loopback address all the same",
+        boolean,
+        to_text=bool_text,
+    ),
+    Flag(
+        "token-listen",
+        "security.token_listen",
+        'a TLS address asking for no client certificate, for bearer tokens ("" = none)',
+    ),
     Flag(
         "advertise",
         "server.advertise",
