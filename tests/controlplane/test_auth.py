@@ -26,6 +26,7 @@ from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 from tests.cli.test_operator_tools import BIN, run
 from tests.conftest import DaemonFactory, daemon_settings
 from tests.factories import lease_request, lookup_request, node_request
+from tests.polling import eventually
 
 ADMIN_TOKEN = "admin-secret-token"
 READER_TOKEN = "grafana-secret-token"
@@ -353,3 +354,39 @@ async def test_metrics_need_a_client_certificate(secure: Daemon, certs: Path) ->
     scraper.load_cert_chain(certs / "reader.pem", certs / "reader.key")
     body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, context=scraper, timeout=10).read())
     assert b"kvferry_" in body
+
+
+async def test_replicas_ask_each_other_with_the_daemons_certificate(
+    secure: Daemon, make_daemon: DaemonFactory, certs: Path
+) -> None:
+    """Nodes/List on one replica counts the sidecars attached to the other: the replicas
+    call each other as the policy's `daemon` identity, over mTLS."""
+    other = await make_daemon(secure.settings)  # (same etcd prefix: a second replica)
+    d0 = As(secure.address, certs, "sidecar-d0")
+    router = As(other.address, certs, "router")
+    queue: asyncio.Queue[nodes_pb2.AttachRequest] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[nodes_pb2.AttachRequest]:
+        while True:
+            yield await queue.get()
+
+    call = d0.nodes.Attach(requests())
+    try:
+        reply = await d0.nodes.Register(node_request("d0"), timeout=10)
+        hello = nodes_pb2.AttachHello(engine_id="d0", generation=reply.node.generation)
+        queue.put_nowait(nodes_pb2.AttachRequest(hello=hello))
+        queue.put_nowait(nodes_pb2.AttachRequest(heartbeat=nodes_pb2.Heartbeat(seq=1, uncaptured_turns=7)))
+        await call.read()
+        await call.read()  # (the heartbeat's ack: the count is in)
+
+        async def counted() -> bool:
+            listed = await router.nodes.List(nodes_pb2.ListNodesRequest(), timeout=10)
+            return [n.uncaptured_turns for n in listed.nodes] == [7]
+
+        with capture_logs() as logs:
+            await eventually(counted, within=20)
+        assert _denials(logs) == []
+    finally:
+        call.cancel()
+        await d0.channel.close()
+        await router.channel.close()
