@@ -104,12 +104,15 @@ class SecuritySettings:
         return None if self.policy is None else load_policy(self.policy)
 
     def validate(self, listen: str) -> None:
-        """Raise ValueError on TLS files, a policy or listen addresses that do not go together."""
-        tls = self.tls_files()
+        """Raise ValueError on flags that do not go together (the files are not read here:
+        see `Settings.load_files`)."""
+        ca, cert, key = self.tls_ca, self.tls_cert, self.tls_key
+        tls = TlsFiles(ca, cert, key) if ca and cert and key else None
+        if tls is None and (ca or cert or key):
+            TlsFiles.from_flags(ca, cert, key)  # (raises, naming the missing flags)
         problem = check_listen(listen, tls, self.insecure)
         if problem:
             raise ValueError(problem)
-        self.access_policy()
         if self.token_listen and (tls is None or self.policy is None):
             raise ValueError("--token-listen needs TLS (--tls-ca, --tls-cert, --tls-key) and --policy")
 
@@ -218,6 +221,13 @@ class Settings:
             raise ValueError("--etcd-cert/--etcd-key need --etcd-ca: the CA of etcd's server certificate")
         if e.ca is not None and not e.endpoints:
             raise ValueError("--etcd-ca is for an external etcd: give its endpoints with --etcd")
+
+    def load_files(self) -> None:
+        """Read what the flags name (TLS files, the policy, etcd's TLS files) once, so that
+        a missing or bad one stops the start with its name. Raises ValueError."""
+        self.security.tls_files()
+        self.security.access_policy()
+        e = self.etcd
         for flag, path in (("--etcd-ca", e.ca), ("--etcd-cert", e.cert), ("--etcd-key", e.key)):
             if path is not None and not path.is_file():
                 raise ValueError(f"{flag} {path}: no such file")

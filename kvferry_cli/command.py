@@ -56,6 +56,7 @@ def _daemon(a: argparse.Namespace) -> int:
     flags.warn_unknown_variables("daemon", settings.ENV_PREFIX, a)
     try:
         s = settings.from_args(a)
+        s.load_files()
     except ValueError as e:
         print(f"kvferry daemon: {e}", file=sys.stderr)
         return 2

@@ -172,5 +172,5 @@ def test_etcd_tls_flags_are_checked(certs: Path, flags: list[str], error: str) -
     p = argparse.ArgumentParser()
     settings.add_arguments(p)
     with pytest.raises(ValueError) as info:
-        settings.from_args(p.parse_args([f.format(c=certs) for f in flags]))
+        settings.from_args(p.parse_args([f.format(c=certs) for f in flags])).load_files()
     assert str(info.value) == error.format(c=certs)

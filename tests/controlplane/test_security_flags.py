@@ -26,9 +26,22 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _parse(flags: list[str]) -> settings.Settings:
+    """As `kvferry daemon` takes them: parsed, checked, and the files they name read."""
     p = argparse.ArgumentParser()
     settings.add_arguments(p)
-    return settings.from_args(p.parse_args(flags))
+    s = settings.from_args(p.parse_args(flags))
+    s.load_files()
+    return s
+
+
+def test_parsing_reads_no_files() -> None:
+    """(deploy/'s manifests name files mounted in the pod: their flags parse anywhere)"""
+    p = argparse.ArgumentParser()
+    settings.add_arguments(p)
+    tls = ["--tls-ca", "/nowhere/ca", "--tls-cert", "/nowhere/c", "--tls-key", "/nowhere/k"]
+    s = settings.from_args(p.parse_args(["--listen", "0.0.0.0:1", *tls, "--policy", "/nowhere/p"]))
+    with pytest.raises(ValueError, match="TLS file /nowhere/ca: No such file or directory"):
+        s.load_files()
 
 
 def test_development_mode_needs_nothing() -> None:
