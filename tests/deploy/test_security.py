@@ -323,7 +323,7 @@ def test_the_admin_commands_shown_parse() -> None:
     shown = 0
     for path in [*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.service")]:
         text = re.sub(r"\\\n#\s*", " ", path.read_text())  # comment lines continued with \
-        for line in re.findall(r"(?:--|#)\s+kvferry ((?:leases|nodes) [^\n]*)", text):
+        for line in re.findall(r"\bkvferry ((?:leases|nodes) (?:ls|get|revoke|rm)\b[^\n]*)", text):
             argv = shlex.split(line)
             try:
                 kvferry_cli.build_parser().parse_args(argv)
