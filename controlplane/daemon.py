@@ -19,16 +19,21 @@ from prometheus_client import start_http_server
 from controlplane import metrics
 from controlplane.embedded import SECOND_DAEMON, EmbeddedEtcd, port_free
 from controlplane.errors import StoreUnavailable
+from controlplane.etcd import EtcdTls
 from controlplane.peers import Peers
 from controlplane.records import Keys
-from controlplane.server import start_server
+from controlplane.server import Access, start_server
 from controlplane.service import ControlPlane
 from controlplane.settings import Settings
 from controlplane.store import EtcdStore
+from kvferry.security.tls import TlsFiles, is_loopback
 from kvferry.tasks import cancel_and_wait
 from kvferry.urls import join_host_port, listen_host_port, local_address, split_host_port
 
 log = structlog.get_logger(__name__)
+
+#: Seconds between checks of the TLS files for a rotation.
+CERT_CHECK_S = 5.0
 
 
 @dataclass
@@ -37,6 +42,7 @@ class Daemon:
 
     settings: Settings
     port: int = 0
+    token_port: int = 0
     metrics_port: int = 0
     control_plane: ControlPlane | None = None
     embedded: EmbeddedEtcd | None = None
@@ -65,10 +71,13 @@ class Daemon:
         metrics.INDEXED_BLOCKS.set_function(cp.attachments.index.total)
         with contextlib.suppress(StoreUnavailable):
             await cp.nodes.refresh()
-        self.peers = Peers(store.replicas)
-        self._server, self.port, self._health = await start_server(
-            cp, s.server.listen, s.server.max_message_bytes, self.peers
-        )
+        tls = s.security.tls_files()
+        self.peers = Peers(store.replicas, tls=tls)
+        access = Access(tls, s.security.access_policy(), s.security.token_listen)
+        _warn_open(s, access)
+        serving = await start_server(cp, s.server.listen, s.server.max_message_bytes, self.peers, access)
+        self._server, self.port, self._health = serving.server, serving.port, serving.health
+        self.token_port = serving.token_port
         announced = advertised(s.server.listen, self.port, s.server.advertise)
         if announced:
             self._tasks.append(asyncio.create_task(self.peers.run(announced), name="peers"))
@@ -107,6 +116,7 @@ class Daemon:
             s.gc.bucket_s,
             s.gc.max_keys_per_lease,
             s.gc.claim_marker_s,
+            EtcdTls(s.etcd.ca, s.etcd.cert, s.etcd.key) if s.etcd.ca is not None else None,
         )
         self._store = store
         await store.connect()
@@ -123,8 +133,10 @@ class Daemon:
         if s.metrics_port < 0:
             return
         host, _ = listen_host_port(s.listen)
+        tls = self.settings.security.tls_files()
+        files = {} if tls is None else _metrics_tls(tls)
         try:
-            self._metrics_httpd, _ = start_http_server(s.metrics_port, addr=host)
+            self._metrics_httpd, _ = start_http_server(s.metrics_port, addr=host, **files)
         except OSError as e:
             raise OSError(f"cannot serve metrics on {host}:{s.metrics_port}: {e}") from e
         self.metrics_port = self._metrics_httpd.server_address[1]
@@ -134,6 +146,7 @@ class Daemon:
         collected, the gauges scanned."""
         s = self.settings
         self._tasks.append(asyncio.create_task(store.follow_dns(s.etcd.dns_refresh_s), name="etcd-dns"))
+        self._tasks.append(asyncio.create_task(store.follow_certs(CERT_CHECK_S), name="etcd-certs"))
         self._tasks.append(asyncio.create_task(cp.nodes.run(), name="node-cache"))
         if s.nodes.gc_after_s > 0:
             interval = min(60.0, s.nodes.gc_after_s / 4)
@@ -176,6 +189,26 @@ class Daemon:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def _metrics_tls(tls: TlsFiles) -> dict[str, Any]:
+    """start_http_server's arguments for HTTPS with client certificates of the CA (a
+    Prometheus scraping with one; the files are read once: a restart takes a rotation)."""
+    return {
+        "certfile": str(tls.cert),
+        "keyfile": str(tls.key),
+        "client_cafile": str(tls.ca),
+        "client_auth_required": True,
+    }
+
+
+def _warn_open(s: Settings, access: Access) -> None:
+    """Say once what an open door the configuration leaves."""
+    host, _ = listen_host_port(s.server.listen)
+    if access.tls is None and not is_loopback(host):
+        log.warning("daemon.insecure", listen=s.server.listen, why="--insecure: plaintext, anyone may call")
+    if access.policy is None and (access.tls is not None or not is_loopback(host)):
+        log.warning("daemon.no_policy", why="no --policy: every caller that gets in is an admin")
 
 
 def _check_listen_free(listen: str) -> None:

@@ -25,6 +25,10 @@ class ResourceExhausted(KvferryError):
     of it is answered."""
 
 
+class PermissionDenied(KvferryError):
+    """The caller is known, but its role, tenants or node do not cover what it asked."""
+
+
 class StoreUnavailable(KvferryError):
     """etcd did not answer (down, no quorum, timed out)."""
 

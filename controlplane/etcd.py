@@ -13,6 +13,8 @@ import socket
 import time
 from collections import deque
 from collections.abc import Awaitable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import aetcd
@@ -47,6 +49,54 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
 ]
+
+
+@dataclass(frozen=True)
+class EtcdTls:
+    """TLS to an external etcd (etcd's --trusted-ca-file, and with --client-cert-auth the
+    client certificate the daemon presents)."""
+
+    ca: Path
+    """CA that signed etcd's server certificate."""
+    cert: Path | None = None
+    """The daemon's client certificate (None: none presented)."""
+    key: Path | None = None
+    """Its private key."""
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """The channel credentials, read from the files now. Raises OSError naming the
+        file that cannot be read."""
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca),
+            private_key=_read(self.key) if self.key else None,
+            certificate_chain=_read(self.cert) if self.cert else None,
+        )
+
+    def stamp(self) -> tuple[float, ...]:
+        """The files' modification times (a change: rotated certificates)."""
+        out = []
+        for path in (self.ca, self.cert, self.key):
+            try:
+                out.append(path.stat().st_mtime if path else 0.0)
+            except OSError:
+                out.append(-1.0)  # (missing while a rotation swaps it: a change all the same)
+        return tuple(out)
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise OSError(f"cannot read etcd TLS file {path}: {e.strerror}") from e
+
+
+def tls_options(endpoints: tuple[str, ...]) -> list[tuple[str, str]]:
+    """Channel options for TLS to `endpoints`: with several, the channel's target is a list
+    of addresses (see `channel_target`), so the server certificate is checked against the
+    first endpoint's host (a cluster's shared certificate names every member)."""
+    if len(endpoints) < 2:
+        return []
+    return [("grpc.ssl_target_name_override", _members(endpoints)[0][0])]
 
 
 def channel_target(endpoints: tuple[str, ...], known: dict[str, list[str]] | None = None) -> str:
@@ -109,9 +159,10 @@ def _is_ip(host: str) -> bool:
 class Client(aetcd.Client):  # type: ignore[misc]
     """aetcd's client on a channel that knows all cluster members."""
 
-    def __init__(self, endpoints: tuple[str, ...], timeout: float) -> None:
+    def __init__(self, endpoints: tuple[str, ...], timeout: float, tls: EtcdTls | None = None) -> None:
         super().__init__(timeout=timeout)
         self._endpoints = endpoints
+        self._tls = tls
         self._known: dict[str, list[str]] = {}  # each endpoint's last addresses
         # Names `channel_target` resolved that the channel will not resolve again (several).
         self._names = len(endpoints) > 1 and not all(_is_ip(h) for h, _ in _members(endpoints))
@@ -128,7 +179,11 @@ class Client(aetcd.Client):  # type: ignore[misc]
     def _open(self, target: str) -> None:
         """Calls from now on go to a channel on `target` (each call takes the stubs anew)."""
         self.target = target
-        self.channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        if self._tls is None:
+            self.channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        else:
+            options = _CHANNEL_OPTIONS + tls_options(self._endpoints)
+            self.channel = grpc.aio.secure_channel(target, self._tls.credentials(), options=options)
         self.kvstub = rpc.KVStub(self.channel)
         self.leasestub = rpc.LeaseStub(self.channel)
         self.clusterstub = rpc.ClusterStub(self.channel)
@@ -144,11 +199,34 @@ class Client(aetcd.Client):  # type: ignore[misc]
             if target == self.target:
                 continue
             log.info("etcd.endpoints.moved", before=self.target, after=target)
-            old = self.channel
-            self._open(target)
-            task = asyncio.create_task(old.close(grace=self._timeout), name="etcd-old-channel")
-            self._retired.add(task)
-            task.add_done_callback(self._retired.discard)
+            self._reopen(target)
+
+    def _reopen(self, target: str) -> None:
+        """Move to a new channel on `target`; calls already on the old one finish."""
+        old = self.channel
+        self._open(target)
+        task = asyncio.create_task(old.close(grace=self._timeout), name="etcd-old-channel")
+        self._retired.add(task)
+        task.add_done_callback(self._retired.discard)
+
+    async def follow_certs(self, interval_s: float) -> None:
+        """Check the TLS files every `interval_s`; when they change (a rotation), move to a
+        new channel presenting the new certificate. Returns at once without TLS."""
+        if self._tls is None:
+            return
+        stamp = self._tls.stamp()
+        while True:
+            await asyncio.sleep(interval_s)
+            now = self._tls.stamp()
+            if now == stamp:
+                continue
+            try:
+                self._reopen(self.target)
+            except (OSError, ValueError, RuntimeError) as e:  # half-written: the next check retries
+                log.warning("etcd.tls.reload_failed", error=str(e))
+                continue
+            stamp = now
+            log.info("etcd.tls.reloaded", ca=str(self._tls.ca), cert=str(self._tls.cert))
 
     async def close(self) -> None:
         """Close the channel, and those that name changes retired."""

@@ -9,6 +9,10 @@ only asks (cluster.py merges the answers). A peer that does not answer within th
 deadline is left out (its nodes score 0 from this answer, as they did before), and left
 alone for `backoff_s`: a dead or unreachable one must not cost every scoring turn the
 deadline.
+
+With TLS the replicas call each other with the daemon's own certificate (the policy's
+`daemon` role may call Nodes/Score and Nodes/List), at their advertised addresses, which
+the certificate must name; a rotated certificate re-makes the channels.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import structlog
 
 from controlplane.errors import StoreUnavailable
 from controlplane.store.replicas import ReplicaStore
+from kvferry.channels import daemon_channel
+from kvferry.security.tls import TlsFiles
 from kvferry.v1 import nodes_pb2, nodes_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -35,9 +41,9 @@ _STOP_TIMEOUT_S = 1.0  # the announcement's revoke at stop (it lapses by itself 
 
 
 class _Peer:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: TlsFiles | None) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = daemon_channel(address, tls)
         self.stub: nodes_pb2_grpc.NodesAsyncStub = nodes_pb2_grpc.NodesStub(self.channel)
         # Per kind of call ("Score", "List"): left out until, and answers in a row too
         # late for a shortened deadline (one kind's trouble does not leave out the other).
@@ -55,8 +61,10 @@ class Peers:
         refresh_s: float = 2.0,
         deadline_s: float = 0.02,
         backoff_s: float = 5.0,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.id = uuid.uuid4().hex
+        self._tls = tls
         self.address = ""
         self._store = store
         self._ttl = ttl_s
@@ -80,6 +88,8 @@ class Peers:
                     self._lease = 0
                     self._lease = await self._store.announce(self.id, address, self._ttl)
                     log.info("peers.announced", address=address, id=self.id)
+                if self._tls is not None and self._tls.changed():
+                    await self._drop_all()  # (rotated: followed again below, on new channels)
                 await self._follow(await self._store.announced())
             except StoreUnavailable as e:
                 log.info("peers.refresh_failed", error=str(e))
@@ -93,7 +103,7 @@ class Peers:
             await self._peers.pop(i).channel.close(None)
         for i, address in others.items():
             if i not in self._peers:
-                self._peers[i] = _Peer(address)
+                self._peers[i] = _Peer(address, self._tls)
                 log.info("peers.following", address=address, id=i)
 
     async def scores(
@@ -156,6 +166,9 @@ class Peers:
                     await self._store.withdraw(self._lease)
             except TimeoutError:
                 log.info("peers.revoke_timed_out", lease=self._lease)
+        await self._drop_all()
+
+    async def _drop_all(self) -> None:
         for peer in self._peers.values():
             await peer.channel.close(None)
         self._peers.clear()

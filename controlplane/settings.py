@@ -10,10 +10,14 @@ import argparse
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from controlplane.nodeurls import NodeNetworks
 from controlplane.policy import Policy
-from kvferry.flags import Flag, add_flags, items, joined, settings_from
+from kvferry.flags import Flag, add_flags, bool_text, boolean, items, joined, settings_from
 from kvferry.ids import MAX_ID_BYTES
 from kvferry.limits import MAX_LIVENESS_TTL_S, MAX_PORT, MIN_LIVENESS_TTL_S
+from kvferry.security.policy import Policy as AccessPolicy
+from kvferry.security.policy import load_policy
+from kvferry.security.tls import TlsFiles, check_listen
 from kvferry.urls import split_host_port
 
 ENV_PREFIX = "KVFERRY_"
@@ -42,6 +46,17 @@ class EtcdSettings:
     """The embedded etcd's client port."""
     embedded_peer_port: int = embedded_client_port + EMBEDDED_PEER_PORT_OFFSET
     """The embedded etcd's peer port."""
+    ca: Path | None = None
+    """CA that signed the external etcd's server certificate (None: plaintext to etcd)."""
+    cert: Path | None = None
+    """Client certificate the daemon presents to etcd (its --client-cert-auth)."""
+    key: Path | None = None
+    """That certificate's private key."""
+
+    @property
+    def tls(self) -> bool:
+        """Whether the daemon speaks TLS to etcd."""
+        return self.ca is not None
 
 
 @dataclass(frozen=True)
@@ -62,6 +77,47 @@ class ServerSettings:
 
 
 @dataclass(frozen=True)
+class SecuritySettings:
+    """TLS on the daemon's listeners, and who may call it (see README "Security model")."""
+
+    tls_ca: Path | None = None
+    """CA that signed the clients' certificates (and the peer replicas')."""
+    tls_cert: Path | None = None
+    """This daemon's certificate: served to clients, presented to peer replicas."""
+    tls_key: Path | None = None
+    """Its private key."""
+    policy: Path | None = None
+    """The policy file: identities, roles, token digests (None: every caller is an admin)."""
+    insecure: bool = False
+    """Serve plaintext on a non-loopback address all the same."""
+    token_listen: str = ""
+    """A second TLS address that asks for no client certificate, for people with a bearer
+    token of the policy (grpcurl, `kvferry --token`); "" = none. (gRPC's Python server
+    either requires client certificates or never asks for one: the main port requires.)"""
+
+    def tls_files(self) -> TlsFiles | None:
+        """The TLS files (None: plaintext); ValueError naming what is missing or unreadable."""
+        return TlsFiles.from_flags(self.tls_ca, self.tls_cert, self.tls_key)
+
+    def access_policy(self) -> AccessPolicy | None:
+        """The policy, loaded (None: development mode); PolicyError naming the bad entry."""
+        return None if self.policy is None else load_policy(self.policy)
+
+    def validate(self, listen: str) -> None:
+        """Raise ValueError on flags that do not go together (the files are not read here:
+        see `Settings.load_files`)."""
+        ca, cert, key = self.tls_ca, self.tls_cert, self.tls_key
+        tls = TlsFiles(ca, cert, key) if ca and cert and key else None
+        if tls is None and (ca or cert or key):
+            TlsFiles.from_flags(ca, cert, key)  # (raises, naming the missing flags)
+        problem = check_listen(listen, tls, self.insecure)
+        if problem:
+            raise ValueError(problem)
+        if self.token_listen and (tls is None or self.policy is None):
+            raise ValueError("--token-listen needs TLS (--tls-ca, --tls-cert, --tls-key) and --policy")
+
+
+@dataclass(frozen=True)
 class NodeSettings:
     """Nodes' liveness and records."""
 
@@ -73,6 +129,9 @@ class NodeSettings:
     """A node record dead (deregistered, or its liveness lapsed) this long is deleted,
     seconds; 0 = kept forever. Engine ids that never come back (pods named by a
     Deployment) would otherwise pile up in etcd and in every replica's refresh."""
+    networks: NodeNetworks = field(default_factory=NodeNetworks)
+    """The networks a node's URLs and side channel must lie in (empty: any address but
+    link-local, metadata, unspecified, multicast and broadcast ones; see controlplane.nodeurls)."""
 
 
 @dataclass(frozen=True)
@@ -112,10 +171,12 @@ class Settings:
     nodes: NodeSettings = field(default_factory=NodeSettings)
     gc: GcSettings = field(default_factory=GcSettings)
     limits: Limits = field(default_factory=Limits)
+    security: SecuritySettings = field(default_factory=SecuritySettings)
 
     def validate(self) -> None:
         """Raise ValueError on a setting out of range."""
         self.policy.validate()
+        self.security.validate(self.server.listen)
         if not MIN_LIVENESS_TTL_S <= self.nodes.liveness_ttl_s <= MAX_LIVENESS_TTL_S:
             bounds = f"{MIN_LIVENESS_TTL_S}..{MAX_LIVENESS_TTL_S}"
             raise ValueError(f"liveness TTL must be {bounds} s, not {self.nodes.liveness_ttl_s}")
@@ -147,10 +208,72 @@ class Settings:
             raise ValueError(f"etcd timeout must be positive, not {self.etcd.timeout_s}")
         if not self.etcd.dns_refresh_s > 0:
             raise ValueError(f"etcd DNS refresh must be positive, not {self.etcd.dns_refresh_s}")
+        self._validate_etcd_tls()
+
+    def _validate_etcd_tls(self) -> None:
+        e = self.etcd
+        if (e.cert is None) != (e.key is None):
+            missing = "--etcd-key" if e.key is None else "--etcd-cert"
+            raise ValueError(
+                f"etcd client certificate needs both --etcd-cert and --etcd-key: {missing} is missing"
+            )
+        if e.cert is not None and e.ca is None:
+            raise ValueError("--etcd-cert/--etcd-key need --etcd-ca: the CA of etcd's server certificate")
+        if e.ca is not None and not e.endpoints:
+            raise ValueError("--etcd-ca is for an external etcd: give its endpoints with --etcd")
+
+    def load_files(self) -> None:
+        """Read what the flags name (TLS files, the policy, etcd's TLS files) once, so that
+        a missing or bad one stops the start with its name. Raises ValueError."""
+        self.security.tls_files()
+        self.security.access_policy()
+        e = self.etcd
+        for flag, path in (("--etcd-ca", e.ca), ("--etcd-cert", e.cert), ("--etcd-key", e.key)):
+            if path is not None and not path.is_file():
+                raise ValueError(f"{flag} {path}: no such file")
+
+
+def _path(text: str) -> Path | None:
+    """A file flag's value ("" = not given)."""
+    return Path(text) if text else None
+
+
+def _path_text(value: Path | None) -> str:
+    return "" if value is None else str(value)
 
 
 FLAGS = (
     Flag("listen", "server.listen", "gRPC address (host:port)"),
+    Flag(
+        "tls-ca",
+        "security.tls_ca",
+        "CA of the clients' certificates (TLS on)",
+        to_field=_path,
+        to_text=_path_text,
+    ),
+    Flag(
+        "tls-cert", "security.tls_cert", "this daemon's certificate (PEM)", to_field=_path, to_text=_path_text
+    ),
+    Flag("tls-key", "security.tls_key", "its private key (PEM)", to_field=_path, to_text=_path_text),
+    Flag(
+        "policy",
+        "security.policy",
+        "policy file: identities, roles, token digests (none: every caller is an admin)",
+        to_field=_path,
+        to_text=_path_text,
+    ),
+    Flag(
+        "insecure",
+        "security.insecure",
+        "serve plaintext on a non-loopback address all the same",
+        boolean,
+        to_text=bool_text,
+    ),
+    Flag(
+        "token-listen",
+        "security.token_listen",
+        'a TLS address asking for no client certificate, for bearer tokens ("" = none)',
+    ),
     Flag(
         "advertise",
         "server.advertise",
@@ -165,6 +288,21 @@ FLAGS = (
         to_field=items,
         to_text=joined,
     ),
+    Flag(
+        "etcd-ca",
+        "etcd.ca",
+        "CA of the external etcd's server certificate (TLS to etcd)",
+        to_field=_path,
+        to_text=_path_text,
+    ),
+    Flag(
+        "etcd-cert",
+        "etcd.cert",
+        "client certificate for the external etcd",
+        to_field=_path,
+        to_text=_path_text,
+    ),
+    Flag("etcd-key", "etcd.key", "its private key", to_field=_path, to_text=_path_text),
     Flag("etcd-prefix", "etcd.prefix", "key prefix of all of kvferry's keys"),
     Flag("etcd-timeout", "etcd.timeout_s", "seconds per etcd request", float),
     Flag(
@@ -194,6 +332,14 @@ FLAGS = (
         "nodes.gc_after_s",
         "seconds a dead node's record is kept before it is deleted (0 = forever)",
         float,
+    ),
+    Flag(
+        "node-networks",
+        "nodes.networks",
+        "CIDRs a node's URLs and side channel must lie in, comma-separated (names must resolve "
+        "into them); empty = any but link-local, metadata, multicast and the like",
+        to_field=lambda text: NodeNetworks.parse(items(text)),
+        to_text=str,
     ),
     Flag("gc-bucket", "gc.bucket_s", "seconds of retention deadlines per shared GC lease", int),
     Flag("gauge-scan", "gc.gauge_scan_s", "seconds between per-node gauge scans (0 = off)", float),

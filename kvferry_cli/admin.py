@@ -22,9 +22,10 @@ from kvferry.digests import DIGEST_SIZE
 from kvferry.flags import non_negative_int, seconds
 from kvferry.structs import json_number
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
+from kvferry_cli import access
 from kvferry_cli.release import ReleaseOptions, release_revoked
 
-EXIT_CODES = "exit status: 0 done, 1 the daemon failed or is unreachable, 2 not found or bad input"
+EXIT_CODES = "exit status: 0 done, 1 the daemon failed or is unreachable, 2 not found, refused or bad input"
 _LIST_JSON = "print JSON, one object per line, instead of a table"
 _ANSWER_JSON = "print the daemon's answer as JSON on one line"
 
@@ -34,6 +35,7 @@ def add_arguments(sub: Any) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--daemon", default="127.0.0.1:50051", help="daemon address host:port")
     common.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for each daemon call")
+    access.add_flags(common)
     logs.add_level_flag(common, default=argparse.SUPPRESS)
 
     def command(parent: Any, name: str, help_text: str, json_help: str) -> argparse.ArgumentParser:
@@ -146,7 +148,13 @@ def _fail(e: grpc.RpcError) -> int:
 
 #: Answers about the request itself (exit 2, as "not found"), not the daemon failing (exit 1).
 _THE_CALLERS = frozenset(
-    {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
+    {
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+    }
 )
 
 
@@ -157,8 +165,20 @@ def _bad_input(e: Exception) -> int:
     return 2
 
 
+def _channel(a: argparse.Namespace) -> grpc.Channel | None:
+    """The channel the flags ask for (None: they are wrong, and that was said)."""
+    try:
+        return access.daemon_channel(a)
+    except ValueError as e:
+        _bad_input(e)
+        return None
+
+
 def _retentions(a: argparse.Namespace) -> int:
-    with grpc.insecure_channel(a.daemon) as ch:
+    channel = _channel(a)
+    if channel is None:
+        return 2
+    with channel as ch:
         stub = leases_pb2_grpc.LeasesStub(ch)
         try:
             if a.action == "ls":
@@ -264,7 +284,10 @@ def _list_retentions(stub: leases_pb2_grpc.LeasesStub, a: argparse.Namespace) ->
 
 
 def _nodes(a: argparse.Namespace) -> int:
-    with grpc.insecure_channel(a.daemon) as ch:
+    channel = _channel(a)
+    if channel is None:
+        return 2
+    with channel as ch:
         stub = nodes_pb2_grpc.NodesStub(ch)
         try:
             if a.action == "rm":

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from kvferry import flags, logs
 from kvferry.tasks import run_process
@@ -25,6 +26,23 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.set_defaults(func=_daemon)
 
     admin.add_arguments(sub)
+    certs = sub.add_parser(
+        "certs",
+        help="write a development CA, a certificate for every part and a policy naming them",
+        description="For trying the secure mode; production certificates come from your own CA "
+        "(cert-manager: see deploy/).",
+    )
+    certs.add_argument("--out", type=Path, required=True, help="directory to write them to")
+    certs.add_argument(
+        "--host", action="append", default=[], help="a name or address servers are reached at (repeatable)"
+    )
+    certs.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        help="an engine id: a sidecar-ID certificate for it (repeatable)",
+    )
+    certs.set_defaults(func=_certs)
 
     # Processes with parsers of their own (main() hands them their arguments).
     for name, (_, help_text) in DELEGATED.items():
@@ -38,10 +56,24 @@ def _daemon(a: argparse.Namespace) -> int:
     flags.warn_unknown_variables("daemon", settings.ENV_PREFIX, a)
     try:
         s = settings.from_args(a)
+        s.load_files()
     except ValueError as e:
         print(f"kvferry daemon: {e}", file=sys.stderr)
         return 2
     return run_process("daemon", daemon.run(s))
+
+
+def _certs(a: argparse.Namespace) -> int:
+    from kvferry.security.devca import make_dev_ca
+
+    try:
+        issued = make_dev_ca(a.out, tuple(a.host), tuple(a.node))
+    except OSError as e:
+        print(f"kvferry certs: cannot write to {a.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    print(f"wrote ca.pem and a certificate for {', '.join(issued.identities)} into {issued.out}")
+    print(f"policy: {issued.out / 'policy.toml'}; an admin bearer token: {issued.out / 'admin.token'}")
+    return 0
 
 
 def _emulate(argv: list[str]) -> int:

@@ -20,11 +20,21 @@ from controlplane.messages import (
     retention_registration_of,
 )
 from controlplane.policy import RELEASE, Prompt
+from controlplane.server.auth import allowed, caller, require
 from controlplane.server.status import rpc
 from controlplane.server.stream import Later, OpStream
 from controlplane.service.lookups import Lookups
 from controlplane.service.retentions import Retentions
+from controlplane.service.validation import DEFAULT_TENANT
+from kvferry.security.roles import all_tenants_denial, node_denial, stream_op_denial, tenant_denial
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
+
+_LEASES = "/kvferry.v1.Leases/"
+
+
+def _check_tenant(tenant: str, method: str) -> None:
+    """The caller may see and use `tenant`'s retentions ("" = the default tenant)."""
+    require(tenant_denial(caller(), tenant or DEFAULT_TENANT), _LEASES + method)
 
 
 class LeasesServicer(leases_pb2_grpc.LeasesServicer):
@@ -35,6 +45,12 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         self._lookups = lookups
 
     async def _register(self, request: leases_pb2.RegisterLeaseRequest) -> leases_pb2.RegisterLeaseResponse:
+        # A retention of engine E comes only from E's sidecar (or an admin): no one else's
+        # blocks can be handed out for a conversation (the KV-poisoning attack).
+        who = caller()
+        require(
+            stream_op_denial(who, "register") or node_denial(who, request.engine_id), _LEASES + "Register"
+        )
         view, replaced, release = await self._retentions.register(retention_registration_of(request))
         # The stored retention without its params and digests: the caller just sent them.
         resp = leases_pb2.RegisterLeaseResponse(lease=lease_message(view, summary=True), replaced=replaced)
@@ -50,6 +66,9 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
     ) -> leases_pb2.LookupResponse:
         """Answer a lookup into `resp` (a new message if None); `later` brings the prompt
         of a lookup sent with prompt_follows."""
+        who = caller()
+        require(stream_op_denial(who, "lookup"), _LEASES + "Lookup")
+        _check_tenant(request.tenant, "Lookup")
         if request.prompt_follows and later is None:
             raise InvalidArgument("prompt_follows needs Leases/Stream (the prompt comes in a later op)")
         result = await self._lookups.lookup(
@@ -87,6 +106,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         self, request: leases_pb2.GetLeaseRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> leases_pb2.Lease:
         """The conversation's retention, or what the marker of the claim that took it knows."""
+        _check_tenant(request.tenant, "Get")
         return lease_message(await self._retentions.get(request.tenant, request.conversation_id))
 
     @rpc("Leases/List")
@@ -94,6 +114,10 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         self, request: leases_pb2.ListLeasesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> leases_pb2.ListLeasesResponse:
         """A page of retentions."""
+        if request.all_tenants:
+            require(all_tenants_denial(caller()), _LEASES + "List")
+        else:
+            _check_tenant(request.tenant, "List")
         views, token = await self._retentions.list(
             request.tenant,
             request.all_tenants,
@@ -110,6 +134,12 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
     ) -> leases_pb2.RevokeLeaseResponse:
         """Delete a retention so it is never handed out, with the params that free D's blocks."""
         view, releasable = await self._retentions.revoke(request.tenant, request.conversation_id)
+        allowed(
+            _LEASES + "Revoke",
+            tenant=request.tenant,
+            conversation_id=request.conversation_id,
+            found=view is not None,
+        )
         if view is None:
             return leases_pb2.RevokeLeaseResponse(found=False)
         resp = leases_pb2.RevokeLeaseResponse(found=True, lease=lease_message(view))

@@ -15,9 +15,11 @@ from controlplane.cluster import Cluster
 from controlplane.errors import InvalidArgument, StoreUnavailable
 from controlplane.messages import node_message, registration_of
 from controlplane.records import NodeRecord, NodeState
+from controlplane.server.auth import allowed, caller, require
 from controlplane.server.status import abort, rpc
 from controlplane.service.attachments import Attachments
 from controlplane.service.nodes import ListedNode, NodeRegistry
+from kvferry.security.roles import node_denial
 from kvferry.v1 import nodes_pb2, nodes_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -35,7 +37,9 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
     async def Register(
         self, request: nodes_pb2.RegisterNodeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> nodes_pb2.RegisterNodeResponse:
-        """Record a node (a new generation unless the same process registers again)."""
+        """Record a node (a new generation unless the same process registers again): only
+        its own sidecar (or an admin) may."""
+        require(node_denial(caller(), request.engine_id), "/kvferry.v1.Nodes/Register")
         rec, restarted = await self._registry.register(registration_of(request))
         return nodes_pb2.RegisterNodeResponse(
             node=node_message(ListedNode(NodeState(rec, True))), restarted=restarted
@@ -55,6 +59,7 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
             async for msg in request_iterator:
                 kind = msg.WhichOneof("body")
                 if kind == "hello":
+                    require(node_denial(caller(), msg.hello.engine_id), "/kvferry.v1.Nodes/Attach")
                     if rec is not None and msg.hello.engine_id != rec.engine_id:
                         raise InvalidArgument("an Attach stream speaks for one engine: open another")
                     rec = await attachments.attach(msg.hello.engine_id, msg.hello.generation, stream)
@@ -124,4 +129,6 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
         self, request: nodes_pb2.DeregisterNodeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> nodes_pb2.DeregisterNodeResponse:
         """End a node's liveness, leaving a tombstone of its record."""
-        return nodes_pb2.DeregisterNodeResponse(found=await self._registry.deregister(request.engine_id))
+        found = await self._registry.deregister(request.engine_id)
+        allowed("/kvferry.v1.Nodes/Deregister", engine_id=request.engine_id, found=found)
+        return nodes_pb2.DeregisterNodeResponse(found=found)

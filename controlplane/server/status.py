@@ -20,6 +20,7 @@ from controlplane.errors import (
     InvalidArgument,
     KvferryError,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     StoreUnavailable,
 )
@@ -32,6 +33,7 @@ _STATUS: dict[type[KvferryError], grpc.StatusCode] = {
     NotFound: grpc.StatusCode.NOT_FOUND,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
     Conflict: grpc.StatusCode.ABORTED,
 }

@@ -13,7 +13,8 @@ import structlog
 
 from controlplane import metrics
 from controlplane.attached import AttachedCounts
-from controlplane.errors import Conflict, FailedPrecondition, StoreUnavailable
+from controlplane.errors import Conflict, FailedPrecondition, InvalidArgument, StoreUnavailable
+from controlplane.nodeurls import NodeNetworks, host_problem, names_to_resolve, node_hosts
 from controlplane.records import NodeRecord, NodeState
 from controlplane.service.attachments import Attachments
 from controlplane.service.gauges import Gauges
@@ -26,6 +27,8 @@ log = structlog.get_logger(__name__)
 
 #: Attempts at a registration that loses a race with another one of the same engine id.
 _REGISTER_ATTEMPTS = 3
+#: Seconds a node's host name gets to resolve (with --node-networks), before it is refused.
+RESOLVE_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,30 @@ def _same_process(current: NodeState | None, started_at: float) -> bool:
     return current is not None and started_at > 0 and current.record.engine_started_at == started_at
 
 
+async def check_hosts(rec: NodeRecord, networks: NodeNetworks) -> None:
+    """Refuse a registration naming a host no node can be at (controlplane.nodeurls),
+    resolving its names first when there is an allowlist."""
+    hosts = node_hosts(rec.http_url, rec.engine_url, rec.side_channel_host)
+    names = sorted(names_to_resolve((h for _, h in hosts), networks))
+    answers = await asyncio.gather(*map(_resolve, names))
+    resolved = dict(zip(names, answers, strict=True))
+    for field_name, host in hosts:
+        problem = host_problem(field_name, host, networks, resolved)
+        if problem:
+            log.warning("node.refused", engine_id=rec.engine_id, problem=problem)
+            raise InvalidArgument(problem)
+
+
+async def _resolve(name: str) -> list[str]:
+    """Every address `name` resolves to ([] when it does not, within RESOLVE_TIMEOUT_S)."""
+    try:
+        async with asyncio.timeout(RESOLVE_TIMEOUT_S):
+            infos = await asyncio.get_running_loop().getaddrinfo(name, None)
+    except (OSError, TimeoutError, UnicodeError):
+        return []
+    return sorted({str(info[4][0]) for info in infos})
+
+
 class NodeRegistry:
     """The node records: registered, listed, deregistered and, dead long enough, collected."""
 
@@ -100,6 +127,7 @@ class NodeRegistry:
     async def register(self, reg: NodeRegistration) -> tuple[NodeRecord, bool]:
         """-> (stored record, restarted: an older generation was replaced)."""
         ttl = check_node(reg.record, self._limits, self._settings.liveness_ttl_s)
+        await check_hosts(reg.record, self._settings.networks)
         for attempt in range(_REGISTER_ATTEMPTS):
             try:
                 return await self._register_once(reg, ttl)

@@ -26,7 +26,7 @@ import asyncio
 import time
 
 from controlplane.errors import StoreUnavailable
-from controlplane.etcd import Client
+from controlplane.etcd import Client, EtcdTls
 from controlplane.records import Keys
 from controlplane.store.gcleases import GcLeases
 from controlplane.store.kv import EtcdKv, get
@@ -47,10 +47,11 @@ class EtcdStore:
         bucket_s: int,
         max_keys_per_lease: int,
         claim_marker_s: int,
+        tls: EtcdTls | None = None,
     ) -> None:
         self.keys = keys
         self.endpoints = endpoints
-        self._client = Client(endpoints, timeout_s)
+        self._client = Client(endpoints, timeout_s, tls)
         self.kv = EtcdKv(self._client, timeout_s)
         self.nodes = NodeStore(self.kv, keys)
         self.scans = RetentionScans(self.kv, keys)
@@ -70,6 +71,10 @@ class EtcdStore:
     async def follow_dns(self, interval_s: float) -> None:
         """Keep resolving the endpoints' names (when gRPC would not): see `channel_target`."""
         await self._client.follow_dns(interval_s)
+
+    async def follow_certs(self, interval_s: float) -> None:
+        """Keep the etcd TLS files watched: a rotated certificate moves to a new channel."""
+        await self._client.follow_certs(interval_s)
 
     async def ready(self, timeout_s: float) -> None:
         """Wait until etcd answers a read, or raise StoreUnavailable."""

@@ -11,7 +11,6 @@ import os
 import re
 import shlex
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from controlplane import settings as daemon_settings
 from controlplane.policy import Reason
 from emulator import cli as emulator_cli
 from kvferry import flags
+from kvferry.security.devca import make_dev_ca
 from kvferry_cli import command as kvferry_cli
 from router import cli as router_cli
 from router import settings as router_settings
@@ -33,71 +33,53 @@ from router.metrics import RouterMetrics
 from sidecar import cli as sidecar_cli
 from sidecar import settings as sidecar_settings
 from sidecar.metrics import SidecarMetrics
+from tests.deploy.manifests import (
+    DEPLOY,
+    FILE_FLAGS,
+    PROCESSES,
+    Process,
+    container_env,
+    data_of,
+    volume_of,
+)
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-
-
-# -- the processes deploy/ starts ---------------------------------------------------------------
-
-
-@dataclass
-class Process:
-    """One kvferry process as a deploy file starts it."""
-
-    where: str
-    argv: list[str]  # after `kvferry`
-    env: dict[str, str] = field(default_factory=dict)
+_SECRET = "kvferry-router-clients"
 
 
-def _substituted(value: str) -> str:
-    """Kubernetes' $(VAR) references, as a pod would see them."""
-    return re.sub(r"\$\((\w+)\)", lambda m: {"POD_IP": "10.1.2.3"}.get(m[1], "pod-0"), value)
+def _policy_text(process: Process) -> str:
+    """The policy file a process is given: a Kubernetes one's from its ConfigMap or Secret;
+    elsewhere (files `kvferry certs` or the operator writes) the Kubernetes one of its kind."""
+    path = process.value("policy")
+    assert path is not None
+    if process.pod is not None:
+        _, volume = volume_of(process, path)
+        source = volume.get("configMap") or volume.get("secret") or {}
+        return data_of(source.get("name") or source["secretName"])[Path(path).name]
+    return data_of(_SECRET if process.kind == "router" else "kvferry-policy")["policy.toml"]
 
 
-def _container_env(env: list[dict[str, Any]]) -> dict[str, str]:
-    out = {}
-    for var in env:
-        # A secret's value is not in the manifest: any non-empty string stands for it.
-        out[var["name"]] = _substituted(str(var["value"])) if "value" in var else "from-a-secret"
-    return out
+#: Which file of a development CA stands for each file flag's.
+_DEV_FILES = {"ca": "ca.pem", "cert": "daemon.pem", "key": "daemon.key"}
 
 
-def _kubernetes() -> Iterator[Process]:
-    for path in sorted((DEPLOY / "kubernetes").glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc and doc["kind"] in ("Deployment", "StatefulSet"):
-                for c in doc["spec"]["template"]["spec"]["containers"]:
-                    if "kvferry" in c["image"]:
-                        where = f"{path.name}:{c['name']}"
-                        yield Process(
-                            where, [str(a) for a in c.get("args", [])], _container_env(c.get("env", []))
-                        )
-
-
-def _compose() -> Iterator[Process]:
-    path = DEPLOY / "compose" / "compose.yaml"
-    for name, service in yaml.safe_load(path.read_text())["services"].items():
-        env = {k: str(v) for k, v in (service.get("environment") or {}).items()}
-        yield Process(f"compose.yaml:{name}", [str(a) for a in service["command"]], env)
-
-
-def _systemd() -> Iterator[Process]:
-    for path in sorted((DEPLOY / "systemd").glob("*.service")):
-        env: dict[str, str] = {}
-        argv: list[str] = []
-        for line in path.read_text().splitlines():
-            key, _, value = line.partition("=")
-            if key == "Environment":
-                name, _, var = value.partition("=")
-                env[name] = var
-            elif key == "ExecStart":
-                command = shlex.split(value)
-                assert command[0].endswith("/kvferry"), line
-                argv = command[1:]
-        yield Process(path.name, argv, env)
-
-
-PROCESSES = [*_kubernetes(), *_compose(), *_systemd()]
+def _with_files(process: Process, tmp: Path) -> Process:
+    """`process` with every file it names made in `tmp` (the settings read them): a
+    development CA's certificates and keys, and the policy the deploy files give."""
+    make_dev_ca(tmp / "ca")
+    env = dict(process.env)
+    argv = list(process.argv)
+    for flag in FILE_FLAGS:
+        path = process.value(flag)
+        if not path:
+            continue
+        made = tmp / f"{flag}-{Path(path).name}"
+        if flag == "policy":
+            made.write_text(_policy_text(process))
+        else:
+            made.write_bytes((tmp / "ca" / _DEV_FILES[flag.split("-")[1]]).read_bytes())
+        argv = [a.replace(path, str(made)) if a.startswith(f"--{flag}") or a == path else a for a in argv]
+        env = {k: (str(made) if v == path else v) for k, v in env.items()}
+    return Process(process.where, argv, env, process.pod, process.container, process.workload)
 
 
 def test_label_values_are_read_off_the_code() -> None:
@@ -117,11 +99,11 @@ def test_pods_get_no_service_variables() -> None:
 
 def test_every_deploy_file_starts_kvferry_processes() -> None:
     found = {Path(p.where.split(":")[0]).name for p in PROCESSES}
-    expected = {p.name for p in DEPLOY.glob("kubernetes/*.yaml")} | {"compose.yaml"}
+    expected = {"daemon.yaml", "router.yaml", "vllm-decode.yaml", "vllm-prefill.yaml", "compose.yaml"}
     expected |= {p.name for p in DEPLOY.glob("systemd/*.service")}
     assert found == expected
     kinds = {p.argv[0] for p in PROCESSES}
-    assert kinds == {"daemon", "sidecar", "router", "emulate"}
+    assert kinds == {"daemon", "sidecar", "router", "emulate", "certs"}
 
 
 def _settings_of(
@@ -137,18 +119,23 @@ def _settings_of(
         return router_cli.build_parser, router_settings.from_args, router_settings.ENV_PREFIX
     if kind == "emulate":
         return emulator_cli.build_parser, emulator_cli.config_from_args, None
+    if kind == "certs":  # compose's one-shot development CA: a command of the kvferry CLI
+        return kvferry_cli.build_parser, lambda args: args, None
     raise AssertionError(f"{argv}: not a process deploy/ should start")
 
 
 @pytest.mark.parametrize("process", PROCESSES, ids=[p.where for p in PROCESSES])
-def test_the_flags_and_variables_are_this_versions(process: Process, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_flags_and_variables_are_this_versions(
+    process: Process, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    process = _with_files(process, tmp_path)
     for name in [n for n in os.environ if n.startswith("KVFERRY_")]:
         monkeypatch.delenv(name)
     for name, value in process.env.items():
         monkeypatch.setenv(name, value)
     build, settings_from, prefix = _settings_of(process.argv)
     # flags read their variables when the parser is built
-    argv = process.argv if process.argv[0] == "daemon" else process.argv[1:]
+    argv = process.argv if process.argv[0] in ("daemon", "certs") else process.argv[1:]
     try:
         args = build().parse_args(argv)
     except SystemExit:
@@ -202,9 +189,16 @@ _MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"')
 _GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
 
 
+#: Exporters other than kvferry whose metrics the deployment's alerts watch (its
+#: certificates, its etcd): their names are theirs, not this checkout's to check.
+_OTHER_EXPORTERS = re.compile(r"\b(certmanager|etcd)_[a-z_]+")
+
+
 def _expressions() -> Iterator[tuple[str, str]]:
-    for rule in yaml.safe_load((DEPLOY / "prometheus" / "alerts.yaml").read_text())["groups"][0]["rules"]:
-        yield f"alert {rule['alert']}", rule["expr"]
+    for group in yaml.safe_load((DEPLOY / "prometheus" / "alerts.yaml").read_text())["groups"]:
+        for rule in group["rules"]:
+            if not _OTHER_EXPORTERS.search(rule["expr"]):
+                yield f"alert {rule['alert']}", rule["expr"]
     for panel in json.loads((DEPLOY / "grafana" / "kvferry.json").read_text())["panels"]:
         for target in panel.get("targets", []):
             yield f"panel {panel['title']!r}", target["expr"]
@@ -271,7 +265,7 @@ def test_each_vllm_pod_has_the_kv_role_of_its_sidecars_role() -> None:
             continue
         (engine,) = vllm
         (sidecar,) = [c for c in pod["containers"] if "kvferry" in c["image"]]
-        role = _container_env(sidecar["env"])["KVFERRY_SIDECAR_ROLE"]
+        role = container_env(sidecar["env"])["KVFERRY_SIDECAR_ROLE"]
         config = _kv_transfer_config([str(a) for a in engine["args"]])
         assert config["kv_connector"] == "NixlConnector", name
         assert config["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True, name
