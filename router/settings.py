@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 from kvferry.flags import Flag, add_flags, bool_text, boolean, items, joined, settings_from
 from kvferry.limits import MAX_BLOCK_SIZE
-from kvferry.turnheaders import TENANT_HEADER
 from kvferry.urls import is_http_url, listen_host_port
 
 ENV_PREFIX = "KVFERRY_ROUTER_"
@@ -127,8 +126,6 @@ class ReuseSettings:
 
     enabled: bool = True
     """Ask the daemon for the previous turn's KV; off = plain P/D serving for every request."""
-    tenant_header: str = TENANT_HEADER
-    """Request header naming the tenant when the client sends no API key ("" = ignore it)."""
     digest_cache_bytes: int = 128 << 20
     """Memory for each conversation's last prompt (token ids and block digests, about 5
     bytes per token), so its next turn hashes only its new blocks; 0 = hash every block."""
@@ -244,7 +241,6 @@ FLAGS = (
         boolean,
         to_text=bool_text,
     ),
-    Flag("tenant-header", "reuse.tenant_header", "header naming the tenant when there is no API key"),
     Flag(
         "digest-cache-mb",
         "reuse.digest_cache_bytes",
