@@ -1,4 +1,4 @@
-"""gRPC channel options of the routers' and sidecars' channels to the daemon.
+"""The routers', sidecars' and CLI's gRPC channels to the daemon: options and TLS.
 
 Keepalive pings on them find a daemon replica that vanished without closing its
 connections (a host gone, a network partition) within seconds: with nothing to
@@ -8,6 +8,13 @@ often (`controlplane.server.start_server`), and pings its clients in turn.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from kvferry.security.tls import TlsFiles, grpc_channel_credentials
 
 KEEPALIVE_TIME_MS = 10_000
 """A ping after this long without one (on every open connection, calls or not)."""
@@ -30,3 +37,13 @@ def daemon_channel_options(max_backoff_ms: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
+
+
+def daemon_channel(
+    address: str, tls: TlsFiles | None, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.aio.Channel:
+    """An asyncio channel to a daemon: TLS with this process's certificate as its identity
+    when `tls` is given, plaintext otherwise (development mode, loopback)."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, grpc_channel_credentials(tls), options=options)

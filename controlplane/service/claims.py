@@ -25,6 +25,10 @@ from controlplane.store.retentions import RetentionStore
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
+PUT_BACK_PAUSES_S = (0.1, 0.3, 1.0, 2.0)
+"""Pauses between the tries of a put-back etcd did not answer (a leader election takes about
+a second): then it is given up, and D keeps the blocks to its TTL. A stop waits for them."""
+
 
 @dataclass(frozen=True)
 class Claimed:
@@ -105,18 +109,28 @@ class Claims:
 
     def put_back(self, claimed: Claimed, tenant: str, conversation_id: str) -> None:
         """Put what a claim took back, in the background: its caller went away, and no
-        answer reaches anyone (a stop waits for it: see Background.settle)."""
+        answer reaches anyone (a stop waits for it: see Background.settle). An etcd that
+        does not answer is tried again a few times (PUT_BACK_PAUSES_S), while the
+        retention is not yet past its deadline. (unclaim compares the marker's revision:
+        a try that was written after all makes the next one find nothing to put back.)"""
         taken, marker = claimed.taken, claimed.marker_revision
         if claimed.own or taken is None:
             return
 
         async def put_back() -> None:
-            try:
-                back = await self._store.unclaim(tenant, conversation_id, taken, marker, self._clock())
-            except StoreUnavailable as e:  # spent, then: D frees the blocks at its TTL
-                log.warning("lookup.put_back.failed", conversation_id=conversation_id, error=str(e))
+            for attempt, pause in enumerate((*PUT_BACK_PAUSES_S, None), start=1):
+                try:
+                    back = await self._store.unclaim(tenant, conversation_id, taken, marker, self._clock())
+                except StoreUnavailable as e:
+                    if pause is None or self._clock() + pause >= taken.expires_at:
+                        # spent, then: D frees the blocks at its TTL
+                        log.warning("lookup.put_back.failed", conversation_id=conversation_id, error=str(e))
+                        return
+                    log.info("lookup.put_back.retry", conversation_id=conversation_id, attempt=attempt)
+                    await asyncio.sleep(pause)
+                    continue
+                log.info("lookup.put_back", conversation_id=conversation_id, back=back, attempt=attempt)
                 return
-            log.info("lookup.put_back", conversation_id=conversation_id, back=back)
 
         self._background.spawn(put_back(), "put-back")
 

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from controlplane.daemon import Daemon
+from controlplane.errors import StoreUnavailable
 from controlplane.service.lookups import LookupResult
 from controlplane.store.retentions import ClaimOutcome
 from kvferry.v1 import leases_pb2
@@ -138,3 +139,43 @@ async def test_lookups_racing_their_deadlines_spend_no_retention_silently(
         if c not in answers.claimed:
             res = await client.leases.Lookup(lookup_request(c))
             assert res.claimed and res.decision == leases_pb2.PULL, (c, res)
+
+
+async def test_a_put_back_etcd_does_not_answer_is_tried_again(
+    daemon: Daemon, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("c"))
+    answers = Answers(daemon, monkeypatch)
+    written, answer_back = asyncio.Event(), asyncio.Event()
+
+    async def stalled() -> None:
+        written.set()
+        await answer_back.wait()
+
+    slow_claims(daemon, monkeypatch, stalled)
+    assert daemon.control_plane is not None
+    retentions = daemon.control_plane.store.retentions
+    unclaim = retentions.unclaim
+    tries: list[str] = []
+
+    async def flaky(*args: Any, **kwargs: Any) -> bool:
+        tries.append("try")
+        if len(tries) <= 2:  # (a leader election: the first two tries get no answer)
+            raise StoreUnavailable("etcd: no leader")
+        return await unclaim(*args, **kwargs)
+
+    monkeypatch.setattr(retentions, "unclaim", flaky)
+    call = client.leases.Lookup(lookup_request("c"))
+    await written.wait()
+    call.cancel()
+    await answers.cancelled.wait()
+    answer_back.set()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+
+    await eventually(lambda: claimable(client, "c"))
+    assert len(tries) == 3
+    res = await client.leases.Lookup(lookup_request("c"))
+    assert res.claimed and res.decision == leases_pb2.PULL
+    assert answers.claimed == ["c"]
