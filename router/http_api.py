@@ -237,9 +237,9 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=payload, headers={"Content-Type": content_type})
 
 
-def build_app(shared: Shared) -> web.Application:
+def build_app(shared: Shared, keys: ApiKeys) -> web.Application:
+    """The router's routes, behind its middlewares; `keys` are the API keys it takes."""
     server = shared.settings.server
-    keys = ApiKeys.of(server.api_keys)
     middlewares = [count_middleware, internal_headers_middleware, auth_middleware(keys)]
     app = web.Application(middlewares=middlewares, client_max_size=server.max_body_bytes)
     app[SHARED_KEY] = shared

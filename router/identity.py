@@ -14,9 +14,11 @@ alone, never from a header the client chose (the front door drops every
   tenant the operator named there;
 - any other key, or none: 401.
 
-With no key configured at all (development), every client gets in: one that
-presents a key still gets that key's digest as its tenant (a client cannot name
-a tenant without its key), one without is the daemon's default tenant.
+With no key configured at all and no policy file (development), every client gets
+in: one that presents a key still gets that key's digest as its tenant (a client
+cannot name a tenant without its key: the engines may check the key, as vLLM's
+--api-key does), one without is the daemon's default tenant. With a policy file, a
+client needs a key even when the policy lists none.
 """
 
 from __future__ import annotations
@@ -58,17 +60,20 @@ class ApiKeys:
     """Digests of the ``--api-key`` keys: their holders' tenant is named after the key."""
     clients: tuple[tuple[bytes, str], ...] = ()
     """(digest, tenant) of the policy's clients: their holders' tenant is the one named."""
+    required: bool = False
+    """A client needs a key even when none is listed (a policy file was given)."""
 
     @classmethod
     def of(cls, keys: Iterable[str], clients: Mapping[str, str] | None = None) -> ApiKeys:
-        """From plain keys, and a policy's clients (hex SHA-256 digest -> tenant)."""
+        """From plain keys, and a policy's clients (hex SHA-256 digest -> tenant; given,
+        even empty, every client needs a key)."""
         named = tuple((bytes.fromhex(digest), tenant) for digest, tenant in (clients or {}).items())
-        return cls(tuple(key_digest(k) for k in keys), named)
+        return cls(tuple(key_digest(k) for k in keys), named, clients is not None)
 
     @property
     def checked(self) -> bool:
         """Whether a client needs one of these keys (none configured: development, open)."""
-        return bool(self.plain or self.clients)
+        return bool(self.plain or self.clients or self.required)
 
     def tenant_of(self, key: str) -> str | None:
         """The tenant of a client presenting `key` ("" = none given): its tenant ("" = the

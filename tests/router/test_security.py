@@ -93,7 +93,7 @@ async def test_another_tenant_guessing_a_conversation_learns_nothing(
     assert await _tenants_of(stack, "alice-1") == {key_tenant("sk-alice")}
 
     guess = {**body, "messages": next_turn(messages, one.text)}
-    forgeries = ({}, {"X-Kvferry-Tenant": key_tenant("sk-alice")}, {"x-kvferry-tenant": ""})
+    forgeries: tuple[dict[str, str], ...] = ({}, {"X-Kvferry-Tenant": key_tenant("sk-alice")}, {"x-kvferry-tenant": ""})
     for key, forged in zip(probers, forgeries, strict=True):
         probe = await ask(http, router.url, guess, {"Authorization": f"Bearer {key}", **forged})
         assert probe.status == 200, forged
