@@ -27,6 +27,8 @@ from multidict import CIMultiDict
 
 from kvferry import __version__ as KVFERRY_VERSION
 from kvferry.decoding import UNDECODABLE, lax_bool
+from kvferry.security import audit
+from kvferry.security.roles import anonymous
 from kvferry.turnheaders import internal_header
 from router.choice import Node, prefill_candidates
 from router.decisions import Failure, FailureKind
@@ -114,13 +116,17 @@ async def internal_headers_middleware(request: web.Request, handler: Handler) ->
 
 def auth_middleware(keys: ApiKeys) -> Middleware:
     """The tenant of each /v1/ request, from its API key; a key `keys` do not take (with
-    keys configured, none too) gets 401, as vLLM's --api-key check answers."""
+    keys configured, none too) gets 401, as vLLM's --api-key check answers, and an audit
+    line (`kvferry.security.audit`)."""
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith("/v1/"):
-            tenant = keys.tenant_of(api_key_of(request.headers))
+            key = api_key_of(request.headers)
+            tenant = keys.tenant_of(key)
             if tenant is None:
+                why = "an API key of the router's is needed" if key else "no API key given"
+                audit.denied(None, f"{request.method} {request.path}", anonymous(why), request.remote or "")
                 return web.json_response({"error": "Unauthorized"}, status=401)
             request[TENANT] = tenant
         return await handler(request)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
+from structlog.testing import capture_logs
 
 from controlplane.daemon import Daemon
 from kvferry.turnheaders import key_tenant
@@ -93,7 +94,11 @@ async def test_another_tenant_guessing_a_conversation_learns_nothing(
     assert await _tenants_of(stack, "alice-1") == {key_tenant("sk-alice")}
 
     guess = {**body, "messages": next_turn(messages, one.text)}
-    forgeries: tuple[dict[str, str], ...] = ({}, {"X-Kvferry-Tenant": key_tenant("sk-alice")}, {"x-kvferry-tenant": ""})
+    forgeries: tuple[dict[str, str], ...] = (
+        {},
+        {"X-Kvferry-Tenant": key_tenant("sk-alice")},
+        {"x-kvferry-tenant": ""},
+    )
     for key, forged in zip(probers, forgeries, strict=True):
         probe = await ask(http, router.url, guess, {"Authorization": f"Bearer {key}", **forged})
         assert probe.status == 200, forged
@@ -105,7 +110,25 @@ async def test_another_tenant_guessing_a_conversation_learns_nothing(
     # Alice's own next turn still pulls what D kept for her.
     two = await ask(http, router.url, guess, alice)
     assert two.status == 200 and two.decision == "PULL" and two.reused > 0
-    # A client with no key, or a made-up one, gets 401 before anything is looked up.
-    for headers in ({}, {"Authorization": "Bearer sk-mallory"}, {"X-Kvferry-Tenant": key_tenant("sk-alice")}):
-        refused = await ask(http, router.url, guess, headers)
-        assert (refused.status, refused.body) == (401, {"error": "Unauthorized"}), headers
+    # A client with no key, or a made-up one, gets 401 before anything is looked up, and
+    # each refusal leaves an audit line.
+    lookups = router.metrics.value("kvferry_router_lookups_total", decision="RECOMPUTE", reason="no_lease")
+    with capture_logs() as logged:
+        for headers in (
+            {},
+            {"Authorization": "Bearer sk-mallory"},
+            {"X-Kvferry-Tenant": key_tenant("sk-alice")},
+        ):
+            refused = await ask(http, router.url, guess, headers)
+            assert (refused.status, refused.body) == (401, {"error": "Unauthorized"}), headers
+    audits = [(e["action"], e["code"], e["reason"]) for e in logged if e["event"] == "audit.denied"]
+    chat = "POST /v1/chat/completions"
+    assert audits == [
+        (chat, "unauthenticated", "no identity: no API key given"),
+        (chat, "unauthenticated", "no identity: an API key of the router's is needed"),
+        (chat, "unauthenticated", "no identity: no API key given"),
+    ]
+    assert (
+        router.metrics.value("kvferry_router_lookups_total", decision="RECOMPUTE", reason="no_lease")
+        == lookups
+    )
