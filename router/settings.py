@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from kvferry.flags import Flag, add_flags, bool_text, boolean, items, joined, settings_from
 from kvferry.limits import MAX_BLOCK_SIZE
@@ -171,13 +170,11 @@ class Settings:
     security: SecuritySettings = field(default_factory=SecuritySettings)
 
     def validate(self) -> None:
-        """Raise ValueError on a setting out of range, or a listen address off loopback
-        without TLS (and not `insecure`). (The TLS files are read by `tls_files`.)"""
+        """Raise ValueError on a setting out of range, TLS files given in part or not
+        readable, or a listen address off loopback without TLS (and not `insecure`)."""
         listen_host_port(self.server.listen)
         sec = self.security
-        named = all((sec.tls_ca, sec.tls_cert, sec.tls_key))  # (the files: read when loaded)
-        tls = TlsFiles(Path(sec.tls_ca), Path(sec.tls_cert), Path(sec.tls_key)) if named else None
-        refused = check_listen(self.server.listen, tls, sec.insecure)
+        refused = check_listen(self.server.listen, sec.tls_files(), sec.insecure)
         if refused is not None:
             raise ValueError(refused)
         if sec.reload_check_s <= 0:

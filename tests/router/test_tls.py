@@ -287,6 +287,9 @@ def test_plaintext_off_loopback_is_refused_unless_insecure(
         err.startswith("kvferry router: --listen 10.0.0.5:8000 is not a loopback address")
         and "--insecure" in err
     )
+    # (TLS files given in part: that is what is said, wherever it listens)
+    assert main(["--listen", "10.0.0.5:8000", "--tls-cert", "router.pem", *static]) == 2
+    assert "missing --tls-ca, --tls-key" in capsys.readouterr().err
 
 
 async def test_insecure_serves_plaintext_off_loopback_with_a_warning(http: aiohttp.ClientSession) -> None:
