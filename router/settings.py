@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvferry.flags import Flag, add_flags, bool_text, boolean, items, joined, settings_from
 from kvferry.limits import MAX_BLOCK_SIZE
@@ -153,8 +154,20 @@ class SecuritySettings:
     reload_check_s: float = RELOAD_CHECK_S
     """How often the TLS files are looked at for a rotation (no flag: tests shorten it)."""
 
+    def named_tls_files(self) -> TlsFiles | None:
+        """The TLS files named, not read (None: none); ValueError when only some are named."""
+        named = {"--tls-ca": self.tls_ca, "--tls-cert": self.tls_cert, "--tls-key": self.tls_key}
+        missing = [flag for flag, path in named.items() if not path]
+        if len(missing) == len(named):
+            return None
+        if missing:
+            raise ValueError(
+                f"TLS needs --tls-ca, --tls-cert and --tls-key together; missing {', '.join(missing)}"
+            )
+        return TlsFiles(Path(self.tls_ca), Path(self.tls_cert), Path(self.tls_key))
+
     def tls_files(self) -> TlsFiles | None:
-        """The TLS files named (None: none); ValueError when one or two are missing or unreadable."""
+        """The TLS files named (None: none), read; ValueError when some are missing or unreadable."""
         return TlsFiles.from_flags(self.tls_ca or None, self.tls_cert or None, self.tls_key or None)
 
 
@@ -170,11 +183,12 @@ class Settings:
     security: SecuritySettings = field(default_factory=SecuritySettings)
 
     def validate(self) -> None:
-        """Raise ValueError on a setting out of range, TLS files given in part or not
-        readable, or a listen address off loopback without TLS (and not `insecure`)."""
+        """Raise ValueError on a setting out of range, TLS files given in part, or a listen
+        address off loopback without TLS (and not `insecure`). (The files are read when
+        loaded: `router.security.load_security`.)"""
         listen_host_port(self.server.listen)
         sec = self.security
-        refused = check_listen(self.server.listen, sec.tls_files(), sec.insecure)
+        refused = check_listen(self.server.listen, sec.named_tls_files(), sec.insecure)
         if refused is not None:
             raise ValueError(refused)
         if sec.reload_check_s <= 0:
