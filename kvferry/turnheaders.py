@@ -9,12 +9,15 @@ refuse (too long, control characters) is replaced by a digest of itself: still
 stable across turns, never an error. The router names the conversation to D's
 sidecar in ``X-Conversation-Id``, already made safe (the rule keeps a safe id as it is).
 
-Tenant: the router decides it (`key_tenant` of the client's API key, else
-`named_tenant` of its tenant header) and names it to D's sidecar in
-``X-Kvferry-Tenant`` (absent: the daemon's default tenant). A sidecar takes a
-request the router sent (it carries ``X-Kvferry-Turn-Id``) by that header
-alone, whatever header it is configured to read for other front doors
+Tenant: the router decides it from the client's API key alone (`key_tenant` of
+the key, or the tenant its policy names the key's holder) and names it to D's
+sidecar in ``X-Kvferry-Tenant`` (absent: the daemon's default tenant). A sidecar
+takes a request the router sent (it carries ``X-Kvferry-Turn-Id``) by that
+header alone, whatever header it is configured to read for other front doors
 (`tapped_tenant`): the two cannot disagree.
+
+Every ``X-Kvferry-*`` request header is kvferry's own (`internal_header`): a
+front door drops those a client sent before anything reads them.
 """
 
 from __future__ import annotations
@@ -44,10 +47,19 @@ NOT_DELIVERED_HEADER = "X-Kvferry-Not-Delivered"
 """Set on a sidecar's 502 when its engine was never reached: the request was not seen, so
 the router may send it to another node as if the sidecar itself had been unreachable."""
 
+INTERNAL_PREFIX = "x-kvferry-"
+"""Starts (case aside) every header kvferry's own parts set between themselves."""
+
 KEY_TENANT_PREFIX = "key-"
 """Starts the name of every tenant named after an API key (`key_tenant`)."""
 _DIGEST_CHARS = 32
 """Hex characters of an id's digest (`safe_id`)."""
+
+
+def internal_header(name: str) -> bool:
+    """Whether `name` is one of kvferry's own headers (``X-Kvferry-*``), which no client
+    may set: a front door drops those a client sent."""
+    return name.lower().startswith(INTERNAL_PREFIX)
 
 
 def _unprintable(c: str) -> bool:

@@ -1,7 +1,8 @@
 """One router, in-process: ``async with Router(settings) as r: ... r.url ...``.
 
 Starts the HTTP session to the engines, the daemon client (when addresses are
-given), the node directory and its refresh task, and the HTTP server. `stop`
+given), the node directory and its refresh task, and the HTTP server (HTTPS with TLS
+files, and a watch that follows their rotation: `router.security`). `stop`
 lets in-flight answers finish (the server's grace), then cancels the refresh
 and closes every channel and connection.
 """
@@ -28,6 +29,7 @@ from router.metrics import RouterMetrics
 from router.nodes import DirectRoutes, Load, NodeDirectory
 from router.patience import PrefillRates
 from router.releases import Releases
+from router.security import Security, follow_rotation, load_security
 from router.settings import Settings
 from router.turn import Shared
 from router.upstream import Engines
@@ -40,9 +42,12 @@ _RELEASES_AT_LEAST_S = 2.0
 class Router:
     """A running router; `start()` then `stop()`, or `async with`."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, security: Security | None = None) -> None:
+        """`security`: as `load_security` reads it from `settings` (None: read here; a
+        ValueError says what is wrong with the files)."""
         settings.validate()
         self.settings = settings
+        self.security = security if security is not None else load_security(settings)
         self.metrics = RouterMetrics()
         self.port = 0
         self.daemon: DaemonClient | None = None
@@ -50,23 +55,27 @@ class Router:
         self._http: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._refresh: asyncio.Task[None] | None = None
+        self._tls_watch: asyncio.Task[None] | None = None
         self._shared: Shared | None = None
 
     @property
     def url(self) -> str:
-        """Base URL, e.g. ``http://127.0.0.1:PORT``."""
-        return f"http://{local_address(self.settings.server.listen, self.port)}"
+        """Base URL, e.g. ``http://127.0.0.1:PORT`` (``https://`` with TLS)."""
+        return f"{self.security.scheme}://{local_address(self.settings.server.listen, self.port)}"
 
     async def start(self, nodes_timeout_s: float = 5.0) -> None:
         """Serve; waits up to `nodes_timeout_s` for a first node list (serving 503 until then)."""
-        s = self.settings
+        s, sec = self.settings, self.security
         try:
-            self._http = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=KEEPALIVE_S),
-                auto_decompress=False,
+            connector = aiohttp.TCPConnector(
+                limit=0,
+                ttl_dns_cache=60,
+                keepalive_timeout=KEEPALIVE_S,
+                ssl=sec.client_ssl if sec.client_ssl is not None else True,
             )
+            self._http = aiohttp.ClientSession(connector=connector, auto_decompress=False)
             if s.daemon.addresses:
-                self.daemon = DaemonClient(s.daemon.addresses, s.daemon)
+                self.daemon = DaemonClient(s.daemon.addresses, s.daemon, sec.tls)
             directory = self.directory = NodeDirectory(s, self.daemon, self._http)
             self.metrics.track_nodes(lambda: _node_counts(directory))
             await _first_nodes(directory, nodes_timeout_s)
@@ -89,15 +98,18 @@ class Router:
                 releases=Releases(s.upstream.max_releases_in_flight),
             )
             self._runner = web.AppRunner(
-                build_app(shared),
+                build_app(shared, sec.keys),
                 handler_cancellation=True,
                 access_log=None,
                 shutdown_timeout=s.server.shutdown_grace_s,
             )
             await self._runner.setup()
             host, port = listen_host_port(s.server.listen)
-            await web.TCPSite(self._runner, host, port).start()
+            await web.TCPSite(self._runner, host, port, ssl_context=sec.server_ssl).start()
             self.port = int(self._runner.addresses[0][1])
+            self._tls_watch = asyncio.create_task(
+                follow_rotation(sec, self.daemon, s.security.reload_check_s), name="router-tls"
+            )
         except BaseException:
             await self.stop()
             raise
@@ -107,6 +119,8 @@ class Router:
             daemon=list(s.daemon.addresses),
             nodes=[n.engine_id for n in directory.nodes],
             reuse=s.reuse.enabled,
+            tls=sec.tls is not None,
+            api_keys=sec.keys.checked,
         )
 
     async def stop(self) -> None:
@@ -126,8 +140,8 @@ class Router:
             await self.daemon.owed_answers(until - time.monotonic())
         if self._shared is not None:
             await self._shared.releases.settle(until)
-        await cancel_and_wait([self._refresh])
-        self._refresh = None
+        await cancel_and_wait([self._refresh, self._tls_watch])
+        self._refresh = self._tls_watch = None
         if self.daemon is not None:
             await self.daemon.close()
             self.daemon = None

@@ -5,6 +5,10 @@ Examples::
     kvferry router --daemon 127.0.0.1:50051                  # nodes from the daemon
     kvferry router --prefill http://p:8100 --decode http://d-sidecar:8200 --daemon 127.0.0.1:50051
     kvferry router --prefill http://p:8100 --decode http://d:8200   # plain P/D, no reuse
+    kvferry router --listen 0.0.0.0:8000 --daemon daemon:50051 \
+        --tls-ca ca.pem --tls-cert router.pem --tls-key router.key --policy policy.toml
+
+Off loopback the router serves HTTPS (--tls-*), or plaintext with --insecure true.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import structlog
 from kvferry import flags, logs
 from kvferry.tasks import run_process
 from router.app import Router
+from router.security import Security, load_security
 from router.settings import ENV_PREFIX, Settings, add_arguments, from_args
 
 log = structlog.get_logger(__name__)
@@ -34,13 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def run(settings: Settings) -> int:
+async def run(settings: Settings, security: Security) -> int:
     """Serve until SIGTERM or SIGINT, then stop gracefully."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with Router(settings):
+    async with Router(settings, security):
         await stop.wait()
         log.info("router.stopping")
     return 0
@@ -52,10 +57,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     flags.warn_unknown_variables("router", ENV_PREFIX, args)
     try:
         settings = from_args(args)
+        security = load_security(settings)  # (the TLS and policy files: PolicyError is one)
     except ValueError as e:
         print(f"kvferry router: {e}", file=sys.stderr)
         return 2
-    return run_process("router", run(settings))
+    return run_process("router", run(settings, security))
 
 
 if __name__ == "__main__":

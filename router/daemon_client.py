@@ -6,6 +6,10 @@ gone or confused. Lookups go over one multiplexed ``Leases/Stream`` (the lookup
 stream, ``kvferry.leaseclient.LeaseStream``) per replica; a replica that fails hands
 the next call to the next replica. A `Breaker` stops lookups for a moment after
 failures, so a dead daemon costs a turn nothing instead of a deadline.
+
+With TLS files, the channels are TLS with the router's certificate as its identity
+(mTLS); a rotated certificate goes out only on a new channel, so `rotate_if_changed`
+re-makes every replica's channel and retires the old ones once their calls are over.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from collections.abc import Callable, Sequence
 import grpc
 import structlog
 
-from kvferry.channels import daemon_channel_options
+from kvferry.channels import daemon_channel, daemon_channel_options
 from kvferry.leaseclient import LeaseOpError, LeaseStream
+from kvferry.security.tls import TlsFiles, client_ssl_context
 from kvferry.structs import struct_to_dict
 from kvferry.tasks import cancel_and_wait
 from kvferry.v1 import leases_pb2, nodes_pb2, nodes_pb2_grpc
@@ -65,14 +70,18 @@ def node_of(n: nodes_pb2.Node) -> Node | None:
 
 #: Lookups in a row a daemon replica answers late after which the next go to another.
 LATE_FAILOVER = 3
+RETIRE_AFTER_S = 60.0
+"""How long the channel of a replica replaced on a certificate rotation is kept for the
+calls that started on it (a lookup waits for its prompt, then its deadline); the
+answers it still owes are awaited after that (`DaemonSettings.late_answer_s`)."""
 
 
 class _Replica:
     """One daemon replica: its channel, its lookup stream and its Nodes stub."""
 
-    def __init__(self, address: str, late_answer_s: float) -> None:
+    def __init__(self, address: str, late_answer_s: float, tls: TlsFiles | None = None) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.channel = daemon_channel(address, tls, _CHANNEL_OPTIONS)
         self.stream = LeaseStream(self.channel, late_answer_s)
         """Its ``Leases/Stream``, which the lookups go over."""
         self.nodes = nodes_pb2_grpc.NodesStub(self.channel)
@@ -90,12 +99,23 @@ class _Replica:
 class DaemonClient:
     """Lookups, node lists and scores against the daemon replicas, failing over between them."""
 
-    def __init__(self, addresses: Sequence[str], settings: DaemonSettings) -> None:
+    def __init__(
+        self, addresses: Sequence[str], settings: DaemonSettings, tls: TlsFiles | None = None
+    ) -> None:
         self._s = settings
-        self._replicas = [_Replica(a, settings.late_answer_s) for a in addresses]
+        # (its own TlsFiles: what changed is seen once per watcher)
+        self._tls = None if tls is None else TlsFiles(tls.ca, tls.cert, tls.key)
+        if self._tls is not None:
+            self._tls.changed()
+        self._replicas = [_Replica(a, settings.late_answer_s, self._tls) for a in addresses]
         self._current = 0
         self.breaker = Breaker(settings.breaker_base_s, settings.breaker_max_s)
         self._reopening: asyncio.Task[None] | None = None
+        self._stream_wanted = False
+        """A lookup stream was set up ahead of the turns (`open_stream`): again after a rotation."""
+        self._retired: list[_Replica] = []
+        """Replicas replaced on a rotation, until closed (`_retire`)."""
+        self._retiring: set[asyncio.Task[None]] = set()
 
     @property
     def _replica(self) -> _Replica:
@@ -112,6 +132,7 @@ class DaemonClient:
         if its claim then reaches the daemon after the turn's own retention was
         registered, it takes that one: the next turn loses its reuse. A failure here is
         only logged: turns set the stream up themselves."""
+        self._stream_wanted = True
         replica = self._replica
         try:
             await replica.stream.lookup(
@@ -121,6 +142,37 @@ class DaemonClient:
             log.info(
                 "router.daemon.stream_not_ready", address=replica.address, code=e.code.name, error=e.message
             )
+
+    def rotate_if_changed(self) -> bool:
+        """Re-make every replica's channel when the TLS files changed (a client certificate
+        goes only with a new channel); -> whether it did. Files that do not load (a
+        rotation half-written) are tried again at the next call; the channels stay."""
+        if self._tls is None or not self._tls.changed():
+            return False
+        try:
+            client_ssl_context(self._tls)  # (loads them all: the check that they are whole)
+        except (OSError, ValueError) as e:  # (ssl.SSLError is an OSError)
+            self._tls.forget()
+            log.warning("router.daemon.tls_reload_failed", cert=str(self._tls.cert), error=str(e))
+            return False
+        old = self._replicas
+        self._replicas = [_Replica(r.address, self._s.late_answer_s, self._tls) for r in old]
+        for replica in old:
+            self._retired.append(replica)
+            task = asyncio.get_running_loop().create_task(self._retire(replica))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+        if self._stream_wanted:
+            self._reopen()
+        log.info("router.daemon.tls_rotated", cert=str(self._tls.cert))
+        return True
+
+    async def _retire(self, replica: _Replica) -> None:
+        """Close a replaced replica once the calls that started on it are over."""
+        await asyncio.sleep(RETIRE_AFTER_S)
+        await replica.stream.owed_answers(self._s.late_answer_s)
+        await replica.close()
+        self._retired.remove(replica)
 
     def _reopen(self) -> None:
         """Set a new lookup stream up in the background while the breaker holds lookups back,
@@ -248,10 +300,11 @@ class DaemonClient:
         """Until the lookups answered after their turn gave up on them have had their answers
         (see LeaseStream.owed_answers), or `timeout_s`."""
         until = time.monotonic() + timeout_s
-        for r in self._replicas:
+        for r in [*self._replicas, *self._retired]:
             await r.stream.owed_answers(until - time.monotonic())
 
     async def close(self) -> None:
-        await cancel_and_wait([self._reopening])
-        for r in self._replicas:
+        await cancel_and_wait([self._reopening, *self._retiring])
+        for r in [*self._replicas, *self._retired]:
             await r.close()
+        self._retired.clear()

@@ -6,13 +6,15 @@ Routes: ``/v1/chat/completions`` and ``/v1/completions`` (streaming or not, one
 ``/version`` (vLLM's: the engines' version),
 ``/metrics`` (Prometheus). Bad client input gets vLLM's 400 error shape. With API
 keys set, /v1/ routes answer 401 to a client without one of them, as vLLM does.
+
+Every ``X-Kvferry-*`` header a client sends is dropped before anything reads it
+(they are kvferry's own), and a request's tenant is the one its API key names
+(`router.identity.ApiKeys`), set on the request for the handlers (`TENANT`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -21,19 +23,25 @@ import msgspec
 import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
+from multidict import CIMultiDict
 
 from kvferry import __version__ as KVFERRY_VERSION
 from kvferry.decoding import UNDECODABLE, lax_bool
+from kvferry.security import audit
+from kvferry.security.roles import anonymous
+from kvferry.turnheaders import internal_header
 from router.choice import Node, prefill_candidates
 from router.decisions import Failure, FailureKind
 from router.errors import bad_gateway, error_response
-from router.identity import api_key_of
+from router.identity import ApiKeys, api_key_of
 from router.turn import Shared, Turn
 from router.upstream import Reply, UpstreamError
 
 log = structlog.get_logger(__name__)
 
 SHARED_KEY = web.AppKey("shared", Shared)
+TENANT = web.RequestKey("tenant", str)
+"""The tenant of a /v1/ request, as its API key names it ("" = the daemon's default)."""
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 
@@ -96,26 +104,34 @@ async def count_middleware(request: web.Request, handler: Handler) -> web.Stream
     return response
 
 
-def auth_middleware(keys: tuple[str, ...]) -> Middleware:
-    """vLLM's --api-key check: `Authorization: Bearer <key>` on /v1/ routes, else 401."""
-    accepted = [_digest(key) for key in keys]
+@web.middleware
+async def internal_headers_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Drop every ``X-Kvferry-*`` header a client sent: those are kvferry's own (a tenant
+    named by a client would reach another tenant's conversations)."""
+    if any(map(internal_header, request.headers)):
+        kept = CIMultiDict((k, v) for k, v in request.headers.items() if not internal_header(k))
+        request = request.clone(headers=kept)
+    return await handler(request)
+
+
+def auth_middleware(keys: ApiKeys) -> Middleware:
+    """The tenant of each /v1/ request, from its API key; a key `keys` do not take (with
+    keys configured, none too) gets 401, as vLLM's --api-key check answers, and an audit
+    line (`kvferry.security.audit`)."""
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith("/v1/"):
-            given = api_key_of(request.headers)  # the key the tenant is named after, too
-            digest = _digest(given)
-            # Digests compared, every key, in constant time: the timing tells neither a key
-            # nor its length.
-            if not given or not sum(hmac.compare_digest(digest, k) for k in accepted):
+            key = api_key_of(request.headers)
+            tenant = keys.tenant_of(key)
+            if tenant is None:
+                why = "an API key of the router's is needed" if key else "no API key given"
+                audit.denied(None, f"{request.method} {request.path}", anonymous(why), request.remote or "")
                 return web.json_response({"error": "Unauthorized"}, status=401)
+            request[TENANT] = tenant
         return await handler(request)
 
     return check
-
-
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
 
 
 async def _generate(request: web.Request, path: str) -> web.StreamResponse:
@@ -131,7 +147,7 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
     if problem is not None:
         return bad_request(problem)
     assert isinstance(body, dict)
-    return await Turn(request.app[SHARED_KEY], request, path, body).serve()
+    return await Turn(request.app[SHARED_KEY], request, path, body, request[TENANT]).serve()
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -227,11 +243,10 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=payload, headers={"Content-Type": content_type})
 
 
-def build_app(shared: Shared) -> web.Application:
+def build_app(shared: Shared, keys: ApiKeys) -> web.Application:
+    """The router's routes, behind its middlewares; `keys` are the API keys it takes."""
     server = shared.settings.server
-    middlewares: list[Middleware] = [count_middleware]
-    if server.api_keys:
-        middlewares.append(auth_middleware(server.api_keys))
+    middlewares = [count_middleware, internal_headers_middleware, auth_middleware(keys)]
     app = web.Application(middlewares=middlewares, client_max_size=server.max_body_bytes)
     app[SHARED_KEY] = shared
     app.router.add_post(CHAT_PATH, chat_completions)

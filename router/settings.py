@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvferry.flags import Flag, add_flags, bool_text, boolean, items, joined, settings_from
 from kvferry.limits import MAX_BLOCK_SIZE
-from kvferry.turnheaders import TENANT_HEADER
+from kvferry.security.tls import RELOAD_CHECK_S, TlsFiles, check_listen
 from kvferry.urls import is_http_url, listen_host_port
 
 ENV_PREFIX = "KVFERRY_ROUTER_"
@@ -23,8 +24,9 @@ MIN_BODY_BYTES = 1024
 class ServerSettings:
     """The OpenAI-compatible HTTP front door."""
 
-    listen: str = "0.0.0.0:8000"
-    """host:port to listen on (port 0 picks a free one)."""
+    listen: str = "127.0.0.1:8000"
+    """host:port to listen on (port 0 picks a free one). Off loopback it needs TLS, or
+    `SecuritySettings.insecure`."""
     max_body_bytes: int = 64 * 1024 * 1024
     """Largest request body accepted."""
     shutdown_grace_s: float = 5.0
@@ -127,11 +129,46 @@ class ReuseSettings:
 
     enabled: bool = True
     """Ask the daemon for the previous turn's KV; off = plain P/D serving for every request."""
-    tenant_header: str = TENANT_HEADER
-    """Request header naming the tenant when the client sends no API key ("" = ignore it)."""
     digest_cache_bytes: int = 128 << 20
     """Memory for each conversation's last prompt (token ids and block digests, about 5
     bytes per token), so its next turn hashes only its new blocks; 0 = hash every block."""
+
+
+@dataclass(frozen=True)
+class SecuritySettings:
+    """TLS and the policy file (`kvferry.security`); none of it given: development mode,
+    plaintext, on loopback only."""
+
+    tls_ca: str = ""
+    """The CA (PEM) the router trusts for its peers: the daemon, sidecars and engines."""
+    tls_cert: str = ""
+    """The router's certificate (PEM): its HTTPS front door's, and its identity to the
+    daemon, sidecars and engines (mTLS)."""
+    tls_key: str = ""
+    """The key of `tls_cert` (PEM)."""
+    policy: str = ""
+    """The policy file: its ``[clients.*]`` are API keys (their SHA-256 digests) and the
+    tenant of each; given, a client needs one of them (or an --api-key key)."""
+    insecure: bool = False
+    """Serve plaintext on an address off loopback anyway (a warning is logged)."""
+    reload_check_s: float = RELOAD_CHECK_S
+    """How often the TLS files are looked at for a rotation (no flag: tests shorten it)."""
+
+    def named_tls_files(self) -> TlsFiles | None:
+        """The TLS files named, not read (None: none); ValueError when only some are named."""
+        named = {"--tls-ca": self.tls_ca, "--tls-cert": self.tls_cert, "--tls-key": self.tls_key}
+        missing = [flag for flag, path in named.items() if not path]
+        if len(missing) == len(named):
+            return None
+        if missing:
+            raise ValueError(
+                f"TLS needs --tls-ca, --tls-cert and --tls-key together; missing {', '.join(missing)}"
+            )
+        return TlsFiles(Path(self.tls_ca), Path(self.tls_cert), Path(self.tls_key))
+
+    def tls_files(self) -> TlsFiles | None:
+        """The TLS files named (None: none), read; ValueError when some are missing or unreadable."""
+        return TlsFiles.from_flags(self.tls_ca or None, self.tls_cert or None, self.tls_key or None)
 
 
 @dataclass(frozen=True)
@@ -143,10 +180,19 @@ class Settings:
     nodes: NodeSettings = field(default_factory=NodeSettings)
     upstream: UpstreamSettings = field(default_factory=UpstreamSettings)
     reuse: ReuseSettings = field(default_factory=ReuseSettings)
+    security: SecuritySettings = field(default_factory=SecuritySettings)
 
     def validate(self) -> None:
-        """Raise ValueError on a setting out of range."""
+        """Raise ValueError on a setting out of range, TLS files given in part, or a listen
+        address off loopback without TLS (and not `insecure`). (The files are read when
+        loaded: `router.security.load_security`.)"""
         listen_host_port(self.server.listen)
+        sec = self.security
+        refused = check_listen(self.server.listen, sec.named_tls_files(), sec.insecure)
+        if refused is not None:
+            raise ValueError(refused)
+        if sec.reload_check_s <= 0:
+            raise ValueError("the TLS files' reload check interval must be positive")
         if self.server.max_body_bytes < MIN_BODY_BYTES or self.server.shutdown_grace_s < 0:
             raise ValueError("max body must be at least 1 KiB and the shutdown grace >= 0")
         d = self.daemon
@@ -244,7 +290,6 @@ FLAGS = (
         boolean,
         to_text=bool_text,
     ),
-    Flag("tenant-header", "reuse.tenant_header", "header naming the tenant when there is no API key"),
     Flag(
         "digest-cache-mb",
         "reuse.digest_cache_bytes",
@@ -261,6 +306,21 @@ FLAGS = (
         to_text=joined,
     ),
     Flag("engine-api-key", "upstream.api_key", "bearer key for the engines (default: the client's)"),
+    Flag(
+        "tls-ca",
+        "security.tls_ca",
+        "CA (PEM) trusted for the daemon, sidecars and engines; with --tls-cert/key",
+    ),
+    Flag("tls-cert", "security.tls_cert", "the router's certificate (PEM): HTTPS, and mTLS to its peers"),
+    Flag("tls-key", "security.tls_key", "the key of --tls-cert (PEM)"),
+    Flag("policy", "security.policy", "policy file: its [clients.*] API keys and their tenants"),
+    Flag(
+        "insecure",
+        "security.insecure",
+        "serve plaintext on an address off loopback anyway",
+        boolean,
+        to_text=bool_text,
+    ),
     Flag(
         "forward-prompt-token-ids",
         "upstream.forward_prompt_token_ids",

@@ -103,7 +103,9 @@ class Turn:
     """One client request to /v1/chat/completions or /v1/completions: its state, which
     the steps (`router.prepare`, `router.decode`, `router.releases`) read and fill in."""
 
-    def __init__(self, shared: Shared, request: web.Request, path: str, body: dict[str, Any]) -> None:
+    def __init__(
+        self, shared: Shared, request: web.Request, path: str, body: dict[str, Any], tenant: str
+    ) -> None:
         self.s = shared
         self.request: web.Request | None = request
         """Until the turn ends (see `serve`)."""
@@ -118,7 +120,8 @@ class Turn:
         self.answer_id = client_request_id(request.headers, body) or self.request_id
         """The id the engines name the answer after, echoed in X-Request-Id: the client's own
         (its X-Request-Id, else its body's request_id), as vLLM takes it, else the turn's."""
-        self.identity: Identity = identify(request.headers, body, shared.settings.reuse.tenant_header)
+        self.identity: Identity = identify(request.headers, body, tenant)
+        """Its tenant (`tenant`: as the client's API key names it) and conversation."""
         self.tokens: list[int] | None = None
         self.tokenized_by: Node | None = None
         """The P that tokenized instead of the chosen one (unreachable): the prefill goes there."""

@@ -16,7 +16,7 @@ from kvferry.turnheaders import (
     TURN_ID_HEADER,
     conversation_of,
 )
-from router.identity import identify
+from router.identity import ApiKeys, identify
 from sidecar.capture import RequestPlan, plan_request
 
 _ids = st.one_of(st.text(max_size=300), st.integers(), st.booleans(), st.none())
@@ -51,12 +51,14 @@ def test_the_sidecar_reads_the_conversation_as_the_router_does() -> None:
     st.text(max_size=300),
 )
 def test_the_router_hands_d_the_conversation_and_tenant_it_looks_up(
-    headers: dict[str, str], body: dict[str, object], tenant: str
+    headers: dict[str, str], body: dict[str, object], key: str
 ) -> None:
     """What the router identifies, sent to D's sidecar as the router sends it (the
     conversation and tenant headers, the turn id), is what the sidecar registers under,
     even on a sidecar that reads another tenant header for other front doors."""
-    who = identify({**headers, TENANT_HEADER: tenant}, body, TENANT_HEADER)
+    tenant = ApiKeys().tenant_of(key)  # (the tenant a client's API key names)
+    assert tenant is not None
+    who = identify({**headers, TENANT_HEADER: "client-sent"}, body, tenant)
     if not who.conversation_id:
         return
     sent = {CONVERSATION_HEADER: who.conversation_id, TURN_ID_HEADER: "kvf-1", "X-Team": "other"}

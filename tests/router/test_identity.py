@@ -3,6 +3,8 @@ several, its conversation id and tenant (or none)."""
 
 from __future__ import annotations
 
+import hashlib
+
 from kvferry.ids import MAX_ID_BYTES
 from kvferry.turnheaders import conversation_of, safe_id
 from router.choice import (
@@ -12,7 +14,7 @@ from router.choice import (
 from router.decisions import (
     single_sequence,
 )
-from router.identity import identify, tenant_of
+from router.identity import ApiKeys, Identity, api_key_of, identify
 
 
 def test_a_turn_uses_the_nodes_of_the_model_it_names() -> None:
@@ -56,36 +58,49 @@ def test_ids_the_daemon_would_refuse_become_stable_digests() -> None:
     assert safe_id("ok-id", "conv") == "ok-id"
 
 
+DEV = ApiKeys()
+"""No key configured: development, every client gets in."""
+
+
 def test_non_utf8_header_bytes_make_ids_not_errors() -> None:
     """aiohttp decodes a header's non-UTF-8 bytes to surrogates (surrogateescape): they are
     digested like control characters, and an API key made of them still hashes."""
     raw = b"caf\xe9".decode("utf-8", "surrogateescape")
-    who = identify({"X-Conversation-Id": raw, "X-Kvferry-Tenant": raw}, {}, "X-Kvferry-Tenant")
-    assert who.conversation_id.startswith("conv-") and who.tenant.startswith("tenant-")
-    assert who.conversation_id == identify({"X-Conversation-Id": raw}, {}, "").conversation_id
-    assert who.conversation_id.encode() and who.tenant.encode()  # what protobuf will need
-    keyed = identify({"X-Conversation-Id": "c", "Authorization": "Bearer k" + raw}, {}, "X-Kvferry-Tenant")
-    assert keyed.tenant.startswith("key-")
+    who = identify({"X-Conversation-Id": raw}, {}, "")
+    assert who.conversation_id.startswith("conv-") and who.conversation_id.encode()
+    tenant = DEV.tenant_of(api_key_of({"Authorization": "Bearer k" + raw}))
+    assert tenant is not None and tenant.startswith("key-") and tenant.encode()
+    keyed = ApiKeys.of(["k" + raw])
+    assert keyed.tenant_of("k" + raw) == tenant and keyed.tenant_of("k") is None
 
 
 def test_tenant_is_a_hash_of_the_api_key_never_the_key() -> None:
-    alice = tenant_of({"Authorization": "Bearer sk-alice"}, "X-Kvferry-Tenant")
-    assert alice.startswith("key-") and "sk-alice" not in alice
-    assert alice == tenant_of({"Authorization": "bearer  sk-alice "}, "X-Kvferry-Tenant")
-    assert alice != tenant_of({"Authorization": "Bearer sk-bob"}, "X-Kvferry-Tenant")
-    # The key wins over a tenant header: a client cannot name someone else's tenant.
-    assert (
-        tenant_of({"Authorization": "Bearer sk-alice", "X-Kvferry-Tenant": "bob"}, "X-Kvferry-Tenant")
-        == alice
-    )
-    assert tenant_of({"X-Kvferry-Tenant": "acme"}, "X-Kvferry-Tenant") == "acme"
-    # Nor can a header name a key's tenant (its hash shows in lease listings and logs).
-    posing = tenant_of({"X-Kvferry-Tenant": alice}, "X-Kvferry-Tenant")
-    assert posing != alice and posing.startswith("tenant-")
-    assert tenant_of({"X-Kvferry-Tenant": "acme"}, "") == ""
-    assert tenant_of({"Authorization": "Basic abc"}, "") == ""
+    alice = DEV.tenant_of(api_key_of({"Authorization": "Bearer sk-alice"}))
+    assert alice is not None and alice.startswith("key-") and "sk-alice" not in alice
+    assert alice == DEV.tenant_of(api_key_of({"Authorization": "bearer  sk-alice "}))
+    assert alice != DEV.tenant_of("sk-bob")
+    assert DEV.tenant_of(api_key_of({"Authorization": "Basic abc"})) == ""  # no key: the default
+    # Keys configured: the same tenant for the same key; no key, or another, gets nothing.
+    keys = ApiKeys.of(["sk-alice", "sk-bob"])
+    assert keys.tenant_of("sk-alice") == alice and keys.tenant_of("sk-bob") == DEV.tenant_of("sk-bob")
+    assert keys.tenant_of("") is None and keys.tenant_of("sk-mallory") is None
+
+
+def test_a_policys_clients_are_the_tenants_the_operator_named() -> None:
+    """[clients.*] of the policy file: a key's SHA-256 digest -> its holder's tenant."""
+    digest = hashlib.sha256(b"sk-acme-prod").hexdigest()
+    keys = ApiKeys.of(["sk-dev"], {digest: "acme"})
+    assert keys.checked and keys.tenant_of("sk-acme-prod") == "acme"
+    assert keys.tenant_of("sk-dev") == DEV.tenant_of("sk-dev")  # --api-key keys still work
+    assert keys.tenant_of("sk-acme-pro") is None and keys.tenant_of("") is None
+    only_policy = ApiKeys.of([], {digest: "acme"})
+    assert only_policy.tenant_of("sk-acme-prod") == "acme" and only_policy.tenant_of("sk-dev") is None
+    # A name the daemon would refuse is made safe, as every id is.
+    odd = ApiKeys.of([], {digest: "a\nb"}).tenant_of("sk-acme-prod")
+    assert odd is not None and odd.startswith("tenant-")
 
 
 def test_no_conversation_means_no_identity_at_all() -> None:
-    ident = identify({"Authorization": "Bearer k"}, {}, "X-Kvferry-Tenant")
+    ident = identify({"Authorization": "Bearer k"}, {}, "key-1")
     assert (ident.tenant, ident.conversation_id) == ("", "")
+    assert identify({}, {"conversation_id": "c"}, "key-1") == Identity("key-1", "c")
