@@ -52,6 +52,7 @@ log = structlog.get_logger(__name__)
 _AttachCall = grpc.aio.StreamStreamCall[nodes_pb2.AttachRequest, nodes_pb2.AttachResponse]
 _ROLES = {"prefill": nodes_pb2.PREFILL, "decode": nodes_pb2.DECODE, "both": nodes_pb2.BOTH}
 _REFUSED = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND})
+_DENIED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 
 
 class _LinkLost(Exception):
@@ -160,6 +161,9 @@ class NodeSession:
                 if e.code() is grpc.StatusCode.INVALID_ARGUMENT:  # another replica would say the same
                     self._metrics.attaches.labels("invalid").inc()
                     log.error("node.register.invalid", address=self._link.address, detail=e.details())
+                elif e.code() in _DENIED:  # (the policy, or this sidecar's certificate, is wrong)
+                    self._metrics.attaches.labels("denied").inc()
+                    log.error("node.register.denied", code=e.code().name, detail=e.details())
                 else:
                     self._metrics.attaches.labels("failed").inc()
                     log.warning(
