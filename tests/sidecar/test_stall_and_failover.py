@@ -129,6 +129,11 @@ class HangingProxy:
         await asyncio.gather(*self._pipes, return_exceptions=True)
 
 
+TTL_S = 6
+"""The liveness TTL of the failover test: the failover must fit in it on a loaded 2-core CI
+machine (at 4 s it lapsed there now and then while a replica was healthy)."""
+
+
 async def test_a_hung_daemon_replica_is_left_before_the_node_lapses(
     daemon: Daemon, make_daemon: DaemonFactory, connect: object, start_emulator: StartEmulator
 ) -> None:
@@ -141,7 +146,7 @@ async def test_a_hung_daemon_replica_is_left_before_the_node_lapses(
     try:
         hung = await proxy.start()
         d = await start_emulator(role="decode")
-        s = sidecar_settings(d, daemon, daemon__liveness_ttl_s=4)
+        s = sidecar_settings(d, daemon, daemon__liveness_ttl_s=TTL_S)
         s = replace(s, daemon=replace(s.daemon, addresses=(hung, other.address)))
         cb = connect(other)  # type: ignore[operator]
         async with Sidecar(s) as sc:
@@ -150,7 +155,7 @@ async def test_a_hung_daemon_replica_is_left_before_the_node_lapses(
             assert sc.metrics.value("kvferry_sidecar_attaches_total", outcome="ok") == 1
             proxy.hang()
             loop = asyncio.get_running_loop()
-            until = loop.time() + 2 * 4  # two liveness TTLs
+            until = loop.time() + 2 * TTL_S  # two liveness TTLs
             while loop.time() < until:  # (alive at every look, through the failover)
                 assert await _alive_at(cb, node_id, 1), "the node lapsed while a replica was healthy"
                 await asyncio.sleep(0.1)
