@@ -1,0 +1,113 @@
+"""The figures the fault suite measures for each fault, and the table it prints.
+
+Pure: turns and the ledger in, numbers out.
+
+A retention is *lost* when a daemon acknowledged its registration and afterwards no
+lookup was ever granted it, no later registration replaced it (the daemon hands the
+replaced one back to be released), and it is not among those the daemons hold
+unclaimed at the end. Registrations never acknowledged are not retentions the
+system took on: a sidecar retries them, and drops them when the conversation's next
+turn came first or its tries ran out (by design: the next turn recomputes). They
+are counted apart (`unacked`), as documented losses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from tests.faults.ledger import Ledger
+from tests.faults.load import Turn
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What one fault cost."""
+
+    fault: str
+    turns: int
+    pulled: int
+    client_errors: int
+    wrong_answers: int
+    double_claims: int
+    unheld_reads: int
+    registered: int
+    unacked: int
+    lost: int
+    reuse_back_s: float | None
+    """From the fault's end (quorum restored, the member or daemon back) to the first turn
+    started after it that pulled; None: no turn pulled."""
+    no_reuse_turns: int
+    """Later turns of a conversation served without reuse (the fault's cost in TTFT)."""
+
+    def row(self) -> str:
+        back = "-" if self.reuse_back_s is None else f"{self.reuse_back_s:.2f}"
+        return (
+            f"{self.fault:<22} {self.turns:>5} {self.pulled:>6} {self.no_reuse_turns:>8} "
+            f"{self.client_errors:>6} {self.wrong_answers:>5} {self.double_claims:>6} "
+            f"{self.unheld_reads:>6} {self.registered:>5} {self.unacked:>7} {self.lost:>4} {back:>9}"
+        )
+
+
+HEADER = (
+    f"{'fault':<22} {'turns':>5} {'pulled':>6} {'no reuse':>8} {'errors':>6} {'wrong':>5} "
+    f"{'double':>6} {'unheld':>6} {'regs':>5} {'unacked':>7} {'lost':>4} {'reuse back':>9}"
+)
+LEGEND = (
+    "turns: client turns through the router during the test; pulled: turns that pulled the\n"
+    "previous turn's KV; no reuse: later turns (not a conversation's first) served without it;\n"
+    "errors: turns not answered 200 in full; wrong: answers differing from the reference\n"
+    "engine's; double: retentions handed out more than once; unheld: D's reads of blocks not\n"
+    "held for the request named; regs: registrations the daemons acknowledged; unacked:\n"
+    "registrations never acknowledged (dropped by the sidecar: documented losses); lost:\n"
+    "acknowledged retentions neither granted, replaced nor still held; reuse back: seconds\n"
+    "from the fault's end to the first turn started after it that pulled."
+)
+
+
+def lost_retentions(ledger: Ledger, unclaimed: Iterable[str]) -> set[str]:
+    """Retentions acknowledged, then neither granted, replaced nor held at the end."""
+    acked = {r.retention for r in ledger.registrations if r.outcome == "ok"}
+    granted = {g.retention for g in ledger.grants}
+    replaced = {r.replaced for r in ledger.registrations if r.replaced}
+    return acked - granted - replaced - set(unclaimed)
+
+
+def unacked(ledger: Ledger) -> set[str]:
+    """Retentions whose every registration try failed."""
+    acked = {r.retention for r in ledger.registrations if r.outcome == "ok"}
+    return {r.retention for r in ledger.registrations if r.outcome != "ok"} - acked
+
+
+def reuse_back_s(turns: Sequence[Turn], restored_at: float) -> float | None:
+    pulled = [t.ended for t in turns if t.started >= restored_at and t.decision == "PULL"]
+    return min(pulled) - restored_at if pulled else None
+
+
+def figures(
+    fault: str,
+    turns: Sequence[Turn],
+    ledger: Ledger,
+    unclaimed: Iterable[str],
+    unheld_reads: int,
+    restored_at: float,
+) -> Figures:
+    acked = {r.retention for r in ledger.registrations if r.outcome == "ok"}
+    return Figures(
+        fault=fault,
+        turns=len(turns),
+        pulled=sum(t.decision == "PULL" for t in turns),
+        client_errors=sum(t.status != 200 for t in turns),
+        wrong_answers=sum(t.status == 200 and not t.correct for t in turns),
+        double_claims=len(ledger.double_claims()),
+        unheld_reads=unheld_reads,
+        registered=len(acked),
+        unacked=len(unacked(ledger)),
+        lost=len(lost_retentions(ledger, unclaimed)),
+        reuse_back_s=reuse_back_s(turns, restored_at),
+        no_reuse_turns=sum(t.turn > 0 and t.decision != "PULL" for t in turns),
+    )
+
+
+def table(rows: Sequence[Figures]) -> str:
+    return "\n".join([HEADER, *(r.row() for r in rows), "", LEGEND])
