@@ -1,7 +1,7 @@
-"""A claim etcd wrote but did not answer (the member the daemon talked to was killed, an
-election): the daemon reads back whether it was written, and hands out what it took
-rather than spending it with nobody told. (Found by the fault suite, tests/faults: an
-etcd member killed under load lost a retention now and then.)"""
+"""Claims in the faults of a real cluster (found by the fault suite, tests/faults): a claim
+etcd wrote but did not answer (the member the daemon talked to was killed, an election)
+is read back and handed out, not spent with nobody told; a retention whose node is out
+of touch (its liveness lapsed while etcd had no quorum) is not spent by a lookup either."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from controlplane.daemon import Daemon
 from controlplane.errors import StoreUnavailable
 from kvferry.v1 import leases_pb2
 from tests.conftest import Client
+from tests.controlplane.test_claims_and_nodes import AttachStream, hello
 from tests.factories import lease_request, lookup_request, node_request
+from tests.polling import eventually
 
 
 def unanswered(daemon: Daemon, monkeypatch: pytest.MonkeyPatch, written: bool) -> list[str]:
@@ -62,3 +64,31 @@ async def test_a_claim_not_written_fails_and_leaves_the_retention(
     assert res.reason == "store_unavailable" and not res.claimed, res
     again = await client.leases.Lookup(lookup_request("c"))
     assert again.decision == leases_pb2.PULL and again.claimed  # still there for the next
+
+
+async def test_a_retention_of_a_node_out_of_touch_is_kept_for_when_it_is_back(
+    daemon: Daemon, client: Client
+) -> None:
+    """A node whose liveness lapsed or that was suspended (after etcd lost quorum for longer
+    than the liveness TTL, every node is so until its next heartbeat) may still hold the
+    blocks: a lookup meanwhile answers node_gone but does not spend the retention."""
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("c"))
+    stream = AttachStream(client)
+    await stream.send(hello("d-1"))
+    await stream.close()  # its stream ended: suspended until a sidecar vouches for it again
+
+    async def out_of_touch() -> bool:
+        return (await client.leases.Lookup(lookup_request("c", peek=True))).reason == "node_gone"
+
+    await eventually(out_of_touch)
+    gone = await client.leases.Lookup(lookup_request("c"))
+    assert (gone.decision, gone.reason) == (leases_pb2.RECOMPUTE, "node_gone")
+    assert not gone.HasField("release_params")
+
+    await client.nodes.Register(node_request("d-1", generation=1))  # the same process, back
+
+    async def pulled() -> bool:  # (put back in the background)
+        return (await client.leases.Lookup(lookup_request("c"))).decision == leases_pb2.PULL
+
+    await eventually(pulled)
