@@ -13,7 +13,7 @@ from controlplane.errors import StoreUnavailable
 from kvferry.v1 import leases_pb2
 from tests.conftest import Client
 from tests.controlplane.test_claims_and_nodes import AttachStream, hello
-from tests.factories import lease_request, lookup_request, node_request
+from tests.factories import d_params, lease_request, lookup_request, node_request
 from tests.polling import eventually
 
 
@@ -92,3 +92,25 @@ async def test_a_retention_of_a_node_out_of_touch_is_kept_for_when_it_is_back(
         return (await client.leases.Lookup(lookup_request("c"))).decision == leases_pb2.PULL
 
     await eventually(pulled)
+
+
+async def test_a_node_out_of_touch_that_registers_again_gets_the_replaced_retention_to_free(
+    daemon: Daemon, client: Client
+) -> None:
+    """Its next registration for the conversation replaces the retention nobody pulled: D
+    still holds those blocks (the node registering is the proof), so they are handed back
+    to be freed, not left to D's TTL."""
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("c", params=d_params("d-1", 1000, "turn-1")))
+    stream = AttachStream(client)
+    await stream.send(hello("d-1"))
+    await stream.close()
+
+    async def out_of_touch() -> bool:
+        return (await client.leases.Lookup(lookup_request("c", peek=True))).reason == "node_gone"
+
+    await eventually(out_of_touch)
+    res = await client.leases.Register(lease_request("c", params=d_params("d-1", 1000, "turn-2")))
+
+    assert res.HasField("release_params")
+    assert res.release_params["remote_request_id"] == "turn-1"
