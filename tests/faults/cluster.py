@@ -8,9 +8,11 @@ import asyncio
 import json
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aetcd
 import grpc
 
 from controlplane.embedded import etcd_binary
@@ -123,6 +125,29 @@ class EtcdCluster:
             if header.get("member_id") and header.get("member_id") == s["Status"].get("leader"):
                 return next(m for m in self.members if m.endpoint == s["Endpoint"].removeprefix("http://"))
         return None
+
+    async def wait_writable(self, via: Member, timeout_s: float = 60.0) -> float:
+        """Until a write through `via` commits (the cluster has quorum and a leader), trying
+        every 50 ms. -> when it did (time.monotonic())."""
+        client = aetcd.Client("127.0.0.1", via.client_port, timeout=1)
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    try:
+                        await client.put(b"/faults-probe", b"1")
+                        return time.monotonic()
+                    except (aetcd.ClientError, grpc.aio.AioRpcError):
+                        await asyncio.sleep(0.05)
+        finally:
+            await client.close()
+
+    async def lead(self, m: Member) -> None:
+        """Make `m` the leader (etcdctl move-leader, sent to the leader now), and wait for it."""
+        async with asyncio.timeout(30):
+            while (leader := await self.wait_healthy()) is not m:
+                _, out = await self._etcdctl("endpoint", "status", "-w", "json", endpoints=(m.endpoint,))
+                target = json.loads(out)[0]["Status"]["header"]["member_id"]
+                await self._etcdctl("move-leader", f"{target:x}", endpoints=(leader.endpoint,))
 
     async def wait_healthy(self, timeout_s: float = 60.0) -> Member:
         """Until every running member answers and one of them leads. -> the leader."""

@@ -5,10 +5,18 @@ Pure: turns and the ledger in, numbers out.
 A retention is *lost* when a daemon acknowledged its registration and afterwards no
 lookup was ever granted it, no later registration replaced it (the daemon hands the
 replaced one back to be released), and it is not among those the daemons hold
-unclaimed at the end. Registrations never acknowledged are not retentions the
-system took on: a sidecar retries them, and drops them when the conversation's next
-turn came first or its tries ran out (by design: the next turn recomputes). They
-are counted apart (`unacked`), as documented losses.
+unclaimed at the end.
+
+Documented losses, by design, counted apart:
+- `unacked`: registrations never acknowledged. They are not retentions the system
+  took on: a sidecar retries them, and drops them when the conversation's next turn
+  came first or its tries ran out (during lost quorum: the next turn recomputes).
+- `in_doubt`: retentions whose claim was at etcd the moment it broke. A claim etcd
+  applied but could not answer is read back (controlplane.store.retentions
+  `_settle_claim`) for CLAIM_SETTLE_PAUSES_S; when etcd still cannot tell by then
+  (quorum lost for 25 s), the retention is spent with nobody told, and D frees its
+  blocks at their TTL. Counted so: lost, and the conversation's next lookup went out
+  between IN_DOUBT_BEFORE_S before the fault and IN_DOUBT_AFTER_S after it.
 """
 
 from __future__ import annotations
@@ -16,8 +24,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from controlplane.store.retentions import CLAIM_SETTLE_PAUSES_S
 from tests.faults.ledger import Ledger
 from tests.faults.load import Turn
+
+IN_DOUBT_BEFORE_S = 2.0
+"""A lookup sent this long before the fault may still be at etcd when it strikes (the
+router's lookup deadline is 1 s; a loaded machine adds to it)."""
+IN_DOUBT_AFTER_S = sum(CLAIM_SETTLE_PAUSES_S) + 1.0
+"""...or be sent just after and reach etcd as it breaks; its claim is settled by then."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +48,7 @@ class Figures:
     unheld_reads: int
     registered: int
     unacked: int
+    in_doubt: int
     lost: int
     reuse_back_s: float | None
     """From the fault's end (quorum restored, the member or daemon back) to the first turn
@@ -45,13 +61,14 @@ class Figures:
         return (
             f"{self.fault:<22} {self.turns:>5} {self.pulled:>6} {self.no_reuse_turns:>8} "
             f"{self.client_errors:>6} {self.wrong_answers:>5} {self.double_claims:>6} "
-            f"{self.unheld_reads:>6} {self.registered:>5} {self.unacked:>7} {self.lost:>4} {back:>9}"
+            f"{self.unheld_reads:>6} {self.registered:>5} {self.unacked:>7} {self.in_doubt:>8} "
+            f"{self.lost:>4} {back:>10}"
         )
 
 
 HEADER = (
     f"{'fault':<22} {'turns':>5} {'pulled':>6} {'no reuse':>8} {'errors':>6} {'wrong':>5} "
-    f"{'double':>6} {'unheld':>6} {'regs':>5} {'unacked':>7} {'lost':>4} {'reuse back':>9}"
+    f"{'double':>6} {'unheld':>6} {'regs':>5} {'unacked':>7} {'in doubt':>8} {'lost':>4} {'reuse back':>10}"
 )
 LEGEND = (
     "turns: client turns through the router during the test; pulled: turns that pulled the\n"
@@ -59,7 +76,8 @@ LEGEND = (
     "errors: turns not answered 200 in full; wrong: answers differing from the reference\n"
     "engine's; double: retentions handed out more than once; unheld: D's reads of blocks not\n"
     "held for the request named; regs: registrations the daemons acknowledged; unacked:\n"
-    "registrations never acknowledged (dropped by the sidecar: documented losses); lost:\n"
+    "registrations never acknowledged (dropped by the sidecar: documented losses); in doubt:\n"
+    "retentions whose claim was at etcd as it broke (documented losses); lost: other\n"
     "acknowledged retentions neither granted, replaced nor still held; reuse back: seconds\n"
     "from the fault's end to the first turn started after it that pulled."
 )
@@ -71,6 +89,18 @@ def lost_retentions(ledger: Ledger, unclaimed: Iterable[str]) -> set[str]:
     granted = {g.retention for g in ledger.grants}
     replaced = {r.replaced for r in ledger.registrations if r.replaced}
     return acked - granted - replaced - set(unclaimed)
+
+
+def in_doubt(lost: set[str], ledger: Ledger, turns: Sequence[Turn], broken_at: float) -> set[str]:
+    """The lost retentions whose conversation's next lookup went out around `broken_at`."""
+    registered = {r.retention: r for r in ledger.registrations if r.outcome == "ok"}
+    doubtful = set()
+    for retention in lost:
+        reg = registered[retention]
+        later = [t.started for t in turns if t.conversation == reg.conversation_id and t.started > reg.at]
+        if later and broken_at - IN_DOUBT_BEFORE_S <= min(later) <= broken_at + IN_DOUBT_AFTER_S:
+            doubtful.add(retention)
+    return doubtful
 
 
 def unacked(ledger: Ledger) -> set[str]:
@@ -90,9 +120,13 @@ def figures(
     ledger: Ledger,
     unclaimed: Iterable[str],
     unheld_reads: int,
-    restored_at: float,
+    window: tuple[float, float],
 ) -> Figures:
+    """`window`: when the fault struck and when it was mended (time.monotonic())."""
+    broken_at, restored_at = window
     acked = {r.retention for r in ledger.registrations if r.outcome == "ok"}
+    lost = lost_retentions(ledger, unclaimed)
+    doubtful = in_doubt(lost, ledger, turns, broken_at)
     return Figures(
         fault=fault,
         turns=len(turns),
@@ -103,7 +137,8 @@ def figures(
         unheld_reads=unheld_reads,
         registered=len(acked),
         unacked=len(unacked(ledger)),
-        lost=len(lost_retentions(ledger, unclaimed)),
+        in_doubt=len(doubtful),
+        lost=len(lost - doubtful),
         reuse_back_s=reuse_back_s(turns, restored_at),
         no_reuse_turns=sum(t.turn > 0 and t.decision != "PULL" for t in turns),
     )

@@ -23,11 +23,12 @@ QUORUM_LOST_S = 25.0
 """How long the cluster is without quorum (the issue's figure)."""
 DAEMON_HUNG_S = 15.0
 """How long a daemon replica stays stopped."""
-TURNS_DURING = 12
+TURNS_DURING = 24
 """Turns answered during a fault that does not stop the cluster, before it is mended."""
 
-Fault = Callable[[Deployment, Load], Awaitable[float]]
-"""Breaks something under the load, mends it. -> when it was mended (time.monotonic())."""
+Fault = Callable[[Deployment, Load], Awaitable[tuple[float, float]]]
+"""Breaks something under the load, mends it. -> when it broke it and when it was mended
+(time.monotonic())."""
 
 
 async def run(name: str, dep: Deployment, ledger: Ledger, fault: Fault) -> Figures:
@@ -36,13 +37,13 @@ async def run(name: str, dep: Deployment, ledger: Ledger, fault: Fault) -> Figur
     await load.start()
     try:
         await load.pulls_after(0.0, 6)  # reuse works before the fault
-        restored_at = await fault(dep, load)
+        broken_at, restored_at = await fault(dep, load)
         await load.pulls_after(restored_at, 6)  # and again after it
     finally:
         await load.stop()
     assert await dep.wait_registrations(), "sidecars still registering 30 s after the load"
     unheld = int(dep.decode.engine.metrics.total("kvferry_emulator:kv_reads_unheld"))
-    got = figures(name, load.turns_done, ledger, await dep.unclaimed(), unheld, restored_at)
+    got = figures(name, load.turns_done, ledger, await dep.unclaimed(), unheld, (broken_at, restored_at))
     FIGURES.append(got)
     dep.keep_record(name, load.turns_done, ledger, restored_at)
     failed = [t for t in load.turns_done if not t.ok]
@@ -64,46 +65,49 @@ async def answered_after(load: Load, t0: float, count: int = TURNS_DURING) -> No
 
 @pytest.mark.timeout(240)
 async def test_leader_killed(cluster_deployment: Deployment, ledger: Ledger) -> None:
-    async def fault(dep: Deployment, load: Load) -> float:
-        leader = await dep.cluster.leader()
-        assert leader is not None
+    async def fault(dep: Deployment, load: Load) -> tuple[float, float]:
+        leader = dep.cluster.members[0]  # (the member the daemons talk to: their first endpoint)
+        await dep.cluster.lead(leader)
+        broken_at = time.monotonic()
         await dep.cluster.kill(leader)
-        await answered_after(load, time.monotonic())
+        await answered_after(load, broken_at)
         await dep.cluster.start_member(leader)
         await dep.cluster.wait_healthy()
-        return time.monotonic()
+        return broken_at, time.monotonic()
 
     check(await run("etcd leader killed", cluster_deployment, ledger, fault))
 
 
 @pytest.mark.timeout(240)
 async def test_follower_killed(cluster_deployment: Deployment, ledger: Ledger) -> None:
-    async def fault(dep: Deployment, load: Load) -> float:
-        leader = await dep.cluster.leader()
-        follower = next(m for m in dep.cluster.members if m is not leader)
+    async def fault(dep: Deployment, load: Load) -> tuple[float, float]:
+        follower = dep.cluster.members[0]  # (the member the daemons talk to)
+        await dep.cluster.lead(dep.cluster.members[1])
+        broken_at = time.monotonic()
         await dep.cluster.kill(follower)
-        await answered_after(load, time.monotonic())
+        await answered_after(load, broken_at)
         await dep.cluster.start_member(follower)
         await dep.cluster.wait_healthy()
-        return time.monotonic()
+        return broken_at, time.monotonic()
 
     check(await run("etcd follower killed", cluster_deployment, ledger, fault))
 
 
 @pytest.mark.timeout(300)
 async def test_quorum_lost(cluster_deployment: Deployment, ledger: Ledger) -> None:
-    async def fault(dep: Deployment, load: Load) -> float:
-        leader = await dep.cluster.leader()
-        stopped = [leader, next(m for m in dep.cluster.members if m is not leader)]
+    async def fault(dep: Deployment, load: Load) -> tuple[float, float]:
+        # The leader and the member the daemons talk to: one member is left, without quorum.
+        await dep.cluster.lead(dep.cluster.members[1])
+        stopped = dep.cluster.members[:2]
+        broken_at = time.monotonic()
         for m in stopped:
-            assert m is not None
             await dep.cluster.kill(m)
         await asyncio.sleep(QUORUM_LOST_S)  # (the fault's length: the issue's 25 s)
         for m in stopped:
-            assert m is not None
             await dep.cluster.start_member(m)
+        restored_at = await dep.cluster.wait_writable(dep.cluster.members[2])
         await dep.cluster.wait_healthy()
-        return time.monotonic()
+        return broken_at, restored_at
 
     got = await run("etcd quorum lost 25 s", cluster_deployment, ledger, fault)
     check(got)
@@ -112,13 +116,14 @@ async def test_quorum_lost(cluster_deployment: Deployment, ledger: Ledger) -> No
 
 @pytest.mark.timeout(240)
 async def test_daemon_hung(cluster_deployment: Deployment, ledger: Ledger) -> None:
-    async def fault(dep: Deployment, load: Load) -> float:
+    async def fault(dep: Deployment, load: Load) -> tuple[float, float]:
         hung = dep.daemons[0]  # (the replica the router and the sidecars use first)
+        broken_at = time.monotonic()
         hung.signal(signal.SIGSTOP)
         try:
             await asyncio.sleep(DAEMON_HUNG_S)  # (the fault's length)
         finally:
             hung.signal(signal.SIGCONT)
-        return time.monotonic()
+        return broken_at, time.monotonic()
 
     check(await run("daemon hung (SIGSTOP)", cluster_deployment, ledger, fault))
