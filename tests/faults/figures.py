@@ -21,6 +21,7 @@ Documented losses, by design, counted apart:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -55,6 +56,8 @@ class Figures:
     started after it that pulled; None: no turn pulled."""
     no_reuse_turns: int
     """Later turns of a conversation served without reuse (the fault's cost in TTFT)."""
+    no_pull_s: float
+    """The longest stretch, from the fault on, with no turn pulling (ends of pulled turns)."""
 
     def row(self) -> str:
         back = "-" if self.reuse_back_s is None else f"{self.reuse_back_s:.2f}"
@@ -62,13 +65,14 @@ class Figures:
             f"{self.fault:<22} {self.turns:>5} {self.pulled:>6} {self.no_reuse_turns:>8} "
             f"{self.client_errors:>6} {self.wrong_answers:>5} {self.double_claims:>6} "
             f"{self.unheld_reads:>6} {self.registered:>5} {self.unacked:>7} {self.in_doubt:>8} "
-            f"{self.lost:>4} {back:>10}"
+            f"{self.lost:>4} {back:>10} {self.no_pull_s:>10.2f}"
         )
 
 
 HEADER = (
     f"{'fault':<22} {'turns':>5} {'pulled':>6} {'no reuse':>8} {'errors':>6} {'wrong':>5} "
-    f"{'double':>6} {'unheld':>6} {'regs':>5} {'unacked':>7} {'in doubt':>8} {'lost':>4} {'reuse back':>10}"
+    f"{'double':>6} {'unheld':>6} {'regs':>5} {'unacked':>7} {'in doubt':>8} {'lost':>4} {'reuse back':>10} "
+    f"{'no pull s':>10}"
 )
 LEGEND = (
     "turns: client turns through the router during the test; pulled: turns that pulled the\n"
@@ -79,7 +83,8 @@ LEGEND = (
     "registrations never acknowledged (dropped by the sidecar: documented losses); in doubt:\n"
     "retentions whose claim was at etcd as it broke (documented losses); lost: other\n"
     "acknowledged retentions neither granted, replaced nor still held; reuse back: seconds\n"
-    "from the fault's end to the first turn started after it that pulled."
+    "from the fault's end to the first turn started after it that pulled; no pull s: the\n"
+    "longest stretch from the fault on in which no turn pulled."
 )
 
 
@@ -107,6 +112,12 @@ def unacked(ledger: Ledger) -> set[str]:
     """Retentions whose every registration try failed."""
     acked = {r.retention for r in ledger.registrations if r.outcome == "ok"}
     return {r.retention for r in ledger.registrations if r.outcome != "ok"} - acked
+
+
+def no_pull_s(turns: Sequence[Turn], broken_at: float) -> float:
+    ends = sorted(t.ended for t in turns if t.decision == "PULL" and t.ended >= broken_at)
+    marks = [broken_at, *ends]
+    return max((b - a for a, b in itertools.pairwise(marks)), default=0.0)
 
 
 def reuse_back_s(turns: Sequence[Turn], restored_at: float) -> float | None:
@@ -141,6 +152,7 @@ def figures(
         lost=len(lost - doubtful),
         reuse_back_s=reuse_back_s(turns, restored_at),
         no_reuse_turns=sum(t.turn > 0 and t.decision != "PULL" for t in turns),
+        no_pull_s=no_pull_s(turns, broken_at),
     )
 
 
