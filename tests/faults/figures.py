@@ -11,12 +11,15 @@ Documented losses, by design, counted apart:
 - `unacked`: registrations never acknowledged. They are not retentions the system
   took on: a sidecar retries them, and drops them when the conversation's next turn
   came first or its tries ran out (during lost quorum: the next turn recomputes).
-- `in_doubt`: retentions whose claim was at etcd the moment it broke. A claim etcd
-  applied but could not answer is read back (controlplane.store.retentions
+- `in_doubt`: retentions whose claim was under way the moment the fault struck. A claim
+  etcd applied but could not answer is read back (controlplane.store.retentions
   `_settle_claim`) for CLAIM_SETTLE_PAUSES_S; when etcd still cannot tell by then
-  (quorum lost for 25 s), the retention is spent with nobody told, and D frees its
-  blocks at their TTL. Counted so: lost, and the conversation's next lookup went out
-  between IN_DOUBT_BEFORE_S before the fault and IN_DOUBT_AFTER_S after it.
+  (quorum lost for 25 s), the retention is spent with nobody told. A claim a daemon
+  had sent when it was stopped (SIGSTOP) is answered 15 s late, to a turn long gone:
+  the daemon puts it back, unless the conversation registered a newer one meanwhile.
+  Either way D frees the blocks at their TTL. Counted so: lost, and the conversation's
+  next lookup went out between IN_DOUBT_BEFORE_S before the fault and IN_DOUBT_AFTER_S
+  after it.
 """
 
 from __future__ import annotations
