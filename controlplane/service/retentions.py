@@ -140,9 +140,12 @@ class Retentions:
         if replaced.expires_at <= now or replaced.params == new.params:
             return None
         node = await self._nodes.get(replaced.engine_id)
-        if node is None or not node.alive or node.record.generation != replaced.generation:
-            return None
         same_engine = replaced.engine_id == new.engine_id
+        # (a registration from the node itself, at that generation, vouches for it: its
+        # liveness may only have lapsed, as every node's does while etcd has no quorum)
+        vouched = same_engine and new.generation == replaced.generation
+        if node is None or not (node.alive or vouched) or node.record.generation != replaced.generation:
+            return None
         if same_engine and remote_request_of(replaced.params) == remote_request_of(new.params):
             return None
         return replaced.params

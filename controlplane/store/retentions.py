@@ -8,14 +8,20 @@ Both go on shared GC leases (gcleases.py); the hot writes are group-committed.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from aetcd import rpc
 
+from controlplane.errors import StoreUnavailable
 from controlplane.records import Claim, Keys, Retention, decode_claim, decode_retention, encode
 from controlplane.store.gcleases import GcLeases
 from controlplane.store.kv import EtcdKv, absent, decoded, delete_op, exists, get, mod_is, put_op, range_op
+
+CLAIM_SETTLE_PAUSES_S = (0.0, 0.3, 1.0, 2.0)
+"""Pauses before each read that settles a claim etcd did not answer (an election takes about
+a second); then it counts as not written, and D keeps what it took to its TTL."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,13 @@ class RetentionStore:
             )
             return await self._batcher.submit("claim", txn, (key, ckey))
 
-        resp = await self._gc.write_on_lease(now + self._claim_marker_s, now, write)
+        try:
+            resp = await self._gc.write_on_lease(now + self._claim_marker_s, now, write)
+        except StoreUnavailable:
+            settled = await self._settle_claim(key, ckey, marker)
+            if settled is None:
+                raise
+            return settled
         kvs = resp.responses[0].response_range.kvs
         if resp.succeeded and kvs:
             # (a retention another version wrote, unreadable here, is gone all the same: the
@@ -105,6 +117,29 @@ class RetentionStore:
         if kvs:  # (a marker unreadable here still says the retention was handed out)
             return ClaimOutcome(None, earlier=decoded(decode_claim, kvs[0]) or Claim(claimed_at=now))
         return ClaimOutcome(None)
+
+    async def _settle_claim(self, key: bytes, ckey: bytes, marker: bytes) -> ClaimOutcome | None:
+        """A claim etcd did not answer (the member it went to killed, an election) may have
+        been written all the same: the retention gone, nobody told (the fault suite lost
+        retentions so when an etcd member was killed). -> what it took, read back: the
+        marker is this claim's (its value names the request and the time), and the
+        retention is read as it was just before the marker's revision (None: not written,
+        or etcd still does not answer after CLAIM_SETTLE_PAUSES_S)."""
+        for pause in CLAIM_SETTLE_PAUSES_S:
+            await asyncio.sleep(pause)
+            try:
+                (found,) = await self._kv.read("claim_settle", get(ckey))
+                if not found.kvs or bytes(found.kvs[0].value) != marker:
+                    return None
+                revision = int(found.kvs[0].mod_revision)
+                (before,) = await self._kv.read(
+                    "claim_settle", rpc.RangeRequest(key=key, revision=revision - 1)
+                )
+            except StoreUnavailable:
+                continue
+            taken = decoded(decode_retention, before.kvs[0]) if before.kvs else None
+            return None if taken is None else ClaimOutcome(taken, marker_revision=revision)
+        return None
 
     async def unclaim(
         self, tenant: str, conversation_id: str, r: Retention, marker_revision: int, now: float

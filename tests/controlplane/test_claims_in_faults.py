@@ -1,0 +1,116 @@
+"""Claims in the faults of a real cluster (found by the fault suite, tests/faults): a claim
+etcd wrote but did not answer (the member the daemon talked to was killed, an election)
+is read back and handed out, not spent with nobody told; a retention whose node is out
+of touch (its liveness lapsed while etcd had no quorum) is not spent by a lookup either."""
+
+from __future__ import annotations
+
+import pytest
+from aetcd import rpc
+
+from controlplane.daemon import Daemon
+from controlplane.errors import StoreUnavailable
+from kvferry.v1 import leases_pb2
+from tests.conftest import Client
+from tests.controlplane.test_claims_and_nodes import AttachStream, hello
+from tests.factories import d_params, lease_request, lookup_request, node_request
+from tests.polling import eventually
+
+
+def unanswered(daemon: Daemon, monkeypatch: pytest.MonkeyPatch, written: bool) -> list[str]:
+    """Make the next claim fail as a killed etcd member's would: StoreUnavailable, after
+    the transaction was applied (`written`) or not. -> the ops sent, as they go."""
+    assert daemon.control_plane is not None
+    batcher = daemon.control_plane.store.retentions._batcher
+    submit = batcher.submit
+    sent: list[str] = []
+
+    async def lost_answer(op: str, txn: rpc.TxnRequest, keys: tuple[bytes, ...]) -> rpc.TxnResponse:
+        sent.append(op)
+        if op != "claim" or sent.count("claim") > 1:
+            return await submit(op, txn, keys)
+        if written:
+            await submit(op, txn, keys)
+        raise StoreUnavailable("etcd claim: UNAVAILABLE: Stream removed (recvmsg:Connection reset by peer)")
+
+    monkeypatch.setattr(batcher, "submit", lost_answer)
+    return sent
+
+
+async def test_a_claim_written_but_not_answered_is_handed_out(
+    daemon: Daemon, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("c"))
+    unanswered(daemon, monkeypatch, written=True)
+
+    res = await client.leases.Lookup(lookup_request("c"))
+
+    assert res.decision == leases_pb2.PULL, res
+    assert res.claimed
+    again = await client.leases.Lookup(lookup_request("c"))
+    assert again.reason == "already_claimed"  # handed out once
+
+
+async def test_a_claim_not_written_fails_and_leaves_the_retention(
+    daemon: Daemon, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("c"))
+    unanswered(daemon, monkeypatch, written=False)
+
+    res = await client.leases.Lookup(lookup_request("c"))
+
+    assert res.reason == "store_unavailable" and not res.claimed, res
+    again = await client.leases.Lookup(lookup_request("c"))
+    assert again.decision == leases_pb2.PULL and again.claimed  # still there for the next
+
+
+async def test_a_retention_of_a_node_out_of_touch_is_kept_for_when_it_is_back(
+    daemon: Daemon, client: Client
+) -> None:
+    """A node whose liveness lapsed or that was suspended (after etcd lost quorum for longer
+    than the liveness TTL, every node is so until its next heartbeat) may still hold the
+    blocks: a lookup meanwhile answers node_gone but does not spend the retention."""
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("c"))
+    stream = AttachStream(client)
+    await stream.send(hello("d-1"))
+    await stream.close()  # its stream ended: suspended until a sidecar vouches for it again
+
+    async def out_of_touch() -> bool:
+        return (await client.leases.Lookup(lookup_request("c", peek=True))).reason == "node_gone"
+
+    await eventually(out_of_touch)
+    gone = await client.leases.Lookup(lookup_request("c"))
+    assert (gone.decision, gone.reason) == (leases_pb2.RECOMPUTE, "node_gone")
+    assert not gone.HasField("release_params")
+
+    await client.nodes.Register(node_request("d-1", generation=1))  # the same process, back
+
+    async def pulled() -> bool:  # (put back in the background)
+        return (await client.leases.Lookup(lookup_request("c"))).decision == leases_pb2.PULL
+
+    await eventually(pulled)
+
+
+async def test_a_node_out_of_touch_that_registers_again_gets_the_replaced_retention_to_free(
+    daemon: Daemon, client: Client
+) -> None:
+    """Its next registration for the conversation replaces the retention nobody pulled: D
+    still holds those blocks (the node registering is the proof), so they are handed back
+    to be freed, not left to D's TTL."""
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("c", params=d_params("d-1", 1000, "turn-1")))
+    stream = AttachStream(client)
+    await stream.send(hello("d-1"))
+    await stream.close()
+
+    async def out_of_touch() -> bool:
+        return (await client.leases.Lookup(lookup_request("c", peek=True))).reason == "node_gone"
+
+    await eventually(out_of_touch)
+    res = await client.leases.Register(lease_request("c", params=d_params("d-1", 1000, "turn-2")))
+
+    assert res.HasField("release_params")
+    assert res.release_params["remote_request_id"] == "turn-1"
