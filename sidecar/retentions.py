@@ -221,7 +221,8 @@ class RetentionSender:
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._backoff = Backoff(settings.daemon.backoff_initial_s, settings.daemon.backoff_max_s)
+        pause_max = min(settings.daemon.backoff_max_s, settings.retentions.retry_pause_max_s)
+        self._backoff = Backoff(min(settings.daemon.backoff_initial_s, pause_max), pause_max)
         self._pause_until = 0.0
         instance.watch(self._wakeup.set)
 

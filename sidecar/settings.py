@@ -162,6 +162,11 @@ class RetentionSettings:
     """Tries per registration before it is dropped."""
     max_in_flight: int = 64
     """Registrations sent on the stream and not yet answered."""
+    retry_pause_max_s: float = 1.0
+    """The longest pause between tries while the daemon cannot take registrations (the
+    pauses grow from --daemon-backoff, capped here and by --daemon-backoff-max): a retention
+    is worth less by the second, and a pause of the node's 5 s kept reuse away that long
+    after etcd got its quorum back (the fault suite)."""
 
 
 @dataclass(frozen=True)
@@ -248,6 +253,8 @@ class Settings:
             raise ValueError(f"liveness TTL must be in {MIN_LIVENESS_TTL_S}..{MAX_LIVENESS_TTL_S} s")
         if d.rpc_timeout_s <= 0 or not 0 < d.backoff_initial_s <= d.backoff_max_s:
             raise ValueError("RPC timeout and backoff must be positive, initial <= max")
+        if not self.retentions.retry_pause_max_s > 0:
+            raise ValueError("--registration-retry-max must be positive")
         listen_host_port(self.tap.listen)
         _check_tap_limits(self.tap)
         plaintext = check_listen(self.tap.listen, self.security.tls_files, self.security.insecure)
@@ -411,6 +418,12 @@ FLAGS = (
     ),
     Flag(
         "lease-queue-size", "retentions.queue_size", "registrations kept while the daemon is unreachable", int
+    ),
+    Flag(
+        "registration-retry-max",
+        "retentions.retry_pause_max_s",
+        "longest pause, seconds, between registration tries while the daemon is in trouble",
+        float,
     ),
     Flag(
         "tls-ca",

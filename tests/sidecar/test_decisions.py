@@ -263,6 +263,7 @@ def test_a_data_parallel_engines_ranks_publish_on_their_own_endpoints() -> None:
         {"tap": {"max_bodies_bytes": 1024 * 1024}},  # less than one body
         {"tap": {"head_timeout_s": 0.0}},
         {"security": {"tls_ca": "ca.pem"}},  # TLS files in part
+        {"retentions": {"retry_pause_max_s": 0.0}},
     ],
 )
 def test_invalid_settings_are_refused(change: dict[str, dict[str, object]]) -> None:
