@@ -25,9 +25,11 @@ class Background:
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
 
-    def spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
-        """Run `work` in a task of its own, tracked."""
-        self.track(asyncio.get_running_loop().create_task(work, name=name))
+    def spawn(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """Run `work` in a task of its own, tracked. -> the task."""
+        task = asyncio.get_running_loop().create_task(work, name=name)
+        self.track(task)
+        return task
 
     async def settle(self) -> None:
         """Until everything tracked is done, including what it tracks meanwhile (a claim

@@ -107,15 +107,16 @@ class Claims:
         self._background.track(claiming)
         return claiming
 
-    def put_back(self, claimed: Claimed, tenant: str, conversation_id: str) -> None:
+    def put_back(self, claimed: Claimed, tenant: str, conversation_id: str) -> asyncio.Task[None] | None:
         """Put what a claim took back, in the background: its caller went away, and no
         answer reaches anyone (a stop waits for it: see Background.settle). An etcd that
         does not answer is tried again a few times (PUT_BACK_PAUSES_S), while the
         retention is not yet past its deadline. (unclaim compares the marker's revision:
-        a try that was written after all makes the next one find nothing to put back.)"""
+        a try that was written after all makes the next one find nothing to put back.)
+        -> the put-back's task (None: nothing to put back)."""
         taken, marker = claimed.taken, claimed.marker_revision
         if claimed.own or taken is None:
-            return
+            return None
 
         async def put_back() -> None:
             for attempt, pause in enumerate((*PUT_BACK_PAUSES_S, None), start=1):
@@ -132,7 +133,7 @@ class Claims:
                 log.info("lookup.put_back", conversation_id=conversation_id, back=back, attempt=attempt)
                 return
 
-        self._background.spawn(put_back(), "put-back")
+        return self._background.spawn(put_back(), "put-back")
 
     def _put_back_when_done(self, tenant: str, conversation_id: str, done: asyncio.Future[Claimed]) -> None:
         if not done.cancelled() and done.exception() is None:

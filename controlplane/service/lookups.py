@@ -31,6 +31,9 @@ PROMPT_WAIT_S = 10.0
 #: The prompt of a lookup sent with prompt_follows: awaits it (from the caller's stream).
 LatePrompt = Callable[[], Awaitable[Prompt]]
 
+PUT_BACK_WAIT_S = 0.5
+"""How long a node_gone answer waits for its retention to be back (an etcd that does not
+answer in time: it goes on being put back behind the answer)."""
 _OWN_TURN = Decision(False, Reason.OWN_TURN, "registered for this same request: left to the next turn")
 
 
@@ -112,8 +115,13 @@ class Lookups:
             # Its node may only be out of touch (its liveness lapsed while etcd had no quorum,
             # suspended while in doubt), D still holding the blocks: the retention goes back
             # for a later turn, not spent with nobody to pull or free it. (A node gone for
-            # good: it expires, or the conversation's next registration replaces it.)
-            self._claims.put_back(got, tenant, conversation)
+            # good: it expires, or the conversation's next registration replaces it.) Back
+            # before the answer: the turn's own registration, sent after it, then replaces it
+            # (handed back to be freed), where it used to overtake a slow put-back and leave
+            # the blocks held for nobody (the fault suite, right after quorum came back).
+            putting = self._claims.put_back(got, tenant, conversation)
+            if putting is not None:
+                await asyncio.wait({putting}, timeout=PUT_BACK_WAIT_S)
         if got is not None and taken is not None and decision.reason is Reason.EXPIRED:
             await self._claims.note_deadline(got, tenant, conversation, claimed_at, q.request_id)
         return self._answered(tenant, q, decision, taken, claimed=taken is not None)
