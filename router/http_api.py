@@ -29,6 +29,7 @@ from kvferry import __version__ as KVFERRY_VERSION
 from kvferry.decoding import UNDECODABLE, lax_bool
 from kvferry.security import audit
 from kvferry.security.roles import anonymous
+from kvferry.security.tls import peer_identity_from_transport
 from kvferry.turnheaders import internal_header
 from router.choice import Node, prefill_candidates
 from router.decisions import Failure, FailureKind
@@ -239,6 +240,13 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Prometheus metrics. Over HTTPS (secure mode) only to a caller whose client
+    certificate the CA signed (Prometheus with its scrape certificate): clients with an
+    API key have no business reading the whole deployment's traffic figures."""
+    if request.secure and peer_identity_from_transport(request.transport) is None:
+        denial = anonymous("/metrics needs a client certificate of the deployment's CA")
+        audit.denied(None, "GET /metrics", denial, request.remote or "")
+        return web.json_response({"error": denial.message}, status=401)
     payload, content_type = request.app[SHARED_KEY].metrics.render()
     return web.Response(body=payload, headers={"Content-Type": content_type})
 

@@ -202,6 +202,17 @@ async def test_https_for_clients_and_mtls_to_every_peer(ca: Path, tmp_path: Path
             for headers in ({}, {"Authorization": "Bearer sk-unknown"}, {"X-Kvferry-Tenant": "acme"}):
                 refused = await ask(http, router.url, BODY, headers)
                 assert (refused.status, refused.body) == (401, {"error": "Unauthorized"}), headers
+            async with http.get(
+                f"{router.url}/metrics", headers={"Authorization": f"Bearer {ACME_KEY}"}
+            ) as r:
+                assert r.status == 401 and "client certificate" in (await r.json())["error"]
+        scraper = ssl.create_default_context(cafile=ca / "ca.pem")
+        scraper.load_cert_chain(ca / "reader.pem", ca / "reader.key")
+        async with (
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=scraper)) as http,
+            http.get(f"{router.url}/metrics") as r,
+        ):
+            assert r.status == 200 and "kvferry_router" in await r.text()
         async with aiohttp.ClientSession() as plain:
             with pytest.raises(aiohttp.ClientError):
                 await ask(plain, router.url.replace("https://", "http://"), BODY)

@@ -317,6 +317,10 @@ def test_metrics_and_reflection_need_an_identity(deployment: Deployment) -> None
         urllib.request.urlopen(metrics, context=ssl_context(deployment, None), timeout=10).read()
     with urllib.request.urlopen(metrics, context=ssl_context(deployment, "reader"), timeout=10) as r:
         assert b"kvferry_" in r.read()
+    router = f"https://{deployment.address('router', 8000)}/metrics"
+    keyed = _http(router, ssl_context(deployment, None), headers={"Authorization": f"Bearer {API_KEY}"})
+    assert keyed.status == 401 and "client certificate" in keyed.json()["error"]
+    assert _http(router, ssl_context(deployment, "reader")).status == 200
     certs = deployment.certs
     grpcurl = [str(BIN / "grpcurl"), "-cacert", str(certs / "ca.pem")]
     addr = deployment.address("daemon", 50051)
