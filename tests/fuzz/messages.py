@@ -171,7 +171,9 @@ UNARY: dict[str, tuple[st.SearchStrategy[Any], type[Any]]] = {
     ),
     "/kvferry.v1.Nodes/Register": (node_registrations, nodes_pb2.RegisterNodeResponse),
     "/kvferry.v1.Nodes/List": (
-        st.builds(nodes_pb2.ListNodesRequest, role=int32, include_dead=st.booleans(), local_only=st.booleans()),
+        st.builds(
+            nodes_pb2.ListNodesRequest, role=int32, include_dead=st.booleans(), local_only=st.booleans()
+        ),
         nodes_pb2.ListNodesResponse,
     ),
     "/kvferry.v1.Nodes/Deregister": (

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,13 +20,14 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from controlplane.policy import Reason
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 from tests.factories import lease_request, lookup_request, node_request
 from tests.fuzz import messages
+from tests.fuzz.campaign import corpus, fuzz, rss_growth_kib
 from tests.fuzz.processes import Proc
 
 #: Status codes a request of the caller's making may get; each with a message.
@@ -46,11 +48,7 @@ REFUSALS = frozenset(
 REASONS = frozenset(r.value for r in Reason)
 #: Generous: one call of a loaded 2-core machine; a call that takes longer hangs.
 CALL_TIMEOUT_S = 20.0
-FUZZ = settings(
-    max_examples=int(__import__("os").environ.get("FUZZ_N", "25")),
-    derandomize=__import__("os").environ.get("FUZZ_RANDOM") is None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+FUZZ = fuzz()
 
 
 @pytest.fixture
@@ -156,21 +154,34 @@ async def test_damaged_and_random_bytes_get_invalid_argument_or_an_answer(
     await call(channel, method, data.draw(damaged(method), label="bytes"), raw=True)
 
 
+#: The daemon's default --max-message-bytes.
+LIMIT = 4 * 1024 * 1024
+
+
+def at_the_limit() -> list[tuple[str, Any]]:
+    """Requests whose repeated or bytes field fills the daemon's message limit."""
+    limit = LIMIT
+    score = nodes_pb2.ScoreRequest(block_hashes=range(limit // 8 - 8))
+    lookup = leases_pb2.LookupRequest(conversation_id="c0", prompt_tokens=1200)
+    lookup.prompt_digests = b"\x01" * (limit - 64)
+    register = lease_request("c0", engine_id=messages.DECODE_NODE)
+    register.block_digests = b"\x01" * 16 * ((limit - 4096) // 16)
+    listing = leases_pb2.ListLeasesRequest(page_token="x" * (limit - 64))
+    return [
+        ("/kvferry.v1.Nodes/Score", score),
+        ("/kvferry.v1.Leases/Lookup", lookup),
+        ("/kvferry.v1.Leases/Register", register),
+        ("/kvferry.v1.Leases/List", listing),
+    ]
+
+
 async def test_messages_at_the_size_limit_and_past_it(channel: grpc.aio.Channel) -> None:
     """Repeated fields filling the daemon's 4 MiB limit are answered; one byte more is
     RESOURCE_EXHAUSTED (gRPC's own refusal), and the daemon goes on."""
-    limit = 4 * 1024 * 1024
-    score = nodes_pb2.ScoreRequest(block_hashes=range(limit // 8 - 8))
-    assert limit - 64 < score.ByteSize() <= limit
-    await call(channel, "/kvferry.v1.Nodes/Score", score)
-    lookup = leases_pb2.LookupRequest(conversation_id="c0", prompt_tokens=1200)
-    lookup.prompt_digests = b"\x01" * (limit - 64)
-    await call(channel, "/kvferry.v1.Leases/Lookup", lookup)
-    register = lease_request("c0", engine_id=messages.DECODE_NODE)
-    register.block_digests = b"\x01" * 16 * ((limit - 4096) // 16)
-    await call(channel, "/kvferry.v1.Leases/Register", register)
-    listing = leases_pb2.ListLeasesRequest(page_token="x" * (limit - 64))
-    await call(channel, "/kvferry.v1.Leases/List", listing)
+    limit = LIMIT
+    for method, request in at_the_limit():
+        assert limit - 4096 < request.ByteSize() <= limit, method
+        await call(channel, method, request)
     for over in (nodes_pb2.ScoreRequest(block_hashes=range(limit // 8 + 1)), b"\0" * (limit + 1)):
         stub = channel.unary_unary(
             "/kvferry.v1.Nodes/Score",
@@ -208,22 +219,15 @@ def stream_batches(ops: list[tuple[str, int, Any]], split: list[int]) -> list[le
     waiting = {o.id for o in made if o.WhichOneof("op") == "lookup" and o.lookup.prompt_follows}
     made += [leases_pb2.LeaseOp(id=i, prompt=leases_pb2.LookupPrompt(prompt_tokens=1200)) for i in waiting]
     cuts = sorted({0, len(made), *(c % (len(made) + 1) for c in split)})
-    return [leases_pb2.LeaseOpBatch(ops=made[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
+    return [leases_pb2.LeaseOpBatch(ops=made[a:b]) for a, b in itertools.pairwise(cuts)]
 
 
-@FUZZ
-@given(
-    ops=messages.stream_ops,
-    split=st.lists(st.integers(0, 20), max_size=4),
-    end=st.sampled_from(["half_close", "cancel_at_once", "cancel_after_one"]),
-)
-async def test_lease_streams_with_any_ops_in_any_order(
+async def run_stream(
     channel: grpc.aio.Channel, ops: list[tuple[str, int, Any]], split: list[int], end: str
 ) -> None:
-    """Duplicated, reused and out-of-order op ids, prompts before (or without) their
-    lookups, empty ops: each op gets a result or a proper OpError; the stream ends OK when
-    half-closed."""
-    stream = leases_pb2_grpc.LeasesStub(channel).Stream(timeout=CALL_TIMEOUT_S)
+    """Send `ops` on a Leases/Stream (see `stream_batches`), end it as `end` says; check
+    every result, and the stream's end when half-closed."""
+    stream = leases_pb2_grpc.LeasesStub(channel).Stream(timeout=CALL_TIMEOUT_S)  # type: ignore[call-arg]
     batches = stream_batches(ops, split)
     for batch in batches:
         await stream.write(batch)
@@ -250,6 +254,20 @@ async def test_lease_streams_with_any_ops_in_any_order(
     assert await stream.code() is grpc.StatusCode.OK
 
 
+_stream_ends = st.sampled_from(["half_close", "cancel_at_once", "cancel_after_one"])
+
+
+@FUZZ
+@given(ops=messages.stream_ops, split=st.lists(st.integers(0, 20), max_size=4), end=_stream_ends)
+async def test_lease_streams_with_any_ops_in_any_order(
+    channel: grpc.aio.Channel, ops: list[tuple[str, int, Any]], split: list[int], end: str
+) -> None:
+    """Duplicated, reused and out-of-order op ids, prompts before (or without) their
+    lookups, empty ops: each op gets a result or a proper OpError; the stream ends OK when
+    half-closed."""
+    await run_stream(channel, ops, split, end)
+
+
 @FUZZ
 @given(msgs=messages.attach_messages, cancel=st.booleans())
 async def test_attach_streams_with_any_messages(
@@ -257,7 +275,7 @@ async def test_attach_streams_with_any_messages(
 ) -> None:
     """Heartbeats and KV events before a hello, two hellos, unknown engines, empty
     messages, seqs and generations at their limits: answered, or ended with a proper status."""
-    stream = nodes_pb2_grpc.NodesStub(channel).Attach(timeout=CALL_TIMEOUT_S)
+    stream = nodes_pb2_grpc.NodesStub(channel).Attach(timeout=CALL_TIMEOUT_S)  # type: ignore[call-arg]
     with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
         # (a write after the daemon ended the call fails on the client's side: the call's
         # status below is the daemon's answer)
@@ -275,3 +293,97 @@ async def test_attach_streams_with_any_messages(
     code, details = await stream.code(), await stream.details()
     if code is not grpc.StatusCode.OK and details != CLIENT_SEND_FAILED:
         assert code in REFUSALS and details, (code, details, msgs)
+
+
+#: Resident memory the daemon may gain over the later rounds of the same hostile campaign,
+#: once the first rounds warmed it up (allocator slack: measured, 1-3 MiB; a leak of 1 KiB a
+#: request would pass it within a few rounds).
+DAEMON_MEMORY_BOUND_KIB = 8 * 1024
+#: Rounds of the messages at the size limit (4 of 4 MiB each a round) ...
+BIG_ROUNDS = 24
+#: ... and the resident memory they may add (measured: up to ~100 MiB, buffers the allocator
+#: keeps for gRPC's threads; 384 MiB went by: kept, they would pass it).
+BIG_MEMORY_BOUND_KIB = 192 * 1024
+
+
+async def test_the_daemons_memory_stays_bounded(
+    fuzz_daemon: tuple[Proc, str], channel: grpc.aio.Channel
+) -> None:
+    """The same hostile campaign (random requests for every RPC, damaged bytes, lease
+    streams) replayed round after round: what the daemon must keep is the same each round,
+    so its memory must stop growing. (The least of a few rounds' readings, against the
+    allocator's swings.)"""
+    proc, _ = fuzz_daemon
+    unary = [(m, r) for m in sorted(messages.UNARY) for r in corpus(messages.UNARY[m][0], 10)]
+    broken = [(m, b) for m in sorted(messages.UNARY) for b in corpus(damaged(m), 4)]
+    ends = st.tuples(messages.stream_ops, st.lists(st.integers(0, 20), max_size=4), _stream_ends)
+    streams = corpus(ends, 10)
+
+    async def rounds(count: int) -> int:
+        """Run the campaign `count` times: -> the least resident size after one (KiB)."""
+        least = 2**62
+        for _ in range(count):
+            for method, request in unary:
+                await call(channel, method, request)
+            for method, raw in broken:
+                await call(channel, method, raw, raw=True)
+            for ops, split, end in streams:
+                await run_stream(channel, ops, split, end)
+            least = min(least, proc.rss_kib())
+        return least
+
+    before = await rounds(3)
+    after = await rounds(4)
+    growth = rss_growth_kib(before, after)
+    print(f"daemon VmRSS (least of the rounds) {before} -> {after} KiB: +{growth} KiB")
+    assert growth < DAEMON_MEMORY_BOUND_KIB, (before, after)
+
+
+async def test_messages_at_the_limit_are_not_kept(
+    fuzz_daemon: tuple[Proc, str], channel: grpc.aio.Channel
+) -> None:
+    """Requests of 4 MiB, answered or refused, one after another: the daemon's memory stays
+    within a bound. (Refused ones were kept until a full garbage collection, 12 MiB each:
+    controlplane.server.status.refuse.)"""
+    proc, _ = fuzz_daemon
+    before = proc.rss_kib()
+    most = before
+    for _ in range(BIG_ROUNDS):
+        for method, request in at_the_limit():
+            await call(channel, method, request)
+        most = max(most, proc.rss_kib())
+    print(f"daemon VmRSS {before} KiB, at most {most} KiB over {BIG_ROUNDS * 4} messages of 4 MiB")
+    assert most - before < BIG_MEMORY_BOUND_KIB, (before, most)
+
+
+async def refused_attach(channel: grpc.aio.Channel) -> None:
+    """An Attach whose first message is a 4 MiB KV-event batch (refused: no hello)."""
+    batch = nodes_pb2.KvEventBatch(stored=range(LIMIT // 8 - 16))
+    stream = nodes_pb2_grpc.NodesStub(channel).Attach(timeout=CALL_TIMEOUT_S)  # type: ignore[call-arg]
+    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        await stream.write(nodes_pb2.AttachRequest(kv_events=batch))
+        await stream.done_writing()
+    assert await stream.code() is grpc.StatusCode.INVALID_ARGUMENT, await stream.details()
+
+
+#: Attach calls refused at their first message of 4 MiB, and the memory they may add.
+REFUSED_ATTACHES = 24
+ATTACH_MEMORY_BOUND_KIB = 48 * 1024
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="finding (fuzz lane): an Attach refused at its first message keeps that message's "
+    "memory, ~4.5 MiB per call, linearly (+110 MiB after 24 of 4 MiB; not a reference "
+    "cycle found); one refused after a hello does not. Not fixed here.",
+)
+async def test_attach_streams_refused_at_a_4_mib_message_are_not_kept(
+    fuzz_daemon: tuple[Proc, str], channel: grpc.aio.Channel
+) -> None:
+    proc, _ = fuzz_daemon
+    before = proc.rss_kib()
+    for _ in range(REFUSED_ATTACHES):
+        await refused_attach(channel)
+    after = proc.rss_kib()
+    print(f"daemon VmRSS {before} -> {after} KiB over {REFUSED_ATTACHES} refused Attach calls of 4 MiB")
+    assert after - before < ATTACH_MEMORY_BOUND_KIB, (before, after)
