@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gzip
 import json
 import zlib
@@ -118,6 +119,7 @@ def dechunk(data: bytes) -> bytes:
     return out
 
 
+@functools.cache
 def gzip_bomb(decompressed_bytes: int) -> bytes:
     """Zeros gzipped: about 1,000 times smaller than what they expand to."""
     out = zlib.compressobj(9, zlib.DEFLATED, 31)
