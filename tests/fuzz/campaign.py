@@ -12,20 +12,23 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 T = TypeVar("T")
 
 
-def fuzz(examples: int = 25) -> Callable[[Any], Any]:
+def fuzz(examples: int = 25, shrink: bool = True) -> Callable[[Any], Any]:
     """Hypothesis settings of a fuzz test: `examples` of them (KVFERRY_FUZZ_EXAMPLES's for a
     longer campaign by hand), derandomized unless
-    KVFERRY_FUZZ_RANDOM is set; the processes under test are shared, not per example."""
+    KVFERRY_FUZZ_RANDOM is set; the processes under test are shared, not per example.
+    Without `shrink` a failure is reported as found (a target whose state carries over
+    from one example to the next does not fail alike on a smaller one)."""
     return settings(
         max_examples=int(os.environ.get("KVFERRY_FUZZ_EXAMPLES", examples)),
         derandomize="KVFERRY_FUZZ_RANDOM" not in os.environ,
         database=None,
+        phases=list(Phase) if shrink else [Phase.explicit, Phase.generate],
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     )
 
