@@ -75,8 +75,9 @@ async def test_the_router_answers_any_request_properly(router: tuple[Proc, str],
     check_answer(await exchange(router[1], request.render()), request, "router")
 
 
+# (No lying Content-Encoding until the sidecar answers it: see the strict xfail below.)
 @fuzz(40)
-@given(request=requests())
+@given(request=requests(lying=False))
 async def test_the_sidecar_answers_any_request_properly(
     live: Deployment, sidecar: tuple[Proc, str], request: Request
 ) -> None:
