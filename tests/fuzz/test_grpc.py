@@ -374,7 +374,7 @@ ATTACH_MEMORY_BOUND_KIB = 48 * 1024
 @pytest.mark.xfail(
     strict=True,
     reason="finding (fuzz lane): an Attach refused at its first message keeps that message's "
-    "memory, ~4.5 MiB per call, linearly (+110 MiB after 24 of 4 MiB; not a reference "
+    "memory, ~4.5 MiB per call, linearly (+110 MiB after 24 of 4 MiB; no reference "
     "cycle found); one refused after a hello does not. Not fixed here.",
 )
 async def test_attach_streams_refused_at_a_4_mib_message_are_not_kept(
