@@ -140,6 +140,8 @@ async def _generate(request: web.Request, path: str) -> web.StreamResponse:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as e:
         return error_response(413, e.text or "Request body too large.", "BadRequestError")
+    except web.RequestPayloadError as e:  # (not what its Content-Encoding says: a 500 it was)
+        return bad_request(f"The request body does not decode: {e}")
     try:
         body = _decode(raw) if raw else None
     except UNDECODABLE as e:
