@@ -474,17 +474,25 @@ class RevokeLeaseRequest(_message.Message):
 
     TENANT_FIELD_NUMBER: _builtins.int
     CONVERSATION_ID_FIELD_NUMBER: _builtins.int
+    CONVERSATION_END_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     conversation_id: _builtins.str
+    conversation_end: _builtins.bool
+    """The conversation ended (a router's DELETE /v1/conversations/{id}): the daemon has D's
+    sidecar free the blocks (over its Attach stream, when it is attached to this replica)
+    and answers release_params only when it could not. A router may revoke its own
+    tenants' retentions only so.
+    """
     def __init__(
         self,
         *,
         tenant: _builtins.str = ...,
         conversation_id: _builtins.str = ...,
+        conversation_end: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_end", b"conversation_end", "conversation_id", b"conversation_id", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -497,7 +505,10 @@ class RevokeLeaseResponse(_message.Message):
     FOUND_FIELD_NUMBER: _builtins.int
     RELEASE_PARAMS_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
+    RELEASED_BY_NODE_FIELD_NUMBER: _builtins.int
     found: _builtins.bool
+    released_by_node: _builtins.bool
+    """conversation_end: D's sidecar was told to free the blocks (release_params empty)."""
     @_builtins.property
     def release_params(self) -> _struct_pb2.Struct:
         """The revoked lease's D params with remote_num_tokens 0 (hand to a P of D's
@@ -516,10 +527,11 @@ class RevokeLeaseResponse(_message.Message):
         found: _builtins.bool = ...,
         release_params: _struct_pb2.Struct | None = ...,
         lease: Global___Lease | None = ...,
+        released_by_node: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "release_params", b"release_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found", "lease", b"lease", "release_params", b"release_params"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found", "lease", b"lease", "release_params", b"release_params", "released_by_node", b"released_by_node"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

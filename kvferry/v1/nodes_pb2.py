@@ -22,48 +22,51 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvferry/v1/nodes.proto\x12\nkvferry.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x98\x03\n\x04Node\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.kvferry.v1.Role\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x10\n\x08http_url\x18\x05 \x01(\t\x12\x19\n\x11side_channel_host\x18\x06 \x01(\t\x12\x19\n\x11side_channel_port\x18\x07 \x01(\r\x12\x12\n\ngeneration\x18\x08 \x01(\x04\x12\r\n\x05\x61live\x18\t \x01(\x08\x12\x31\n\rregistered_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0blive_leases\x18\x0b \x01(\x04\x12\x13\n\x0bheld_tokens\x18\x0c \x01(\x04\x12\x16\n\x0eindexed_blocks\x18\r \x01(\x04\x12\x12\n\nengine_url\x18\x0e \x01(\t\x12\x11\n\tsuspended\x18\x0f \x01(\x08\x12\x18\n\x10uncaptured_turns\x18\x10 \x01(\x04\x12\x19\n\x11unretained_blocks\x18\x11 \x01(\x04\"\xad\x02\n\x13RegisterNodeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.kvferry.v1.Role\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x10\n\x08http_url\x18\x05 \x01(\t\x12\x19\n\x11side_channel_host\x18\x06 \x01(\t\x12\x19\n\x11side_channel_port\x18\x07 \x01(\r\x12\x12\n\ngeneration\x18\x08 \x01(\x04\x12\x1c\n\x14liveness_ttl_seconds\x18\t \x01(\r\x12\x12\n\nengine_url\x18\n \x01(\t\x12\x19\n\x11\x65ngine_started_at\x18\x0b \x01(\x01\x12\x17\n\x0fno_restart_seen\x18\x0c \x01(\x08\"I\n\x14RegisterNodeResponse\x12\x1e\n\x04node\x18\x01 \x01(\x0b\x32\x10.kvferry.v1.Node\x12\x11\n\trestarted\x18\x02 \x01(\x08\"4\n\x0b\x41ttachHello\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"M\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x18\n\x10uncaptured_turns\x18\x02 \x01(\x04\x12\x19\n\x11unretained_blocks\x18\x03 \x01(\x04\"\\\n\x0cKvEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0e\n\x06stored\x18\x02 \x03(\x06\x12\x0f\n\x07removed\x18\x03 \x03(\x06\x12\x0f\n\x07\x63leared\x18\x04 \x01(\x08\x12\r\n\x05reset\x18\x05 \x01(\x08\"\x9c\x01\n\rAttachRequest\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.kvferry.v1.AttachHelloH\x00\x12*\n\theartbeat\x18\x02 \x01(\x0b\x32\x15.kvferry.v1.HeartbeatH\x00\x12-\n\tkv_events\x18\x03 \x01(\x0b\x32\x18.kvferry.v1.KvEventBatchH\x00\x42\x06\n\x04\x62ody\"\x83\x01\n\x0e\x41ttachResponse\x12$\n\x08\x61ttached\x18\x01 \x01(\x0b\x32\x10.kvferry.v1.NodeH\x00\x12.\n\rheartbeat_ack\x18\x02 \x01(\x0b\x32\x15.kvferry.v1.HeartbeatH\x00\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\rB\x06\n\x04\x62ody\"\\\n\x10ListNodesRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.kvferry.v1.Role\x12\x14\n\x0cinclude_dead\x18\x02 \x01(\x08\x12\x12\n\nlocal_only\x18\x03 \x01(\x08\"4\n\x11ListNodesResponse\x12\x1f\n\x05nodes\x18\x01 \x03(\x0b\x32\x10.kvferry.v1.Node\"*\n\x15\x44\x65registerNodeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"\'\n\x16\x44\x65registerNodeResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"X\n\x0cScoreRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.kvferry.v1.Role\x12\x12\n\nlocal_only\x18\x03 \x01(\x08\"5\n\tNodeScore\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x15\n\rcached_blocks\x18\x02 \x01(\r\"6\n\rScoreResponse\x12%\n\x06scores\x18\x01 \x03(\x0b\x32\x15.kvferry.v1.NodeScore*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PREFILL\x10\x01\x12\n\n\x06\x44\x45\x43ODE\x10\x02\x12\x08\n\x04\x42OTH\x10\x03\x32\xf3\x02\n\x05Nodes\x12M\n\x08Register\x12\x1f.kvferry.v1.RegisterNodeRequest\x1a .kvferry.v1.RegisterNodeResponse\x12\x43\n\x06\x41ttach\x12\x19.kvferry.v1.AttachRequest\x1a\x1a.kvferry.v1.AttachResponse(\x01\x30\x01\x12\x43\n\x04List\x12\x1c.kvferry.v1.ListNodesRequest\x1a\x1d.kvferry.v1.ListNodesResponse\x12S\n\nDeregister\x12!.kvferry.v1.DeregisterNodeRequest\x1a\".kvferry.v1.DeregisterNodeResponse\x12<\n\x05Score\x12\x18.kvferry.v1.ScoreRequest\x1a\x19.kvferry.v1.ScoreResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvferry/v1/nodes.proto\x12\nkvferry.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xda\x03\n\x04Node\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.kvferry.v1.Role\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x10\n\x08http_url\x18\x05 \x01(\t\x12\x19\n\x11side_channel_host\x18\x06 \x01(\t\x12\x19\n\x11side_channel_port\x18\x07 \x01(\r\x12\x12\n\ngeneration\x18\x08 \x01(\x04\x12\r\n\x05\x61live\x18\t \x01(\x08\x12\x31\n\rregistered_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0blive_leases\x18\x0b \x01(\x04\x12\x13\n\x0bheld_tokens\x18\x0c \x01(\x04\x12\x16\n\x0eindexed_blocks\x18\r \x01(\x04\x12\x12\n\nengine_url\x18\x0e \x01(\t\x12\x11\n\tsuspended\x18\x0f \x01(\x08\x12\x18\n\x10uncaptured_turns\x18\x10 \x01(\x04\x12\x19\n\x11unretained_blocks\x18\x11 \x01(\x04\x12\x13\n\x0bpool_blocks\x18\x12 \x01(\x04\x12\x12\n\npool_usage\x18\x13 \x01(\x01\x12\x17\n\x0fretained_blocks\x18\x14 \x01(\x04\"\xad\x02\n\x13RegisterNodeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.kvferry.v1.Role\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x10\n\x08http_url\x18\x05 \x01(\t\x12\x19\n\x11side_channel_host\x18\x06 \x01(\t\x12\x19\n\x11side_channel_port\x18\x07 \x01(\r\x12\x12\n\ngeneration\x18\x08 \x01(\x04\x12\x1c\n\x14liveness_ttl_seconds\x18\t \x01(\r\x12\x12\n\nengine_url\x18\n \x01(\t\x12\x19\n\x11\x65ngine_started_at\x18\x0b \x01(\x01\x12\x17\n\x0fno_restart_seen\x18\x0c \x01(\x08\"I\n\x14RegisterNodeResponse\x12\x1e\n\x04node\x18\x01 \x01(\x0b\x32\x10.kvferry.v1.Node\x12\x11\n\trestarted\x18\x02 \x01(\x08\"4\n\x0b\x41ttachHello\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"v\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x18\n\x10uncaptured_turns\x18\x02 \x01(\x04\x12\x19\n\x11unretained_blocks\x18\x03 \x01(\x04\x12\x13\n\x0bpool_blocks\x18\x04 \x01(\x04\x12\x12\n\npool_usage\x18\x05 \x01(\x01\"\x80\x01\n\x10ReleaseRetention\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x33\n\x12kv_transfer_params\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\\\n\x0cKvEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0e\n\x06stored\x18\x02 \x03(\x06\x12\x0f\n\x07removed\x18\x03 \x03(\x06\x12\x0f\n\x07\x63leared\x18\x04 \x01(\x08\x12\r\n\x05reset\x18\x05 \x01(\x08\"\x9c\x01\n\rAttachRequest\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.kvferry.v1.AttachHelloH\x00\x12*\n\theartbeat\x18\x02 \x01(\x0b\x32\x15.kvferry.v1.HeartbeatH\x00\x12-\n\tkv_events\x18\x03 \x01(\x0b\x32\x18.kvferry.v1.KvEventBatchH\x00\x42\x06\n\x04\x62ody\"\xb4\x01\n\x0e\x41ttachResponse\x12$\n\x08\x61ttached\x18\x01 \x01(\x0b\x32\x10.kvferry.v1.NodeH\x00\x12.\n\rheartbeat_ack\x18\x02 \x01(\x0b\x32\x15.kvferry.v1.HeartbeatH\x00\x12/\n\x07release\x18\x04 \x01(\x0b\x32\x1c.kvferry.v1.ReleaseRetentionH\x00\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\rB\x06\n\x04\x62ody\"\\\n\x10ListNodesRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.kvferry.v1.Role\x12\x14\n\x0cinclude_dead\x18\x02 \x01(\x08\x12\x12\n\nlocal_only\x18\x03 \x01(\x08\"4\n\x11ListNodesResponse\x12\x1f\n\x05nodes\x18\x01 \x03(\x0b\x32\x10.kvferry.v1.Node\"*\n\x15\x44\x65registerNodeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"\'\n\x16\x44\x65registerNodeResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"X\n\x0cScoreRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.kvferry.v1.Role\x12\x12\n\nlocal_only\x18\x03 \x01(\x08\"5\n\tNodeScore\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x15\n\rcached_blocks\x18\x02 \x01(\r\"6\n\rScoreResponse\x12%\n\x06scores\x18\x01 \x03(\x0b\x32\x15.kvferry.v1.NodeScore*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PREFILL\x10\x01\x12\n\n\x06\x44\x45\x43ODE\x10\x02\x12\x08\n\x04\x42OTH\x10\x03\x32\xf3\x02\n\x05Nodes\x12M\n\x08Register\x12\x1f.kvferry.v1.RegisterNodeRequest\x1a .kvferry.v1.RegisterNodeResponse\x12\x43\n\x06\x41ttach\x12\x19.kvferry.v1.AttachRequest\x1a\x1a.kvferry.v1.AttachResponse(\x01\x30\x01\x12\x43\n\x04List\x12\x1c.kvferry.v1.ListNodesRequest\x1a\x1d.kvferry.v1.ListNodesResponse\x12S\n\nDeregister\x12!.kvferry.v1.DeregisterNodeRequest\x1a\".kvferry.v1.DeregisterNodeResponse\x12<\n\x05Score\x12\x18.kvferry.v1.ScoreRequest\x1a\x19.kvferry.v1.ScoreResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvferry.v1.nodes_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=1815
-  _globals['_ROLE']._serialized_end=1878
-  _globals['_NODE']._serialized_start=72
-  _globals['_NODE']._serialized_end=480
-  _globals['_REGISTERNODEREQUEST']._serialized_start=483
-  _globals['_REGISTERNODEREQUEST']._serialized_end=784
-  _globals['_REGISTERNODERESPONSE']._serialized_start=786
-  _globals['_REGISTERNODERESPONSE']._serialized_end=859
-  _globals['_ATTACHHELLO']._serialized_start=861
-  _globals['_ATTACHHELLO']._serialized_end=913
-  _globals['_HEARTBEAT']._serialized_start=915
-  _globals['_HEARTBEAT']._serialized_end=992
-  _globals['_KVEVENTBATCH']._serialized_start=994
-  _globals['_KVEVENTBATCH']._serialized_end=1086
-  _globals['_ATTACHREQUEST']._serialized_start=1089
-  _globals['_ATTACHREQUEST']._serialized_end=1245
-  _globals['_ATTACHRESPONSE']._serialized_start=1248
-  _globals['_ATTACHRESPONSE']._serialized_end=1379
-  _globals['_LISTNODESREQUEST']._serialized_start=1381
-  _globals['_LISTNODESREQUEST']._serialized_end=1473
-  _globals['_LISTNODESRESPONSE']._serialized_start=1475
-  _globals['_LISTNODESRESPONSE']._serialized_end=1527
-  _globals['_DEREGISTERNODEREQUEST']._serialized_start=1529
-  _globals['_DEREGISTERNODEREQUEST']._serialized_end=1571
-  _globals['_DEREGISTERNODERESPONSE']._serialized_start=1573
-  _globals['_DEREGISTERNODERESPONSE']._serialized_end=1612
-  _globals['_SCOREREQUEST']._serialized_start=1614
-  _globals['_SCOREREQUEST']._serialized_end=1702
-  _globals['_NODESCORE']._serialized_start=1704
-  _globals['_NODESCORE']._serialized_end=1757
-  _globals['_SCORERESPONSE']._serialized_start=1759
-  _globals['_SCORERESPONSE']._serialized_end=1813
-  _globals['_NODES']._serialized_start=1881
-  _globals['_NODES']._serialized_end=2252
+  _globals['_ROLE']._serialized_start=2132
+  _globals['_ROLE']._serialized_end=2195
+  _globals['_NODE']._serialized_start=102
+  _globals['_NODE']._serialized_end=576
+  _globals['_REGISTERNODEREQUEST']._serialized_start=579
+  _globals['_REGISTERNODEREQUEST']._serialized_end=880
+  _globals['_REGISTERNODERESPONSE']._serialized_start=882
+  _globals['_REGISTERNODERESPONSE']._serialized_end=955
+  _globals['_ATTACHHELLO']._serialized_start=957
+  _globals['_ATTACHHELLO']._serialized_end=1009
+  _globals['_HEARTBEAT']._serialized_start=1011
+  _globals['_HEARTBEAT']._serialized_end=1129
+  _globals['_RELEASERETENTION']._serialized_start=1132
+  _globals['_RELEASERETENTION']._serialized_end=1260
+  _globals['_KVEVENTBATCH']._serialized_start=1262
+  _globals['_KVEVENTBATCH']._serialized_end=1354
+  _globals['_ATTACHREQUEST']._serialized_start=1357
+  _globals['_ATTACHREQUEST']._serialized_end=1513
+  _globals['_ATTACHRESPONSE']._serialized_start=1516
+  _globals['_ATTACHRESPONSE']._serialized_end=1696
+  _globals['_LISTNODESREQUEST']._serialized_start=1698
+  _globals['_LISTNODESREQUEST']._serialized_end=1790
+  _globals['_LISTNODESRESPONSE']._serialized_start=1792
+  _globals['_LISTNODESRESPONSE']._serialized_end=1844
+  _globals['_DEREGISTERNODEREQUEST']._serialized_start=1846
+  _globals['_DEREGISTERNODEREQUEST']._serialized_end=1888
+  _globals['_DEREGISTERNODERESPONSE']._serialized_start=1890
+  _globals['_DEREGISTERNODERESPONSE']._serialized_end=1929
+  _globals['_SCOREREQUEST']._serialized_start=1931
+  _globals['_SCOREREQUEST']._serialized_end=2019
+  _globals['_NODESCORE']._serialized_start=2021
+  _globals['_NODESCORE']._serialized_end=2074
+  _globals['_SCORERESPONSE']._serialized_start=2076
+  _globals['_SCORERESPONSE']._serialized_end=2130
+  _globals['_NODES']._serialized_start=2198
+  _globals['_NODES']._serialized_end=2569
 # @@protoc_insertion_point(module_scope)

@@ -6,6 +6,7 @@ Nodes: the vLLM servers kvferry knows about, and their liveness."""
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -63,6 +64,9 @@ class Node(_message.Message):
     SUSPENDED_FIELD_NUMBER: _builtins.int
     UNCAPTURED_TURNS_FIELD_NUMBER: _builtins.int
     UNRETAINED_BLOCKS_FIELD_NUMBER: _builtins.int
+    POOL_BLOCKS_FIELD_NUMBER: _builtins.int
+    POOL_USAGE_FIELD_NUMBER: _builtins.int
+    RETAINED_BLOCKS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     role: Global___Role.ValueType
     model: _builtins.str
@@ -104,6 +108,12 @@ class Node(_message.Message):
     """Blocks those turns keep pinned on D now (until decoder_kv_blocks_ttl), as the
     sidecar counts them: the engine's process restarting drops them.
     """
+    pool_blocks: _builtins.int
+    """The engine's KV pool as its sidecar's last heartbeat said (see Heartbeat), and the
+    blocks this replica counts its live retentions holding (ListNodesRequest.local_only).
+    """
+    pool_usage: _builtins.float
+    retained_blocks: _builtins.int
     @_builtins.property
     def registered_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -126,10 +136,13 @@ class Node(_message.Message):
         suspended: _builtins.bool = ...,
         uncaptured_turns: _builtins.int = ...,
         unretained_blocks: _builtins.int = ...,
+        pool_blocks: _builtins.int = ...,
+        pool_usage: _builtins.float = ...,
+        retained_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["registered_at", b"registered_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "block_size", b"block_size", "engine_id", b"engine_id", "engine_url", b"engine_url", "generation", b"generation", "held_tokens", b"held_tokens", "http_url", b"http_url", "indexed_blocks", b"indexed_blocks", "live_leases", b"live_leases", "model", b"model", "registered_at", b"registered_at", "role", b"role", "side_channel_host", b"side_channel_host", "side_channel_port", b"side_channel_port", "suspended", b"suspended", "uncaptured_turns", b"uncaptured_turns", "unretained_blocks", b"unretained_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "block_size", b"block_size", "engine_id", b"engine_id", "engine_url", b"engine_url", "generation", b"generation", "held_tokens", b"held_tokens", "http_url", b"http_url", "indexed_blocks", b"indexed_blocks", "live_leases", b"live_leases", "model", b"model", "pool_blocks", b"pool_blocks", "pool_usage", b"pool_usage", "registered_at", b"registered_at", "retained_blocks", b"retained_blocks", "role", b"role", "side_channel_host", b"side_channel_host", "side_channel_port", b"side_channel_port", "suspended", b"suspended", "uncaptured_turns", b"uncaptured_turns", "unretained_blocks", b"unretained_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -256,6 +269,8 @@ class Heartbeat(_message.Message):
     SEQ_FIELD_NUMBER: _builtins.int
     UNCAPTURED_TURNS_FIELD_NUMBER: _builtins.int
     UNRETAINED_BLOCKS_FIELD_NUMBER: _builtins.int
+    POOL_BLOCKS_FIELD_NUMBER: _builtins.int
+    POOL_USAGE_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     uncaptured_turns: _builtins.int
     """The sidecar's count of uncaptured turns (Node.uncaptured_turns) and the blocks they
@@ -263,20 +278,67 @@ class Heartbeat(_message.Message):
     Unset in an acknowledgement.
     """
     unretained_blocks: _builtins.int
+    pool_blocks: _builtins.int
+    """The engine's KV pool, from its /metrics (vllm:cache_config_info num_gpu_blocks,
+    vllm:kv_cache_usage_perc): blocks in all, and the share in use (0..1). pool_blocks 0 =
+    unknown (the daemon then enforces no retention budget on the node). Unset in an
+    acknowledgement.
+    """
+    pool_usage: _builtins.float
     def __init__(
         self,
         *,
         seq: _builtins.int = ...,
         uncaptured_turns: _builtins.int = ...,
         unretained_blocks: _builtins.int = ...,
+        pool_blocks: _builtins.int = ...,
+        pool_usage: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["seq", b"seq", "uncaptured_turns", b"uncaptured_turns", "unretained_blocks", b"unretained_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool_blocks", b"pool_blocks", "pool_usage", b"pool_usage", "seq", b"seq", "uncaptured_turns", b"uncaptured_turns", "unretained_blocks", b"unretained_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Heartbeat: _TypeAlias = Heartbeat  # noqa: Y015
+
+@_typing.final
+class ReleaseRetention(_message.Message):
+    """The daemon revoked a retention of the node (it is out of etcd: no lookup can claim it)
+    and asks its sidecar to have D free the blocks now (a release through a prefill node).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ID_FIELD_NUMBER: _builtins.int
+    KV_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    conversation_id: _builtins.str
+    reason: _builtins.str
+    """Why: budget, near_full, conversation_end."""
+    @_builtins.property
+    def kv_transfer_params(self) -> _struct_pb2.Struct:
+        """The retention's D params (as registered; the sidecar sends them with
+        remote_num_tokens 0).
+        """
+
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        conversation_id: _builtins.str = ...,
+        kv_transfer_params: _struct_pb2.Struct | None = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_transfer_params", b"kv_transfer_params"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "kv_transfer_params", b"kv_transfer_params", "reason", b"reason", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseRetention: _TypeAlias = ReleaseRetention  # noqa: Y015
 
 @_typing.final
 class KvEventBatch(_message.Message):
@@ -359,6 +421,7 @@ class AttachResponse(_message.Message):
 
     ATTACHED_FIELD_NUMBER: _builtins.int
     HEARTBEAT_ACK_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     ttl_seconds: _builtins.int
     """Seconds of liveness left after this message."""
@@ -370,18 +433,23 @@ class AttachResponse(_message.Message):
     def heartbeat_ack(self) -> Global___Heartbeat:
         """Answer to each heartbeat: the liveness lease was refreshed."""
 
+    @_builtins.property
+    def release(self) -> Global___ReleaseRetention:
+        """Free a revoked retention's blocks now."""
+
     def __init__(
         self,
         *,
         attached: Global___Node | None = ...,
         heartbeat_ack: Global___Heartbeat | None = ...,
+        release: Global___ReleaseRetention | None = ...,
         ttl_seconds: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["attached", b"attached", "body", b"body", "heartbeat_ack", b"heartbeat_ack"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attached", b"attached", "body", b"body", "heartbeat_ack", b"heartbeat_ack", "release", b"release"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attached", b"attached", "body", b"body", "heartbeat_ack", b"heartbeat_ack", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attached", b"attached", "body", b"body", "heartbeat_ack", b"heartbeat_ack", "release", b"release", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["attached", "heartbeat_ack"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["attached", "heartbeat_ack", "release"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
