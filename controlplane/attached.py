@@ -7,7 +7,9 @@ each node's largest counts (only the replica it is attached to has any). Pure da
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from controlplane.budget import Pool
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,12 @@ class AttachedCounts:
     """Turns the engine pinned blocks for that no retention names, since the sidecar started."""
     unretained_blocks: int = 0
     """The blocks those turns pin now."""
+    pool_blocks: int = 0
+    """The engine's KV pool, blocks in all (0 = unknown)."""
+    pool_usage: float = 0.0
+    """The share of it in use."""
+    retained_blocks: int = 0
+    """Blocks its live retentions hold, as the replica counts them."""
 
     def merged(self, other: AttachedCounts) -> AttachedCounts:
         """The largest of each count."""
@@ -27,4 +35,16 @@ class AttachedCounts:
             max(self.indexed_blocks, other.indexed_blocks),
             max(self.uncaptured_turns, other.uncaptured_turns),
             max(self.unretained_blocks, other.unretained_blocks),
+            max(self.pool_blocks, other.pool_blocks),
+            max(self.pool_usage, other.pool_usage),
+            max(self.retained_blocks, other.retained_blocks),
         )
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One heartbeat's report."""
+
+    uncaptured_turns: int = 0
+    unretained_blocks: int = 0
+    pool: Pool = field(default_factory=lambda: Pool(0, 0.0))

@@ -7,10 +7,12 @@ from typing import Any
 
 from google.protobuf import timestamp_pb2
 
-from controlplane.attached import AttachedCounts
+from controlplane.attached import AttachedCounts, Beat
+from controlplane.budget import Pool
 from controlplane.convert import apply_handout
-from controlplane.policy import Prompt
+from controlplane.policy import RELEASE, Prompt
 from controlplane.records import NodeRecord
+from controlplane.service.budgets import Release
 from controlplane.service.lookups import LookupQuery, LookupResult
 from controlplane.service.nodes import ListedNode, NodeRegistration
 from controlplane.service.retentions import RetentionRegistration, RetentionView
@@ -77,12 +79,37 @@ def node_message(n: ListedNode) -> nodes_pb2.Node:
         suspended=bool(r.suspended_at),
         uncaptured_turns=counts.uncaptured_turns,
         unretained_blocks=counts.unretained_blocks,
+        pool_blocks=counts.pool_blocks,
+        pool_usage=counts.pool_usage,
+        retained_blocks=counts.retained_blocks,
     )
 
 
 def counts_of(m: nodes_pb2.Node) -> AttachedCounts:
     """A node's sidecar counts as another replica reported them."""
-    return AttachedCounts(m.indexed_blocks, m.uncaptured_turns, m.unretained_blocks)
+    return AttachedCounts(
+        m.indexed_blocks,
+        m.uncaptured_turns,
+        m.unretained_blocks,
+        m.pool_blocks,
+        m.pool_usage,
+        m.retained_blocks,
+    )
+
+
+def beat_of(m: nodes_pb2.Heartbeat) -> Beat:
+    """A heartbeat's report as the domain takes it (a usage outside 0..1 is clamped)."""
+    usage = m.pool_usage if m.pool_usage == m.pool_usage else 0.0  # (NaN: unknown)
+    return Beat(m.uncaptured_turns, m.unretained_blocks, Pool(m.pool_blocks, min(max(usage, 0.0), 1.0)))
+
+
+def release_message(r: Release) -> nodes_pb2.AttachResponse:
+    """A release for D's sidecar on its Attach stream."""
+    msg = nodes_pb2.ReleaseRetention(
+        tenant=r.tenant, conversation_id=r.conversation_id, reason=r.reason.value
+    )
+    apply_handout(r.params, RELEASE, msg.kv_transfer_params)
+    return nodes_pb2.AttachResponse(release=msg)
 
 
 # -- retentions ----------------------------------------------------------------

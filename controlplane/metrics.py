@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -30,6 +32,38 @@ ETCD_BATCH_ITEMS = Histogram(
 INDEXED_HASHES = Counter("kvferry_kv_event_hashes_total", "Block hashes folded into the KV-event index")
 INDEXED_BLOCKS = Gauge("kvferry_indexed_blocks", "Blocks in the KV-event index (this replica)")
 RPC_LATENCY = Histogram("kvferry_rpc_seconds", "gRPC handler latency", ["method"], buckets=_LATENCY_BUCKETS)
+RELEASES = Counter(
+    "kvferry_retention_releases_total",
+    "Retentions released before a turn claimed them, by reason (budget, near_full, "
+    "conversation_end, expiry; the sidecars count orphan)",
+    ["reason"],
+)
+RETAINED_BLOCK_SECONDS = Counter(
+    "kvferry_retained_block_seconds_total",
+    "D KV block-seconds held by retentions (nodes attached to this replica); over "
+    "kvferry_reusable_tokens_total: block-seconds held per reused token",
+)
+POOL_BLOCKS = Gauge("kvferry_pool_blocks", "KV blocks in a decode node's pool (its sidecar)", ["engine_id"])
+POOL_USAGE = Gauge(
+    "kvferry_pool_usage", "Share of a decode node's KV pool in use (its sidecar)", ["engine_id"]
+)
+RETAINED_BLOCKS = Gauge(
+    "kvferry_retained_blocks", "D KV blocks held by live retentions (this replica's count)", ["engine_id"]
+)
+
+
+def show_pool(engine_id: str, blocks: int, usage: float, retained: int) -> None:
+    """Set a node's pool gauges."""
+    POOL_BLOCKS.labels(engine_id).set(blocks)
+    POOL_USAGE.labels(engine_id).set(usage)
+    RETAINED_BLOCKS.labels(engine_id).set(retained)
+
+
+def forget_pool(engine_id: str) -> None:
+    """Drop a node's pool gauges (its stream ended)."""
+    for gauge in (POOL_BLOCKS, POOL_USAGE, RETAINED_BLOCKS):
+        with contextlib.suppress(KeyError):
+            gauge.remove(engine_id)
 
 
 _lookup_children: dict[tuple[bool, str], Counter] = {}

@@ -10,6 +10,7 @@ import argparse
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from controlplane.budget import DEFAULT_NEAR_FULL, DEFAULT_SHARE, Budget
 from controlplane.nodeurls import NodeNetworks
 from controlplane.policy import Policy
 from kvferry.flags import Flag, add_flags, bool_text, boolean, items, joined, settings_from
@@ -172,10 +173,12 @@ class Settings:
     gc: GcSettings = field(default_factory=GcSettings)
     limits: Limits = field(default_factory=Limits)
     security: SecuritySettings = field(default_factory=SecuritySettings)
+    budget: Budget = field(default_factory=lambda: Budget(DEFAULT_SHARE, DEFAULT_NEAR_FULL))
 
     def validate(self) -> None:
         """Raise ValueError on a setting out of range."""
         self.policy.validate()
+        self.budget.validate()
         self.security.validate(self.server.listen)
         if not MIN_LIVENESS_TTL_S <= self.nodes.liveness_ttl_s <= MAX_LIVENESS_TTL_S:
             bounds = f"{MIN_LIVENESS_TTL_S}..{MAX_LIVENESS_TTL_S}"
@@ -340,6 +343,19 @@ FLAGS = (
         "into them); empty = any but link-local, metadata, multicast and the like",
         to_field=lambda text: NodeNetworks.parse(items(text)),
         to_text=str,
+    ),
+    Flag(
+        "retention-budget",
+        "budget.share",
+        "share of a decode node's KV pool its retentions may hold; the least valuable go "
+        "first (1.0 = no budget)",
+        float,
+    ),
+    Flag(
+        "near-full",
+        "budget.near_full",
+        "pool use (share) above which a decode node's retentions give room first (1.0 = never)",
+        float,
     ),
     Flag("gc-bucket", "gc.bucket_s", "seconds of retention deadlines per shared GC lease", int),
     Flag("gauge-scan", "gc.gauge_scan_s", "seconds between per-node gauge scans (0 = off)", float),

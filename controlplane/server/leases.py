@@ -26,7 +26,13 @@ from controlplane.server.stream import Later, OpStream
 from controlplane.service.lookups import Lookups
 from controlplane.service.retentions import Retentions
 from controlplane.service.validation import DEFAULT_TENANT
-from kvferry.security.roles import all_tenants_denial, node_denial, stream_op_denial, tenant_denial
+from kvferry.security.roles import (
+    all_tenants_denial,
+    node_denial,
+    revoke_denial,
+    stream_op_denial,
+    tenant_denial,
+)
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
 
 _LEASES = "/kvferry.v1.Leases/"
@@ -132,18 +138,26 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
     async def Revoke(
         self, request: leases_pb2.RevokeLeaseRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> leases_pb2.RevokeLeaseResponse:
-        """Delete a retention so it is never handed out, with the params that free D's blocks."""
-        view, releasable = await self._retentions.revoke(request.tenant, request.conversation_id)
+        """Delete a retention so it is never handed out, with the params that free D's blocks
+        (or, as a conversation's end, D's sidecar told to free them)."""
+        tenant = request.tenant or DEFAULT_TENANT
+        require(revoke_denial(caller(), tenant, request.conversation_end), _LEASES + "Revoke")
+        told = False
+        if request.conversation_end:
+            view, releasable, told = await self._retentions.end(request.tenant, request.conversation_id)
+        else:
+            view, releasable = await self._retentions.revoke(request.tenant, request.conversation_id)
         allowed(
             _LEASES + "Revoke",
             tenant=request.tenant,
             conversation_id=request.conversation_id,
             found=view is not None,
+            conversation_end=request.conversation_end,
         )
         if view is None:
             return leases_pb2.RevokeLeaseResponse(found=False)
-        resp = leases_pb2.RevokeLeaseResponse(found=True, lease=lease_message(view))
-        if releasable and view.retention is not None:
+        resp = leases_pb2.RevokeLeaseResponse(found=True, lease=lease_message(view), released_by_node=told)
+        if releasable and view.retention is not None and not told:
             apply_handout(view.retention.params, RELEASE, resp.release_params)
         return resp
 

@@ -13,11 +13,12 @@ from controlplane import metrics
 from controlplane.blockindex import IndexUpdate
 from controlplane.cluster import Cluster
 from controlplane.errors import InvalidArgument, StoreUnavailable
-from controlplane.messages import node_message, registration_of
+from controlplane.messages import beat_of, node_message, registration_of, release_message
 from controlplane.records import NodeRecord, NodeState
 from controlplane.server.auth import allowed, caller, require
 from controlplane.server.status import abort, rpc
 from controlplane.service.attachments import Attachments
+from controlplane.service.budgets import Release
 from controlplane.service.nodes import ListedNode, NodeRegistry
 from kvferry.security.roles import node_denial
 from kvferry.v1 import nodes_pb2, nodes_pb2_grpc
@@ -70,9 +71,11 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
                 elif kind == "heartbeat":
                     if rec is None:
                         raise InvalidArgument("the first message on Attach must be hello")
-                    ttl, rec = await self._heartbeat(rec, msg.heartbeat, stream)
+                    ttl, rec, releases = await self._heartbeat(rec, msg.heartbeat, stream)
                     ack = nodes_pb2.Heartbeat(seq=msg.heartbeat.seq)
                     yield nodes_pb2.AttachResponse(heartbeat_ack=ack, ttl_seconds=ttl)
+                    for release in releases:
+                        yield release_message(release)
                 elif kind == "kv_events":
                     if rec is None:
                         raise InvalidArgument("the first message on Attach must be hello")
@@ -91,16 +94,18 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
 
     async def _heartbeat(
         self, rec: NodeRecord, beat: nodes_pb2.Heartbeat, stream: object
-    ) -> tuple[int, NodeRecord]:
-        """-> (seconds of liveness left, 0 while etcd is out; the record to heartbeat next)."""
-        self._attachments.report(rec, beat.uncaptured_turns, beat.unretained_blocks, stream)
+    ) -> tuple[int, NodeRecord, list[Release]]:
+        """-> (seconds of liveness left, 0 while etcd is out; the record to heartbeat next;
+        the releases its sidecar is to make)."""
+        releases = await self._attachments.report(rec, beat_of(beat), stream)
         try:
-            return await self._attachments.heartbeat(rec)
+            ttl, rec = await self._attachments.heartbeat(rec)
         except StoreUnavailable as e:
             # Keep the stream: the sidecar goes on heartbeating and liveness
             # resumes when etcd is back.
             log.warning("node.heartbeat.store_unavailable", engine_id=rec.engine_id, error=str(e))
-            return 0, rec
+            return 0, rec, releases
+        return ttl, rec, releases
 
     @rpc("Nodes/List")
     async def List(

@@ -11,6 +11,7 @@ messages to the plain dataclasses of these modules and back. One module per conc
 - claims.py: the claim, own-turn and put-back of a retention (one place for all three);
 - lookups.py: validate -> claim -> decide;
 - gauges.py: per-node gauges from a paced scan;
+- budgets.py: the retention budget of each decode node attached here (its releases);
 - background.py: what a stop waits for.
 """
 
@@ -21,6 +22,7 @@ from collections.abc import Callable
 
 from controlplane.service.attachments import Attachments
 from controlplane.service.background import Background
+from controlplane.service.budgets import Budgets
 from controlplane.service.claims import Claims
 from controlplane.service.gauges import Gauges
 from controlplane.service.lookups import Lookups
@@ -42,13 +44,14 @@ class ControlPlane:
         self.nodes = NodeCache(store.nodes, settings.nodes.cache_refresh_s)
         self.gauges = Gauges(store.scans, clock)
         lim = settings.limits
+        self.budgets = Budgets(store.retentions, settings.budget, clock)
         self.attachments = Attachments(
-            store.nodes, self.nodes, self.background, lim.max_id_bytes, lim.max_tokens, clock
+            store.nodes, self.nodes, self.background, lim.max_id_bytes, lim.max_tokens, clock, self.budgets
         )
         self.registry = NodeRegistry(store.nodes, self.nodes, self.attachments, self.gauges, settings, clock)
-        self.retentions = Retentions(store, self.nodes, settings, clock)
+        self.retentions = Retentions(store, self.nodes, settings, clock, self.budgets)
         self.claims = Claims(store.retentions, self.background, clock)
-        self.lookups = Lookups(self.claims, store.retentions, self.nodes, settings, clock)
+        self.lookups = Lookups(self.claims, store.retentions, self.nodes, settings, clock, self.budgets)
 
     def begin_stop(self) -> None:
         """The replica stops: the Attach streams it ends from now on suspend no node (their

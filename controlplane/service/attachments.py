@@ -14,11 +14,12 @@ from dataclasses import replace
 import structlog
 
 from controlplane import metrics
-from controlplane.attached import AttachedCounts
+from controlplane.attached import AttachedCounts, Beat
 from controlplane.blockindex import MAX_BLOCKS_PER_NODE, BlockIndex, IndexUpdate
 from controlplane.errors import FailedPrecondition, InvalidArgument, NotFound, StoreUnavailable
 from controlplane.records import NodeRecord, NodeState, Role
 from controlplane.service.background import Background
+from controlplane.service.budgets import Budgets, Release
 from controlplane.service.nodecache import NodeCache
 from controlplane.service.validation import check_id
 from controlplane.store.nodes import NodeStore
@@ -37,6 +38,7 @@ class Attachments:
         max_id_bytes: int,
         max_hashes: int,
         clock: Callable[[], float],
+        budgets: Budgets,
     ) -> None:
         self._store = store
         self._nodes = nodes
@@ -44,6 +46,7 @@ class Attachments:
         self._max_id_bytes = max_id_bytes
         self._max_hashes = max_hashes
         self._clock = clock
+        self.budgets = budgets
         self.index = BlockIndex()
         self._streams: dict[str, object] = {}  # engine id -> the Attach stream its index follows
         self._reports: dict[str, AttachedCounts] = {}  # engine id -> its stream's last heartbeat's
@@ -71,6 +74,7 @@ class Attachments:
             self.index.drop(engine_id)
             self._reports.pop(engine_id, None)
         self._streams[engine_id] = stream
+        self.budgets.attached(engine_id)
         return state.record
 
     async def heartbeat(self, rec: NodeRecord) -> tuple[int, NodeRecord]:
@@ -89,15 +93,34 @@ class Attachments:
             log.warning("index.overflow", engine_id=rec.engine_id, max_blocks=MAX_BLOCKS_PER_NODE)
         metrics.INDEXED_HASHES.inc(len(update.stored) + len(update.removed))
 
-    def report(self, rec: NodeRecord, uncaptured_turns: int, unretained_blocks: int, stream: object) -> None:
-        """Keep what a heartbeat of an attached node's sidecar counted (in memory)."""
-        if self._streams.get(rec.engine_id) is stream:
-            self._reports[rec.engine_id] = AttachedCounts(0, uncaptured_turns, unretained_blocks)
+    async def report(self, rec: NodeRecord, beat: Beat, stream: object) -> list[Release]:
+        """Keep what a heartbeat of an attached node's sidecar counted (in memory), apply
+        the node's retention budget to the pool it reported. -> the releases its sidecar
+        is to make now."""
+        if self._streams.get(rec.engine_id) is not stream:
+            return []
+        self._reports[rec.engine_id] = AttachedCounts(0, beat.uncaptured_turns, beat.unretained_blocks)
+        if beat.pool.blocks > 0:
+            await self.budgets.report(rec.engine_id, beat.pool)
+        return self.budgets.take_releases(rec.engine_id)
+
+    def releases(self, rec: NodeRecord, stream: object) -> list[Release]:
+        """The releases waiting for the node's sidecar, when `stream` is its current one."""
+        if self._streams.get(rec.engine_id) is not stream:
+            return []
+        return self.budgets.take_releases(rec.engine_id)
 
     def counts(self, engine_id: str) -> AttachedCounts:
         """What this replica knows of the node from its sidecar."""
         counts = self._reports.get(engine_id, AttachedCounts())
-        return replace(counts, indexed_blocks=self.index.count(engine_id))
+        pool = self.budgets.pool(engine_id)
+        return replace(
+            counts,
+            indexed_blocks=self.index.count(engine_id),
+            pool_blocks=pool.blocks if pool else 0,
+            pool_usage=pool.usage if pool else 0.0,
+            retained_blocks=self.budgets.retained_blocks(engine_id),
+        )
 
     def detach(self, rec: NodeRecord, stream: object) -> None:
         """An Attach stream ended: if the node's index followed it, the index would go stale,
@@ -106,6 +129,7 @@ class Attachments:
             del self._streams[rec.engine_id]
             self.index.drop(rec.engine_id)
             self._reports.pop(rec.engine_id, None)
+            self.budgets.forget(rec.engine_id)
         if not self.stopping:
             self._background.spawn(self._suspend(rec), "suspend-node")
 

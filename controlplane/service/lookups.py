@@ -17,6 +17,7 @@ from controlplane import metrics
 from controlplane.errors import InvalidArgument, StoreUnavailable
 from controlplane.policy import RELEASE, Decision, Prompt, Reason, decide, decide_claimed
 from controlplane.records import Claim, Retention
+from controlplane.service.budgets import Budgets
 from controlplane.service.claims import Claimed, Claims
 from controlplane.service.nodecache import NodeCache
 from controlplane.service.validation import check_id, check_prompt, tenant_of
@@ -69,8 +70,10 @@ class Lookups:
         nodes: NodeCache,
         settings: Settings,
         clock: Callable[[], float],
+        budgets: Budgets,
     ) -> None:
         self._claims = claims
+        self._budgets = budgets
         self._store = store
         self._nodes = nodes
         self._policy = settings.policy
@@ -191,6 +194,8 @@ class Lookups:
     ) -> LookupResult:
         """Count and log the answer. -> the result."""
         metrics.lookup(decision.pull, decision.reason.value)
+        if claimed and retention is not None:
+            self._budgets.claimed(tenant, q.conversation_id, retention, self._clock())
         if claimed:
             metrics.claim("pull" if decision.pull else "release" if decision.release else "dead")
             metrics.REUSABLE_TOKENS.inc(decision.reusable_tokens)

@@ -14,6 +14,7 @@ from controlplane.convert import remote_request_of
 from controlplane.errors import FailedPrecondition, InvalidArgument, NotFound, StoreUnavailable
 from controlplane.policy import Prompt, holds_null_blocks
 from controlplane.records import Claim, NodeState, Retention
+from controlplane.service.budgets import Budgets
 from controlplane.service.nodecache import NodeCache
 from controlplane.service.validation import (
     MAX_PAGE,
@@ -75,9 +76,15 @@ class Retentions:
     """The registration, reading and revoking of retentions."""
 
     def __init__(
-        self, store: EtcdStore, nodes: NodeCache, settings: Settings, clock: Callable[[], float]
+        self,
+        store: EtcdStore,
+        nodes: NodeCache,
+        settings: Settings,
+        clock: Callable[[], float],
+        budgets: Budgets,
     ) -> None:
         self._store = store
+        self._budgets = budgets
         self._nodes = nodes
         self._policy = settings.policy
         self._limits = settings.limits
@@ -112,6 +119,7 @@ class Retentions:
         )
         revision, replaced = await self._store.retentions.put(tenant, reg.conversation_id, retention, now)
         metrics.REGISTRATIONS.labels("replaced" if replaced else "new").inc()
+        self._budgets.registered(tenant, reg.conversation_id, retention, revision)
         release = None
         if replaced is not None:
             try:
@@ -205,6 +213,16 @@ class Retentions:
                 break
         return out, page_token(start)
 
+    async def end(self, tenant: str, conversation_id: str) -> tuple[RetentionView | None, bool, bool]:
+        """The conversation ended: revoke its retention and have D's sidecar free the blocks
+        when it is attached here. -> (what was revoked, whether the blocks are still D's to
+        free, whether D's sidecar was told to: else the caller frees them)."""
+        view, releasable = await self.revoke(tenant, conversation_id)
+        told = False
+        if view is not None and view.retention is not None and releasable:
+            told = self._budgets.ended(view.tenant, conversation_id, view.retention)
+        return view, releasable, told
+
     async def revoke(self, tenant: str, conversation_id: str) -> tuple[RetentionView | None, bool]:
         """Delete the conversation's retention. -> (what was revoked, None if nothing was;
         whether its blocks are still D's to free: what a lookup that reuses nothing would
@@ -217,6 +235,7 @@ class Retentions:
         )
         if stored is None:
             return None, False
+        self._budgets.revoked(tenant, conversation_id)
         retention, now = stored.retention, self._clock()
         view = RetentionView(tenant, conversation_id, retention, stored.revision)
         try:

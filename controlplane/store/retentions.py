@@ -191,6 +191,19 @@ class RetentionStore:
         )
         return stored, decode_claim(claim_kvs[0].value) if claim_kvs else None
 
+    async def revoke_exact(self, tenant: str, conversation_id: str, revision: int) -> Retention | None:
+        """Delete the conversation's retention only if it is still the one stored at
+        `revision` (not claimed, replaced or revoked since). -> the retention deleted,
+        None if it was not there at that revision."""
+        key = self._keys.retention(tenant, conversation_id)
+        txn = rpc.TxnRequest(
+            compare=[mod_is(key, revision)],
+            success=[rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key, prev_kv=True))],
+        )
+        resp = await self._kv.send_txn("revoke_exact", txn)
+        prev = resp.responses[0].response_delete_range.prev_kvs if resp.succeeded else []
+        return decoded(decode_retention, prev[0]) if prev else None
+
     async def revoke(self, tenant: str, conversation_id: str) -> Stored | None:
         """Delete the conversation's retention, and its claim marker in the same
         transaction: a claim whose caller went away puts its retention back only while

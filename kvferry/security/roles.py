@@ -34,7 +34,8 @@ class Role(enum.StrEnum):
     READER = "reader"
     """Dashboards and on-call reading: Get, List (its tenants) and the node list."""
     ROUTER = "router"
-    """A front door: lookups (its tenants), node list and scores."""
+    """A front door: lookups (its tenants), node list and scores, and the end of its
+    tenants' conversations (a Revoke with conversation_end)."""
     SIDECAR = "sidecar"
     """The sidecar of one engine: registers that engine and its retentions."""
     DAEMON = "daemon"
@@ -44,7 +45,7 @@ class Role(enum.StrEnum):
 _READ = frozenset({f"{LEASES}Get", f"{LEASES}List", f"{NODES}List"})
 ALLOWED: dict[Role, frozenset[str]] = {
     Role.READER: _READ,
-    Role.ROUTER: _READ | {f"{LEASES}Lookup", f"{LEASES}Stream", f"{NODES}Score"},
+    Role.ROUTER: _READ | {f"{LEASES}Lookup", f"{LEASES}Stream", f"{NODES}Score", f"{LEASES}Revoke"},
     Role.SIDECAR: frozenset(
         {f"{NODES}Register", f"{NODES}Attach", f"{NODES}List", f"{LEASES}Register", f"{LEASES}Stream"}
     ),
@@ -128,6 +129,19 @@ def tenant_denial(caller: Caller, tenant: str) -> Denial | None:
     if caller.role not in _TENANTED:
         return Denial("permission_denied", f"{caller.describe()} may not read retentions of any tenant")
     return Denial("permission_denied", f"{caller.describe()} may not act for tenant {tenant!r}")
+
+
+def revoke_denial(caller: Caller, tenant: str, conversation_end: bool) -> Denial | None:
+    """May `caller` revoke a retention of `tenant`? An admin any; a router only its own
+    tenants', and only as a conversation's end (its client asked for it)."""
+    if caller.role is Role.ADMIN:
+        return None
+    if caller.role is Role.ROUTER and not conversation_end:
+        return Denial(
+            "permission_denied",
+            f"{caller.describe()} may revoke a retention only as a conversation's end (conversation_end)",
+        )
+    return tenant_denial(caller, tenant)
 
 
 def all_tenants_denial(caller: Caller) -> Denial | None:

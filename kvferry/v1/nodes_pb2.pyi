@@ -320,8 +320,8 @@ class ReleaseRetention(_message.Message):
     """Why: budget, near_full, conversation_end."""
     @_builtins.property
     def kv_transfer_params(self) -> _struct_pb2.Struct:
-        """The retention's D params (as registered; the sidecar sends them with
-        remote_num_tokens 0).
+        """The retention's D params with remote_num_tokens 0: what a prefill node sends D to have
+        it free the blocks without a pull (kvferry.releases).
         """
 
     def __init__(

@@ -179,8 +179,22 @@ async def test_roles_are_held_to_their_methods(as_: Connect) -> None:
             grpc.StatusCode.PERMISSION_DENIED,
         )
     assert message == (
-        "identity 'router' (role router) may not call /kvferry.v1.Leases/Revoke: it needs role admin"
+        "identity 'router' (role router) may revoke a retention only as a conversation's end "
+        "(conversation_end)"
     )
+    assert _denials(logs) == [("router", "/kvferry.v1.Leases/Revoke", "permission_denied")]
+    # A conversation's end, yes: of its own tenants only.
+    with capture_logs() as logs:
+        message = await _refused(
+            as_("router").leases.Revoke(
+                leases_pb2.RevokeLeaseRequest(
+                    tenant="other", conversation_id="conv-1", conversation_end=True
+                ),
+                timeout=10,
+            ),
+            grpc.StatusCode.PERMISSION_DENIED,
+        )
+    assert message == "identity 'router' (role router) may not act for tenant 'other'"
     assert _denials(logs) == [("router", "/kvferry.v1.Leases/Revoke", "permission_denied")]
     reader = as_("reader")
     await _refused(

@@ -1,0 +1,169 @@
+"""The retention budget at work: what this replica knows of each decode node's pool and
+retentions, the releases it decides (controlplane.budget) and makes.
+
+Held retentions are known from the registrations, claims and revokes this replica
+served (a node's sidecar registers its retentions through the replica it is attached
+to, which is the one that enforces that node's budget). A retention claimed through
+another replica may linger here until it expires: the count is then high, never low,
+and its release finds it gone, for etcd is the arbiter of single use:
+
+- a release deletes the retention from etcd first, only at the revision decided on
+  (`RetentionStore.revoke_exact`): one a lookup claimed meanwhile, or a newer turn
+  replaced, is left alone and not released;
+- only then is D's sidecar told to free the blocks (a ReleaseRetention on its Attach
+  stream), so no lookup can be handed blocks that are being freed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from controlplane import metrics
+from controlplane.budget import Budget, Held, IntervalSketch, Pool, Reason, releases
+from controlplane.errors import StoreUnavailable
+from controlplane.records import Retention
+from controlplane.store.retentions import RetentionStore
+
+log = structlog.get_logger(__name__)
+
+_Key = tuple[str, str]  # (tenant, conversation id)
+
+
+@dataclass(frozen=True)
+class Release:
+    """A revoked retention whose blocks D's sidecar is to free."""
+
+    tenant: str
+    conversation_id: str
+    params: bytes
+    """D's params as registered (a serialized google.protobuf.Struct)."""
+    reason: Reason
+
+
+class Budgets:
+    """Per decode node: its pool, the retentions it holds, and the releases to send it."""
+
+    def __init__(self, store: RetentionStore, budget: Budget, clock: Callable[[], float]) -> None:
+        self._store = store
+        self.budget = budget
+        self._clock = clock
+        self.sketch = IntervalSketch()
+        """The turn intervals seen by this replica's lookups."""
+        self._held: dict[str, dict[_Key, Held]] = {}
+        self._engine_of: dict[_Key, str] = {}
+        self._pools: dict[str, Pool] = {}
+        self._pending: dict[str, list[Release]] = {}
+        self._ticked: dict[str, float] = {}
+        self._attached: set[str] = set()
+
+    def attached(self, engine_id: str) -> None:
+        """The node's sidecar holds an Attach stream to this replica (releases reach it)."""
+        self._attached.add(engine_id)
+
+    def registered(self, tenant: str, conversation_id: str, r: Retention, revision: int) -> None:
+        """A retention was stored (replacing the conversation's previous one)."""
+        self._drop((tenant, conversation_id))
+        held = Held(tenant, conversation_id, r.num_tokens, r.block_size, r.created_at, r.expires_at, revision)
+        self._held.setdefault(r.engine_id, {})[(tenant, conversation_id)] = held
+        self._engine_of[(tenant, conversation_id)] = r.engine_id
+
+    def claimed(self, tenant: str, conversation_id: str, r: Retention, now: float) -> None:
+        """A lookup took the retention: its conversation came back after `now - created_at`."""
+        self.sketch.observe(now - r.created_at)
+        self._drop((tenant, conversation_id))
+
+    def revoked(self, tenant: str, conversation_id: str) -> None:
+        """The retention is out of etcd (revoked, released)."""
+        self._drop((tenant, conversation_id))
+
+    def _drop(self, key: _Key) -> None:
+        engine = self._engine_of.pop(key, None)
+        if engine is not None:
+            self._held.get(engine, {}).pop(key, None)
+
+    def retained_blocks(self, engine_id: str) -> int:
+        """Blocks the live retentions this replica knows of hold on the node."""
+        return sum(h.blocks for h in self._held.get(engine_id, {}).values())
+
+    def pool(self, engine_id: str) -> Pool | None:
+        """The node's pool as its sidecar last reported it (None: never, or unknown)."""
+        return self._pools.get(engine_id)
+
+    def forget(self, engine_id: str) -> None:
+        """The node's Attach stream ended: its pool facts and unsent releases go (the
+        retentions released are out of etcd all the same; D frees them at their TTL)."""
+        self._attached.discard(engine_id)
+        self._pools.pop(engine_id, None)
+        self._pending.pop(engine_id, None)
+        self._ticked.pop(engine_id, None)
+        metrics.forget_pool(engine_id)
+
+    def take_releases(self, engine_id: str) -> list[Release]:
+        """The releases for the node's sidecar not sent yet (they are sent now)."""
+        return self._pending.pop(engine_id, [])
+
+    def queue(self, engine_id: str, release: Release) -> None:
+        """Have the node's sidecar free a revoked retention's blocks with its next answer."""
+        self._pending.setdefault(engine_id, []).append(release)
+        metrics.RELEASES.labels(release.reason.value).inc()
+
+    async def report(self, engine_id: str, pool: Pool) -> None:
+        """A heartbeat of the node's sidecar told its pool: count what its retentions held
+        since the last one, expire those past their deadline, and release the least valuable
+        ones the budget says to."""
+        now = self._clock()
+        self._pools[engine_id] = pool
+        self._expire(engine_id, now)
+        retained = self.retained_blocks(engine_id)
+        last = self._ticked.get(engine_id)
+        if last is not None and now > last:
+            metrics.RETAINED_BLOCK_SECONDS.inc(retained * (now - last))
+        self._ticked[engine_id] = now
+        metrics.show_pool(engine_id, pool.blocks, pool.usage, retained)
+        held = list(self._held.get(engine_id, {}).values())
+        for h, reason in releases(pool, held, self.budget, now, self.sketch):
+            await self._release(engine_id, h, reason)
+        metrics.show_pool(engine_id, pool.blocks, pool.usage, self.retained_blocks(engine_id))
+
+    def _expire(self, engine_id: str, now: float) -> None:
+        """Retentions past their deadline: D freed them, and their conversations did not
+        come back in time."""
+        for key, h in list(self._held.get(engine_id, {}).items()):
+            if h.expires_at <= now:
+                self._drop(key)
+                self.sketch.never()
+                metrics.RELEASES.labels(Reason.EXPIRY.value).inc()
+
+    async def _release(self, engine_id: str, h: Held, reason: Reason) -> None:
+        """Revoke one retention in etcd (at the revision decided on), then queue its release."""
+        try:
+            taken = await self._store.revoke_exact(h.tenant, h.conversation_id, h.revision)
+        except StoreUnavailable as e:
+            log.warning("retention.budget.revoke_failed", conversation_id=h.conversation_id, error=str(e))
+            return
+        self._drop((h.tenant, h.conversation_id))
+        if taken is None:  # claimed, replaced or revoked meanwhile: not ours to free
+            log.info("retention.budget.gone", conversation_id=h.conversation_id, reason=reason.value)
+            return
+        self.queue(engine_id, Release(h.tenant, h.conversation_id, taken.params, reason))
+        log.info(
+            "retention.budget.released",
+            engine_id=engine_id,
+            tenant=h.tenant,
+            conversation_id=h.conversation_id,
+            blocks=h.blocks,
+            reason=reason.value,
+        )
+
+    def ended(self, tenant: str, conversation_id: str, r: Retention) -> bool:
+        """A conversation's end revoked its retention: have D's sidecar free the blocks when
+        it is attached here. -> whether it will be told (else the caller frees them)."""
+        self._drop((tenant, conversation_id))
+        self.sketch.never()
+        if r.engine_id not in self._attached:
+            return False
+        self.queue(r.engine_id, Release(tenant, conversation_id, r.params, Reason.CONVERSATION_END))
+        return True

@@ -1,0 +1,168 @@
+"""The retention budget on a real daemon and a real etcd: a decode node's sidecar reports
+its pool on heartbeats, the daemon releases the least valuable retentions early (revoked in
+etcd first, then a ReleaseRetention on the Attach stream), and a conversation's end
+releases at once. Single use holds in both orders."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import msgspec
+import pytest
+from prometheus_client import REGISTRY
+
+from controlplane.budget import Budget
+from controlplane.daemon import Daemon
+from kvferry.structs import struct_to_dict
+from kvferry.v1 import leases_pb2, nodes_pb2
+from tests.conftest import Client, DaemonFactory, daemon_settings
+from tests.controlplane.test_claims_and_nodes import AttachStream, hello
+from tests.factories import d_params, lease_request, lookup_request, node_request
+
+# Blocks of 16 tokens. Value per block-second ~ tokens per block (same age, same time left):
+# "low" fills 20 blocks with 305 tokens (15.25 a block), the others 16 a block.
+HELD = {"c-high": 480, "c-low": 305, "c-small": 160}  # 30 + 20 + 10 = 60 blocks
+
+
+def beat(seq: int, pool_blocks: int, usage: float) -> nodes_pb2.AttachRequest:
+    return nodes_pb2.AttachRequest(
+        heartbeat=nodes_pb2.Heartbeat(seq=seq, pool_blocks=pool_blocks, pool_usage=usage)
+    )
+
+
+def released(reason: str) -> float:
+    return REGISTRY.get_sample_value("kvferry_retention_releases_total", {"reason": reason}) or 0.0
+
+
+async def _attached(client: Client) -> AttachStream:
+    """d-1 registered, its sidecar attached, its retentions registered."""
+    await client.nodes.Register(node_request("d-1"), timeout=10)
+    stream = AttachStream(client)
+    first = await stream.send(hello("d-1"))
+    assert first is not None and first.HasField("attached")
+    for conversation, tokens in HELD.items():
+        await client.leases.Register(
+            lease_request(conversation, num_tokens=tokens, params=d_params("d-1", tokens, conversation)),
+            timeout=10,
+        )
+    return stream
+
+
+async def _heartbeat(
+    stream: AttachStream, seq: int, pool: int, usage: float
+) -> list[nodes_pb2.ReleaseRetention]:
+    """One heartbeat; -> the releases that came with its answer."""
+    ack = await stream.send(beat(seq, pool, usage))
+    assert ack is not None and ack.HasField("heartbeat_ack"), ack
+    out = []
+    while True:  # the releases follow the ack; a heartbeat without pool facts ends them
+        nxt = await stream.send(nodes_pb2.AttachRequest(heartbeat=nodes_pb2.Heartbeat(seq=seq + 1000)))
+        if nxt is not None and nxt.HasField("heartbeat_ack"):
+            return out
+        assert nxt is not None and nxt.HasField("release"), nxt
+        out.append(nxt.release)
+
+
+async def test_a_node_over_its_budget_has_its_least_valuable_retention_released(
+    daemon: Daemon, client: Client
+) -> None:
+    stream = await _attached(client)
+    try:
+        before = released("budget")
+        # 100 blocks, a budget of half: 50; 60 held, so 10 must go: the least valuable (c-low).
+        releases = await _heartbeat(stream, 1, 100, 0.6)
+        assert [(r.conversation_id, r.reason) for r in releases] == [("c-low", "budget")]
+        assert struct_to_dict(releases[0].kv_transfer_params) == {
+            **d_params("d-1", 305, "c-low"),
+            "remote_num_tokens": 0,
+        }
+        assert released("budget") == before + 1
+        # Out of etcd before D was told: never handed out.
+        answer = await client.leases.Lookup(lookup_request("c-low"), timeout=10)
+        assert (answer.reason, answer.claimed) == ("no_lease", False)
+        for kept in ("c-high", "c-small"):
+            await client.leases.Get(leases_pb2.GetLeaseRequest(conversation_id=kept), timeout=10)
+        # Under budget now: nothing more goes.
+        assert await _heartbeat(stream, 2, 100, 0.6) == []
+        listed = await client.nodes.List(nodes_pb2.ListNodesRequest(local_only=True), timeout=10)
+        (node,) = listed.nodes
+        assert (node.pool_blocks, node.retained_blocks) == (100, 40)
+        assert node.pool_usage == pytest.approx(0.6)
+    finally:
+        await stream.close()
+
+
+async def test_a_near_full_node_gets_room_from_retentions_first(
+    make_daemon: DaemonFactory, etcd_endpoint: str, connect
+) -> None:  # type: ignore[no-untyped-def]
+    d = await make_daemon(replace(daemon_settings(etcd_endpoint), budget=Budget(1.0, 0.9)))
+    client = connect(d)
+    stream = await _attached(client)
+    try:
+        # No budget (1.0), but 92 of 100 blocks in use, the mark at 90: 2 blocks to free.
+        releases = await _heartbeat(stream, 1, 100, 0.92)
+        assert [(r.conversation_id, r.reason) for r in releases] == [("c-low", "near_full")]
+        assert await _heartbeat(stream, 2, 100, 0.5) == []
+    finally:
+        await stream.close()
+
+
+async def test_a_retention_handed_out_is_never_released(daemon: Daemon, client: Client) -> None:
+    stream = await _attached(client)
+    try:
+        assert daemon.control_plane is not None
+        budgets = daemon.control_plane.budgets
+        stale = await client.leases.Get(leases_pb2.GetLeaseRequest(conversation_id="c-low"), timeout=10)
+        pulled = await client.leases.Lookup(lookup_request("c-low", prompt_tokens=400), timeout=10)
+        assert pulled.claimed
+        # As a replica that did not see the claim knows it: still held.
+        record = await daemon.control_plane.store.retentions.read("default", "c-high")
+        assert record[0] is not None
+        low = msgspec.structs.replace(record[0].retention, num_tokens=305)
+        budgets.registered("default", "c-low", low, stale.revision)
+        assert await _heartbeat(stream, 1, 100, 0.6) == []  # its revoke found it gone
+        # A turn's newer retention is not the one decided on either: it stays.
+        await client.leases.Register(lease_request("c-low", num_tokens=305), timeout=10)
+        budgets.registered("default", "c-low", low, stale.revision)
+        assert await _heartbeat(stream, 2, 100, 0.6) == []
+        again = await client.leases.Lookup(lookup_request("c-low", prompt_tokens=400), timeout=10)
+        assert (again.reason, again.claimed) == ("pull", True)
+    finally:
+        await stream.close()
+
+
+async def test_a_conversation_end_revokes_and_has_the_attached_sidecar_free_it(
+    daemon: Daemon, client: Client
+) -> None:
+    stream = await _attached(client)
+    try:
+        before = released("conversation_end")
+        ended = await client.leases.Revoke(
+            leases_pb2.RevokeLeaseRequest(conversation_id="c-high", conversation_end=True), timeout=10
+        )
+        assert (ended.found, ended.released_by_node) == (True, True)
+        assert not ended.HasField("release_params")  # D's sidecar frees them: nobody else
+        releases = await _heartbeat(stream, 1, 0, 0.0)  # (no pool facts: no budget, releases all the same)
+        assert [(r.conversation_id, r.reason) for r in releases] == [("c-high", "conversation_end")]
+        assert released("conversation_end") == before + 1
+        answer = await client.leases.Lookup(lookup_request("c-high"), timeout=10)
+        assert (answer.reason, answer.claimed) == ("no_lease", False)
+        # Ending it again finds nothing.
+        again = await client.leases.Revoke(
+            leases_pb2.RevokeLeaseRequest(conversation_id="c-high", conversation_end=True), timeout=10
+        )
+        assert (again.found, again.released_by_node) == (False, False)
+    finally:
+        await stream.close()
+
+
+async def test_a_conversation_end_on_a_node_attached_elsewhere_answers_the_release(
+    daemon: Daemon, client: Client
+) -> None:
+    await client.nodes.Register(node_request("d-1"), timeout=10)
+    await client.leases.Register(lease_request("c-1"), timeout=10)
+    ended = await client.leases.Revoke(
+        leases_pb2.RevokeLeaseRequest(conversation_id="c-1", conversation_end=True), timeout=10
+    )
+    assert (ended.found, ended.released_by_node) == (True, False)
+    assert struct_to_dict(ended.release_params)["remote_num_tokens"] == 0
