@@ -127,9 +127,18 @@ class Sidecar:
             self._releaser = Releaser(s, self._link, self._http, self.metrics)
             self.retentions = RetentionSender(s, self.instance, self._link, self.metrics, self._releaser)
             self.node = NodeSession(
-                s, self.instance, self.mirror, self._link, self._http, self.metrics, self.unretained
+                s,
+                self.instance,
+                self.mirror,
+                self._link,
+                self._http,
+                self.metrics,
+                self.unretained,
+                self._releaser,
             )
-            tap = self.tap = Tap(s, self._http, self.instance, self.retentions, self.metrics, self.unretained)
+            tap = self.tap = Tap(
+                s, self._http, self.instance, self.retentions, self.metrics, self.unretained, self._releaser
+            )
             host, port = listen_address(s)
             self._server = TapServer(
                 tap.app(self.security.policy), Deadlines(s.tap.head_timeout_s, s.tap.idle_timeout_s)

@@ -37,6 +37,28 @@ log = structlog.get_logger(__name__)
 DEFAULT_BLOCK_SIZE = 16
 _DP_SUFFIX = re.compile(r"_dp\d+$")
 _CACHE_INFO_BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
+_CACHE_INFO_BLOCKS = re.compile(r'^vllm:cache_config_info\{[^}]*\bnum_gpu_blocks="(\d+)"', re.MULTILINE)
+_KV_USAGE = re.compile(r"^vllm:kv_cache_usage_perc(?:\{[^}]*\})? ([0-9.eE+-]+|NaN)$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class PoolFacts:
+    """The engine's KV pool as its /metrics shows it."""
+
+    blocks: int
+    """Blocks in all (vllm:cache_config_info's num_gpu_blocks)."""
+    usage: float
+    """The share in use, 0..1 (vllm:kv_cache_usage_perc; with several engines, the largest)."""
+
+
+def pool_of(metrics_text: str) -> PoolFacts | None:
+    """The pool facts in an engine's /metrics text (None: it shows no pool size)."""
+    blocks = _CACHE_INFO_BLOCKS.search(metrics_text)
+    if blocks is None or not int(blocks.group(1)):
+        return None
+    usages = [float(u) for u in _KV_USAGE.findall(metrics_text)]
+    usage = max((u for u in usages if 0.0 <= u <= 1.0), default=0.0)
+    return PoolFacts(int(blocks.group(1)), usage)
 
 
 def normalize_engine_id(engine_id: str) -> str:
@@ -70,6 +92,8 @@ class EngineInstance:
         self.generation: int | None = None
         """The daemon's generation for the current epoch (None until registered)."""
         self.facts: EngineFacts | None = None
+        self.pool: PoolFacts | None = None
+        """The engine's KV pool as the last probe read it (None: unknown)."""
         self.up = asyncio.Event()
         """Set while the engine answers and its process identity is confirmed."""
         self.registered = asyncio.Event()
@@ -160,21 +184,36 @@ class EngineInstance:
         for watcher in self._watchers:
             watcher()
 
+    def read_pool(self, metrics_text: str) -> None:
+        """Keep the pool facts of a probe's /metrics (heartbeats carry them to the daemon)."""
+        self.pool = pool_of(metrics_text)
+
     def unregistered(self) -> None:
         """The daemon no longer knows the current generation (refused): wait for re-registration."""
         self.registered.clear()
         self._notify()
 
 
-async def probe(session: aiohttp.ClientSession, url: str, timeout_s: float) -> tuple[Answer, Identity | None]:
-    """Whether the engine's /health answers 200, and (then) the identity on its /metrics."""
+async def probe(
+    session: aiohttp.ClientSession,
+    url: str,
+    timeout_s: float,
+    on_metrics: Callable[[str], None] | None = None,
+) -> tuple[Answer, Identity | None]:
+    """Whether the engine's /health answers 200, and (then) the identity on its /metrics
+    (whose text `on_metrics` is also given)."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
         async with session.get(url + "/health", timeout=timeout) as r:
             if r.status != 200:
                 return Answer.FAILED, None
         async with session.get(url + "/metrics", timeout=timeout) as r:
-            return Answer.OK, identity_of(await r.text()) if r.status == 200 else None
+            if r.status != 200:
+                return Answer.OK, None
+            text = await r.text()
+            if on_metrics is not None:
+                on_metrics(text)
+            return Answer.OK, identity_of(text)
     except aiohttp.ClientConnectorError as e:
         refused = isinstance(e.os_error, ConnectionRefusedError)
         return (Answer.REFUSED if refused else Answer.FAILED), None
@@ -189,7 +228,7 @@ async def watch_health(
     what each probe found to `instance`."""
     while True:
         instance.probe_now.clear()
-        answer, identity = await probe(session, settings.url, settings.health_timeout_s)
+        answer, identity = await probe(session, settings.url, settings.health_timeout_s, instance.read_pool)
         instance.observe(answer, identity)
         try:
             async with asyncio.timeout(settings.health_interval_s):

@@ -37,6 +37,7 @@ import aiohttp
 import grpc
 import structlog
 
+from kvferry.structs import struct_to_dict
 from kvferry.tasks import cancel_and_wait
 from kvferry.urls import is_loopback, join_host_port
 from kvferry.v1 import nodes_pb2
@@ -44,6 +45,7 @@ from sidecar.daemon import Backoff, DaemonLink
 from sidecar.engine import EngineFacts, EngineInstance, learn_facts
 from sidecar.kvindex import KvBatch, KvMirror
 from sidecar.metrics import SidecarMetrics
+from sidecar.releases import Releaser
 from sidecar.settings import Settings, listen_address
 from sidecar.unretained import UnretainedLedger
 
@@ -107,8 +109,10 @@ class NodeSession:
         http: aiohttp.ClientSession,
         metrics: SidecarMetrics,
         unretained: UnretainedLedger | None = None,
+        releaser: Releaser | None = None,
     ) -> None:
         self._s = settings
+        self._releaser = releaser
         self._instance = instance
         self._mirror = mirror
         self._link = link
@@ -285,7 +289,9 @@ class NodeSession:
                 msg = await call.read()
                 if not isinstance(msg, nodes_pb2.AttachResponse):
                     return  # end of stream
-                if msg.HasField("heartbeat_ack") and msg.ttl_seconds > 0:  # (0: not refreshed)
+                if msg.HasField("release"):
+                    self._release(msg.release)
+                elif msg.HasField("heartbeat_ack") and msg.ttl_seconds > 0:  # (0: not refreshed)
                     acked[0] = loop.time()
                     self._metrics.heartbeats.labels("acked").inc()
         finally:
@@ -336,9 +342,28 @@ class NodeSession:
                 async with asyncio.timeout(max(wake_at - loop.time(), 0.0)):
                     await self._wakeup.wait()
 
+    def _release(self, release: nodes_pb2.ReleaseRetention) -> None:
+        """The daemon revoked a retention of this node (its budget, the conversation's end):
+        have D free the blocks through a prefill node (the releaser of replaced retentions)."""
+        facts = self._instance.facts
+        log.info(
+            "retention.released_early",
+            conversation_id=release.conversation_id,
+            reason=release.reason,
+            sent=facts is not None and self._releaser is not None,
+        )
+        if facts is None or self._releaser is None:
+            return  # (the engine's facts are gone with its process, and the blocks with it)
+        params = struct_to_dict(release.kv_transfer_params)
+        self._releaser.release(params, facts.model, facts.block_size, release.conversation_id)
+
     def _heartbeat(self, seq: int) -> nodes_pb2.Heartbeat:
-        """A heartbeat, with what the daemon shows of the node's uncaptured turns."""
+        """A heartbeat, with what the daemon shows of the node's uncaptured turns and of its
+        engine's KV pool."""
         beat = nodes_pb2.Heartbeat(seq=seq)
+        pool = self._instance.pool
+        if pool is not None:
+            beat.pool_blocks, beat.pool_usage = pool.blocks, pool.usage
         if self._unretained is not None:
             beat.uncaptured_turns = self._unretained.turns
             beat.unretained_blocks = self._unretained.blocks(time.monotonic())
