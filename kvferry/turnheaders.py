@@ -16,6 +16,10 @@ takes a request the router sent (it carries ``X-Kvferry-Turn-Id``) by that
 header alone, whatever header it is configured to read for other front doors
 (`tapped_tenant`): the two cannot disagree.
 
+A conversation's end: a client sends ``X-Conversation-End: true`` with its last turn
+(`conversation_ends`); the router then tells D's sidecar in ``X-Kvferry-Conversation-End``,
+and the sidecar has D free the answer's blocks at once instead of registering them.
+
 Every ``X-Kvferry-*`` request header is kvferry's own (`internal_header`): a
 front door drops those a client sent before anything reads them.
 """
@@ -43,6 +47,11 @@ vLLM names its answer after it.)"""
 NO_RETENTION_HEADER = "X-Kvferry-No-Retention"
 """Set by the router on a decode request nothing should be retained of (several answers,
 non-text content): D's sidecar captures nothing, even when the body names a session."""
+CONVERSATION_END_HEADER = "X-Conversation-End"
+"""Sent by a client with a conversation's last turn ("true"): nothing of it is retained."""
+END_HEADER = "X-Kvferry-Conversation-End"
+"""Set by the router on the decode request of a conversation's last turn: D's sidecar has
+D free the answer's blocks at once instead of registering a retention of them."""
 NOT_DELIVERED_HEADER = "X-Kvferry-Not-Delivered"
 """Set on a sidecar's 502 when its engine was never reached: the request was not seen, so
 the router may send it to another node as if the sidecar itself had been unreachable."""
@@ -97,6 +106,17 @@ def conversation_of(headers: Mapping[str, str], body: Mapping[str, Any]) -> str:
         if found:
             return safe_id(found, "conv")
     return ""
+
+
+def conversation_ends(headers: Mapping[str, str]) -> bool:
+    """Whether a client's request is its conversation's last turn (``X-Conversation-End``
+    says true, 1 or yes, case aside)."""
+    return headers.get(CONVERSATION_END_HEADER, "").strip().lower() in ("true", "1", "yes")
+
+
+def ends_here(headers: Mapping[str, str]) -> bool:
+    """Whether a request the router sent D is its conversation's last turn."""
+    return TURN_ID_HEADER in headers and END_HEADER in headers
 
 
 def key_tenant(key: str) -> str:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import structlog
@@ -26,7 +28,7 @@ from kvferry.leaseclient import LeaseOpError, LeaseStream
 from kvferry.security.tls import TlsFiles, client_ssl_context
 from kvferry.structs import struct_to_dict
 from kvferry.tasks import cancel_and_wait
-from kvferry.v1 import leases_pb2, nodes_pb2, nodes_pb2_grpc
+from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 from router.choice import Node
 from router.decisions import Breaker, LookupAnswer, Reuse, Skip, reuse_of, skipped
 from router.settings import DaemonSettings
@@ -76,6 +78,19 @@ calls that started on it (a lookup waits for its prompt, then its deadline); the
 answers it still owes are awaited after that (`DaemonSettings.late_answer_s`)."""
 
 
+@dataclass(frozen=True)
+class Ended:
+    """What the daemon did when a conversation ended."""
+
+    found: bool
+    """A retention of it was revoked."""
+    released_by_node: bool
+    """D's sidecar was told to free the blocks."""
+    release_params: dict[str, Any] | None
+    """Else, D's params to free them with (None: nothing is left to free)."""
+    engine_id: str
+
+
 class _Replica:
     """One daemon replica: its channel, its lookup stream and its Nodes stub."""
 
@@ -85,6 +100,7 @@ class _Replica:
         self.stream = LeaseStream(self.channel, late_answer_s)
         """Its ``Leases/Stream``, which the lookups go over."""
         self.nodes = nodes_pb2_grpc.NodesStub(self.channel)
+        self.leases = leases_pb2_grpc.LeasesStub(self.channel)
         self.late = 0
         """Lookups in a row it answered after their deadline (or never), each sent after the
         one before was found late (those that were out together count once)."""
@@ -295,6 +311,22 @@ class DaemonClient:
             log.debug("router.nodes.list_failed", address=replica.address, code=e.code().name)
             return None
         return [Listed(node, n.alive, n.generation) for n in res.nodes if (node := node_of(n)) is not None]
+
+    async def end_conversation(self, tenant: str, conversation_id: str) -> Ended:
+        """Revoke the conversation's retention as its end (D's sidecar frees the blocks, or
+        the answer carries the params to). Raises grpc.aio.AioRpcError."""
+        replica = self._replica
+        request = leases_pb2.RevokeLeaseRequest(
+            tenant=tenant, conversation_id=conversation_id, conversation_end=True
+        )
+        try:
+            res = await replica.leases.Revoke(request, timeout=self._s.rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in _UNREACHABLE or e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._failover(replica)
+            raise
+        params = struct_to_dict(res.release_params) if res.HasField("release_params") else None
+        return Ended(res.found, res.released_by_node, params, res.lease.engine_id)
 
     async def owed_answers(self, timeout_s: float) -> None:
         """Until the lookups answered after their turn gave up on them have had their answers

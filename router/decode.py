@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import hdrs, web
 
-from kvferry.turnheaders import CONVERSATION_HEADER, NO_RETENTION_HEADER, TENANT_HEADER
+from kvferry.turnheaders import CONVERSATION_HEADER, END_HEADER, NO_RETENTION_HEADER, TENANT_HEADER
 from router.choice import Node, choose_decode
 from router.decisions import Failure, FailureKind, decode_body, retry_decode_elsewhere
 from router.errors import bad_gateway, engine_message, passthrough
@@ -72,6 +72,8 @@ def _decode_headers(turn: Turn, retain: bool) -> dict[str, str]:
         extra.append((CONVERSATION_HEADER, ident.conversation_id))
         if ident.tenant:
             extra.append((TENANT_HEADER, ident.tenant))
+        if turn.ends:  # (the client's last turn: D's sidecar frees what D keeps at once)
+            extra.append((END_HEADER, "1"))
     elif not retain:  # (a body session_id would still name the conversation to the sidecar)
         extra.append((NO_RETENTION_HEADER, "1"))
     return turn.engine_headers(turn.request_id, extra)

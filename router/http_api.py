@@ -3,7 +3,8 @@
 Routes: ``/v1/chat/completions`` and ``/v1/completions`` (streaming or not, one
 `router.turn.Turn` each), ``/v1/models`` (merged from a prefill node per model),
 ``/health`` (200 while there is a prefill and a decode node to route to),
-``/version`` (vLLM's: the engines' version),
+``/version`` (vLLM's: the engines' version), ``DELETE /v1/conversations/{id}`` (a
+conversation's end: `router.conversations`),
 ``/metrics`` (Prometheus). Bad client input gets vLLM's 400 error shape. With API
 keys set, /v1/ routes answer 401 to a client without one of them, as vLLM does.
 
@@ -31,6 +32,7 @@ from kvferry.security import audit
 from kvferry.security.roles import anonymous
 from kvferry.security.tls import peer_identity_from_transport
 from kvferry.turnheaders import internal_header
+from router import conversations
 from router.choice import Node, prefill_candidates
 from router.decisions import Failure, FailureKind
 from router.errors import bad_gateway, error_response
@@ -161,6 +163,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, COMPLETIONS_PATH)
 
 
+async def end_conversation(request: web.Request) -> web.Response:
+    return await conversations.end_conversation(request, request.app[SHARED_KEY], request[TENANT])
+
+
 async def models(request: web.Request) -> web.Response:
     """The model cards of every model served: a prefill node's answer per base model,
     merged (one model: that node's answer as it is). A model none of whose prefill
@@ -262,6 +268,7 @@ def build_app(shared: Shared, keys: ApiKeys) -> web.Application:
     app.router.add_post(CHAT_PATH, chat_completions)
     app.router.add_post(COMPLETIONS_PATH, completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_delete(conversations.PATH, end_conversation)
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)

@@ -37,6 +37,7 @@ from aiohttp import web
 
 from kvferry.digests import DigestCache
 from kvferry.releases import nothing_to_pull
+from kvferry.turnheaders import conversation_ends
 from router.choice import (
     Node,
     alike,
@@ -110,6 +111,8 @@ class Turn:
         self.request: web.Request | None = request
         """Until the turn ends (see `serve`)."""
         self._client_headers = request.headers
+        self.ends = conversation_ends(request.headers)
+        """The client said this is its conversation's last turn (nothing is retained)."""
         self.path = path
         self.body = body
         self.started = time.perf_counter()

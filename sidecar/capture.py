@@ -22,7 +22,7 @@ import msgspec
 
 from kvferry.decoding import UNDECODABLE, lax_bool
 from kvferry.sse import SseEvent, SseEvents, is_error_event, join_events, split_events
-from kvferry.turnheaders import TURN_ID_HEADER, conversation_of, tapped_tenant
+from kvferry.turnheaders import TURN_ID_HEADER, conversation_of, ends_here, tapped_tenant
 
 #: Paths whose requests the tap rewrites and whose answers it reads.
 TAPPED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -55,6 +55,9 @@ class RequestPlan:
     with_prefill_params: bool = False
     """The request came with a prefill's kv_transfer_params (``do_remote_prefill``): a
     decode engine with bidirectional transfer pins its blocks when it finishes normally."""
+    ends: bool = False
+    """The router said it is the conversation's last turn: D's blocks are released at
+    once, not registered (kvferry.turnheaders.END_HEADER)."""
 
 
 class _Head(msgspec.Struct):
@@ -128,6 +131,7 @@ def plan_request(
         capture=capture,
         request_id=_request_id(headers),
         with_prefill_params=capture and _from_prefill(head.kv_transfer_params),
+        ends=capture and ends_here(headers),
     )
 
 

@@ -26,14 +26,16 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
 from kvferry.hops import never_delivered
+from kvferry.releases import notifiable
 from kvferry.security.policy import Policy
 from kvferry.turnheaders import NO_RETENTION_HEADER, NOT_DELIVERED_HEADER
 from sidecar.bodies import BodyBudget, BodyLimits, request_body
 from sidecar.capture import RequestPlan, SseRewriter, TurnObserver, plan_request, rewrite_json
-from sidecar.drafts import draft_retention
+from sidecar.drafts import RetentionDraft, draft_retention
 from sidecar.engine import DEFAULT_BLOCK_SIZE, EngineInstance
 from sidecar.gate import ROUTE_KEY, TOKEN_USED_KEY, gate
 from sidecar.metrics import SidecarMetrics
+from sidecar.releases import Releaser
 from sidecar.retentions import RetentionSender
 from sidecar.settings import Settings
 from sidecar.unretained import (
@@ -116,8 +118,10 @@ class Tap:
         retentions: RetentionSender,
         metrics: SidecarMetrics,
         unretained: UnretainedLedger,
+        releaser: Releaser | None = None,
     ) -> None:
         self._s = settings
+        self._releaser = releaser
         self._base = settings.engine.url
         self._http = http
         self._instance = instance
@@ -276,10 +280,23 @@ class Tap:
             if isinstance(draft, str):
                 self._metrics.turns.labels(draft).inc()
                 return
+            if plan.ends:
+                self._end(draft)
+                return
             self._metrics.turns.labels("captured").inc()
             self._retentions.submit(draft)
         except Exception:  # a bug here must not cost the client its answer
             log.exception("tap.capture.failed", conversation_id=plan.conversation_id)
+
+    def _end(self, draft: RetentionDraft) -> None:
+        """The conversation's last turn: have D free the blocks now (through a prefill
+        node), not retain them for a turn that will not come."""
+        self._metrics.turns.labels("conversation_end").inc()
+        facts = self._instance.facts
+        if self._releaser is None or facts is None or not notifiable(draft.params):
+            log.info("tap.conversation_end.unreleased", conversation_id=draft.conversation_id)
+            return  # (D frees them at its TTL)
+        self._releaser.release(draft.params, facts.model, facts.block_size, draft.conversation_id)
 
     def _uncaptured(self, observer: TurnObserver, plan: RequestPlan, epoch: int) -> None:
         """A turn whose blocks D pinned without saying which: into the ledger, and the first
