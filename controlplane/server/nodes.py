@@ -16,6 +16,7 @@ from controlplane.errors import InvalidArgument, StoreUnavailable
 from controlplane.messages import beat_of, node_message, registration_of, release_message
 from controlplane.records import NodeRecord, NodeState
 from controlplane.server.auth import allowed, caller, require
+from controlplane.server.inbox import Inbox, Wake
 from controlplane.server.status import abort, rpc
 from controlplane.service.attachments import Attachments
 from controlplane.service.budgets import Release
@@ -55,15 +56,21 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
         rec: NodeRecord | None = None
         stream = object()  # this stream, for the node's index to follow
         attachments = self._attachments
+        inbox = Inbox(request_iterator)
         metrics.ATTACHED.inc()
         try:
-            async for msg in request_iterator:
+            while (msg := await inbox.get()) is not None:
+                if isinstance(msg, Wake):  # releases wait for the sidecar
+                    for release in attachments.releases(rec, stream) if rec is not None else []:
+                        yield release_message(release)
+                    continue
                 kind = msg.WhichOneof("body")
                 if kind == "hello":
                     require(node_denial(caller(), msg.hello.engine_id), "/kvferry.v1.Nodes/Attach")
                     if rec is not None and msg.hello.engine_id != rec.engine_id:
                         raise InvalidArgument("an Attach stream speaks for one engine: open another")
-                    rec = await attachments.attach(msg.hello.engine_id, msg.hello.generation, stream)
+                    hello = msg.hello
+                    rec = await attachments.attach(hello.engine_id, hello.generation, stream, inbox.wake)
                     ttl, rec = await attachments.heartbeat(rec)
                     log.info("node.attached", engine_id=rec.engine_id, generation=rec.generation)
                     attached = node_message(ListedNode(NodeState(rec, True)))
@@ -87,6 +94,7 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
         except Exception as e:
             await abort(context, e, "Nodes/Attach")
         finally:
+            await inbox.close()
             metrics.ATTACHED.dec()
             if rec is not None:
                 attachments.detach(rec, stream)

@@ -53,9 +53,12 @@ class Attachments:
         self.stopping = False
         """Set when the replica stops: the Attach streams it ends suspend no node."""
 
-    async def attach(self, engine_id: str, generation: int, stream: object) -> NodeRecord:
+    async def attach(
+        self, engine_id: str, generation: int, stream: object, wake: Callable[[], None] = lambda: None
+    ) -> NodeRecord:
         """Check that a sidecar attaching speaks for the registered generation; `stream`
-        (any object, one per Attach stream) is now the one the node's index follows."""
+        (any object, one per Attach stream) is now the one the node's index follows, and
+        `wake` is called when releases wait for its sidecar."""
         check_id("hello.engine_id", engine_id, self._max_id_bytes)
         state, _ = await self._store.get(engine_id)
         if state is None or state.record.removed_at:
@@ -74,7 +77,7 @@ class Attachments:
             self.index.drop(engine_id)
             self._reports.pop(engine_id, None)
         self._streams[engine_id] = stream
-        self.budgets.attached(engine_id)
+        self.budgets.attached(engine_id, wake)
         return state.record
 
     async def heartbeat(self, rec: NodeRecord) -> tuple[int, NodeRecord]:

@@ -57,11 +57,12 @@ class Budgets:
         self._pools: dict[str, Pool] = {}
         self._pending: dict[str, list[Release]] = {}
         self._ticked: dict[str, float] = {}
-        self._attached: set[str] = set()
+        self._attached: dict[str, Callable[[], None]] = {}
 
-    def attached(self, engine_id: str) -> None:
-        """The node's sidecar holds an Attach stream to this replica (releases reach it)."""
-        self._attached.add(engine_id)
+    def attached(self, engine_id: str, wake: Callable[[], None]) -> None:
+        """The node's sidecar holds an Attach stream to this replica (releases reach it):
+        `wake` has the stream send those waiting."""
+        self._attached[engine_id] = wake
 
     def registered(self, tenant: str, conversation_id: str, r: Retention, revision: int) -> None:
         """A retention was stored (replacing the conversation's previous one)."""
@@ -95,7 +96,7 @@ class Budgets:
     def forget(self, engine_id: str) -> None:
         """The node's Attach stream ended: its pool facts and unsent releases go (the
         retentions released are out of etcd all the same; D frees them at their TTL)."""
-        self._attached.discard(engine_id)
+        self._attached.pop(engine_id, None)
         self._pools.pop(engine_id, None)
         self._pending.pop(engine_id, None)
         self._ticked.pop(engine_id, None)
@@ -109,6 +110,9 @@ class Budgets:
         """Have the node's sidecar free a revoked retention's blocks with its next answer."""
         self._pending.setdefault(engine_id, []).append(release)
         metrics.RELEASES.labels(release.reason.value).inc()
+        wake = self._attached.get(engine_id)
+        if wake is not None:
+            wake()
 
     async def report(self, engine_id: str, pool: Pool) -> None:
         """A heartbeat of the node's sidecar told its pool: count what its retentions held

@@ -5,6 +5,7 @@ releases at once. Single use holds in both orders."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import msgspec
@@ -142,8 +143,12 @@ async def test_a_conversation_end_revokes_and_has_the_attached_sidecar_free_it(
         )
         assert (ended.found, ended.released_by_node) == (True, True)
         assert not ended.HasField("release_params")  # D's sidecar frees them: nobody else
-        releases = await _heartbeat(stream, 1, 0, 0.0)  # (no pool facts: no budget, releases all the same)
-        assert [(r.conversation_id, r.reason) for r in releases] == [("c-high", "conversation_end")]
+        # At once, not with the answer to the next heartbeat.
+        pushed = await asyncio.wait_for(stream.call.read(), timeout=10)
+        assert pushed.HasField("release"), pushed
+        assert (pushed.release.conversation_id, pushed.release.reason) == ("c-high", "conversation_end")
+        assert struct_to_dict(pushed.release.kv_transfer_params)["remote_num_tokens"] == 0
+        assert await _heartbeat(stream, 1, 0, 0.0) == []  # (sent once)
         assert released("conversation_end") == before + 1
         answer = await client.leases.Lookup(lookup_request("c-high"), timeout=10)
         assert (answer.reason, answer.claimed) == ("no_lease", False)
