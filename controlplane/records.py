@@ -87,6 +87,8 @@ class HeldSummary(msgspec.Struct, frozen=True):
     engine_id: str
     num_tokens: int
     expires_at: float
+    block_size: int = 0
+    created_at: float = 0.0
 
 
 class Claim(msgspec.Struct, frozen=True):

@@ -42,9 +42,9 @@ class ControlPlane:
         self.settings = settings
         self.background = Background()
         self.nodes = NodeCache(store.nodes, settings.nodes.cache_refresh_s)
-        self.gauges = Gauges(store.scans, clock)
         lim = settings.limits
         self.budgets = Budgets(store.retentions, settings.budget, clock)
+        self.gauges = Gauges(store.scans, clock, self.budgets.rescanned)
         self.attachments = Attachments(
             store.nodes, self.nodes, self.background, lim.max_id_bytes, lim.max_tokens, clock, self.budgets
         )

@@ -71,6 +71,21 @@ class Budgets:
         self._held.setdefault(r.engine_id, {})[(tenant, conversation_id)] = held
         self._engine_of[(tenant, conversation_id)] = r.engine_id
 
+    def rescanned(self, held: dict[str, list[Held]], since: float) -> None:
+        """A scan of etcd that began at `since` read these live retentions per engine: for
+        the nodes attached here, they replace what this replica knew (registrations through
+        other replicas come in, claims through them go), but for what registered here since
+        the scan began, which it may have missed."""
+        for engine in self._attached:
+            now_held = self._held.get(engine, {})
+            fresh = {k: h for k, h in now_held.items() if h.created_at >= since}
+            for key in now_held:
+                self._engine_of.pop(key, None)
+            scanned = {(h.tenant, h.conversation_id): h for h in held.get(engine, [])}
+            self._held[engine] = {**scanned, **fresh}
+            for key in self._held[engine]:
+                self._engine_of[key] = engine
+
     def claimed(self, tenant: str, conversation_id: str, r: Retention, now: float) -> None:
         """A lookup took the retention: its conversation came back after `now - created_at`."""
         self.sketch.observe(now - r.created_at)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import structlog
 
 from controlplane import metrics
+from controlplane.budget import Held
 from controlplane.errors import StoreUnavailable
 from controlplane.store.scans import RetentionScans
 
@@ -24,9 +25,16 @@ _SCAN_SPACING = 10
 class Gauges:
     """Live retentions and held tokens per node, as of the last scan."""
 
-    def __init__(self, scans: RetentionScans, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        scans: RetentionScans,
+        clock: Callable[[], float],
+        on_scan: Callable[[dict[str, list[Held]], float], None] = lambda held, since: None,
+    ) -> None:
+        """`on_scan` is given each scan's retentions per engine, and when the scan began."""
         self._scans = scans
         self._clock = clock
+        self._on_scan = on_scan
         self.held: dict[str, tuple[int, int]] = {}
         """Per engine: (live retentions, held tokens), from the last scan."""
 
@@ -38,10 +46,24 @@ class Gauges:
         # A background pass at ~2,000 records/s, 100 at a time: a large store never holds
         # lookups up for more than a page's decoding (~1 ms), and the pass costs etcd
         # little (at 5,000/s it moved Lookup p99 at 1,000/s from ~9 to ~17 ms here).
-        async for r in self._scans.scan_held(pause_s=_SCAN_PAUSE_S):
+        held: dict[str, list[Held]] = {}
+        async for s in self._scans.scan_held(pause_s=_SCAN_PAUSE_S):
+            r = s.held
             if r.expires_at > now:
                 live[r.engine_id] = live.get(r.engine_id, 0) + 1
                 tokens[r.engine_id] = tokens.get(r.engine_id, 0) + r.num_tokens
+                held.setdefault(r.engine_id, []).append(
+                    Held(
+                        s.tenant,
+                        s.conversation_id,
+                        r.num_tokens,
+                        r.block_size,
+                        r.created_at,
+                        r.expires_at,
+                        s.revision,
+                    )
+                )
+        self._on_scan(held, now)
         metrics.LIVE_RETENTIONS.clear()
         metrics.HELD_TOKENS.clear()
         for engine, n in live.items():

@@ -16,6 +16,7 @@ import asyncio
 import bisect
 import itertools
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import structlog
 from aetcd import rpc
@@ -40,6 +41,16 @@ log = structlog.get_logger(__name__)
 SCAN_PAGE = 100
 #: At most this many gauge-scan window bounds are kept (~50 bytes each in etcd).
 MAX_SCAN_BOUNDS = 10_000
+
+
+@dataclass(frozen=True)
+class Scanned:
+    """One retention as the gauge scan reads it."""
+
+    tenant: str
+    conversation_id: str
+    revision: int
+    held: HeldSummary
 
 
 class RetentionScans:
@@ -107,8 +118,8 @@ class RetentionScans:
         self._merged = len(self._sampled)
         return self._bounds
 
-    async def scan_held(self, pause_s: float) -> AsyncIterator[HeldSummary]:
-        """Every retention's engine, tokens and deadline, about SCAN_PAGE at a time, pausing
+    async def scan_held(self, pause_s: float) -> AsyncIterator[Scanned]:
+        """Every retention's key, revision, engine, size and times, about SCAN_PAGE at a time, pausing
         between requests; the bounds it finds are kept in etcd for the next scan."""
         page = SCAN_PAGE
         prefix = self._keys.retentions
@@ -127,7 +138,8 @@ class RetentionScans:
                     seen += 1
                     summary = decoded(decode_summary, kv)
                     if summary is not None:
-                        yield summary
+                        tenant, conversation = self._keys.split_retention(kv.key)
+                        yield Scanned(tenant, conversation, int(kv.mod_revision), summary)
                 # Paced by what was read: a window that came back (nearly) empty costs
                 # one cheap request, and sampled bounds never slow the scan down.
                 await asyncio.sleep(pause_s * len(resp.kvs) / page)

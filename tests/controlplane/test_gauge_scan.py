@@ -41,7 +41,8 @@ def retention(engine: str, tokens: int) -> Retention:
 
 async def held(s: EtcdStore) -> dict[str, tuple[int, int]]:
     out: dict[str, tuple[int, int]] = {}
-    async for r in s.scans.scan_held(pause_s=0):
+    async for scanned in s.scans.scan_held(pause_s=0):
+        r = scanned.held
         n, t = out.get(r.engine_id, (0, 0))
         out[r.engine_id] = (n + 1, t + r.num_tokens)
     return out

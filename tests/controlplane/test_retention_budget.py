@@ -171,3 +171,34 @@ async def test_a_conversation_end_on_a_node_attached_elsewhere_answers_the_relea
     )
     assert (ended.found, ended.released_by_node) == (True, False)
     assert struct_to_dict(ended.release_params)["remote_num_tokens"] == 0
+
+
+async def test_retentions_registered_through_another_replica_count_after_a_scan(
+    make_daemon: DaemonFactory, etcd_endpoint: str, connect
+) -> None:  # type: ignore[no-untyped-def]
+    """The replica D's sidecar is attached to learns the retentions registered through
+    another one (and forgets those claimed there) from its gauge scan."""
+    a = await make_daemon(daemon_settings(etcd_endpoint, prefix="/t-budget-scan"))
+    b = await make_daemon(daemon_settings(etcd_endpoint, prefix="/t-budget-scan"))
+    ca, cb = connect(a), connect(b)
+    await ca.nodes.Register(node_request("d-1"), timeout=10)
+    stream = AttachStream(ca)
+    try:
+        await stream.send(hello("d-1"))
+        for conversation, tokens in HELD.items():
+            params = d_params("d-1", tokens, conversation)
+            await cb.leases.Register(
+                lease_request(conversation, num_tokens=tokens, params=params), timeout=10
+            )
+        assert a.control_plane is not None
+        assert a.control_plane.budgets.retained_blocks("d-1") == 0  # (none went through it)
+        await a.control_plane.gauges.scan()
+        assert a.control_plane.budgets.retained_blocks("d-1") == 60
+        pulled = await cb.leases.Lookup(lookup_request("c-small", prompt_tokens=400), timeout=10)
+        assert pulled.claimed
+        await a.control_plane.gauges.scan()
+        assert a.control_plane.budgets.retained_blocks("d-1") == 50
+        releases = await _heartbeat(stream, 1, 80, 0.5)  # a budget of 40: c-low goes
+        assert [(r.conversation_id, r.reason) for r in releases] == [("c-low", "budget")]
+    finally:
+        await stream.close()
