@@ -151,18 +151,7 @@ class Sidecar:
             self._spawn(self.node.run, "node")
             self._spawn(self.retentions.run, "retentions")
             if s.kv_events.endpoint:
-                self._zmq = zmq.asyncio.Context()
-                for rank in range(s.kv_events.ranks):  # (a data-parallel engine: one stream a rank)
-                    ingest = KvIngest(
-                        s.kv_events.for_rank(rank),
-                        self._zmq,
-                        self.mirror,
-                        self.instance,
-                        self.metrics,
-                        self.node.kv_changed,
-                        rank,
-                    )
-                    self._spawn(ingest.run, f"kvevents-{rank}")
+                self._ingest_kv_events(self.node)
         except BaseException:
             await self.stop()
             raise
@@ -174,6 +163,22 @@ class Sidecar:
             daemon=list(s.daemon.addresses),
             kv_events=s.kv_events.endpoint or None,
         )
+
+    def _ingest_kv_events(self, node: NodeSession) -> None:
+        """Follow the engine's KV-event streams (a data-parallel engine: one stream a rank)."""
+        s = self.settings
+        self._zmq = zmq.asyncio.Context()
+        for rank in range(s.kv_events.ranks):
+            ingest = KvIngest(
+                s.kv_events.for_rank(rank),
+                self._zmq,
+                self.mirror,
+                self.instance,
+                self.metrics,
+                node.kv_changed,
+                rank,
+            )
+            self._spawn(ingest.run, f"kvevents-{rank}")
 
     def _ssl_contexts(self) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
         """(the tap's, the client's) SSL contexts, kept up to date by a reloader; None without TLS.
