@@ -105,7 +105,7 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
     ) -> tuple[int, NodeRecord, list[Release]]:
         """-> (seconds of liveness left, 0 while etcd is out; the record to heartbeat next;
         the releases its sidecar is to make)."""
-        releases = await self._attachments.report(rec, beat_of(beat), stream)
+        releases = self._attachments.report(rec, beat_of(beat), stream)
         try:
             ttl, rec = await self._attachments.heartbeat(rec)
         except StoreUnavailable as e:

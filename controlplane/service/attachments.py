@@ -96,15 +96,16 @@ class Attachments:
             log.warning("index.overflow", engine_id=rec.engine_id, max_blocks=MAX_BLOCKS_PER_NODE)
         metrics.INDEXED_HASHES.inc(len(update.stored) + len(update.removed))
 
-    async def report(self, rec: NodeRecord, beat: Beat, stream: object) -> list[Release]:
-        """Keep what a heartbeat of an attached node's sidecar counted (in memory), apply
-        the node's retention budget to the pool it reported. -> the releases its sidecar
-        is to make now."""
+    def report(self, rec: NodeRecord, beat: Beat, stream: object) -> list[Release]:
+        """Keep what a heartbeat of an attached node's sidecar counted (in memory), and
+        apply the node's retention budget to the pool it reported, in the background (its
+        revokes must not hold the heartbeat up: etcd slow, the liveness would lapse; the
+        releases go out when ready). -> the releases its sidecar is to make now."""
         if self._streams.get(rec.engine_id) is not stream:
             return []
         self._reports[rec.engine_id] = AttachedCounts(0, beat.uncaptured_turns, beat.unretained_blocks)
-        if beat.pool.blocks > 0:
-            await self.budgets.report(rec.engine_id, beat.pool)
+        if beat.pool.blocks > 0 and self.budgets.begin(rec.engine_id):
+            self._background.spawn(self.budgets.report(rec.engine_id, beat.pool), "retention-budget")
         return self.budgets.take_releases(rec.engine_id)
 
     def releases(self, rec: NodeRecord, stream: object) -> list[Release]:

@@ -58,6 +58,7 @@ class Budgets:
         self._pending: dict[str, list[Release]] = {}
         self._ticked: dict[str, float] = {}
         self._attached: dict[str, Callable[[], None]] = {}
+        self._running: set[str] = set()
 
     def attached(self, engine_id: str, wake: Callable[[], None]) -> None:
         """The node's sidecar holds an Attach stream to this replica (releases reach it):
@@ -129,10 +130,27 @@ class Budgets:
         if wake is not None:
             wake()
 
+    def begin(self, engine_id: str) -> bool:
+        """Whether a `report` of the node may start now (one at a time: a heartbeat while
+        the last one's releases are still being revoked starts none)."""
+        if engine_id in self._running:
+            return False
+        self._running.add(engine_id)
+        return True
+
     async def report(self, engine_id: str, pool: Pool) -> None:
         """A heartbeat of the node's sidecar told its pool: count what its retentions held
         since the last one, expire those past their deadline, and release the least valuable
-        ones the budget says to."""
+        ones the budget says to (started by `begin`)."""
+        self._running.add(engine_id)
+        try:
+            await self._report(engine_id, pool)
+        except Exception:  # a defect: logged, and the next heartbeat tries again
+            log.exception("retention.budget.error", engine_id=engine_id)
+        finally:
+            self._running.discard(engine_id)
+
+    async def _report(self, engine_id: str, pool: Pool) -> None:
         now = self._clock()
         self._pools[engine_id] = pool
         self._expire(engine_id, now)

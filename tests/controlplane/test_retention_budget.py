@@ -50,18 +50,21 @@ async def _attached(client: Client) -> AttachStream:
 
 
 async def _heartbeat(
-    stream: AttachStream, seq: int, pool: int, usage: float
+    daemon: Daemon, stream: AttachStream, seq: int, pool: int, usage: float
 ) -> list[nodes_pb2.ReleaseRetention]:
-    """One heartbeat; -> the releases that came with its answer."""
+    """One heartbeat, its budget pass done; -> the releases it made."""
     ack = await stream.send(beat(seq, pool, usage))
     assert ack is not None and ack.HasField("heartbeat_ack"), ack
+    assert daemon.control_plane is not None
+    await daemon.control_plane.background.settle()  # (the budget's revokes: in the background)
     out = []
-    while True:  # the releases follow the ack; a heartbeat without pool facts ends them
-        nxt = await stream.send(nodes_pb2.AttachRequest(heartbeat=nodes_pb2.Heartbeat(seq=seq + 1000)))
-        if nxt is not None and nxt.HasField("heartbeat_ack"):
-            return out
-        assert nxt is not None and nxt.HasField("release"), nxt
+    # The releases go out before the answer to a heartbeat sent after them.
+    nxt = await stream.send(nodes_pb2.AttachRequest(heartbeat=nodes_pb2.Heartbeat(seq=seq + 1000)))
+    while nxt is not None and nxt.HasField("release"):
         out.append(nxt.release)
+        nxt = await stream.call.read()
+    assert nxt is not None and nxt.HasField("heartbeat_ack"), nxt
+    return out
 
 
 async def test_a_node_over_its_budget_has_its_least_valuable_retention_released(
@@ -71,7 +74,7 @@ async def test_a_node_over_its_budget_has_its_least_valuable_retention_released(
     try:
         before = released("budget")
         # 100 blocks, a budget of half: 50; 60 held, so 10 must go: the least valuable (c-low).
-        releases = await _heartbeat(stream, 1, 100, 0.6)
+        releases = await _heartbeat(daemon, stream, 1, 100, 0.6)
         assert [(r.conversation_id, r.reason) for r in releases] == [("c-low", "budget")]
         assert struct_to_dict(releases[0].kv_transfer_params) == {
             **d_params("d-1", 305, "c-low"),
@@ -84,7 +87,7 @@ async def test_a_node_over_its_budget_has_its_least_valuable_retention_released(
         for kept in ("c-high", "c-small"):
             await client.leases.Get(leases_pb2.GetLeaseRequest(conversation_id=kept), timeout=10)
         # Under budget now: nothing more goes.
-        assert await _heartbeat(stream, 2, 100, 0.6) == []
+        assert await _heartbeat(daemon, stream, 2, 100, 0.6) == []
         listed = await client.nodes.List(nodes_pb2.ListNodesRequest(local_only=True), timeout=10)
         (node,) = listed.nodes
         assert (node.pool_blocks, node.retained_blocks) == (100, 40)
@@ -101,9 +104,9 @@ async def test_a_near_full_node_gets_room_from_retentions_first(
     stream = await _attached(client)
     try:
         # No budget (1.0), but 92 of 100 blocks in use, the mark at 90: 2 blocks to free.
-        releases = await _heartbeat(stream, 1, 100, 0.92)
+        releases = await _heartbeat(d, stream, 1, 100, 0.92)
         assert [(r.conversation_id, r.reason) for r in releases] == [("c-low", "near_full")]
-        assert await _heartbeat(stream, 2, 100, 0.5) == []
+        assert await _heartbeat(d, stream, 2, 100, 0.5) == []
     finally:
         await stream.close()
 
@@ -121,11 +124,11 @@ async def test_a_retention_handed_out_is_never_released(daemon: Daemon, client: 
         assert record[0] is not None
         low = msgspec.structs.replace(record[0].retention, num_tokens=305)
         budgets.registered("default", "c-low", low, stale.revision)
-        assert await _heartbeat(stream, 1, 100, 0.6) == []  # its revoke found it gone
+        assert await _heartbeat(daemon, stream, 1, 100, 0.6) == []  # its revoke found it gone
         # A turn's newer retention is not the one decided on either: it stays.
         await client.leases.Register(lease_request("c-low", num_tokens=305), timeout=10)
         budgets.registered("default", "c-low", low, stale.revision)
-        assert await _heartbeat(stream, 2, 100, 0.6) == []
+        assert await _heartbeat(daemon, stream, 2, 100, 0.6) == []
         again = await client.leases.Lookup(lookup_request("c-low", prompt_tokens=400), timeout=10)
         assert (again.reason, again.claimed) == ("pull", True)
     finally:
@@ -148,7 +151,7 @@ async def test_a_conversation_end_revokes_and_has_the_attached_sidecar_free_it(
         assert pushed.HasField("release"), pushed
         assert (pushed.release.conversation_id, pushed.release.reason) == ("c-high", "conversation_end")
         assert struct_to_dict(pushed.release.kv_transfer_params)["remote_num_tokens"] == 0
-        assert await _heartbeat(stream, 1, 0, 0.0) == []  # (sent once)
+        assert await _heartbeat(daemon, stream, 1, 0, 0.0) == []  # (sent once)
         assert released("conversation_end") == before + 1
         answer = await client.leases.Lookup(lookup_request("c-high"), timeout=10)
         assert (answer.reason, answer.claimed) == ("no_lease", False)
@@ -198,7 +201,7 @@ async def test_retentions_registered_through_another_replica_count_after_a_scan(
         assert pulled.claimed
         await a.control_plane.gauges.scan()
         assert a.control_plane.budgets.retained_blocks("d-1") == 50
-        releases = await _heartbeat(stream, 1, 80, 0.5)  # a budget of 40: c-low goes
+        releases = await _heartbeat(a, stream, 1, 80, 0.5)  # a budget of 40: c-low goes
         assert [(r.conversation_id, r.reason) for r in releases] == [("c-low", "budget")]
     finally:
         await stream.close()
