@@ -205,3 +205,28 @@ async def test_retentions_registered_through_another_replica_count_after_a_scan(
         assert [(r.conversation_id, r.reason) for r in releases] == [("c-low", "budget")]
     finally:
         await stream.close()
+
+
+async def test_a_lookup_and_a_release_racing_for_a_retention_never_both_get_it(
+    daemon: Daemon, client: Client
+) -> None:
+    """Twenty conversations, each looked up and released at the same moment: each
+    retention goes to exactly one of the two."""
+    assert daemon.control_plane is not None
+    store = daemon.control_plane.store.retentions
+    await client.nodes.Register(node_request("d-1"), timeout=10)
+    names = [f"race-{i}" for i in range(20)]
+    revisions = {}
+    for name in names:
+        registered = await client.leases.Register(lease_request(name, num_tokens=320), timeout=10)
+        revisions[name] = registered.lease.revision
+
+    async def both(name: str) -> tuple[bool, bool]:
+        looked, released = await asyncio.gather(
+            client.leases.Lookup(lookup_request(name, prompt_tokens=400), timeout=10),
+            store.revoke_exact("default", name, revisions[name]),
+        )
+        return looked.claimed, released is not None
+
+    outcomes = await asyncio.gather(*map(both, names))
+    assert all(claimed != released for claimed, released in outcomes), outcomes
