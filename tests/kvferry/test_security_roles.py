@@ -15,6 +15,7 @@ from kvferry.security.roles import (
     all_tenants_denial,
     method_denial,
     node_denial,
+    revoke_denial,
     stream_op_denial,
     tenant_denial,
 )
@@ -32,8 +33,9 @@ ADMIN = Caller("alice", Role.ADMIN)
     [
         (
             ROUTER,
-            ["Leases/Lookup", "Leases/Stream", "Nodes/Score", "Nodes/List", "Leases/Get"],
-            ["Leases/Revoke", "Leases/Register", "Nodes/Register", "Nodes/Deregister", "Nodes/Attach"],
+            # (Revoke: as a conversation's end, of its own tenants: `revoke_denial`)
+            ["Leases/Lookup", "Leases/Stream", "Nodes/Score", "Nodes/List", "Leases/Get", "Leases/Revoke"],
+            ["Leases/Register", "Nodes/Register", "Nodes/Deregister", "Nodes/Attach"],
         ),
         (
             SIDECAR,
@@ -184,3 +186,18 @@ def test_a_bad_policy_names_its_entry(tmp_path: Path, text: str, says: str) -> N
 def test_a_missing_policy_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match="No such file"):
         load_policy(tmp_path / "absent.toml")
+
+
+def test_a_router_revokes_only_its_tenants_conversations_as_their_end() -> None:
+    assert revoke_denial(ROUTER, "acme", conversation_end=True) is None
+    plain = revoke_denial(ROUTER, "acme", conversation_end=False)
+    assert plain == Denial(
+        "permission_denied",
+        "identity 'router-a' (role router) may revoke a retention only as a conversation's end "
+        "(conversation_end)",
+    )
+    other = revoke_denial(ROUTER, "globex", conversation_end=True)
+    assert other == Denial(
+        "permission_denied", "identity 'router-a' (role router) may not act for tenant 'globex'"
+    )
+    assert revoke_denial(ADMIN, "globex", conversation_end=False) is None
