@@ -204,7 +204,7 @@ _BODY_KEYS = [
 @st.composite
 def requests(draw: st.DrawFn) -> Request:
     """Any method, path, headers and body, framed right; now and then a Content-Encoding
-    the body does not have now and then."""
+    the body does not have."""
     method = draw(st.one_of(st.sampled_from(["GET", "POST", "PUT", "DELETE", "OPTIONS", "HEAD", "PATCH"]),
                             st.text(_token_chars, min_size=1, max_size=12)))  # fmt: skip
     target = draw(
