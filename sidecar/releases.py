@@ -57,6 +57,11 @@ class Releaser:
         self._listing: asyncio.Task[None] | None = None
         """The node list on its way: a burst of releases waits for one."""
 
+    @property
+    def in_flight(self) -> int:
+        """Releases on their way."""
+        return len(self._tasks)
+
     def release(self, params: Mapping[str, Any], model: str, block_size: int, conversation_id: str) -> None:
         """Send D `params` (a replaced retention's, remote_num_tokens 0) through a prefill
         node serving `model` with `block_size`, in the background."""

@@ -77,6 +77,8 @@ class _Leases(leases_pb2_grpc.LeasesServicer):
 
 
 class _Releaser:
+    in_flight = 0
+
     def __init__(self) -> None:
         self.released: list[str] = []
 
