@@ -150,3 +150,30 @@ async def test_a_maybe_stored_registration_is_counted_not_released_and_shown(
     await eventually(shown, within=15)
     assert params["remote_request_id"] in await _held(http, d)
     assert m.value(RELEASES, reason="orphan") == 0
+
+
+async def test_an_uncaptured_turns_blocks_are_shown_by_reason(
+    client: Client, start_emulator: StartEmulator, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    """A streamed turn whose answer names no blocks (vLLM without PR 40186, the emulator's
+    default): nothing can release them, so they are counted under their own reason, as
+    many as D holds by its own account, with the dropped registrations' in one total."""
+    p, d, sc = await _stack(client, start_emulator, start_sidecar)
+    messages = first_turn("mooring lines")
+    p1 = await prefill(http, p.http_url, messages)
+    body = {"messages": messages, "max_tokens": 12, "stream": True, "kv_transfer_params": p1.params}
+    async with http.post(sc.url + "/v1/chat/completions", json=body, headers={"X-Conversation-Id": "s"}) as r:
+        assert r.status == 200
+        await r.read()
+    held = sum(len(h["blocks"]) for h in (await _held(http, d)).values())
+    assert held > 0
+    m = sc.metrics
+
+    async def shown() -> bool:  # (the tap concludes the turn once it has written the answer)
+        return m.value("kvferry_sidecar_orphan_blocks", reason="stream_without_params") == held
+
+    await eventually(shown)
+    assert sc.retentions is not None
+    sc.retentions._drop(_draft(sc, await _pinned_turn(http, p, d, "quays"), "q"), "cancelled")
+    counted = m.value("kvferry_sidecar_orphan_blocks", reason="cancelled")
+    assert counted > 0 and m.value("kvferry_sidecar_unretained_blocks") == held + counted
