@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 Decision = Literal["release", "count", "gone"]
@@ -41,6 +41,11 @@ COUNTED = frozenset({"maybe_stored", "cancelled"})
 """Drop reasons that leave open whether the daemon holds a retention naming them."""
 GONE = frozenset({"expired", "restarted"})
 """Drop reasons whose blocks D no longer holds."""
+
+
+RETRIED = frozenset({"failed", "no_prefill", "skipped"})
+"""Release outcomes worth another try: it never reached a P's engine."""
+MAX_RELEASE_TRIES = 5
 
 
 def orphan_decision(reason: str) -> Decision:
@@ -81,6 +86,8 @@ class Pin:
     """Why no retention names them (a drop reason)."""
     notifiable: bool = True
     """Whether a P could tell D to free them (its params name D's request and address)."""
+    tries: int = 0
+    """Releases sent for them that did not take."""
 
 
 class OrphanBook:
@@ -108,6 +115,21 @@ class OrphanBook:
             self._waiting.append(pin)
             return "release"
         self._counted.append(pin)  # (params that name no holder: nothing can release them)
+        return "count"
+
+    def unreleased(self, pin: Pin, outcome: str, now: float) -> Decision:
+        """A release of `pin` ended with `outcome` (the releaser's label) other than
+        "released". -> "release": it waits again (no P known yet, the node list or the P
+        failed, no room), at most MAX_RELEASE_TRIES times; "count": D still holds the blocks
+        and nothing more will be tried (a P answered a release with an error, or tries ran
+        out): counted until D's TTL; "gone": freed meanwhile, or the sidecar stops."""
+        if outcome == "cancelled" or pin.expires_at <= now or pin.epoch != self.epoch:
+            return "gone"
+        pin = replace(pin, tries=pin.tries + 1)
+        if outcome in RETRIED and pin.tries < MAX_RELEASE_TRIES:
+            self._waiting.append(pin)
+            return "release"
+        self._counted.append(pin)
         return "count"
 
     def take(self, now: float, room: int) -> list[Pin]:

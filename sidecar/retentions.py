@@ -30,25 +30,19 @@ import grpc
 import structlog
 
 from kvferry.leaseclient import LeaseOpError, LeaseStream
-from kvferry.releases import nothing_to_pull, notifiable
+from kvferry.releases import notifiable
 from kvferry.structs import dict_to_struct, struct_to_dict
 from kvferry.v1 import leases_pb2
 from sidecar.daemon import TRANSIENT, Backoff, DaemonLink
 from sidecar.drafts import RetentionDraft, digests_of
 from sidecar.engine import EngineInstance
 from sidecar.metrics import SidecarMetrics
-from sidecar.orphans import COUNTED, RELEASED, Pin, blocks_of
-from sidecar.releases import MAX_IN_FLIGHT, Releaser
+from sidecar.orphanrelease import OrphanReleases
+from sidecar.releases import Releaser
 from sidecar.settings import Settings
-from sidecar.unretained import STREAM_WITHOUT_PARAMS, UnretainedLedger
+from sidecar.unretained import UnretainedLedger
 
 log = structlog.get_logger(__name__)
-
-#: How often the orphan book is gone through (releases waiting for room, pins D freed).
-RECONCILE_S = 1.0
-#: The releases on their way beyond which orphans wait: the rest of the releaser's room
-#: stays for the replaced retentions' releases.
-ORPHAN_ROOM = MAX_IN_FLIGHT // 2
 
 
 class RegistrationQueue:
@@ -227,11 +221,8 @@ class RetentionSender:
         if unretained is None:  # (a sender of its own: it follows the engine's restarts itself)
             unretained = UnretainedLedger(settings.engine.blocks_ttl_s)
             instance.on_restart(lambda: unretained.restart(instance.epoch))
-        self.unretained = unretained
-        """The blocks D pins that no retention names; its orphan book holds the drafts' ones."""
-        self._orphans = unretained.orphans
-        for reason in (STREAM_WITHOUT_PARAMS, *sorted(COUNTED | RELEASED)):
-            metrics.orphan_blocks.labels(reason).set_function(self._orphan_gauge(reason))
+        self.orphans = OrphanReleases(instance, unretained, metrics, releaser)
+        """What the drafts given up on leave pinned on D: released, or counted."""
         self._instance = instance
         self._link = link
         self._metrics = metrics
@@ -289,39 +280,7 @@ class RetentionSender:
         self._queue.done(draft)
         self._metrics.registrations_dropped.labels(reason).inc()
         log.info("retention.register.dropped", reason=reason, conversation_id=draft.conversation_id)
-        self._orphan(draft, reason)
-
-    def _orphan(self, draft: RetentionDraft, reason: str) -> None:
-        """D holds the draft's blocks with no retention naming them (dropped for `reason`):
-        into the orphan book, which says whether they are released or only counted."""
-        facts = self._instance.facts
-        params = nothing_to_pull(draft.params)
-        pin = Pin(
-            conversation=(draft.tenant, draft.conversation_id),
-            params=params,
-            blocks=blocks_of(draft.num_tokens, facts.block_size if facts is not None else 0),
-            expires_at=draft.expires_at,
-            epoch=draft.epoch,
-            reason=reason,
-            notifiable=notifiable(params) and self._releaser is not None,
-        )
-        decision = self._orphans.dropped(pin, time.time())
-        if decision != "gone":
-            self._metrics.orphans.labels(reason, "released" if decision == "release" else "counted").inc()
-        if decision == "count" and reason in COUNTED:
-            log.info("retention.orphan.counted", reason=reason, conversation_id=draft.conversation_id)
-        self._release_orphans()
-
-    def _release_orphans(self) -> None:
-        """Release the orphans waiting, as many as the releaser has room for."""
-        if self._releaser is None:
-            return
-        for pin in self._orphans.take(time.time(), ORPHAN_ROOM - self._releaser.in_flight):
-            self._metrics.releases.labels("orphan").inc()
-            self._release(pin.params, pin.conversation[1])
-
-    def _orphan_gauge(self, reason: str) -> Any:
-        return lambda: self.unretained.by_reason(time.monotonic()).get(reason, 0)
+        self.orphans.dropped(draft, reason)
 
     def _release(self, params: dict[str, Any], conversation_id: str) -> None:
         """Have D free the blocks `params` (nothing to pull) name, through a prefill node
@@ -331,13 +290,6 @@ class RetentionSender:
         facts = self._instance.facts
         model, block_size = (facts.model, facts.block_size) if facts is not None else ("", 0)
         self._releaser.release(params, model, block_size, conversation_id)
-
-    async def _reconcile(self) -> None:
-        """Forever: release the orphans that waited for room (pins D freed meanwhile, or
-        of an engine process gone, are forgotten on the way)."""
-        while True:
-            await asyncio.sleep(RECONCILE_S)
-            self._release_orphans()
 
     def _next(self) -> RetentionDraft | None:
         draft, dead = self._queue.pop(time.time(), self._instance.epoch)
@@ -387,14 +339,14 @@ class RetentionSender:
             )
             # Refused for good (a policy's limit: a hybrid model's clipped groups, a lifetime
             # past the daemon's...), so stored nowhere: no turn will pull or free D's blocks.
-            self._orphan(draft, "failed")
+            self.orphans.dropped(draft, "failed")
 
     # -- the loop -------------------------------------------------------------------
 
     async def run(self) -> None:
         channel = self._link.channel()
         stream = LeaseStream(channel)
-        reconcile = asyncio.create_task(self._reconcile(), name="sidecar-orphans")
+        reconcile = asyncio.create_task(self.orphans.run(), name="sidecar-orphans")
         try:
             while True:
                 await self._ready()
@@ -477,8 +429,7 @@ class RetentionSender:
                 released = struct_to_dict(res.release_params)
                 self._metrics.releases.labels("replaced").inc()
                 self._release(released, draft.conversation_id)
-                for pin in self._orphans.resolved(_key(draft), released):
-                    self._metrics.orphans.labels(pin.reason, "resolved").inc()
+                self.orphans.resolved(_key(draft), released)
         finally:
             self._queue.landed(draft)
             task = asyncio.current_task()

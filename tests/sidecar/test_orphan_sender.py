@@ -17,7 +17,8 @@ from sidecar.daemon import DaemonLink
 from sidecar.drafts import RetentionDraft
 from sidecar.engine import EngineFacts, EngineInstance
 from sidecar.metrics import SidecarMetrics
-from sidecar.retentions import ORPHAN_ROOM, RetentionSender
+from sidecar.orphanrelease import ORPHAN_ROOM
+from sidecar.retentions import RetentionSender
 from sidecar.settings import DaemonSettings, RetentionSettings, Settings
 from tests.polling import eventually
 
@@ -65,12 +66,19 @@ class _Leases(leases_pb2_grpc.LeasesServicer):
 
 
 class _Releaser:
-    def __init__(self) -> None:
+    """Records each release; `outcome` is what each ends with, told at once."""
+
+    def __init__(self, outcome: str = "released") -> None:
         self.in_flight = 0
+        self.outcome = outcome
         self.released: list[str] = []
 
-    def release(self, params: Any, model: str, block_size: int, conversation_id: str) -> None:
+    def release(
+        self, params: Any, model: str, block_size: int, conversation_id: str, on_done: Any = None
+    ) -> None:
         self.released.append(params["remote_request_id"])
+        if on_done is not None:
+            on_done(self.outcome)
 
 
 def _sender(
@@ -145,6 +153,29 @@ async def test_releases_wait_for_room_in_the_releaser_and_go_when_there_is() -> 
 
         await eventually(sent, within=10)
         assert metrics.value(BLOCKS, reason="overflow") == 0
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+
+
+async def test_a_release_that_did_not_take_is_tried_again_then_counted() -> None:
+    """No P known yet (the daemon away): the release waits and goes again on the periodic
+    pass; a P that answers it with an error leaves the blocks counted until D's TTL."""
+    releaser = _Releaser("no_prefill")
+    sender, metrics = _sender("127.0.0.1:9", releaser)
+    runner = asyncio.create_task(sender.run())
+    try:
+        sender.submit(_draft("a", "c1"))
+        sender.abandon()  # ("a" was queued: stored nowhere)
+        assert releaser.released == ["a"] and metrics.value(BLOCKS, reason="shutdown") == 4
+        releaser.outcome = "refused"
+
+        async def tried_again() -> bool:
+            return releaser.released == ["a", "a"]
+
+        await eventually(tried_again, within=10)
+        assert metrics.value(BLOCKS, reason="shutdown") == 4  # (D still holds them: shown)
+        assert sender.orphans.unretained.orphans.waiting == 0
     finally:
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)

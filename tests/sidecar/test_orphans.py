@@ -9,7 +9,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar.orphans import COUNTED, GONE, RELEASED, OrphanBook, Pin, blocks_of, orphan_decision
+from sidecar.orphans import (
+    COUNTED,
+    GONE,
+    MAX_RELEASE_TRIES,
+    RELEASED,
+    OrphanBook,
+    Pin,
+    blocks_of,
+    orphan_decision,
+)
 from sidecar.unretained import STREAM_WITHOUT_PARAMS, UnretainedLedger
 
 REASONS = sorted(RELEASED | COUNTED | GONE)
@@ -142,3 +151,23 @@ def test_the_ledger_shows_uncaptured_turns_and_orphans_together() -> None:
 
 def test_blocks_of_a_draft() -> None:
     assert (blocks_of(33, 16), blocks_of(32, 16), blocks_of(0, 16), blocks_of(10, 0)) == (3, 2, 0, 0)
+
+
+def test_a_release_that_did_not_take_waits_again_a_few_times_then_is_counted() -> None:
+    book = OrphanBook()
+    book.dropped(_pin("overflow"), now=10.0)
+    for _ in range(MAX_RELEASE_TRIES - 1):
+        (pin,) = book.take(10.0, room=1)
+        assert book.unreleased(pin, "no_prefill", now=10.0) == "release"
+    (pin,) = book.take(10.0, room=1)
+    assert book.unreleased(pin, "failed", now=10.0) == "count"
+    assert book.take(10.0, room=1) == [] and book.blocks(10.0) == {"overflow": 4}
+    assert book.total(200.0) == 0
+
+
+def test_a_release_a_p_refused_is_counted_and_one_cut_short_is_gone() -> None:
+    book = OrphanBook()
+    assert book.unreleased(_pin("overflow"), "refused", now=10.0) == "count"
+    assert book.unreleased(_pin("overflow", "b"), "cancelled", now=10.0) == "gone"
+    assert book.unreleased(_pin("overflow", "c", expires_at=5.0), "failed", now=10.0) == "gone"
+    assert book.blocks(10.0) == {"overflow": 4}

@@ -82,7 +82,9 @@ class _Releaser:
     def __init__(self) -> None:
         self.released: list[str] = []
 
-    def release(self, params: Any, model: str, block_size: int, conversation_id: str) -> None:
+    def release(
+        self, params: Any, model: str, block_size: int, conversation_id: str, on_done: Any = None
+    ) -> None:
         self.released.append(conversation_id)
 
 
