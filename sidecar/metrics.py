@@ -56,9 +56,10 @@ class SidecarMetrics(OwnRegistry):
         )
         self.replaced_releases = self.counter(
             "kvferry_sidecar_replaced_releases",
-            "Retentions replaced before a turn claimed them, whose D blocks were released through "
-            "a prefill node: released, refused (P answered an error), failed, no_prefill, "
-            "skipped (too many on their way); all but released leave the blocks to D's TTL",
+            "Releases of D blocks through a prefill node (retentions replaced before a turn claimed "
+            "them, and orphans: see kvferry_sidecar_releases_total for which) by outcome: released, "
+            "refused (P answered an error), failed, no_prefill, skipped (too many on their way), "
+            "cancelled; all but released leave the blocks to D's TTL (an orphan's is tried again)",
             ["outcome"],
         )
         self.registrations_dropped = self.counter(

@@ -8,6 +8,7 @@ requests are read from the emulator's /emulator/state.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -177,3 +178,30 @@ async def test_an_uncaptured_turns_blocks_are_shown_by_reason(
     sc.retentions._drop(_draft(sc, await _pinned_turn(http, p, d, "quays"), "q"), "cancelled")
     counted = m.value("kvferry_sidecar_orphan_blocks", reason="cancelled")
     assert counted > 0 and m.value("kvferry_sidecar_unretained_blocks") == held + counted
+
+
+async def test_counted_pins_go_with_ds_ttl_and_an_expired_draft_pins_nothing(
+    start_emulator: StartEmulator, start_sidecar: StartSidecar, client: Client, http: aiohttp.ClientSession
+) -> None:
+    """D's own TTL (3 s here) frees a maybe-stored turn's blocks: the count follows D's
+    holds down to 0. A draft dropped past its deadline is neither released nor counted."""
+    p = await start_emulator(role="prefill", enable_prefix_caching=False)
+    d = await start_emulator(role="decode", decoder_kv_blocks_ttl=3.0)
+    p_sc = await start_sidecar(p, engine__role="prefill")
+    sc = await start_sidecar(d, engine__blocks_ttl_s=3.0)
+    await eventually(lambda: _alive(client, p_sc.settings.node_id, sc.settings.node_id), within=10)
+    params = await _pinned_turn(http, p, d, "slipways")
+    assert sc.retentions is not None
+    draft = _draft(sc, params, "doubtful")
+    sc.retentions._drop(replace(draft, expires_at=time.time() + 3.0), "maybe_stored")
+    m = sc.metrics
+    assert m.value("kvferry_sidecar_orphan_blocks", reason="maybe_stored") > 0
+
+    async def gone_with_ds_hold() -> bool:
+        held = params["remote_request_id"] in await _held(http, d)
+        return not held and m.value("kvferry_sidecar_orphan_blocks", reason="maybe_stored") == 0
+
+    await eventually(gone_with_ds_hold, within=15)
+    sc.retentions._drop(replace(draft, expires_at=time.time() - 1), "overflow")
+    assert m.value(ORPHANS, reason="overflow", action="released") == 0
+    assert m.value(RELEASES, reason="orphan") == 0 and m.value("kvferry_sidecar_unretained_blocks") == 0
