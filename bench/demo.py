@@ -68,8 +68,12 @@ class DaemonProcess:
     """``kvferry daemon`` in its own process: on its embedded etcd (kept in `data_dir`), or
     on the external etcd at `etcd` under `prefix`."""
 
-    def __init__(self, data_dir: Path | None, etcd: str = "", prefix: str = "", port: int = 0) -> None:
+    def __init__(
+        self, data_dir: Path | None, etcd: str = "", prefix: str = "", port: int = 0, args: Sequence[str] = ()
+    ) -> None:
         self.data_dir = data_dir
+        self.args = tuple(args)
+        """More flags for `kvferry daemon` (a policy's, say)."""
         self.etcd = etcd
         self.prefix = prefix
         self.port = port or free_port()
@@ -87,7 +91,7 @@ class DaemonProcess:
             store = ["--data-dir", str(self.data_dir / "etcd"), "--embedded-port", str(free_port())]
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvferry_cli", "--log-level", "warning", "daemon",
-            "--listen", self.address, "--metrics-port", "-1", *store,
+            "--listen", self.address, "--metrics-port", "-1", *store, *self.args,
             stdin=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         async with grpc.aio.insecure_channel(self.address) as channel, asyncio.timeout(60):
@@ -167,12 +171,15 @@ class Deployment:
 
 @contextlib.asynccontextmanager
 async def deployment(
-    p_changes: dict[str, Any] | None = None, d_changes: dict[str, Any] | None = None
+    p_changes: dict[str, Any] | None = None,
+    d_changes: dict[str, Any] | None = None,
+    daemon_args: Sequence[str] = (),
 ) -> AsyncIterator[Deployment]:
-    """Daemon, P and D engines with sidecars, a router with reuse and one without."""
+    """Daemon (with `daemon_args`), P and D engines with sidecars, a router with reuse and
+    one without."""
     with tempfile.TemporaryDirectory(prefix="kvferry-demo-") as tmp:
         async with contextlib.AsyncExitStack() as stack:
-            daemon = DaemonProcess(Path(tmp))
+            daemon = DaemonProcess(Path(tmp), args=daemon_args)
             stack.push_async_callback(daemon.stop)
             await daemon.start()
             p = EmulatorServer(engine_config("prefill", enable_prefix_caching=False, **(p_changes or {})))

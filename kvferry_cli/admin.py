@@ -321,7 +321,8 @@ def _nodes(a: argparse.Namespace) -> int:
         for n in resp.nodes
     ]
     # (UNCAPTURED: turns the engine pinned blocks for without saying which, e.g. streamed
-    # answers without kv_transfer_params; UNRETAINED: the blocks they pin now)
+    # answers without kv_transfer_params; UNRETAINED: the blocks they and the registrations
+    # the sidecar gave up on pin now, with no retention naming them)
     header = ["ENGINE", "ROLE", "MODEL", "GEN", "ALIVE", "SIDE CHANNEL", "HTTP", "LEASES", "TOKENS"]
     _print_table(rows, [*header, "UNCAPTURED", "UNRETAINED"])
     return 0

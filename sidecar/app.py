@@ -125,7 +125,9 @@ class Sidecar:
                 auto_decompress=False,
             )
             self._releaser = Releaser(s, self._link, self._http, self.metrics)
-            self.retentions = RetentionSender(s, self.instance, self._link, self.metrics, self._releaser)
+            self.retentions = RetentionSender(
+                s, self.instance, self._link, self.metrics, self._releaser, self.unretained
+            )
             self.node = NodeSession(
                 s,
                 self.instance,

@@ -35,7 +35,16 @@ class SidecarMetrics(OwnRegistry):
         )
         self.unretained_blocks = self.gauge(
             "kvferry_sidecar_unretained_blocks",
-            "Blocks the engine pins now for uncaptured turns, until its decoder_kv_blocks_ttl",
+            "Blocks the engine pins now that no retention names (uncaptured turns, dropped "
+            "registrations not yet released), until released or its decoder_kv_blocks_ttl",
+        )
+        self.orphan_blocks = self.gauge(
+            "kvferry_sidecar_orphan_blocks",
+            "Blocks the engine pins now that no retention names, by reason: stream_without_params "
+            "(uncaptured turns), maybe_stored and cancelled (the daemon may hold a retention naming "
+            "them: never released, counted until D's TTL), or a dropped registration's reason "
+            "(overflow, shutdown, superseded, attempts, failed) while its release waits",
+            ["reason"],
         )
 
     def _registrations(self) -> None:
@@ -47,9 +56,10 @@ class SidecarMetrics(OwnRegistry):
         )
         self.replaced_releases = self.counter(
             "kvferry_sidecar_replaced_releases",
-            "Retentions replaced before a turn claimed them, whose D blocks were released through "
-            "a prefill node: released, refused (P answered an error), failed, no_prefill, "
-            "skipped (too many on their way); all but released leave the blocks to D's TTL",
+            "Releases of D blocks through a prefill node (retentions replaced before a turn claimed "
+            "them, and orphans: see kvferry_sidecar_releases_total for which) by outcome: released, "
+            "refused (P answered an error), failed, no_prefill, skipped (too many on their way), "
+            "cancelled; all but released leave the blocks to D's TTL (an orphan's is tried again)",
             ["outcome"],
         )
         self.registrations_dropped = self.counter(
@@ -59,6 +69,19 @@ class SidecarMetrics(OwnRegistry):
             "maybe_stored (the daemon may have stored it: sending it again is not safe), superseded "
             "(the conversation's next turn came first: D was told to free its blocks), shutdown (queued "
             "when the sidecar stopped), cancelled (on its way when it stopped: maybe stored)",
+            ["reason"],
+        )
+        self.orphans = self.counter(
+            "kvferry_sidecar_orphans",
+            "Dropped registrations whose D blocks no retention names, by reason and action: "
+            "released (D told to free them through a prefill node), counted (maybe stored: not "
+            "safe to release), resolved (a later registration of the conversation released them)",
+            ["reason", "action"],
+        )
+        self.releases = self.counter(
+            "kvferry_sidecar_releases",
+            "Releases of D blocks this sidecar handed a prefill node, by reason: orphan (a "
+            "registration given up: stored nowhere), replaced (a retention replaced unclaimed)",
             ["reason"],
         )
         self.registration_queue = self.gauge(

@@ -12,7 +12,7 @@ to the TTL, as before.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -57,19 +57,41 @@ class Releaser:
         self._listing: asyncio.Task[None] | None = None
         """The node list on its way: a burst of releases waits for one."""
 
-    def release(self, params: Mapping[str, Any], model: str, block_size: int, conversation_id: str) -> None:
+    @property
+    def in_flight(self) -> int:
+        """Releases on their way."""
+        return len(self._tasks)
+
+    def release(
+        self,
+        params: Mapping[str, Any],
+        model: str,
+        block_size: int,
+        conversation_id: str,
+        on_done: Callable[[str], None] | None = None,
+    ) -> None:
         """Send D `params` (a replaced retention's, remote_num_tokens 0) through a prefill
-        node serving `model` with `block_size`, in the background."""
+        node serving `model` with `block_size`, in the background; `on_done` is told the
+        outcome (the metric's label) when it ended."""
         if len(self._tasks) >= MAX_IN_FLIGHT:
             self._metrics.replaced_releases.labels("skipped").inc()
+            if on_done is not None:
+                on_done("skipped")
             return
         task = asyncio.get_running_loop().create_task(
-            self._send(dict(params), model, block_size, conversation_id)
+            self._send(dict(params), model, block_size, conversation_id, on_done)
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, params: dict[str, Any], model: str, block_size: int, conversation_id: str) -> None:
+    async def _send(
+        self,
+        params: dict[str, Any],
+        model: str,
+        block_size: int,
+        conversation_id: str,
+        on_done: Callable[[str], None] | None = None,
+    ) -> None:
         outcome = "failed"
         try:
             prefill = await self._prefill(model, block_size)
@@ -100,6 +122,8 @@ class Releaser:
         finally:
             self._metrics.replaced_releases.labels(outcome).inc()
             log.info("retention.release", conversation_id=conversation_id, outcome=outcome)
+            if on_done is not None:
+                on_done(outcome)
 
     async def _prefill(self, model: str, block_size: int) -> tuple[str, str] | None:
         """(URL, model) of an alive prefill node serving `model` with `block_size` (its

@@ -12,7 +12,9 @@ nowhere, for good (refused) or after its last try, has D free its blocks
 (`retry_decision`). A conversation's
 draft that a newer turn's draft overtook while it waited (or failed) is not sent:
 registered, it would replace the newer retention; D is told to free its blocks
-instead. Every drop is counted.
+instead. Every drop is counted, and what it leaves pinned on D goes to the orphan book
+(``sidecar.orphans``): released through a P when no retention can name it, else
+counted until D's TTL; a periodic pass releases those waiting for room in the releaser.
 """
 
 from __future__ import annotations
@@ -28,15 +30,17 @@ import grpc
 import structlog
 
 from kvferry.leaseclient import LeaseOpError, LeaseStream
-from kvferry.releases import nothing_to_pull, notifiable
+from kvferry.releases import notifiable
 from kvferry.structs import dict_to_struct, struct_to_dict
 from kvferry.v1 import leases_pb2
 from sidecar.daemon import TRANSIENT, Backoff, DaemonLink
 from sidecar.drafts import RetentionDraft, digests_of
 from sidecar.engine import EngineInstance
 from sidecar.metrics import SidecarMetrics
+from sidecar.orphanrelease import OrphanReleases
 from sidecar.releases import Releaser
 from sidecar.settings import Settings
+from sidecar.unretained import UnretainedLedger
 
 log = structlog.get_logger(__name__)
 
@@ -209,10 +213,16 @@ class RetentionSender:
         link: DaemonLink,
         metrics: SidecarMetrics,
         releaser: Releaser | None = None,
+        unretained: UnretainedLedger | None = None,
     ) -> None:
         self._s = settings
         self._releaser = releaser
         """Where the replaced retentions' releases the daemon hands back go (None: nowhere)."""
+        if unretained is None:  # (a sender of its own: it follows the engine's restarts itself)
+            unretained = UnretainedLedger(settings.engine.blocks_ttl_s)
+            instance.on_restart(lambda: unretained.restart(instance.epoch))
+        self.orphans = OrphanReleases(instance, unretained, metrics, releaser)
+        """What the drafts given up on leave pinned on D: released, or counted."""
         self._instance = instance
         self._link = link
         self._metrics = metrics
@@ -270,10 +280,7 @@ class RetentionSender:
         self._queue.done(draft)
         self._metrics.registrations_dropped.labels(reason).inc()
         log.info("retention.register.dropped", reason=reason, conversation_id=draft.conversation_id)
-        # D holds its blocks for no one (overtaken; or stored nowhere: each try was turned
-        # away unwritten, as one that may have been stored is dropped at once): free them now
-        if reason in ("superseded", "attempts"):
-            self._release(nothing_to_pull(draft.params), draft.conversation_id)
+        self.orphans.dropped(draft, reason)
 
     def _release(self, params: dict[str, Any], conversation_id: str) -> None:
         """Have D free the blocks `params` (nothing to pull) name, through a prefill node
@@ -332,13 +339,14 @@ class RetentionSender:
             )
             # Refused for good (a policy's limit: a hybrid model's clipped groups, a lifetime
             # past the daemon's...), so stored nowhere: no turn will pull or free D's blocks.
-            self._release(nothing_to_pull(draft.params), draft.conversation_id)
+            self.orphans.dropped(draft, "failed")
 
     # -- the loop -------------------------------------------------------------------
 
     async def run(self) -> None:
         channel = self._link.channel()
         stream = LeaseStream(channel)
+        reconcile = asyncio.create_task(self.orphans.run(), name="sidecar-orphans")
         try:
             while True:
                 await self._ready()
@@ -369,9 +377,9 @@ class RetentionSender:
                 # must not hold up the answers the tap relays)
                 await asyncio.sleep(0)
         finally:
-            for task in self._in_flight:
+            for task in (*self._in_flight, reconcile):
                 task.cancel()
-            await asyncio.gather(*self._in_flight, return_exceptions=True)
+            await asyncio.gather(*self._in_flight, reconcile, return_exceptions=True)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stream.close(), 1.0)
 
@@ -418,7 +426,10 @@ class RetentionSender:
             self._backoff.reset()
             self._metrics.registrations.labels("sent").inc()
             if res.HasField("release_params"):  # the retention it replaced
-                self._release(struct_to_dict(res.release_params), draft.conversation_id)
+                released = struct_to_dict(res.release_params)
+                self._metrics.releases.labels("replaced").inc()
+                self._release(released, draft.conversation_id)
+                self.orphans.resolved(_key(draft), released)
         finally:
             self._queue.landed(draft)
             task = asyncio.current_task()

@@ -10,8 +10,10 @@ retention is registered (the next turn recomputes its history) and nothing can f
 the blocks before D's TTL. This module tells such a turn apart (`outcome_of`), counts
 the blocks it pins (`computed_tokens`, `pinned_blocks`) and keeps them in a ledger
 until D frees them (`UnretainedLedger`), so that an operator sees them: a warning once
-per engine process, a metric, a column in ``kvferry nodes ls``. Pure: the tap does
-the I/O.
+per engine process, a metric, a column in ``kvferry nodes ls``. The ledger also holds
+the other pins no retention names, the drafts the sidecar gave up on
+(``sidecar.orphans``): the column shows them all. Pure: the tap and the sender do the
+I/O.
 
 What D pins is every block the request has at its finish: ``ceil(computed /
 block_size)``, ``computed`` being vLLM's ``num_computed_tokens`` then, the prompt and
@@ -23,9 +25,11 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from dataclasses import dataclass, field
 
 from sidecar.capture import TurnObserver
+from sidecar.orphans import OrphanBook
 
 STREAM_WITHOUT_PARAMS = "stream_without_params"
 """The turns label of a streamed turn D pinned blocks for without saying which."""
@@ -89,6 +93,8 @@ class UnretainedLedger:
     epoch: int = 0
     turns: int = 0
     """Uncaptured turns since the sidecar started (every engine process)."""
+    orphans: OrphanBook = field(default_factory=OrphanBook)
+    """The drafts' pins no retention names (dropped registrations), by reason."""
     _expiries: list[tuple[float, int]] = field(default_factory=list)  # a heap of (expires at, blocks)
     _blocks: int = 0
     _warned: bool = False
@@ -99,6 +105,7 @@ class UnretainedLedger:
         self._expiries.clear()
         self._blocks = 0
         self._warned = False
+        self.orphans.restart(epoch)
 
     def add(self, epoch: int, blocks: int | None, finished_at: float) -> bool:
         """One uncaptured turn of engine process `epoch`, whose `blocks` (None = unknown) D
@@ -113,12 +120,25 @@ class UnretainedLedger:
         first, self._warned = not self._warned, True
         return first
 
-    def blocks(self, now: float) -> int:
-        """The blocks pinned now (monotonic seconds): those whose TTL ran out are freed."""
+    def uncaptured_blocks(self, now: float) -> int:
+        """The uncaptured turns' blocks pinned now (monotonic seconds): those whose TTL ran
+        out are freed."""
         expiries = self._expiries
         while expiries and expiries[0][0] <= now:
             self._blocks -= heapq.heappop(expiries)[1]
         return self._blocks
+
+    def by_reason(self, now: float, wall: float | None = None) -> dict[str, int]:
+        """Every block pinned now that no retention names, by reason: the uncaptured turns'
+        (STREAM_WITHOUT_PARAMS) and the orphans' (`now` monotonic, `wall` the wall-clock
+        time then: the orphans' deadlines are D's, in wall-clock time; None = now)."""
+        out = self.orphans.blocks(time.time() if wall is None else wall)
+        out[STREAM_WITHOUT_PARAMS] = self.uncaptured_blocks(now)
+        return out
+
+    def blocks(self, now: float, wall: float | None = None) -> int:
+        """Every block pinned now that no retention names (see `by_reason`)."""
+        return sum(self.by_reason(now, wall).values())
 
 
 def warning_detail(ttl_s: float) -> str:

@@ -75,9 +75,8 @@ async def test_the_router_answers_any_request_properly(router: tuple[Proc, str],
     check_answer(await exchange(router[1], request.render()), request, "router")
 
 
-# (No lying Content-Encoding until the sidecar answers it: see the strict xfail below.)
 @fuzz(40)
-@given(request=requests(lying=False))
+@given(request=requests())
 async def test_the_sidecar_answers_any_request_properly(
     live: Deployment, sidecar: tuple[Proc, str], request: Request
 ) -> None:
@@ -117,12 +116,6 @@ async def test_the_router_refuses_a_body_that_does_not_decode(router: tuple[Proc
         assert answer.status == 400 and "does not decode" in answer.json()["error"]["message"], answer
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding (fuzz lane), for the sidecar lane, which rewrites its body reading: a "
-    "body that is not what its Content-Encoding says raises RequestPayloadError out of "
-    "sidecar/tap.py's request.read(): aiohttp's 500 text and a traceback",
-)
 async def test_the_sidecar_refuses_a_body_that_does_not_decode(sidecar: tuple[Proc, str]) -> None:
     for request in undecodable_bodies():
         answer = await exchange(sidecar[1], request.render())
@@ -149,11 +142,6 @@ async def test_absolute_form_targets_get_an_error_or_their_path(router: tuple[Pr
         check_answer(await exchange(router[1], raw), raw, "router")
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="sidecar lane (issue 21 item 5): absolute-form targets get a 400 JSON error; "
-    "the sidecar proxies them to the engine now",
-)
 async def test_absolute_form_targets_get_400_from_the_sidecar(sidecar: tuple[Proc, str]) -> None:
     for raw in ABSOLUTE_FORM:
         answer = await exchange(sidecar[1], raw)

@@ -74,12 +74,6 @@ async def test_the_router_keeps_no_refused_body(live: Deployment) -> None:
     assert after - before < MEMORY_BOUND_KIB, (before, after)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="sidecar lane (issue 21 item 5) fixes it: the sidecar keeps a refused body's memory "
-    "and decompresses a bomb whole (measured here: +600 MiB after 2 bodies of 70 MB and 2 "
-    "bombs of 125 KB; +3.2 GiB after 6 and 12 of 250 KB); un-mark after the merge",
-)
 async def test_the_sidecar_keeps_no_refused_body(own_sidecar: tuple[Proc, str]) -> None:
     before, after = await refused_bodies(*own_sidecar, oversized=2, bombs=2)
     print(f"sidecar VmRSS {before} -> {after} KiB")

@@ -77,10 +77,14 @@ class _Leases(leases_pb2_grpc.LeasesServicer):
 
 
 class _Releaser:
+    in_flight = 0
+
     def __init__(self) -> None:
         self.released: list[str] = []
 
-    def release(self, params: Any, model: str, block_size: int, conversation_id: str) -> None:
+    def release(
+        self, params: Any, model: str, block_size: int, conversation_id: str, on_done: Any = None
+    ) -> None:
         self.released.append(conversation_id)
 
 
