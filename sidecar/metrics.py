@@ -81,7 +81,9 @@ class SidecarMetrics(OwnRegistry):
         self.releases = self.counter(
             "kvferry_sidecar_releases",
             "Releases of D blocks this sidecar handed a prefill node, by reason: orphan (a "
-            "registration given up: stored nowhere), replaced (a retention replaced unclaimed)",
+            "registration given up: stored nowhere), replaced (a retention replaced unclaimed), "
+            "conversation_end (the conversation's last turn: not registered), and those the daemon "
+            "asked for: budget, near_full, conversation_end (kvferry_retention_releases_total)",
             ["reason"],
         )
         self.registration_queue = self.gauge(

@@ -355,6 +355,7 @@ class NodeSession:
         if facts is None or self._releaser is None:
             return  # (the engine's facts are gone with its process, and the blocks with it)
         params = struct_to_dict(release.kv_transfer_params)
+        self._metrics.releases.labels(release.reason or "daemon").inc()
         self._releaser.release(params, facts.model, facts.block_size, release.conversation_id)
 
     def _heartbeat(self, seq: int) -> nodes_pb2.Heartbeat:

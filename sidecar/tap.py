@@ -296,6 +296,7 @@ class Tap:
         if self._releaser is None or facts is None or not notifiable(draft.params):
             log.info("tap.conversation_end.unreleased", conversation_id=draft.conversation_id)
             return  # (D frees them at its TTL)
+        self._metrics.releases.labels("conversation_end").inc()
         self._releaser.release(draft.params, facts.model, facts.block_size, draft.conversation_id)
 
     def _uncaptured(self, observer: TurnObserver, plan: RequestPlan, epoch: int) -> None:

@@ -26,7 +26,9 @@ async def _no_retention(stack, conversation: str) -> None:  # type: ignore[no-un
     assert info.value.code() is grpc.StatusCode.NOT_FOUND
 
 
-async def test_a_last_turn_leaves_nothing_held_on_d(make_stack: MakeStack, http: aiohttp.ClientSession) -> None:
+async def test_a_last_turn_leaves_nothing_held_on_d(
+    make_stack: MakeStack, http: aiohttp.ClientSession
+) -> None:
     stack = await make_stack()
     router = await stack.router()
     [d] = stack.decodes
@@ -40,8 +42,9 @@ async def test_a_last_turn_leaves_nothing_held_on_d(make_stack: MakeStack, http:
 
     await eventually(freed, within=20)
     await _no_retention(stack, "last-one")
-    turns = stack.sidecar(d).metrics
-    assert turns.turns.labels("conversation_end")._value.get() == 1
+    metrics = stack.sidecar(d).metrics
+    assert metrics.turns.labels("conversation_end")._value.get() == 1
+    assert metrics.releases.labels("conversation_end")._value.get() == 1
     # A client cannot set the router's own header: dropped, the turn is retained as usual.
     body = {"messages": first_turn("forged"), "max_tokens": 10, "conversation_id": "kept"}
     two = await ask(http, router.url, body, headers={"X-Kvferry-Conversation-End": "1"})
