@@ -43,7 +43,7 @@ class ControlPlane:
         self.background = Background()
         self.nodes = NodeCache(store.nodes, settings.nodes.cache_refresh_s)
         lim = settings.limits
-        self.budgets = Budgets(store.retentions, settings.budget, clock)
+        self.budgets = Budgets(store.retentions, settings.budget, clock, self.background.spawn)
         self.gauges = Gauges(store.scans, clock, self.budgets.rescanned)
         self.attachments = Attachments(
             store.nodes, self.nodes, self.background, lim.max_id_bytes, lim.max_tokens, clock, self.budgets

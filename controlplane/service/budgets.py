@@ -16,8 +16,9 @@ and its release finds it gone, for etcd is the arbiter of single use:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -46,13 +47,22 @@ class Release:
 class Budgets:
     """Per decode node: its pool, the retentions it holds, and the releases to send it."""
 
-    def __init__(self, store: RetentionStore, budget: Budget, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        store: RetentionStore,
+        budget: Budget,
+        clock: Callable[[], float],
+        spawn: Callable[[Coroutine[Any, Any, None], str], object] | None = None,
+    ) -> None:
+        """`spawn` runs a budget pass in the background (None: only heartbeats start them)."""
         self._store = store
+        self._spawn = spawn
         self.budget = budget
         self._clock = clock
         self.sketch = IntervalSketch()
         """The turn intervals seen by this replica's lookups."""
         self._held: dict[str, dict[_Key, Held]] = {}
+        self._blocks: dict[str, int] = {}  # engine -> the blocks of its `_held`
         self._engine_of: dict[_Key, str] = {}
         self._pools: dict[str, Pool] = {}
         self._pending: dict[str, list[Release]] = {}
@@ -71,6 +81,17 @@ class Budgets:
         held = Held(tenant, conversation_id, r.num_tokens, r.block_size, r.created_at, r.expires_at, revision)
         self._held.setdefault(r.engine_id, {})[(tenant, conversation_id)] = held
         self._engine_of[(tenant, conversation_id)] = r.engine_id
+        self._blocks[r.engine_id] = self._blocks.get(r.engine_id, 0) + held.blocks
+        self._over_budget(r.engine_id)
+
+    def _over_budget(self, engine_id: str) -> None:
+        """A registration took the node over its budget: a pass now, not at its sidecar's
+        next heartbeat (under load, seconds of registrations)."""
+        pool = self._pools.get(engine_id)
+        if pool is None or self._spawn is None:
+            return
+        if self._blocks.get(engine_id, 0) > self.budget.share * pool.blocks and self.begin(engine_id):
+            self._spawn(self.report(engine_id, pool), "retention-budget")
 
     def rescanned(self, held: dict[str, list[Held]], since: float) -> None:
         """A scan of etcd that began at `since` read these live retentions per engine: for
@@ -84,6 +105,7 @@ class Budgets:
                 self._engine_of.pop(key, None)
             scanned = {(h.tenant, h.conversation_id): h for h in held.get(engine, [])}
             self._held[engine] = {**scanned, **fresh}
+            self._blocks[engine] = sum(h.blocks for h in self._held[engine].values())
             for key in self._held[engine]:
                 self._engine_of[key] = engine
 
@@ -99,11 +121,13 @@ class Budgets:
     def _drop(self, key: _Key) -> None:
         engine = self._engine_of.pop(key, None)
         if engine is not None:
-            self._held.get(engine, {}).pop(key, None)
+            h = self._held.get(engine, {}).pop(key, None)
+            if h is not None:
+                self._blocks[engine] -= h.blocks
 
     def retained_blocks(self, engine_id: str) -> int:
         """Blocks the live retentions this replica knows of hold on the node."""
-        return sum(h.blocks for h in self._held.get(engine_id, {}).values())
+        return self._blocks.get(engine_id, 0)
 
     def pool(self, engine_id: str) -> Pool | None:
         """The node's pool as its sidecar last reported it (None: never, or unknown)."""

@@ -92,6 +92,16 @@ async def test_a_node_over_its_budget_has_its_least_valuable_retention_released(
         (node,) = listed.nodes
         assert (node.pool_blocks, node.retained_blocks) == (100, 40)
         assert node.pool_usage == pytest.approx(0.6)
+        # A registration that takes it over again has the budget applied at once, before
+        # the sidecar's next heartbeat: 40 + 11 blocks, over 50; the 11-block one, at
+        # 14.5 tokens a block, is the least valuable.
+        params = d_params("d-1", 160, "c-new")
+        await client.leases.Register(lease_request("c-new", num_tokens=160, params=params), timeout=10)
+        await client.leases.Register(
+            lease_request("c-odd", num_tokens=161, params=d_params("d-1", 161, "c-odd")), timeout=10
+        )
+        pushed = await asyncio.wait_for(stream.call.read(), timeout=10)
+        assert (pushed.release.conversation_id, pushed.release.reason) == ("c-odd", "budget")
     finally:
         await stream.close()
 
@@ -111,7 +121,13 @@ async def test_a_near_full_node_gets_room_from_retentions_first(
         await stream.close()
 
 
-async def test_a_retention_handed_out_is_never_released(daemon: Daemon, client: Client) -> None:
+async def test_a_retention_handed_out_is_never_released(
+    make_daemon: DaemonFactory, etcd_endpoint: str, connect
+) -> None:  # type: ignore[no-untyped-def]
+    # No budget share (a registration starts no pass); near full: 2 blocks to free, the
+    # least valuable retention (c-low) goes, as the index knows it.
+    daemon = await make_daemon(replace(daemon_settings(etcd_endpoint), budget=Budget(1.0, 0.9)))
+    client = connect(daemon)
     stream = await _attached(client)
     try:
         assert daemon.control_plane is not None
@@ -124,11 +140,11 @@ async def test_a_retention_handed_out_is_never_released(daemon: Daemon, client: 
         assert record[0] is not None
         low = msgspec.structs.replace(record[0].retention, num_tokens=305)
         budgets.registered("default", "c-low", low, stale.revision)
-        assert await _heartbeat(daemon, stream, 1, 100, 0.6) == []  # its revoke found it gone
+        assert await _heartbeat(daemon, stream, 1, 100, 0.92) == []  # its revoke found it gone
         # A turn's newer retention is not the one decided on either: it stays.
         await client.leases.Register(lease_request("c-low", num_tokens=305), timeout=10)
         budgets.registered("default", "c-low", low, stale.revision)
-        assert await _heartbeat(daemon, stream, 2, 100, 0.6) == []
+        assert await _heartbeat(daemon, stream, 2, 100, 0.92) == []
         again = await client.leases.Lookup(lookup_request("c-low", prompt_tokens=400), timeout=10)
         assert (again.reason, again.claimed) == ("pull", True)
     finally:
