@@ -31,6 +31,8 @@ from controlplane.store.retentions import RetentionStore
 log = structlog.get_logger(__name__)
 
 _Key = tuple[str, str]  # (tenant, conversation id)
+#: Seconds a release's blocks are taken as free already, whatever D's pool use says.
+RELEASE_SETTLE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class Budgets:
         self._ticked: dict[str, float] = {}
         self._attached: dict[str, Callable[[], None]] = {}
         self._running: set[str] = set()
+        self._recent: dict[str, list[tuple[float, int]]] = {}  # engine -> (when, blocks) released
 
     def attached(self, engine_id: str, wake: Callable[[], None]) -> None:
         """The node's sidecar holds an Attach stream to this replica (releases reach it):
@@ -140,6 +143,7 @@ class Budgets:
         self._pools.pop(engine_id, None)
         self._pending.pop(engine_id, None)
         self._ticked.pop(engine_id, None)
+        self._recent.pop(engine_id, None)
         metrics.forget_pool(engine_id)
 
     def take_releases(self, engine_id: str) -> list[Release]:
@@ -185,9 +189,20 @@ class Budgets:
         self._ticked[engine_id] = now
         metrics.show_pool(engine_id, pool.blocks, pool.usage, retained)
         held = list(self._held.get(engine_id, {}).values())
-        for h, reason in releases(pool, held, self.budget, now, self.sketch):
-            await self._release(engine_id, h, reason)
+        for h, reason in releases(self._unsettled(engine_id, pool, now), held, self.budget, now, self.sketch):
+            if await self._release(engine_id, h, reason):
+                self._recent.setdefault(engine_id, []).append((now, h.blocks))
         metrics.show_pool(engine_id, pool.blocks, pool.usage, self.retained_blocks(engine_id))
+
+    def _unsettled(self, engine_id: str, pool: Pool, now: float) -> Pool:
+        """`pool` less the blocks released in the last RELEASE_SETTLE_S: the engine's
+        metrics may not show them free yet (its sidecar probes it every second or so, and
+        a release takes a prefill node's round trip), and must not be released for twice."""
+        recent = [(t, n) for t, n in self._recent.get(engine_id, []) if now - t < RELEASE_SETTLE_S]
+        self._recent[engine_id] = recent
+        if not recent or pool.blocks <= 0:
+            return pool
+        return Pool(pool.blocks, max(pool.usage - sum(n for _, n in recent) / pool.blocks, 0.0))
 
     def _expire(self, engine_id: str, now: float) -> None:
         """Retentions past their deadline: D freed them, and their conversations did not
@@ -198,17 +213,18 @@ class Budgets:
                 self.sketch.never()
                 metrics.RELEASES.labels(Reason.EXPIRY.value).inc()
 
-    async def _release(self, engine_id: str, h: Held, reason: Reason) -> None:
-        """Revoke one retention in etcd (at the revision decided on), then queue its release."""
+    async def _release(self, engine_id: str, h: Held, reason: Reason) -> bool:
+        """Revoke one retention in etcd (at the revision decided on), then queue its
+        release. -> whether it was released."""
         try:
             taken = await self._store.revoke_exact(h.tenant, h.conversation_id, h.revision)
         except StoreUnavailable as e:
             log.warning("retention.budget.revoke_failed", conversation_id=h.conversation_id, error=str(e))
-            return
+            return False
         self._drop((h.tenant, h.conversation_id))
         if taken is None:  # claimed, replaced or revoked meanwhile: not ours to free
             log.info("retention.budget.gone", conversation_id=h.conversation_id, reason=reason.value)
-            return
+            return False
         self.queue(engine_id, Release(h.tenant, h.conversation_id, taken.params, reason))
         log.info(
             "retention.budget.released",
@@ -218,6 +234,7 @@ class Budgets:
             blocks=h.blocks,
             reason=reason.value,
         )
+        return True
 
     def ended(self, tenant: str, conversation_id: str, r: Retention) -> bool:
         """A conversation's end revoked its retention: have D's sidecar free the blocks when
