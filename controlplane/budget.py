@@ -16,7 +16,9 @@ conversation idle longer than every interval seen is not worth much.
 
 `releases` picks, on one node, the least valuable retentions whose release brings its
 retained blocks under the budget (a share of its pool) and its pool use under the
-near-full mark. Pure: no I/O, no clock (times are passed in).
+near-full mark. `idle` picks, on any node and whatever its pool, the retentions idle far
+past every turn interval seen (see `idle_after`). Pure: no I/O, no clock (times are
+passed in).
 """
 
 from __future__ import annotations
@@ -41,6 +43,15 @@ PRIOR_WEIGHT = 4.0
 DEFAULT_SHARE = 0.5
 #: Default near-full mark: above 90% pool use, retentions give room to requests first.
 DEFAULT_NEAR_FULL = 0.9
+#: Default --idle-release FACTOR: a retention idle FACTOR x the IDLE_QUANTILE turn interval
+#: is released (0 = off: retentions are held to their deadline, the fixed TTL of old).
+DEFAULT_IDLE_FACTOR = 2.0
+#: The turn interval the idle rule scales: 99% of the conversations seen came back sooner.
+IDLE_QUANTILE = 0.99
+#: Intervals to see before the idle rule releases anything (fewer say too little).
+MIN_OBSERVED = 50
+#: Never idle-release a retention younger than this, whatever the intervals seen.
+IDLE_FLOOR_S = 10.0
 
 
 class Reason(enum.StrEnum):
@@ -56,6 +67,8 @@ class Reason(enum.StrEnum):
     """It reached its deadline unclaimed (D freed it)."""
     ORPHAN = "orphan"
     """Blocks pinned with no retention (sidecar.retentions' orphan release)."""
+    IDLE = "idle"
+    """Idle far past every turn interval seen: its conversation is not coming back."""
 
 
 @dataclass
@@ -77,7 +90,24 @@ class IntervalSketch:
 
     @property
     def total(self) -> int:
+        """Observations, the conversations that never came back included."""
         return sum(self.counts)
+
+    @property
+    def observed(self) -> int:
+        """Turn intervals seen (conversations that came back)."""
+        return sum(self.counts[:-1])
+
+    def quantile(self, q: float) -> float:
+        """The `q`-quantile of the intervals seen: the upper edge of the bucket it falls in
+        (0.0 when none were seen)."""
+        need = min(max(q, 0.0), 1.0) * self.observed
+        run = 0
+        for edge, c in zip(EDGES, self.counts, strict=False):
+            run += c
+            if c and run >= need:
+                return edge
+        return 0.0
 
     def _beyond(self, t: float) -> float:
         """Observations (the prior's included) with an interval above `t` (the bucket `t`
@@ -141,12 +171,17 @@ class Budget:
     """Retained blocks may hold at most this share of a node's pool (1.0 = no limit)."""
     near_full: float
     """Pool use above this share releases retentions first (1.0 = never)."""
+    idle_factor: float = DEFAULT_IDLE_FACTOR
+    """--idle-release: a retention idle this many times the IDLE_QUANTILE interval is
+    released (0 = never: held to its deadline)."""
 
     def validate(self) -> None:
-        """Raise ValueError for a share outside (0, 1]."""
+        """Raise ValueError for a share outside (0, 1] or an idle factor not 0 or more."""
         for name, v in (("retention budget", self.share), ("near-full mark", self.near_full)):
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"{name} must be a share of the pool in (0, 1], not {v}")
+        if not (math.isfinite(self.idle_factor) and self.idle_factor >= 0.0):
+            raise ValueError(f"idle release factor must be 0 (off) or positive, not {self.idle_factor}")
 
 
 def value(h: Held, now: float, sketch: IntervalSketch) -> float:
@@ -187,3 +222,33 @@ def _take(ranked: Sequence[Held], over_budget: int, over_full: int) -> list[tupl
         out.append((h, Reason.BUDGET if freed < over_budget else Reason.NEAR_FULL))
         freed += h.blocks
     return out
+
+
+def idle_after(sketch: IntervalSketch, factor: float) -> float | None:
+    """Seconds idle after which a retention is released, or None (the rule is off: factor
+    0, or fewer than MIN_OBSERVED intervals seen).
+
+    Why: a fixed deadline (vLLM's 480 s) is blunt. Once a conversation has been idle
+    `factor` times longer than 99% of the conversations seen took to come back, it almost
+    surely is not coming back, and every second more it is held costs D's memory for
+    nothing: a conversation's last turn (most of them are one) stays pinned to the
+    deadline. The rule needs no budget pressure: it is what takes block-seconds per reused
+    token down on a node that is not full.
+
+    The cost: a conversation that pauses longer than that recomputes its prompt (one in a
+    few hundred, with factor 2 and q 0.99, when the intervals to come are like those seen).
+    Its interval is then not seen, so the sketch learns no interval longer than the
+    threshold; IDLE_FLOOR_S, and the quantile's bucket edge (rounding up), keep it from
+    shrinking far below the intervals actually seen."""
+    if factor <= 0.0 or sketch.observed < MIN_OBSERVED:
+        return None
+    return max(factor * sketch.quantile(IDLE_QUANTILE), IDLE_FLOOR_S)
+
+
+def idle(held: Iterable[Held], now: float, sketch: IntervalSketch, factor: float) -> list[Held]:
+    """The live retentions idle (now - created_at) longer than `idle_after`, oldest first."""
+    after = idle_after(sketch, factor)
+    if after is None:
+        return []
+    out = [h for h in held if h.expires_at > now and now - h.created_at > after]
+    return sorted(out, key=lambda h: (h.created_at, h.conversation_id))

@@ -34,7 +34,7 @@ INDEXED_BLOCKS = Gauge("kvferry_indexed_blocks", "Blocks in the KV-event index (
 RPC_LATENCY = Histogram("kvferry_rpc_seconds", "gRPC handler latency", ["method"], buckets=_LATENCY_BUCKETS)
 RELEASES = Counter(
     "kvferry_retention_releases_total",
-    "Retentions released before a turn claimed them, by reason (budget, near_full, "
+    "Retentions released before a turn claimed them, by reason (budget, near_full, idle, "
     "conversation_end, expiry; the sidecars count orphan)",
     ["reason"],
 )

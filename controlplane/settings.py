@@ -357,6 +357,13 @@ FLAGS = (
         "pool use (share) above which a decode node's retentions give room first (1.0 = never)",
         float,
     ),
+    Flag(
+        "idle-release",
+        "budget.idle_factor",
+        "release a retention idle FACTOR x the 99th-percentile turn interval seen (after 50 "
+        "seen; at least 10 s), whatever the budget (0 = off: held to its deadline)",
+        float,
+    ),
     Flag("gc-bucket", "gc.bucket_s", "seconds of retention deadlines per shared GC lease", int),
     Flag("gauge-scan", "gc.gauge_scan_s", "seconds between per-node gauge scans (0 = off)", float),
 )

@@ -23,7 +23,7 @@ from typing import Any
 import structlog
 
 from controlplane import metrics
-from controlplane.budget import Budget, Held, IntervalSketch, Pool, Reason, releases
+from controlplane.budget import Budget, Held, IntervalSketch, Pool, Reason, idle, releases
 from controlplane.errors import StoreUnavailable
 from controlplane.records import Retention
 from controlplane.store.retentions import RetentionStore
@@ -169,7 +169,8 @@ class Budgets:
     async def report(self, engine_id: str, pool: Pool) -> None:
         """A heartbeat of the node's sidecar told its pool: count what its retentions held
         since the last one, expire those past their deadline, and release the least valuable
-        ones the budget says to (started by `begin`)."""
+        ones the budget says to, and those idle far past every turn interval seen (started by
+        `begin`)."""
         self._running.add(engine_id)
         try:
             await self._report(engine_id, pool)
@@ -189,10 +190,19 @@ class Budgets:
         self._ticked[engine_id] = now
         metrics.show_pool(engine_id, pool.blocks, pool.usage, retained)
         held = list(self._held.get(engine_id, {}).values())
-        for h, reason in releases(self._unsettled(engine_id, pool, now), held, self.budget, now, self.sketch):
+        stale = idle(held, now, self.sketch, self.budget.idle_factor)
+        await self._release_all(engine_id, now, [(h, Reason.IDLE) for h in stale])
+        gone = {id(h) for h in stale}
+        held = [h for h in held if id(h) not in gone]
+        pool_now = self._unsettled(engine_id, pool, now)
+        await self._release_all(engine_id, now, releases(pool_now, held, self.budget, now, self.sketch))
+        metrics.show_pool(engine_id, pool.blocks, pool.usage, self.retained_blocks(engine_id))
+
+    async def _release_all(self, engine_id: str, now: float, chosen: list[tuple[Held, Reason]]) -> None:
+        """Release each one (`_release`), counting what was freed as settling."""
+        for h, reason in chosen:
             if await self._release(engine_id, h, reason):
                 self._recent.setdefault(engine_id, []).append((now, h.blocks))
-        metrics.show_pool(engine_id, pool.blocks, pool.usage, self.retained_blocks(engine_id))
 
     def _unsettled(self, engine_id: str, pool: Pool, now: float) -> Pool:
         """`pool` less the blocks released in the last RELEASE_SETTLE_S: the engine's

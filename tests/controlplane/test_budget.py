@@ -9,12 +9,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controlplane.budget import (
+    EDGES,
+    IDLE_FLOOR_S,
+    IDLE_QUANTILE,
+    MIN_OBSERVED,
     PRIOR_P,
     Budget,
     Held,
     IntervalSketch,
     Pool,
     Reason,
+    idle,
+    idle_after,
     releases,
     value,
 )
@@ -141,3 +147,76 @@ def test_expired_retentions_are_not_released() -> None:
 def test_a_budget_outside_the_pool_is_refused(share: float) -> None:
     with pytest.raises(ValueError, match="retention budget must be a share of the pool in"):
         Budget(share, 0.9).validate()
+
+
+# -- the idle release -------------------------------------------------------------------------
+
+
+def sketch_of(seen: list[float]) -> IntervalSketch:
+    sketch = IntervalSketch()
+    for s in seen:
+        sketch.observe(s)
+    return sketch
+
+
+@given(st.lists(st.floats(0.0, 7000.0), min_size=1, max_size=300), st.floats(0.0, 1.0))
+def test_the_quantile_is_a_bucket_edge_at_or_above_that_share_of_the_intervals(
+    seen: list[float], q: float
+) -> None:
+    sketch = sketch_of(seen)
+    edge = sketch.quantile(q)
+    assert edge in EDGES
+    assert sum(s <= edge for s in seen) >= q * len(seen)
+
+
+def test_the_quantile_of_nothing_seen_is_zero() -> None:
+    assert IntervalSketch().quantile(0.99) == 0.0
+    sketch = IntervalSketch()
+    sketch.never()  # (conversations that never came back are no interval)
+    assert sketch.quantile(0.5) == 0.0
+
+
+@given(
+    st.lists(st.floats(0.0, 600.0), max_size=200),
+    st.lists(st.tuples(st.floats(0.0, 2000.0), st.floats(-50.0, 480.0)), max_size=40),
+    st.floats(0.0, 5.0),
+)
+def test_idle_releases_exactly_the_live_retentions_idle_past_the_threshold(
+    seen: list[float], specs: list[tuple[float, float]], factor: float
+) -> None:
+    sketch = sketch_of(seen)
+    hs = [held(i, age=age, left=left) for i, (age, left) in enumerate(specs)]
+    out = idle(hs, NOW, sketch, factor)
+    after = idle_after(sketch, factor)
+    if factor == 0 or len(seen) < MIN_OBSERVED:
+        assert after is None and out == []  # off, or too little seen: the fixed TTL
+        return
+    assert after is not None
+    assert after >= IDLE_FLOOR_S
+    assert after >= factor * sketch.quantile(IDLE_QUANTILE)
+    assert set(out) == {h for h in hs if h.expires_at > NOW and NOW - h.created_at > after}
+    assert [h.created_at for h in out] == sorted(h.created_at for h in out)  # oldest first
+
+
+def test_a_conversation_idle_far_past_every_interval_seen_is_released() -> None:
+    sketch = sketch_of([30.0] * MIN_OBSERVED)  # turns come back after 30 s
+    q = sketch.quantile(IDLE_QUANTILE)
+    assert 30.0 <= q < 40.0  # (the bucket's upper edge)
+    fresh, paused, gone = held(0, age=40), held(1, age=2 * q - 1), held(2, age=2 * q + 1)
+    assert idle([fresh, paused, gone], NOW, sketch, 2.0) == [gone]
+    assert idle([gone], NOW, sketch, 0.0) == []  # --idle-release 0: held to its deadline
+    # One interval fewer: too little seen to tell.
+    assert idle([gone], NOW, sketch_of([30.0] * (MIN_OBSERVED - 1)), 2.0) == []
+
+
+def test_quick_turns_still_leave_the_floor() -> None:
+    sketch = sketch_of([0.2] * 200)
+    assert idle_after(sketch, 2.0) == IDLE_FLOOR_S
+    assert idle([held(0, age=IDLE_FLOOR_S - 1)], NOW, sketch, 2.0) == []
+    assert idle([held(1, age=IDLE_FLOOR_S + 1)], NOW, sketch, 2.0) != []
+
+
+@pytest.mark.parametrize("factor", [-1.0, math.nan, math.inf])
+def test_an_idle_factor_below_zero_is_refused(factor: float) -> None:
+    with pytest.raises(ValueError, match="idle release factor must be 0 \\(off\\) or positive, not"):
+        Budget(0.5, 0.9, factor).validate()

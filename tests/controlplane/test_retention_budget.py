@@ -12,7 +12,7 @@ import msgspec
 import pytest
 from prometheus_client import REGISTRY
 
-from controlplane.budget import Budget
+from controlplane.budget import MIN_OBSERVED, Budget, Pool, Reason
 from controlplane.daemon import Daemon
 from kvferry.structs import struct_to_dict
 from kvferry.v1 import leases_pb2, nodes_pb2
@@ -248,3 +248,75 @@ async def test_a_lookup_and_a_release_racing_for_a_retention_never_both_get_it(
 
     outcomes = await asyncio.gather(*map(both, names))
     assert all(claimed != released for claimed, released in outcomes), outcomes
+
+
+async def _idle(daemon: Daemon, names: list[str], age: float = 1000.0) -> None:
+    """The daemon has seen MIN_OBSERVED turn intervals of 5 s, and takes the retentions of
+    `names` (registered) as created `age` seconds ago, at their real revisions."""
+    assert daemon.control_plane is not None
+    budgets = daemon.control_plane.budgets
+    for _ in range(MIN_OBSERVED):
+        budgets.sketch.observe(5.0)
+    for name in names:
+        record, _ = await daemon.control_plane.store.retentions.read("default", name)
+        assert record is not None
+        old = msgspec.structs.replace(record.retention, created_at=record.retention.created_at - age)
+        budgets.registered("default", name, old, record.revision)
+
+
+async def test_a_retention_idle_far_past_every_interval_seen_is_released(
+    daemon: Daemon, client: Client
+) -> None:
+    stream = await _attached(client)
+    try:
+        before = released("idle")
+        # Well within the budget (60 of 1,000 blocks); c-high idle 1,000 s, where every
+        # conversation seen came back within 5 s; the others just registered.
+        await _idle(daemon, ["c-high"])
+        releases = await _heartbeat(daemon, stream, 1, 1000, 0.1)
+        assert [(r.conversation_id, r.reason) for r in releases] == [("c-high", "idle")]
+        assert struct_to_dict(releases[0].kv_transfer_params)["remote_num_tokens"] == 0
+        assert released("idle") == before + 1
+        answer = await client.leases.Lookup(lookup_request("c-high"), timeout=10)
+        assert (answer.reason, answer.claimed) == ("no_lease", False)  # out of etcd first
+        assert await _heartbeat(daemon, stream, 2, 1000, 0.1) == []  # (the others are fresh)
+    finally:
+        await stream.close()
+
+
+async def test_with_idle_release_off_an_idle_retention_is_held(
+    make_daemon: DaemonFactory, etcd_endpoint: str, connect
+) -> None:  # type: ignore[no-untyped-def]
+    d = await make_daemon(replace(daemon_settings(etcd_endpoint), budget=Budget(0.5, 0.9, 0.0)))
+    client = connect(d)
+    stream = await _attached(client)
+    try:
+        await _idle(d, list(HELD))
+        assert await _heartbeat(d, stream, 1, 1000, 0.1) == []  # --idle-release 0: the fixed TTL
+        pulled = await client.leases.Lookup(lookup_request("c-high", prompt_tokens=600), timeout=10)
+        assert (pulled.reason, pulled.claimed) == ("pull", True)
+    finally:
+        await stream.close()
+
+
+async def test_a_lookup_and_an_idle_release_racing_never_both_get_it(daemon: Daemon, client: Client) -> None:
+    """Twenty idle conversations, each looked up while a budget pass releases them all:
+    each retention goes to exactly one of the two."""
+    assert daemon.control_plane is not None
+    budgets = daemon.control_plane.budgets
+    await client.nodes.Register(node_request("d-1"), timeout=10)
+    names = [f"idle-race-{i}" for i in range(20)]
+    for name in names:
+        await client.leases.Register(lease_request(name, num_tokens=320), timeout=10)
+    await _idle(daemon, names)
+    assert budgets.begin("d-1")
+    _, *looked = await asyncio.gather(
+        budgets.report("d-1", Pool(1000, 0.1)),
+        *(client.leases.Lookup(lookup_request(n, prompt_tokens=400), timeout=10) for n in names),
+    )
+    sent = budgets.take_releases("d-1")
+    assert {r.reason for r in sent} <= {Reason.IDLE}
+    freed = {r.conversation_id for r in sent}
+    outcomes = {n: (answer.claimed, n in freed) for n, answer in zip(names, looked, strict=True)}
+    assert all(claimed != was_freed for claimed, was_freed in outcomes.values()), outcomes
+    assert freed  # (the pass did release some: a race, not a pass that found nothing)
