@@ -62,6 +62,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.sidecar
 	test ! -f bench/router.py || $(BIN)/python -m bench.router
 	$(BIN)/python -m bench.sustained
+	$(BIN)/python -m bench.holding
 
 ## make demo: daemon + P/D emulators with sidecars + router, a multi-turn agent workload with and without reuse
 demo: $(STAMP)
