@@ -20,6 +20,7 @@ A rate the data cannot pin down (negative, or a singular system) keeps the given
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -77,7 +78,12 @@ def p_waits(turns: Sequence[Turn], model: CostModel, reused: Sequence[int]) -> l
 
 
 def fit(turns: Sequence[Turn], start: CostModel | None = None, rounds: int = 3) -> CostModel:
-    """Rates fitted to a kvferry trace's measured TTFT and latency (`start`: the fallback)."""
+    """Rates fitted to a kvferry trace's measured TTFT and latency (`start`: the fallback).
+
+    Least absolute deviations (iteratively reweighted least squares): the fitted model's
+    errors have a median of zero, so its TTFT percentiles follow the measured ones, and a
+    few slow turns (a first connection, a stall of a loaded machine) do not set the rates
+    as they would a least-squares fit."""
     model = start or CostModel()
     timed = [t for t in turns if t.measured is not None and t.measured.ttft_ms is not None]
     if len(timed) < 4:
@@ -89,21 +95,40 @@ def fit(turns: Sequence[Turn], start: CostModel | None = None, rounds: int = 3) 
             (1.0, float(max(1, t.prompt_tokens - r)), float(model.moved_blocks(t.prompt_tokens, r)))
             for t, r in zip(timed, reused, strict=True)
         ]
-        ys = [
-            (t.measured.ttft_ms or 0.0) - w if t.measured else 0.0 for t, w in zip(timed, waits, strict=True)
-        ]
-        coef = least_squares(rows, ys)
+        ys = [(t.measured.ttft_ms or 0.0) - w if t.measured else 0.0 for t, w in zip(timed, waits, strict=True)]
+        fitted = _solve(model, rows, ys)
+        if fitted is None:
+            break
+        model = fitted
+    return replace(model, decode_ms_per_token=_decode_rate(timed, model.decode_ms_per_token))
+
+
+L1_ROUNDS = 20
+"""Reweighting rounds of the least-absolute-deviations fit."""
+
+
+def _solve(model: CostModel, rows: list[tuple[float, float, float]], ys: list[float]) -> CostModel | None:
+    """Overhead, prefill and transfer rates minimising the absolute errors (transfer kept
+    at the given rate when the data do not pin it down)."""
+    weights = [1.0] * len(rows)
+    best: CostModel | None = None
+    for _ in range(L1_ROUNDS):
+        coef = least_squares(rows, ys, weights)
         if coef is None or coef[1] <= 0:
             break
         overhead, prefill, transfer = coef
-        if transfer < 0:  # (not pinned down: keep the given transfer rate, refit the others)
+        if transfer < 0:
             transfer = model.transfer_ms_per_block
-            two = least_squares([r[:2] for r in rows], [y - transfer * r[2] for r, y in zip(rows, ys, strict=True)])
+            two = least_squares([r[:2] for r in rows], [y - transfer * r[2] for r, y in zip(rows, ys, strict=True)], weights)
             if two is None or two[1] <= 0:
                 break
             overhead, prefill = two
-        model = replace(model, overhead_ms=max(0.0, overhead), prefill_ms_per_token=prefill, transfer_ms_per_block=transfer)
-    return replace(model, decode_ms_per_token=_decode_rate(timed, model.decode_ms_per_token))
+        best = replace(model, overhead_ms=max(0.0, overhead), prefill_ms_per_token=prefill, transfer_ms_per_block=transfer)
+        residuals = [
+            abs(y - (best.overhead_ms + prefill * r[1] + transfer * r[2])) for r, y in zip(rows, ys, strict=True)
+        ]
+        weights = [1.0 / max(e, 1e-3) for e in residuals]
+    return best
 
 
 def _decode_rate(turns: Sequence[Turn], fallback: float) -> float:
@@ -117,15 +142,22 @@ def _decode_rate(turns: Sequence[Turn], fallback: float) -> float:
     return num / den if den > 0 and num > 0 else fallback
 
 
-def least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float] | None:
-    """The x minimising |A x - y|^2 (normal equations, Gaussian elimination); None if singular."""
+def least_squares(
+    rows: Sequence[Sequence[float]], ys: Sequence[float], weights: Sequence[float] | None = None
+) -> list[float] | None:
+    """The x minimising sum w (A x - y)^2 (normal equations, Gaussian elimination); None if
+    singular."""
     k = len(rows[0]) if rows else 0
     if k == 0 or len(rows) < k:
         return None
+    w = weights or [1.0] * len(rows)
     # (columns scaled to unit size first: token counts and a constant differ by 1e4)
     scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(k)]
-    a = [[sum(r[i] * r[j] / (scale[i] * scale[j]) for r in rows) for j in range(k)] for i in range(k)]
-    b = [sum(r[i] * y / scale[i] for r, y in zip(rows, ys, strict=True)) for i in range(k)]
+    a = [
+        [sum(wi * r[i] * r[j] for r, wi in zip(rows, w, strict=True)) / (scale[i] * scale[j]) for j in range(k)]
+        for i in range(k)
+    ]
+    b = [sum(wi * r[i] * y for r, y, wi in zip(rows, ys, w, strict=True)) / scale[i] for i in range(k)]
     for col in range(k):
         pivot = max(range(col, k), key=lambda i: abs(a[i][col]))
         if abs(a[pivot][col]) < 1e-9:
