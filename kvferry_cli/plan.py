@@ -65,7 +65,9 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--report", type=Path, help="write the HTML report (plots embedded) here")
     p.add_argument("--think", type=float, default=0.0, help="seconds between turns (untimed traces)")
     p.add_argument("--clients", type=int, default=1, help="conversations at a time (untimed traces)")
-    p.add_argument("--chars-per-token", type=float, default=4.0, help="vLLM conversations: characters a token")
+    p.add_argument(
+        "--chars-per-token", type=float, default=4.0, help="vLLM conversations: characters a token"
+    )
     p.add_argument("--seed", type=int, default=1, help="vLLM generation configs: the draws' seed")
     p.add_argument("--tolerance", type=float, default=TOLERANCE, help="hit rate below the best still chosen")
     p.add_argument(
@@ -75,7 +77,9 @@ def add_arguments(sub: Any) -> None:
         help="fit the cost model to the trace's measured TTFT (default: for kvferry traces)",
     )
     for name, default in EMULATOR.items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=float, default=default, help="the rate (or fit start)")
+        p.add_argument(
+            f"--{name.replace('_', '-')}", type=float, default=default, help="the rate (or fit start)"
+        )
     p.add_argument("--overhead-ms", type=float, default=0.0, help="per-turn time outside the engines")
     logs.add_level_flag(p, default=argparse.SUPPRESS)
     p.set_defaults(func=run)
@@ -86,7 +90,11 @@ def run(a: argparse.Namespace) -> int:
     try:
         workload = read_trace(a.trace, a.format, a.chars_per_token, a.seed)
         costs = CostModel(
-            a.prefill_ms_per_token, a.transfer_ms_per_block, a.decode_ms_per_token, a.overhead_ms, a.block_size
+            a.prefill_ms_per_token,
+            a.transfer_ms_per_block,
+            a.decode_ms_per_token,
+            a.overhead_ms,
+            a.block_size,
         )
         costs.validate()
         if a.fit if a.fit is not None else a.format == "kvferry":

@@ -20,7 +20,6 @@ A rate the data cannot pin down (negative, or a singular system) keeps the given
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -44,7 +43,12 @@ class CostModel:
 
     def validate(self) -> None:
         """ValueError on a negative or non-finite rate, or a block size < 1."""
-        rates = (self.prefill_ms_per_token, self.transfer_ms_per_block, self.decode_ms_per_token, self.overhead_ms)
+        rates = (
+            self.prefill_ms_per_token,
+            self.transfer_ms_per_block,
+            self.decode_ms_per_token,
+            self.overhead_ms,
+        )
         if not all(math.isfinite(r) and r >= 0 for r in rates):
             raise ValueError("cost rates must be finite and >= 0")
         if self.block_size < 1:
@@ -68,8 +72,10 @@ def p_waits(turns: Sequence[Turn], model: CostModel, reused: Sequence[int]) -> l
     free_at = -math.inf
     waits: list[float] = []
     for turn, r in zip(turns, reused, strict=True):
-        ready = (turn.arrival_s or 0.0) * 1e3 + model.overhead_ms + model.transfer_ms_per_block * blocks_for(
-            r, model.block_size
+        ready = (
+            (turn.arrival_s or 0.0) * 1e3
+            + model.overhead_ms
+            + model.transfer_ms_per_block * blocks_for(r, model.block_size)
         )
         start = max(ready, free_at)
         waits.append(start - ready)
@@ -95,7 +101,9 @@ def fit(turns: Sequence[Turn], start: CostModel | None = None, rounds: int = 3) 
             (1.0, float(max(1, t.prompt_tokens - r)), float(model.moved_blocks(t.prompt_tokens, r)))
             for t, r in zip(timed, reused, strict=True)
         ]
-        ys = [(t.measured.ttft_ms or 0.0) - w if t.measured else 0.0 for t, w in zip(timed, waits, strict=True)]
+        ys = [
+            (t.measured.ttft_ms or 0.0) - w if t.measured else 0.0 for t, w in zip(timed, waits, strict=True)
+        ]
         fitted = _solve(model, rows, ys)
         if fitted is None:
             break
@@ -119,13 +127,21 @@ def _solve(model: CostModel, rows: list[tuple[float, float, float]], ys: list[fl
         overhead, prefill, transfer = coef
         if transfer < 0:
             transfer = model.transfer_ms_per_block
-            two = least_squares([r[:2] for r in rows], [y - transfer * r[2] for r, y in zip(rows, ys, strict=True)], weights)
+            two = least_squares(
+                [r[:2] for r in rows], [y - transfer * r[2] for r, y in zip(rows, ys, strict=True)], weights
+            )
             if two is None or two[1] <= 0:
                 break
             overhead, prefill = two
-        best = replace(model, overhead_ms=max(0.0, overhead), prefill_ms_per_token=prefill, transfer_ms_per_block=transfer)
+        best = replace(
+            model,
+            overhead_ms=max(0.0, overhead),
+            prefill_ms_per_token=prefill,
+            transfer_ms_per_block=transfer,
+        )
         residuals = [
-            abs(y - (best.overhead_ms + prefill * r[1] + transfer * r[2])) for r, y in zip(rows, ys, strict=True)
+            abs(y - (best.overhead_ms + prefill * r[1] + transfer * r[2]))
+            for r, y in zip(rows, ys, strict=True)
         ]
         weights = [1.0 / max(e, 1e-3) for e in residuals]
     return best
@@ -154,7 +170,10 @@ def least_squares(
     # (columns scaled to unit size first: token counts and a constant differ by 1e4)
     scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(k)]
     a = [
-        [sum(wi * r[i] * r[j] for r, wi in zip(rows, w, strict=True)) / (scale[i] * scale[j]) for j in range(k)]
+        [
+            sum(wi * r[i] * r[j] for r, wi in zip(rows, w, strict=True)) / (scale[i] * scale[j])
+            for j in range(k)
+        ]
         for i in range(k)
     ]
     b = [sum(wi * r[i] * y for r, y, wi in zip(rows, ys, w, strict=True)) / scale[i] for i in range(k)]

@@ -14,10 +14,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 (after the backend is chosen)
-from matplotlib.figure import Figure  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
-from planner.report import Plan, recommend, table  # noqa: E402
+from planner.report import Plan, recommend, table
 
 _MAX_POINTS = 2000
 """Points per pool-pressure line (the simulation samples every event)."""
@@ -26,7 +26,9 @@ _MAX_POINTS = 2000
 def write_html(plan: Plan, path: Path, tolerance: float) -> None:
     """Write the report to `path` (OSError when it cannot be)."""
     figures = [_pressure(plan), _trade(plan), _ttft(plan)]
-    images = "\n".join(f'<p><img alt="{alt}" src="data:image/png;base64,{_png(fig)}"></p>' for alt, fig in figures)
+    images = "\n".join(
+        f'<p><img alt="{alt}" src="data:image/png;base64,{_png(fig)}"></p>' for alt, fig in figures
+    )
     _, why = recommend(plan.outcomes, tolerance)
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>kvferry plan</title>
@@ -65,7 +67,9 @@ def _trade(plan: Plan) -> tuple[str, Figure]:
     for o in plan.outcomes:
         cost = o.block_seconds_per_reused_token
         ax.scatter([cost if cost != float("inf") else 0], [o.hit_rate * 100])
-        ax.annotate(o.config.label, (cost if cost != float("inf") else 0, o.hit_rate * 100), fontsize="x-small")
+        ax.annotate(
+            o.config.label, (cost if cost != float("inf") else 0, o.hit_rate * 100), fontsize="x-small"
+        )
     ax.set_xlabel("block-seconds held per reused token")
     ax.set_ylabel("hit rate, %")
     ax.set_title("What the memory buys: hit rate against block-seconds per reused token")

@@ -86,7 +86,9 @@ class Outcome:
     """Retained blocks x seconds held (until claimed, released or expired)."""
     pool_full: int = 0
     """Turns that found D's pool full (``fixed``: D would make them wait, then refuse)."""
-    releases: dict[str, int] = field(default_factory=lambda: {"claimed": 0, "expiry": 0, "budget": 0, "near_full": 0})
+    releases: dict[str, int] = field(
+        default_factory=lambda: {"claimed": 0, "expiry": 0, "budget": 0, "near_full": 0}
+    )
     pressure: list[tuple[float, float, float]] = field(default_factory=list)
     """(seconds, share of D's pool in use, share held by retentions), at each event."""
 
@@ -218,7 +220,9 @@ class _Engines:
         ready = t_ms + m.overhead_ms + m.transfer_ms_per_block * blocks_for(reused, m.block_size)
         start = max(ready, self.gpu_free_ms)
         self.gpu_free_ms = start + m.prefill_ms_per_token * max(1, turn.prompt_tokens - reused)
-        return self.gpu_free_ms + m.transfer_ms_per_block * blocks_for(turn.prompt_tokens, m.block_size) - t_ms
+        return (
+            self.gpu_free_ms + m.transfer_ms_per_block * blocks_for(turn.prompt_tokens, m.block_size) - t_ms
+        )
 
     def finish(self, turn: Turn, now: float) -> None:
         self.expire_until(now)
@@ -227,7 +231,9 @@ class _Engines:
 
     def sample(self, now: float) -> None:
         pool = self.c.pool_blocks
-        self.out.pressure.append((now, (self.active_blocks + self.retained_blocks) / pool, self.retained_blocks / pool))
+        self.out.pressure.append(
+            (now, (self.active_blocks + self.retained_blocks) / pool, self.retained_blocks / pool)
+        )
 
 
 def simulate(
@@ -261,7 +267,9 @@ def simulate(
             conv, i = follow[id(turn)]
             after = conv[i + 1] if i + 1 < len(conv) else None
             if after is not None:
-                heapq.heappush(events, (_next_arrival(after, now, think_s, workload.timed), next(seq), "arrive", after))
+                heapq.heappush(
+                    events, (_next_arrival(after, now, think_s, workload.timed), next(seq), "arrive", after)
+                )
             elif not workload.timed:
                 nxt = next(pending, None)
                 if nxt is not None:

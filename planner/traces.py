@@ -287,7 +287,11 @@ def read_mooncake(text: str, name: str, block_tokens: int = MOONCAKE_BLOCK_TOKEN
         parent = last_of.get(str(session)) if session is not None else _parent(hashes, owner)
         if parent is not None and session is None and last_of.get(turns[parent].conversation) != parent:
             parent = None  # (it shares a prefix with a turn D no longer retains)
-        cid = str(session) if session is not None else (turns[parent].conversation if parent is not None else f"r{n}")
+        cid = (
+            str(session)
+            if session is not None
+            else (turns[parent].conversation if parent is not None else f"r{n}")
+        )
         shared = 0
         if parent is not None:
             prev = turns[parent]

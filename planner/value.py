@@ -54,9 +54,7 @@ class ReturnIntervals:
         return within / later
 
 
-def value_per_block_second(
-    reusable_tokens: int, blocks: int, p_return: float, remaining_s: float
-) -> float:
+def value_per_block_second(reusable_tokens: int, blocks: int, p_return: float, remaining_s: float) -> float:
     """What holding a retention is expected to save per block-second it still holds."""
     if blocks <= 0:
         return 0.0
