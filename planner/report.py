@@ -88,7 +88,7 @@ def ttft_saved_ms(plan: Plan, outcome: Outcome) -> float:
 
 HEADER = (
     f"{'ttl s':>6} {'thr':>5} {'budget':>6} {'policy':>6} | {'hit rate':>8} {'reused tokens':>13} "
-    f"{'blk-s/token':>11} | {'TTFT p50':>9} {'saved/turn':>10} | {'peak pool':>9} {'full':>5} "
+    f"{'blk-s/token':>11} | {'TTFT p50':>9} {'saved/turn':>10} | {'peak use':>9} {'full':>5} "
     f"{'early rel.':>10}"
 )
 
@@ -115,15 +115,16 @@ def table(plan: Plan, tolerance: float = TOLERANCE) -> str:
         + ("(timed)" if w.timed else f"({plan.clients} clients, think {plan.think_s:g}s)"),
         f"cost model: {plan.costs.describe()}",
         f"D pool: {plan.outcomes[0].config.pool_blocks:,} blocks; no reuse: TTFT p50 "
-        f"{plan.baseline.ttft_p50_ms:.0f}ms, peak pool {plan.baseline.peak_pressure:.0%}",
+        f"{plan.baseline.ttft_p50_ms:.0f}ms, peak use {plan.baseline.peak_pressure:.0%}",
         "",
         HEADER,
         *(row(plan, o) + ("  <-" if o is choice else "") for o in plan.outcomes),
         "",
         f"recommended: {why}",
         "blk-s/token: D's KV block-seconds held by retentions per reused token; saved/turn: mean TTFT "
-        "saved against no reuse; full: turns that found D's pool full; early rel.: retentions released "
-        "by the budget or to make room",
+        "saved against no reuse; peak use: D's pool at its fullest (over 100%: blocks D could not give, "
+        "the turns would wait, then get a 503); full: turns that found D's pool full; early rel.: "
+        "retentions released by the budget or to make room",
     ]
     return "\n".join(lines)
 
