@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -86,6 +87,12 @@ def ttft_saved_ms(plan: Plan, outcome: Outcome) -> float:
     return plan.baseline.ttft_mean_ms - outcome.ttft_mean_ms
 
 
+LEGEND = (
+    "blk-s/token: D's KV block-seconds held by retentions per reused token; saved/turn: mean TTFT "
+    "saved against no reuse; peak use: D's pool at its fullest (over 100%: blocks D could not give, "
+    "the turns would wait, then get a 503); full: turns that found D's pool full; early rel.: "
+    "retentions released by the budget or to make room."
+)
 HEADER = (
     f"{'ttl s':>6} {'thr':>5} {'budget':>6} {'policy':>6} | {'hit rate':>8} {'reused tokens':>13} "
     f"{'blk-s/token':>11} | {'TTFT p50':>9} {'saved/turn':>10} | {'peak use':>9} {'full':>5} "
@@ -120,11 +127,8 @@ def table(plan: Plan, tolerance: float = TOLERANCE) -> str:
         HEADER,
         *(row(plan, o) + ("  <-" if o is choice else "") for o in plan.outcomes),
         "",
-        f"recommended: {why}",
-        "blk-s/token: D's KV block-seconds held by retentions per reused token; saved/turn: mean TTFT "
-        "saved against no reuse; peak use: D's pool at its fullest (over 100%: blocks D could not give, "
-        "the turns would wait, then get a 503); full: turns that found D's pool full; early rel.: "
-        "retentions released by the budget or to make room",
+        *textwrap.wrap(f"recommended: {why}", 100, subsequent_indent="  "),
+        *textwrap.wrap(LEGEND, 100),
     ]
     return "\n".join(lines)
 
