@@ -117,6 +117,17 @@ class TurnTrace:
             self._file = None
 
 
+def check_trace_out(path: str) -> None:
+    """ValueError, saying why, when `path` ("" = none) cannot be appended to."""
+    if not path:
+        return
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise ValueError(f"--trace-out {path}: cannot write: {e.strerror or e}") from None
+
+
 def wall_clock_of(perf_started: float) -> float:
     """The wall-clock time of a `time.perf_counter()` reading taken earlier."""
     return time.time() - (time.perf_counter() - perf_started)

@@ -5,6 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from kvferry import logs
+from router.cli import build_parser, main
+from router.settings import from_args
 from router.trace import TurnTrace, UsageSniffer
 
 
@@ -44,3 +49,19 @@ def test_the_trace_names_conversations_by_salted_digest_and_counts_their_turns(t
     assert one.digest("secret-conv") != two.digest("secret-conv")
     one.close()
     two.close()
+
+
+def test_the_router_refuses_a_trace_file_it_cannot_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(logs, "configure", lambda *a, **k: None)  # keep the process's logging as it is
+    missing = tmp_path / "no-such-dir" / "t.jsonl"
+    assert main(["--daemon", "127.0.0.1:1", "--trace-out", str(missing)]) == 2
+    assert f"--trace-out {missing}: cannot write: No such file or directory" in capsys.readouterr().err
+
+
+def test_the_trace_out_flag_and_its_variable_become_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert from_args(build_parser().parse_args(["--daemon", "d:1"])).server.trace_out == ""
+    monkeypatch.setenv("KVFERRY_ROUTER_TRACE_OUT", "/var/log/kvferry/turns.jsonl")
+    s = from_args(build_parser().parse_args(["--daemon", "d:1"]))
+    assert s.server.trace_out == "/var/log/kvferry/turns.jsonl"
