@@ -25,7 +25,11 @@ Formats (what each source documents; checked against the sources named):
     only sizes matter to the planner).
 
   Neither carries times: turns of a conversation follow each other after ``think_s``,
-  ``clients`` conversations at a time (the benchmark's ``--num-clients``).
+  ``clients`` conversations at a time. (The benchmark runs ``--num-clients`` clients over
+  ``--max-active-conversations`` conversations, a client taking turns of its active
+  conversations in turn, with ``--request-rate`` Poisson delays between requests: give
+  ``clients`` the active conversations and ``think_s`` the time a conversation waits for
+  its client between turns.)
 
 - ``mooncake``: Mooncake's open trace format (kvcache-ai/Mooncake,
   ``FAST25-release/traces``; as NVIDIA's aiperf and dynamo read it): JSONL, one request a
