@@ -119,3 +119,14 @@ def test_the_simulation_is_deterministic() -> None:
 def test_a_bad_configuration_is_refused(config: Config, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         simulate(_timed(_conversation("a", 1, 1.0)), config, FREE)
+
+
+def test_a_timed_turn_waits_for_its_conversations_previous_answer() -> None:
+    # (a Mooncake trace gives arrivals only: a turn stamped before its previous one ended
+    # is sent when that answer is in, as a client would)
+    costs = CostModel(0.0, 0.0, decode_ms_per_token=100.0, overhead_ms=0.0)
+    first = Turn("a", 0, 512, 50, 0, 0.0)  # ends at 5 s
+    second = Turn("a", 1, 1024, 10, 562, 1.0)
+    out = simulate(Workload((first, second), "t", timed=True), Config(pool_blocks=10_000), costs)
+    assert [r.decision for r in out.turns] == ["RECOMPUTE", "PULL"]
+    assert out.pressure[-1][0] == pytest.approx(5.0 + 1.0)  # arrived at 5 s, decoded 1 s
