@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -102,7 +101,7 @@ def run(a: argparse.Namespace) -> int:
         configs = configurations(a.ttl, a.threshold, a.budget, a.policy, a.pool_blocks)
         if a.think < 0 or a.clients < 1 or not 0 <= a.tolerance < 1:
             raise ValueError("--think must be >= 0, --clients >= 1, --tolerance in [0, 1)")
-        plan = make_plan(workload, configs, replace(costs), a.think, a.clients)
+        plan = make_plan(workload, configs, costs, a.think, a.clients)
     except (TraceError, ValueError) as e:
         print(f"kvferry plan: {e}", file=sys.stderr)
         return 2
