@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from kvferry import logs
 from kvferry_cli.command import main
+
+
+@pytest.fixture(autouse=True)
+def _keep_logging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvferry` configures the process's logging: not the test process's."""
+    monkeypatch.setattr(logs, "configure", lambda *a, **k: None)
 
 
 def _mooncake(tmp_path: Path) -> Path:
