@@ -46,7 +46,7 @@ check: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/python scripts/check_sizes.py
-	$(BIN)/mypy $(wildcard controlplane kvferry kvferry_cli sidecar router emulator bench realvllm) scripts
+	$(BIN)/mypy $(wildcard controlplane kvferry kvferry_cli sidecar router emulator planner bench realvllm) scripts
 	$(BIN)/lint-imports
 	$(BIN)/python scripts/gen_protos.py
 	git diff --exit-code -- kvferry/v1 || (echo "generated stubs are stale: run 'make proto' and commit" >&2; exit 1)

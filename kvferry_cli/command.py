@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvferry import flags, logs
 from kvferry.tasks import run_process
-from kvferry_cli import admin
+from kvferry_cli import admin, plan
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.set_defaults(func=_daemon)
 
     admin.add_arguments(sub)
+    plan.add_arguments(sub)
     certs = sub.add_parser(
         "certs",
         help="write a development CA, a certificate for every part and a policy naming them",

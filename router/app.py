@@ -31,6 +31,7 @@ from router.patience import PrefillRates
 from router.releases import Releases
 from router.security import Security, follow_rotation, load_security
 from router.settings import Settings
+from router.trace import TurnTrace
 from router.turn import Shared
 from router.upstream import Engines
 
@@ -96,6 +97,7 @@ class Router:
                 digests=DigestCache(s.reuse.digest_cache_bytes),
                 rates=PrefillRates(s.daemon.prefill_s_per_token),
                 releases=Releases(s.upstream.max_releases_in_flight),
+                trace=TurnTrace(s.server.trace_out) if s.server.trace_out else None,
             )
             self._runner = web.AppRunner(
                 build_app(shared, sec.keys),
@@ -140,6 +142,8 @@ class Router:
             await self.daemon.owed_answers(until - time.monotonic())
         if self._shared is not None:
             await self._shared.releases.settle(until)
+            if self._shared.trace is not None:
+                self._shared.trace.close()
         await cancel_and_wait([self._refresh, self._tls_watch])
         self._refresh = self._tls_watch = None
         if self.daemon is not None:

@@ -26,6 +26,7 @@ from kvferry.tasks import run_process
 from router.app import Router
 from router.security import Security, load_security
 from router.settings import ENV_PREFIX, Settings, add_arguments, from_args
+from router.trace import check_trace_out
 
 log = structlog.get_logger(__name__)
 
@@ -57,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     flags.warn_unknown_variables("router", ENV_PREFIX, args)
     try:
         settings = from_args(args)
+        check_trace_out(settings.server.trace_out)
         security = load_security(settings)  # (the TLS and policy files: PolicyError is one)
     except ValueError as e:
         print(f"kvferry router: {e}", file=sys.stderr)

@@ -25,6 +25,7 @@ from router.decisions import Failure, FailureKind, decode_body, retry_decode_els
 from router.errors import bad_gateway, engine_message, passthrough
 from router.relay import SseScrubber, scrub_json
 from router.releases import release_prefill
+from router.trace import TurnTrace, wall_clock_of
 from router.upstream import Reply, UpstreamError, encode
 
 if TYPE_CHECKING:
@@ -123,6 +124,8 @@ async def _relay(
     except (aiohttp.ClientError, TimeoutError) as e:
         turn.s.metrics.upstream_error("decode", Failure(FailureKind.PROTOCOL))
         return bad_gateway(f"decode engine failed mid-answer: {e}")
+    if turn.usage is not None:
+        turn.usage.feed(raw)
     _observe_first_bytes(turn)
     _observe_end(turn)
     return web.Response(body=scrub_json(raw), status=200, headers=headers)
@@ -151,6 +154,8 @@ async def _stream(
     first = True
     try:
         async for chunk in upstream.content.iter_any():
+            if turn.usage is not None:
+                turn.usage.feed(chunk)
             out = scrubber.feed(chunk)
             if out:
                 await resp.write(out)
@@ -183,7 +188,8 @@ def _label(turn: Turn) -> str:
 
 
 def _observe_first_bytes(turn: Turn) -> None:
-    turn.s.metrics.ttft.labels(_label(turn)).observe(time.perf_counter() - turn.started)
+    turn.first_byte_s = time.perf_counter() - turn.started
+    turn.s.metrics.ttft.labels(_label(turn)).observe(turn.first_byte_s)
 
 
 def _observe_end(turn: Turn) -> None:
@@ -194,4 +200,27 @@ def _observe_end(turn: Turn) -> None:
         decision=turn.reuse.decision if turn.reuse else None,
         reason=turn.reuse.reason if turn.reuse else None,
         seconds=round(elapsed, 4),
+    )
+    if turn.s.trace is not None:
+        record_turn(turn, turn.s.trace, elapsed)
+
+
+def record_turn(turn: Turn, trace: TurnTrace, elapsed: float) -> None:
+    """Append the finished turn to the router's trace (`router.trace`)."""
+    usage, reuse = turn.usage, turn.reuse
+    prompt = len(turn.tokens) if turn.tokens else (usage.prompt_tokens if usage else 0)
+    output = usage.completion_tokens if usage and usage.completion_tokens else 0
+    if not output:
+        limit = turn.body.get("max_completion_tokens", turn.body.get("max_tokens"))
+        output = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else 0
+    trace.record(
+        started=wall_clock_of(turn.started),
+        tenant=turn.identity.tenant,
+        conversation=turn.identity.conversation_id,
+        prompt_tokens=prompt,
+        output_tokens=output,
+        reused_tokens=reuse.reusable_tokens if reuse is not None and reuse.pull else 0,
+        decision=reuse.decision if reuse is not None else "NONE",
+        ttft_s=turn.first_byte_s,
+        latency_s=elapsed,
     )

@@ -33,6 +33,9 @@ class ServerSettings:
     """Seconds in-flight answers get to finish on shutdown."""
     api_keys: tuple[str, ...] = ()
     """Bearer keys a client must present on /v1/ routes, as vLLM's --api-key; empty = no check."""
+    trace_out: str = ""
+    """A file to append one line per finished turn to (`router.trace`: timing, sizes and
+    reuse, no content), for `kvferry plan`; "" = none."""
 
 
 @dataclass(frozen=True)
@@ -340,6 +343,12 @@ FLAGS = (
     Flag("health-interval", "upstream.health_interval_s", "seconds between node /health probes", float),
     Flag("health-failures", "upstream.health_failures", "failed probes after which a node is left out", int),
     Flag("max-body-bytes", "server.max_body_bytes", "largest request body accepted", int),
+    Flag(
+        "trace-out",
+        "server.trace_out",
+        "append one line per finished turn (timing, sizes, reuse; no content) to this file, "
+        "for `kvferry plan`",
+    ),
     Flag(
         "shutdown-grace", "server.shutdown_grace_s", "seconds answers in flight get to end on SIGTERM", float
     ),

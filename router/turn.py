@@ -73,6 +73,7 @@ from router.patience import PrefillRates
 from router.prepare import prepare
 from router.releases import Releases, release_claim
 from router.settings import Settings
+from router.trace import TurnTrace, UsageSniffer
 from router.upstream import Engines, Reply, UpstreamError, client_request_id, encode
 
 log = structlog.get_logger(__name__)
@@ -98,6 +99,8 @@ class Shared:
     """Prefill seconds per token, as measured: how long lookups are waited for."""
     releases: Releases
     """Releases of blocks kept for turns, still on their way (`router.releases`)."""
+    trace: TurnTrace | None = None
+    """Where finished turns are recorded (``--trace-out``; None: nowhere)."""
 
 
 class Turn:
@@ -134,6 +137,10 @@ class Turn:
         """Nodes the router could not connect to lately: a choice leaves them out while any
         other will do (a preference: a retry may still go there)."""
         self.reuse: Reuse | None = None
+        self.first_byte_s: float | None = None
+        """Seconds from the turn's start to the first bytes of its answer (once they went)."""
+        self.usage: UsageSniffer | None = UsageSniffer() if shared.trace is not None else None
+        """The answer's token counts as they pass (only when turns are traced)."""
         self.log = log.bind(
             request_id=self.request_id,
             client_request_id=None if self.answer_id == self.request_id else self.answer_id,

@@ -22,6 +22,7 @@ ROOTS = (
     "sidecar",
     "router",
     "emulator",
+    "planner",
     "bench",
     "realvllm",
     "scripts",

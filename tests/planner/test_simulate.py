@@ -1,0 +1,132 @@
+"""The event simulation: what a TTL, threshold, budget and policy do to reuse and D's memory."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from planner.costs import CostModel
+from planner.simulate import Config, simulate
+from planner.traces import Turn, Workload
+
+FREE = CostModel(0.0, 0.0, 0.0, 0.0, 16)
+"""Engines that take no time: only the think times set the clock."""
+
+
+def _conversation(cid: str, turns: int, gap_s: float, start: float = 0.0, grow: int = 1600) -> list[Turn]:
+    out: list[Turn] = []
+    prompt = grow
+    for i in range(turns):
+        shared = 0 if i == 0 else out[-1].prompt_tokens + out[-1].output_tokens
+        out.append(
+            Turn(cid, i, prompt, 16, shared, start if i == 0 else None, None, None if i == 0 else gap_s)
+        )
+        prompt = shared + grow if i else prompt + 16 + grow
+    return out
+
+
+def _timed(*convs: list[Turn]) -> Workload:
+    return Workload(tuple(t for c in convs for t in c), "test", timed=True)
+
+
+def test_a_turn_within_the_ttl_pulls_the_previous_turns_whole_blocks() -> None:
+    out = simulate(_timed(_conversation("a", 3, 30.0)), Config(ttl_s=480, pool_blocks=10_000), FREE)
+    assert [r.decision for r in out.turns] == ["RECOMPUTE", "PULL", "PULL"]
+    assert out.turns[1].reused_tokens == 1616  # 1600 + 16, whole blocks of 16
+    assert out.hit_rate == pytest.approx(2 / 3)
+    assert out.releases["claimed"] == 2 and out.releases["expiry"] == 1
+
+
+def test_a_turn_after_the_ttl_less_the_safety_margin_recomputes() -> None:
+    w = _timed(_conversation("a", 2, 115.0))
+    assert simulate(w, Config(ttl_s=120, pool_blocks=10_000), FREE).hits == 0  # (5 s before expiry)
+    assert simulate(w, Config(ttl_s=130, pool_blocks=10_000), FREE).hits == 1
+
+
+def test_block_seconds_count_until_the_claim_or_the_expiry() -> None:
+    out = simulate(_timed(_conversation("a", 2, 30.0)), Config(ttl_s=100, pool_blocks=10_000), FREE)
+    first_blocks = math.ceil((1600 + 16) / 16)
+    second_blocks = math.ceil((1600 + 16 + 1600 + 16) / 16)
+    assert out.block_seconds == pytest.approx(first_blocks * 30 + second_blocks * 100)
+    assert out.block_seconds_per_reused_token == pytest.approx(out.block_seconds / 1616)
+
+
+def test_reuse_below_the_threshold_recomputes() -> None:
+    w = _timed(_conversation("a", 2, 1.0, grow=48))
+    assert simulate(w, Config(threshold=80, pool_blocks=10_000), FREE).hits == 0  # (64 reusable)
+    assert simulate(w, Config(threshold=64, pool_blocks=10_000), FREE).hits == 1
+
+
+@pytest.mark.parametrize("policy", ["fixed", "value"])
+def test_a_budget_keeps_retentions_under_its_share_of_the_pool(policy: str) -> None:
+    # "a" comes back every 10 s, its context growing; "b" ends at once and never comes back.
+    w = _timed(_conversation("a", 4, 10.0), _conversation("b", 1, 10.0, start=1.0))
+    out = simulate(w, Config(ttl_s=480, budget=0.4, policy=policy, pool_blocks=1000), FREE)
+    assert max(held for _, _, held in out.pressure) <= 0.4
+    assert out.releases["budget"] >= 1  # (b's, when a's third turn is retained)
+    assert out.hits == 3  # a's returns all pulled: b's retention made the room
+
+
+def test_the_value_policy_makes_room_for_a_request_and_fixed_counts_the_pool_full() -> None:
+    a = _conversation("a", 1, 1.0)
+    b = _conversation("b", 1, 1.0, start=5.0, grow=3200)
+    w = _timed(a, b)
+    pool = 220  # a's retention (101 blocks) and b's request (201) do not fit together
+    fixed = simulate(w, Config(policy="fixed", pool_blocks=pool), FREE)
+    value = simulate(w, Config(policy="value", pool_blocks=pool), FREE)
+    assert fixed.pool_full == 1 and value.pool_full == 0
+    assert value.releases["near_full"] == 1
+    assert max(p for _, p, _ in value.pressure) <= 1.0
+
+
+def test_ttft_follows_the_cost_model_and_p_queues_one_prefill_at_a_time() -> None:
+    costs = CostModel(
+        prefill_ms_per_token=0.1, transfer_ms_per_block=1.0, decode_ms_per_token=0, overhead_ms=5
+    )
+    two = Workload((Turn("a", 0, 1600, 1, 0, 0.0), Turn("b", 0, 1600, 1, 0, 0.0)), "test", timed=True)
+    out = simulate(two, Config(reuse=False), costs)
+    alone = 5 + 160 + 100  # overhead, prefill of 1600 tokens, D pulling 100 blocks
+    assert sorted(r.ttft_ms for r in out.turns) == pytest.approx([alone, alone + 160])
+
+
+def test_untimed_conversations_run_a_client_at_a_time_after_the_think_time() -> None:
+    convs = [t for c in ("a", "b") for t in _conversation(c, 2, 0.0)]
+    w = Workload(
+        tuple(t.__class__(**{**t.__dict__, "arrival_s": None, "think_s": None}) for t in convs), "t", False
+    )
+    out = simulate(w, Config(pool_blocks=10_000), CostModel(0.0, 0.0, 1000.0, 0.0), think_s=2.0, clients=1)
+    # each turn decodes 16 tokens x 1 s; one client: a0, a1, b0, b1, each 2 s after the last ended
+    assert [r.turn.conversation for r in out.turns] == ["a", "a", "b", "b"]
+    assert out.hits == 2
+    assert out.pressure[-1][0] == pytest.approx(4 * 16 + 3 * 2)
+
+
+def test_the_simulation_is_deterministic() -> None:
+    w = _timed(_conversation("a", 5, 7.0), _conversation("b", 4, 3.0, start=2.0))
+    c = Config(ttl_s=60, budget=0.5, policy="value", pool_blocks=900)
+    assert simulate(w, c, FREE) == simulate(w, c, FREE)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (Config(budget=0.0), "budget must be a share"),
+        (Config(policy="lru"), "policy must be one of"),
+        (Config(pool_blocks=0), "the pool at least one block"),
+    ],
+)
+def test_a_bad_configuration_is_refused(config: Config, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        simulate(_timed(_conversation("a", 1, 1.0)), config, FREE)
+
+
+def test_a_timed_turn_waits_for_its_conversations_previous_answer() -> None:
+    # (a Mooncake trace gives arrivals only: a turn stamped before its previous one ended
+    # is sent when that answer is in, as a client would)
+    costs = CostModel(0.0, 0.0, decode_ms_per_token=100.0, overhead_ms=0.0)
+    first = Turn("a", 0, 512, 50, 0, 0.0)  # ends at 5 s
+    second = Turn("a", 1, 1024, 10, 562, 1.0)
+    out = simulate(Workload((first, second), "t", timed=True), Config(pool_blocks=10_000), costs)
+    assert [r.decision for r in out.turns] == ["RECOMPUTE", "PULL"]
+    assert out.pressure[-1][0] == pytest.approx(5.0 + 1.0)  # arrived at 5 s, decoded 1 s
