@@ -58,7 +58,13 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--ttl", type=_list_of(float, "ttl"), default=[480.0, 240.0, 120.0], help="TTLs, s")
     p.add_argument("--threshold", type=_list_of(int, "threshold"), default=[64], help="recompute thresholds")
     p.add_argument("--budget", type=_list_of(float, "budget"), default=[1.0, 0.5], help="shares of D's pool")
-    p.add_argument("--policy", type=_policies, default=list(POLICIES), help="fixed (by age), value, or both")
+    p.add_argument(
+        "--policy",
+        type=_policies,
+        default=list(POLICIES),
+        help="fixed (by age), value (the budget by value), idle (value and idle release: the "
+        "daemon's defaults); comma-separated",
+    )
     p.add_argument("--pool-blocks", type=int, default=4096, help="D's KV pool, blocks")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--report", type=Path, help="write the HTML report (plots embedded) here")

@@ -91,7 +91,7 @@ LEGEND = (
     "blk-s/token: D's KV block-seconds held by retentions per reused token; saved/turn: mean TTFT "
     "saved against no reuse; peak use: D's pool at its fullest (over 100%: blocks D could not give, "
     "the turns would wait, then get a 503); full: turns that found D's pool full; early rel.: "
-    "retentions released by the budget or to make room."
+    "retentions released by the budget, to make room, or idle."
 )
 HEADER = (
     f"{'ttl s':>6} {'thr':>5} {'budget':>6} {'policy':>6} | {'hit rate':>8} {'reused tokens':>13} "
@@ -103,7 +103,7 @@ HEADER = (
 def row(plan: Plan, o: Outcome) -> str:
     """One configuration's line of the table."""
     c = o.config
-    early = o.releases["budget"] + o.releases["near_full"]
+    early = o.releases["budget"] + o.releases["near_full"] + o.releases["idle"]
     return (
         f"{c.ttl_s:>6g} {c.threshold:>5} {c.budget:>6g} {c.policy:>6} | {o.hit_rate:>8.1%} "
         f"{o.reused_tokens:>13,} {_num(o.block_seconds_per_reused_token):>11} | "

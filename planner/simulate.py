@@ -15,7 +15,9 @@ What it models (each step as kvferry and the emulator do it):
   retentions over it are released early: ``fixed``, the oldest first; ``value``, the least
   valuable first (`planner.value`: the daemon's rule). With ``value``, a turn that finds
   D's pool full gets room from retentions first (least valuable first); with ``fixed``
-  (today's behaviour) it counts as a pool-full moment: D would make it wait, then 503.
+  (vLLM's own behaviour) it counts as a pool-full moment: D would make it wait, then 503.
+  ``idle`` is ``value`` plus the daemon's idle release (its defaults: `planner.value.
+  idle_after`): a retention idle far past every return interval seen goes early.
 
 What comes out per configuration: `Outcome` (hit rate, reused tokens, block-seconds held
 per reused token, TTFT, D's pool use over time).
@@ -31,9 +33,9 @@ from dataclasses import dataclass, field
 
 from planner.costs import CostModel
 from planner.traces import Turn, Workload
-from planner.value import ReturnIntervals, blocks_for, value_per_block_second
+from planner.value import ReturnIntervals, blocks_for, idle_after, value_per_block_second
 
-POLICIES = ("fixed", "value")
+POLICIES = ("fixed", "value", "idle")
 SAFETY_MARGIN_S = 10.0
 """No pull this close to a retention's expiry (the daemon's ``--safety-margin`` default)."""
 
@@ -87,7 +89,7 @@ class Outcome:
     pool_full: int = 0
     """Turns that found D's pool full (``fixed``: D would make them wait, then refuse)."""
     releases: dict[str, int] = field(
-        default_factory=lambda: {"claimed": 0, "expiry": 0, "budget": 0, "near_full": 0}
+        default_factory=lambda: {"claimed": 0, "expiry": 0, "budget": 0, "near_full": 0, "idle": 0}
     )
     pressure: list[tuple[float, float, float]] = field(default_factory=list)
     """(seconds, share of D's pool in use, share held by retentions), at each event."""
@@ -148,12 +150,22 @@ class _Engines:
     # -- retentions -------------------------------------------------------------------
 
     def expire_until(self, now: float) -> None:
+        if self.c.policy == "idle":
+            self.release_idle(now)
         while self.expiries and self.expiries[0][0] <= now:
             expiry, serial, conv = heapq.heappop(self.expiries)
             r = self.retained.get(conv)
             if r is not None and r.serial == serial:
                 self.intervals.expired()
                 self.release(r, expiry, "expiry")
+
+    def release_idle(self, now: float) -> None:
+        """The daemon's idle release: retentions idle past `idle_after` go, at that moment."""
+        after = idle_after(self.intervals)
+        if after is None:
+            return
+        for r in [r for r in self.retained.values() if r.start + after < min(now, r.expiry)]:
+            self.release(r, r.start + after, "idle")
 
     def release(self, r: _Retention, now: float, reason: str) -> None:
         del self.retained[r.conversation]
@@ -205,7 +217,7 @@ class _Engines:
         ttft = self.ttft_ms(turn, reused, now)
         need = blocks_for(turn.prompt_tokens + turn.output_tokens, self.costs.block_size)
         if self.active_blocks + self.retained_blocks + need > self.c.pool_blocks:
-            if self.c.policy == "value":
+            if self.c.policy != "fixed":
                 while self.retained and self.active_blocks + self.retained_blocks + need > self.c.pool_blocks:
                     self.intervals.expired()
                     self.release(self.victim(now), now, "near_full")

@@ -54,6 +54,24 @@ class ReturnIntervals:
         return within / later
 
 
+IDLE_FACTOR = 2.0
+IDLE_QUANTILE = 0.99
+MIN_OBSERVED = 50
+IDLE_FLOOR_S = 10.0
+"""The daemon's idle release (controlplane.budget: --idle-release 2.0 by default): once
+MIN_OBSERVED return intervals were seen, a retention idle longer than IDLE_FACTOR x their
+IDLE_QUANTILE, and at least IDLE_FLOOR_S, is released. (The daemon rounds the quantile up
+to its histogram's bucket edge; here it is the exact one.)"""
+
+
+def idle_after(intervals: ReturnIntervals, factor: float = IDLE_FACTOR) -> float | None:
+    """Seconds idle after which a retention is released (None: not yet, or off)."""
+    if factor <= 0 or len(intervals.gaps) < MIN_OBSERVED:
+        return None
+    q = intervals.gaps[min(len(intervals.gaps) - 1, int(IDLE_QUANTILE * len(intervals.gaps)))]
+    return max(factor * q, IDLE_FLOOR_S)
+
+
 def value_per_block_second(reusable_tokens: int, blocks: int, p_return: float, remaining_s: float) -> float:
     """What holding a retention is expected to save per block-second it still holds."""
     if blocks <= 0:

@@ -130,3 +130,18 @@ def test_a_timed_turn_waits_for_its_conversations_previous_answer() -> None:
     out = simulate(Workload((first, second), "t", timed=True), Config(pool_blocks=10_000), costs)
     assert [r.decision for r in out.turns] == ["RECOMPUTE", "PULL"]
     assert out.pressure[-1][0] == pytest.approx(5.0 + 1.0)  # arrived at 5 s, decoded 1 s
+
+
+def test_idle_release_frees_last_turns_early_at_the_same_hit_rate() -> None:
+    """The daemon's idle release (the `idle` policy): once 50 returns were seen, a last
+    turn's retention goes after max(2 x their 99th percentile, 10 s), not at its TTL; the
+    conversations that do come back within that are still pulled."""
+    convs = [_conversation(f"c{i}", 4, 2.0, start=i * 0.5) for i in range(30)]
+    w = _timed(*convs)
+    fixed = simulate(w, Config(ttl_s=480, pool_blocks=1_000_000), FREE)
+    idle = simulate(w, Config(ttl_s=480, policy="idle", pool_blocks=1_000_000), FREE)
+    assert idle.hit_rate == fixed.hit_rate == pytest.approx(3 / 4)
+    assert idle.releases["idle"] > 0
+    assert idle.block_seconds < 0.1 * fixed.block_seconds
+    few = simulate(_timed(*convs[:10]), Config(ttl_s=480, policy="idle", pool_blocks=1_000_000), FREE)
+    assert few.releases["idle"] == 0  # (30 returns seen: fewer than 50, the rule waits)
