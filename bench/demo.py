@@ -135,7 +135,11 @@ def engine_config(role: str, **changes: Any) -> EmulatorConfig:
     )
 
 
-def sidecar_settings(emu: EmulatorServer, daemon: str, role: str) -> SidecarSettings:
+def sidecar_settings(
+    emu: EmulatorServer, daemon: str | tuple[str, ...], role: str, **engine: Any
+) -> SidecarSettings:
+    """The sidecar of `emu` on loopback, reaching the daemon replica(s) `daemon`; `engine`
+    changes its EngineSettings (the engine's blocks TTL, say)."""
     return SidecarSettings(
         engine=EngineSettings(
             url=emu.http_url,
@@ -144,8 +148,9 @@ def sidecar_settings(emu: EmulatorServer, daemon: str, role: str) -> SidecarSett
             side_channel_host="127.0.0.1",
             side_channel_port=emu.side_channel_port,
             health_interval_s=0.5,
+            **engine,
         ),
-        daemon=SidecarDaemonSettings(addresses=(daemon,)),
+        daemon=SidecarDaemonSettings(addresses=(daemon,) if isinstance(daemon, str) else daemon),
         tap=TapSettings(listen="127.0.0.1:0"),
     )
 

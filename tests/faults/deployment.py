@@ -17,16 +17,14 @@ from typing import Any
 
 import grpc
 
+from bench.demo import sidecar_settings
 from emulator import EmulatorConfig, EmulatorServer
 from kvferry.structs import struct_to_dict
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 from router import Router
 from router import Settings as RouterSettings
 from router.settings import DaemonSettings, ServerSettings
-from sidecar import Settings as SidecarSettings
 from sidecar import Sidecar
-from sidecar.settings import DaemonSettings as SidecarDaemonSettings
-from sidecar.settings import EngineSettings, TapSettings
 from tests.faults.cluster import DaemonProcess, EtcdCluster
 from tests.faults.ledger import Ledger
 from tests.faults.load import Turn
@@ -48,22 +46,6 @@ def engine_config(role: str, **changes: Any) -> EmulatorConfig:
         stream_kv_transfer_params=True,
         decoder_kv_blocks_ttl=DECODER_TTL_S,
         **changes,
-    )
-
-
-def sidecar_settings(emu: EmulatorServer, daemons: tuple[str, ...], role: str) -> SidecarSettings:
-    return SidecarSettings(
-        engine=EngineSettings(
-            url=emu.http_url,
-            engine_id=f"{role}-0",
-            role=role,
-            side_channel_host="127.0.0.1",
-            side_channel_port=emu.side_channel_port,
-            health_interval_s=0.5,
-            blocks_ttl_s=DECODER_TTL_S,
-        ),
-        daemon=SidecarDaemonSettings(addresses=daemons),
-        tap=TapSettings(listen="127.0.0.1:0"),
     )
 
 
@@ -153,7 +135,11 @@ async def deployment(root: Path) -> AsyncIterator[Deployment]:
         sidecars = []
         for emu, role in ((p, "prefill"), (d, "decode")):
             await stack.enter_async_context(emu)
-            sidecars.append(await stack.enter_async_context(Sidecar(sidecar_settings(emu, addresses, role))))
+            sidecars.append(
+                await stack.enter_async_context(
+                    Sidecar(sidecar_settings(emu, addresses, role, blocks_ttl_s=DECODER_TTL_S))
+                )
+            )
         await stack.enter_async_context(reference)
         await _wait_nodes(addresses[0], 2)
         router = await stack.enter_async_context(Router(router_settings(addresses)))
