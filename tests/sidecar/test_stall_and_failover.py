@@ -21,7 +21,7 @@ from sidecar import Sidecar
 from tests.conftest import Client, DaemonFactory, serve_app
 from tests.polling import eventually
 from tests.sidecar.conftest import StartEmulator, StartSidecar, sidecar_settings
-from tests.sidecar.test_node import _alive_at, _d_turn, _lookup, _node
+from tests.sidecar.test_node import _alive_at, _counted, _d_turn, _lookup, _node
 
 _HOP = frozenset({"host", "content-length", "transfer-encoding", "connection"})
 
@@ -152,7 +152,8 @@ async def test_a_hung_daemon_replica_is_left_before_the_node_lapses(
         async with Sidecar(s) as sc:
             node_id = sc.settings.node_id
             await eventually(lambda: _alive_at(cb, node_id, 1))
-            assert sc.metrics.value("kvferry_sidecar_attaches_total", outcome="ok") == 1
+            # Registration is visible before the Attach stream is up: wait for both.
+            await eventually(lambda: _counted(sc, "kvferry_sidecar_attaches_total", outcome="ok"))
             proxy.hang()
             loop = asyncio.get_running_loop()
             until = loop.time() + 2 * TTL_S  # two liveness TTLs
