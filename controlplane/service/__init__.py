@@ -50,7 +50,9 @@ class ControlPlane:
         )
         self.registry = NodeRegistry(store.nodes, self.nodes, self.attachments, self.gauges, settings, clock)
         self.retentions = Retentions(store, self.nodes, settings, clock, self.budgets)
-        self.claims = Claims(store.retentions, self.background, clock)
+        self.claims = Claims(
+            store.retentions, self.background, clock, self.budgets, self.retentions.still_held
+        )
         self.lookups = Lookups(self.claims, store.retentions, self.nodes, settings, clock, self.budgets)
 
     def begin_stop(self) -> None:
