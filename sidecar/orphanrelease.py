@@ -33,6 +33,7 @@ from sidecar.orphans import (
     COUNTED,
     HELD_ASK_AFTER_S,
     HELD_BATCH,
+    HELD_CALLS,
     HELD_EVERY_S,
     RELEASED,
     UNANSWERED,
@@ -168,7 +169,9 @@ class OrphanReleases:
         """`check_held`, its errors logged: a daemon that refuses it for good is asked no more
         (the pins then go with D's TTL, as before)."""
         try:
-            await self.check_held(leases, node_id, timeout_s)
+            for _ in range(HELD_CALLS):
+                if await self.check_held(leases, node_id, timeout_s) < HELD_BATCH:
+                    break
         except grpc.aio.AioRpcError as e:
             if e.code() in _HELD_REFUSED:
                 self._held_off = True

@@ -187,6 +187,8 @@ HELD_EVERY_S = 30.0
 """Seconds between two Leases/Held passes (a pin still retained is asked again then)."""
 HELD_BATCH = 500
 """Most pins asked about in one Leases/Held call (the daemon takes up to 1000)."""
+HELD_CALLS = 4
+"""Most Leases/Held calls in one pass (what is left waits for the next)."""
 MAX_REGISTERED = 100_000
 """Most registered pins kept (the oldest go first: left to D's TTL, as before)."""
 Held = Literal["retained", "claimed", "settled", "orphan"]
@@ -260,6 +262,7 @@ class RegisteredPins:
             return False
         if state in ("retained", "claimed"):
             self._next_ask[rid] = now + every_s
+            self._pins[rid] = self._pins.pop(rid)  # (last in line: `due` takes each in turn)
             return False
         self.forget(rid)
         return state == "orphan"

@@ -103,7 +103,8 @@ def test_registered_pins_are_asked_about_once_due_and_forgotten_once_settled() -
     assert len(book) == 2
     assert book.answered(a, "retained", 200.0) is False
     assert book.due(200.0 + HELD_EVERY_S - 1, 0, 10, ask_after_s=60.0) == [b]  # (a was asked: it waits)
-    assert book.due(240.0, 0, 10, ask_after_s=60.0) == [a, b]
+    assert book.due(240.0, 0, 10, ask_after_s=60.0) == [b, a]  # (a asked last time: after b)
+    assert book.due(240.0, 0, 1, ask_after_s=60.0) == [b]  # (at most `limit`)
     assert book.answered(a, "claimed", 240.0) is False
     assert book.answered(b, "settled", 240.0) is False and len(book) == 1
     assert book.answered(a, "orphan", 300.0) is True and len(book) == 0
