@@ -165,13 +165,13 @@ class Claims:
             current = stored.retention if stored is not None else None
             params = await self._still_held(taken, current, now)
         except StoreUnavailable as e:
-            log.warning("lookup.put_back.unchecked", conversation_id=conversation_id, error=str(e))
+            log.warning("lookup.overtaken.unchecked", conversation_id=conversation_id, error=str(e))
             return
         if params is None or not put_back_orphan(taken, current, marker is not None):
             return
         told = self._budgets.orphaned(tenant, conversation_id, taken.engine_id, params)
         log.info(
-            "lookup.put_back.orphan",
+            "lookup.overtaken.released",
             conversation_id=conversation_id,
             engine_id=taken.engine_id,
             request_id=taken.request_id,
