@@ -191,6 +191,8 @@ def _counts(ops: Sequence[Op]) -> Counter[str]:
     counts: Counter[str] = Counter()
     for o in ops:
         counts[f"{o.kind} {o.status}"] += 1
+        if o.status is not Status.OK:
+            counts[f"{o.kind} {o.status} {o.detail or '?'}"] += 1
         if o.kind is Kind.LOOKUP and o.status is Status.OK:
             counts[f"lookup reason {o.detail or '?'}"] += 1
         if o.status is Status.OK and o.handed:

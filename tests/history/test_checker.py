@@ -23,13 +23,13 @@ def op(
     return Op(process, kind, tenant, conv, at[0], at[1], status, **fields)
 
 
-def reg(x: str, at: tuple[float, float], status: Status = OK, **kw: str) -> Op:
-    return op(Kind.REGISTER, at, status, retention=x, **kw)
+def reg(x: str, at: tuple[float, float], status: Status = OK, conv: str = "c1") -> Op:
+    return op(Kind.REGISTER, at, status, conv, retention=x)
 
 
-def pull(x: str, at: tuple[float, float], **kw: str) -> Op:
+def pull(x: str, at: tuple[float, float], conv: str = "c1", tenant: str = "t", process: str = "p") -> Op:
     """A lookup that handed X out (and so took it)."""
-    return op(Kind.LOOKUP, at, handed=x, retired=x, detail="pull", **kw)
+    return op(Kind.LOOKUP, at, OK, conv, tenant, process, handed=x, retired=x, detail="pull")
 
 
 def miss(at: tuple[float, float], status: Status = OK, detail: str = "already_claimed", **kw: str) -> Op:

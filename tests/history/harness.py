@@ -1,0 +1,114 @@
+"""Faults for the history check, and its verdict: daemon replicas (processes of
+tests.faults.cluster) killed and restarted, paused past every TTL the daemon uses, while
+the workload runs; then the recorded history, checked and summed up.
+
+Every wait after a fault is on the history itself (ops completing after it), never a
+fixed sleep: only the faults' own lengths are."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from controlplane.settings import Settings
+from tests.faults.cluster import DaemonProcess
+from tests.history.checker import Kind, Op, Report, Status, check
+from tests.history.recorder import Recorder
+
+REPLICA_ANNOUNCE_TTL_S = 10.0
+"""controlplane.peers' announcement TTL (not a setting)."""
+PROGRESS_S = 90.0
+"""Longest wait for the workload to get on after a fault (a loaded 2-core machine)."""
+
+
+def longest_ttl_s() -> float:
+    """The longest TTL the daemon's default settings hold (any field named for one, in any
+    group: node liveness today, whatever lease a later design adds), or the replicas'
+    announcement TTL."""
+    s = Settings()
+    ttls = [REPLICA_ANNOUNCE_TTL_S]
+    for group in dataclasses.fields(s):
+        value = getattr(s, group.name)
+        if not dataclasses.is_dataclass(value):
+            continue
+        for f in dataclasses.fields(value):
+            v = getattr(value, f.name)
+            if "ttl" in f.name and isinstance(v, int | float) and not isinstance(v, bool):
+                ttls.append(float(v))
+    return max(ttls)
+
+
+async def start_replicas(root: Path, endpoints: tuple[str, ...], prefix: str, n: int) -> list[DaemonProcess]:
+    """`n` daemon replicas on one etcd prefix, started together, each answering."""
+    daemons = [DaemonProcess(f"daemon{i}", endpoints, prefix, root) for i in range(n)]
+    await asyncio.gather(*(d.start() for d in daemons))
+    return daemons
+
+
+async def stop_replicas(daemons: list[DaemonProcess]) -> None:
+    await asyncio.gather(*(d.stop() for d in daemons))
+
+
+async def until(recorder: Recorder, what: Callable[[Op], bool], count: int, after: float) -> None:
+    """Until `count` ops invoked after `after` match `what` (PROGRESS_S at most)."""
+    async with asyncio.timeout(PROGRESS_S):
+        await recorder.until(what, count, after)
+
+
+def pulled(o: Op) -> bool:
+    """A lookup that handed a retention out."""
+    return o.kind is Kind.LOOKUP and o.status is Status.OK and bool(o.handed)
+
+
+async def kill_and_restart(recorder: Recorder, d: DaemonProcess, ops_down: int = 20) -> None:
+    """SIGKILL a replica; restart it once the workload got `ops_down` lookups answered
+    without it; return once it answered one again."""
+    assert d.proc is not None
+    killed = time.monotonic()
+    d.signal(signal.SIGKILL)
+    await d.proc.wait()
+    await until(recorder, pulled, ops_down, killed)
+    await d.start()
+    restarted = time.monotonic()
+    await until(recorder, _through(recorder, d), 1, restarted)
+
+
+async def pause(recorder: Recorder, d: DaemonProcess, pause_s: float) -> None:
+    """SIGSTOP a replica for `pause_s`, SIGCONT it; return once it answered a lookup again."""
+    d.signal(signal.SIGSTOP)
+    try:
+        await asyncio.sleep(pause_s)  # (the fault's length)
+    finally:
+        d.signal(signal.SIGCONT)
+    resumed = time.monotonic()
+    await until(recorder, _through(recorder, d), 1, resumed)
+
+
+def _through(recorder: Recorder, d: DaemonProcess) -> Callable[[Op], bool]:
+    """An OK op that went to replica `d` (its index is its name's last digit)."""
+    via = f"r{d.name.removeprefix('daemon')}"
+    return lambda o: o.status is Status.OK and recorder.replicas.get(id(o), "").split(" ")[0] == via
+
+
+def verdict(recorder: Recorder, title: str) -> Report:
+    """The history checked; the counts and any violation (with its history) printed."""
+    history = recorder.history()
+    report = check(history)
+    print(f"\n{title}: {len(history)} ops")
+    for k, n in sorted(report.counts.items()):
+        print(f"  {k}: {n}")
+    for v in report.violations[:20]:
+        print(f"{v.rule}: {v.retention}: {v.text}", *recorder.excerpt_lines(v.ops), sep="\n  ")
+    return report
+
+
+def explained(report: Report, recorder: Recorder) -> str:
+    """The first violations with the history that shows them, for an assertion message."""
+    lines = [f"{len(report.violations)} violation(s) of single use"]
+    for v in report.violations[:5]:
+        lines += [f"{v.rule}: {v.retention}: {v.text}", *("  " + x for x in recorder.excerpt_lines(v.ops))]
+    return "\n".join(lines)
