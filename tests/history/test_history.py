@@ -15,8 +15,13 @@ import time
 import uuid
 from pathlib import Path
 
+import grpc
 import pytest
 
+from controlplane.daemon import Daemon
+from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2_grpc
+from tests.factories import d_params, lease_request, node_request
+from tests.history.checker import Rule, check
 from tests.history.harness import (
     explained,
     kill_and_restart,
@@ -29,7 +34,7 @@ from tests.history.harness import (
     verdict,
 )
 from tests.history.recorder import Recorder
-from tests.history.workload import running
+from tests.history.workload import TOKENS, running
 
 PAUSE_S = min(longest_ttl_s() + 2.0, 20.0)
 """The stopped replica's pause: past every TTL (capped: the variant must stay short)."""
@@ -53,3 +58,29 @@ async def test_single_use_under_replica_faults(etcd_endpoint: str, tmp_path: Pat
     counts = report.counts
     assert counts["handed out by lookup"] >= 40
     assert counts["lookup unknown"] > 0, "no lookup raced its deadline: nothing was put back"
+
+
+async def test_a_resent_registration_is_found_handed_out_twice(daemon: Daemon) -> None:
+    """The recorder and checker find a real double hand-out: a registration sent again
+    after its retention was pulled (what sidecar.retentions never does for one that may
+    have been stored) puts it back, and the daemon hands it out a second time."""
+    recorder, key = Recorder(), ("t1", "c1")
+    async with grpc.aio.insecure_channel(daemon.address) as channel:
+        await nodes_pb2_grpc.NodesStub(channel).Register(node_request("d-0", generation=1), timeout=5)
+        await resend_and_pull(leases_pb2_grpc.LeasesStub(channel), recorder, key)
+    [v] = check(recorder.history()).violations
+    assert (v.rule, v.retention) == (Rule.TWICE, "x1")
+    assert [o.detail for o in v.ops] == ["pull", "pull"]
+
+
+async def resend_and_pull(
+    leases: leases_pb2_grpc.LeasesAsyncStub, recorder: Recorder, key: tuple[str, str]
+) -> None:
+    """Register retention x1 and pull it, twice."""
+    req = lease_request(key[1], "d-0", TOKENS, key[0], params=d_params("d-0", TOKENS, "x1"))
+    lookup = leases_pb2.LookupRequest(tenant=key[0], conversation_id=key[1], prompt_tokens=2 * TOKENS)
+    for _ in range(2):
+        t0 = recorder.start()
+        recorder.register("sidecar", key, t0, "x1", await leases.Register(req, timeout=5))
+        t0 = recorder.start()
+        recorder.lookup("router", key, t0, await leases.Lookup(lookup, timeout=5))
