@@ -94,10 +94,31 @@ def _through(recorder: Recorder, d: DaemonProcess) -> Callable[[Op], bool]:
     return lambda o: o.status is Status.OK and recorder.replicas.get(id(o), "").split(" ")[0] == via
 
 
+SUMMARIES: list[str] = []
+"""One line per history checked in this session, for the terminal summary (conftest)."""
+
+
+def summary_line(title: str, report: Report, recorder: Recorder) -> str:
+    """The figures of one checked history, on one line."""
+    c = report.counts
+    late = sum(" late" in via for via in recorder.replicas.values())
+    handed = sum(n for k, n in c.items() if k.startswith("handed out by "))
+    return (
+        f"{title}: {sum(c[f'{k} {s}'] for k in Kind for s in Status)} ops; lookups "
+        f"{c['lookup ok']} ok / {c['lookup unknown']} unknown / {c['lookup failed']} failed "
+        f"({c['lookup reason pull'] + c['lookup reason partial_pull']} pulls, "
+        f"{c['lookup reason already_claimed']} already_claimed, {late} answered late); "
+        f"registrations {c['register ok']} ok / {c['register unknown']} unknown; "
+        f"{handed} hand-outs, {c['release ok']} over Attach; violations: {len(report.violations)}"
+    )
+
+
 def verdict(recorder: Recorder, title: str) -> Report:
-    """The history checked; the counts and any violation (with its history) printed."""
+    """The history checked; the counts and any violation (with its history) printed, and
+    its summary line kept for the session's terminal summary."""
     history = recorder.history()
     report = check(history)
+    SUMMARIES.append(summary_line(title, report, recorder))
     print(f"\n{title}: {len(history)} ops")
     for k, n in sorted(report.counts.items()):
         print(f"  {k}: {n}")

@@ -19,9 +19,11 @@ daemon replicas (processes) through their public gRPC API only, everything recor
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import random
+import statistics
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -80,6 +82,12 @@ class Shared:
     """The last retention registered OK per (tenant, conversation): own_turn lookups."""
     ids: itertools.count[int] = field(default_factory=itertools.count)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    lookup_s: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=100))
+    """How long the last lookups answered took."""
+
+    def typical_lookup_s(self) -> float:
+        """The median of `lookup_s` (10 ms before any)."""
+        return statistics.median(self.lookup_s) if self.lookup_s else 0.01
 
     def keys(self, engine: int | None = None) -> list[tuple[str, str]]:
         """(tenant, conversation) pairs, those of one engine's when given."""
@@ -225,8 +233,16 @@ class Client:
             await asyncio.sleep(self.rng.uniform(0.0, 2 * self.shared.shape.pause_s))
 
     def _deadline(self) -> float:
-        """A quarter of the lookups race a deadline about as long as a claim takes."""
-        return self.rng.uniform(0.003, 0.04) if self.rng.random() < 0.25 else CALL_S
+        """A quarter of the lookups race a deadline about as long as a lookup takes now
+        (0.3 to 1.5 times the median of the last ones answered): some are answered, some
+        cancelled at the daemon mid-claim (it puts back what it took), whatever a claim
+        costs on this machine and in this daemon."""
+        if self.rng.random() >= 0.25:
+            return CALL_S
+        return max(self.shared.typical_lookup_s() * self.rng.uniform(0.3, 1.5), 0.001)
+
+    def _answered(self, op: Op) -> None:
+        self.shared.lookup_s.append(op.completed - op.invoked)
 
     async def _unary(self, i: int, key: tuple[str, str], req: leases_pb2.LookupRequest) -> None:
         rec = self.shared.recorder
@@ -236,7 +252,7 @@ class Client:
         except grpc.aio.AioRpcError as e:
             rec.failed(Kind.LOOKUP, self.name, key, t0, e)
             return
-        rec.lookup(self.name, key, t0, res, f"r{i}")
+        self._answered(rec.lookup(self.name, key, t0, res, f"r{i}"))
 
     async def _streamed(self, i: int, key: tuple[str, str], req: leases_pb2.LookupRequest) -> None:
         """A lookup whose prompt follows a moment later; an answer after its deadline is
@@ -260,7 +276,7 @@ class Client:
         except Exception as e:  # recorded: its outcome is the history's
             unknown.append(rec.failed(Kind.LOOKUP, self.name, key, t0, e))
             return
-        rec.lookup(self.name, key, t0, res, f"r{i}")
+        self._answered(rec.lookup(self.name, key, t0, res, f"r{i}"))
 
 
 async def revoke_forever(shared: Shared) -> None:
