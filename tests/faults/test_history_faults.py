@@ -83,7 +83,9 @@ async def test_single_use_under_replica_and_etcd_faults(tmp_path: Path) -> None:
     finally:
         await cluster.stop()
     report = verdict(
-        recorder, "3 replicas, 3-member etcd: replica killed, 2 stopped, leader killed twice, quorum lost"
+        recorder,
+        "3 replicas, 3-member etcd: replica killed, 2 stopped, leader killed twice, quorum lost",
+        tmp_path,
     )
     assert report.ok, explained(report, recorder)
     assert report.counts["handed out by lookup"] >= 5 * PULLS_BETWEEN

@@ -29,6 +29,8 @@ The rules (`check`):
 - superseded: a lookup handing out X that was invoked after a registration of another
   retention for the same conversation completed, X's registration having completed
   before that one was invoked (Register replaces the conversation's retention);
+- expired: X handed out by an operation invoked after X's deadline (D frees the blocks
+  then: its own release), by more than `CLOCK_SLACK_S`;
 - unregistered: X handed out with no registration of X that may have taken effect
   (OK or UNKNOWN), or with one only invoked after the handing out completed;
 - foreign: X handed out for another tenant or conversation than it was registered for.
@@ -37,9 +39,13 @@ The rules (`check`):
 from __future__ import annotations
 
 import enum
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+CLOCK_SLACK_S = 0.05
+"""How far the daemon's wall clock and the history's (converted) may disagree."""
 
 
 class Kind(enum.StrEnum):
@@ -87,6 +93,8 @@ class Op:
     RELEASE hands X out without taking it again); a budget RELEASE took it."""
     detail: str = ""
     """The lookup's reason, the error's code: for the report only."""
+    expires: float = math.inf
+    """REGISTER only: the retention's deadline, on the history's clock."""
 
     def line(self) -> str:
         """The op, on one line, for a violation's excerpt."""
@@ -107,6 +115,7 @@ class Rule(enum.StrEnum):
     TWICE = "twice"
     AFTER_RELEASE = "after_release"
     SUPERSEDED = "superseded"
+    EXPIRED = "expired"
     UNREGISTERED = "unregistered"
     FOREIGN = "foreign"
 
@@ -157,6 +166,7 @@ def check(history: Iterable[Op]) -> Report:
         report.violations += _registration(x, outs, regs)
         report.violations += _after_release(x, outs, index.gone.get(x, []))
         report.violations += _superseded(x, outs, regs, index)
+        report.violations += _expired(x, outs, regs)
     return report
 
 
@@ -236,6 +246,18 @@ def _after_release(x: str, outs: list[Op], gone: list[Op]) -> list[Violation]:
         if earlier:
             text = f"lookup invoked {o.invoked - earlier[0].completed:.3f}s after the {earlier[0].kind}"
             found.append(Violation(Rule.AFTER_RELEASE, x, (earlier[0], o), text))
+    return found
+
+
+def _expired(x: str, outs: list[Op], regs: list[Op]) -> list[Violation]:
+    """Handed out by an op invoked after the deadline (a RELEASE's invocation is when it
+    arrived: the daemon may have decided it before the deadline, so it is not judged)."""
+    deadline = min((r.expires for r in regs), default=math.inf)
+    found = []
+    for o in outs:
+        if o.kind is not Kind.RELEASE and o.invoked > deadline + CLOCK_SLACK_S:
+            text = f"{o.kind} invoked {o.invoked - deadline:.3f}s after its deadline"
+            found.append(Violation(Rule.EXPIRED, x, (regs[0], o), text))
     return found
 
 

@@ -103,19 +103,25 @@ def summary_line(title: str, report: Report, recorder: Recorder) -> str:
     c = report.counts
     late = sum(" late" in via for via in recorder.replicas.values())
     handed = sum(n for k, n in c.items() if k.startswith("handed out by "))
+    reasons = ", ".join(
+        f"{k.removeprefix('lookup reason ')} {n}"
+        for k, n in c.most_common()
+        if k.startswith("lookup reason ")
+    )
     return (
         f"{title}: {sum(c[f'{k} {s}'] for k in Kind for s in Status)} ops; lookups "
-        f"{c['lookup ok']} ok / {c['lookup unknown']} unknown / {c['lookup failed']} failed "
-        f"({c['lookup reason pull'] + c['lookup reason partial_pull']} pulls, "
-        f"{c['lookup reason already_claimed']} already_claimed, {late} answered late); "
-        f"registrations {c['register ok']} ok / {c['register unknown']} unknown; "
-        f"{handed} hand-outs, {c['release ok']} over Attach; violations: {len(report.violations)}"
+        f"{c['lookup ok']} ok ({reasons}; {late} answered late) / {c['lookup unknown']} unknown / "
+        f"{c['lookup failed']} failed; registrations {c['register ok']} ok / "
+        f"{c['register unknown']} unknown; {handed} hand-outs, {c['release ok']} over Attach; "
+        f"violations: {len(report.violations)}"
     )
 
 
-def verdict(recorder: Recorder, title: str) -> Report:
+def verdict(recorder: Recorder, title: str, root: Path) -> Report:
     """The history checked; the counts and any violation (with its history) printed, and
-    its summary line kept for the session's terminal summary."""
+    its summary line kept for the session's terminal summary. The history is kept in
+    `root` (history.jsonl), beside the daemons' logs."""
+    recorder.save(root / "history.jsonl")
     history = recorder.history()
     report = check(history)
     SUMMARIES.append(summary_line(title, report, recorder))

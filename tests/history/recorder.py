@@ -10,9 +10,13 @@ registration (the workload's `retention_id`)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -41,6 +45,11 @@ DEFINITE = frozenset(
 def retention_of(params: struct_pb2.Struct) -> str:
     """The retention a Struct of D's params names ("" = none)."""
     return str(struct_to_dict(params).get("remote_request_id", "")) if params.fields else ""
+
+
+def on_this_clock(wall: float) -> float:
+    """A wall-clock time (a retention's deadline) as a time.monotonic() one."""
+    return wall - time.time() + time.monotonic()
 
 
 def status_of(e: BaseException) -> tuple[Status, str]:
@@ -121,11 +130,14 @@ class Recorder:
         x: str,
         res: leases_pb2.RegisterLeaseResponse,
         via: str = "",
+        expires: float = math.inf,
     ) -> Op:
-        """Record a registration's answer: release params hand the replaced retention out."""
+        """Record a registration's answer: release params hand the replaced retention out.
+        (`expires`: the deadline it asked for, on this clock: see `on_this_clock`.)"""
         released = retention_of(res.release_params)
         detail = "replaced" if res.replaced else "new"
-        op = Op(process, Kind.REGISTER, *key, t0, time.monotonic(), Status.OK, x, released, released, detail)
+        now = time.monotonic()
+        op = Op(process, Kind.REGISTER, *key, t0, now, Status.OK, x, released, released, detail, expires)
         return self.add(op, via)
 
     def revoke(
@@ -153,6 +165,14 @@ class Recorder:
         key = (msg.tenant, msg.conversation_id)
         op = Op(process, Kind.RELEASE, *key, now, now, Status.OK, "", x, took, msg.reason)
         return self.add(op, via)
+
+    def save(self, path: Path) -> Path:
+        """The history (with each op's replica) as JSON lines at `path`, to look into."""
+        with path.open("w") as out:
+            for o in self.history():
+                fields = {k: v for k, v in dataclasses.asdict(o).items() if v != math.inf}
+                out.write(json.dumps({**fields, "via": self.replicas.get(id(o), "")}) + "\n")
+        return path
 
     def excerpt_lines(self, ops: tuple[Op, ...]) -> list[str]:
         """`ops` as the checker prints them, each with the replica it went to."""

@@ -4,6 +4,8 @@ are passed."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tests.history.checker import Kind, Op, Rule, Status, check
@@ -18,7 +20,7 @@ def op(
     conv: str = "c1",
     tenant: str = "t",
     process: str = "p",
-    **fields: str,
+    **fields: Any,
 ) -> Op:
     return Op(process, kind, tenant, conv, at[0], at[1], status, **fields)
 
@@ -200,3 +202,15 @@ def test_counts_by_kind_and_outcome() -> None:
     assert counts["lookup ok"] == counts["lookup unknown"] == 1
     assert counts["revoke ok"] == 1
     assert counts["lookup reason pull"] == 1
+
+
+def test_a_lookup_after_the_deadline() -> None:
+    history = [
+        op(Kind.REGISTER, (0, 1), retention="x1", expires=10.0),
+        pull("x1", (9, 11)),  # (invoked before it: fine)
+        op(Kind.REGISTER, (0, 1), conv="c2", retention="x2", expires=10.0),
+        op(Kind.LOOKUP, (10.5, 11), conv="c2", handed="x2", retired="x2", detail="expired"),
+        op(Kind.REGISTER, (0, 1), conv="c3", retention="x3", expires=10.0),
+        op(Kind.RELEASE, (12, 12), conv="c3", handed="x3", retired="x3", detail="budget"),
+    ]
+    assert rules(history) == [(Rule.EXPIRED, "x2")]

@@ -53,7 +53,7 @@ async def test_single_use_under_replica_faults(etcd_endpoint: str, tmp_path: Pat
             await until(recorder, pulled, 20, time.monotonic())
     finally:
         await stop_replicas(daemons)
-    report = verdict(recorder, "3 replicas, one etcd: 2 killed, 1 stopped")
+    report = verdict(recorder, "3 replicas, one etcd: 2 killed, 1 stopped", tmp_path)
     assert report.ok, explained(report, recorder)
     counts = report.counts
     assert counts["handed out by lookup"] >= 40

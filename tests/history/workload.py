@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import random
 import statistics
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -33,10 +34,14 @@ from kvferry.leaseclient import LeaseStream
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 from tests.factories import d_params, lease_request, node_request
 from tests.history.checker import Kind, Op
-from tests.history.recorder import Recorder
+from tests.history.recorder import Recorder, on_this_clock
 
 TOKENS = 1000
 """Tokens each retention holds (63 blocks of 16); lookups ask for more: a PULL of all."""
+LIFETIME_S = 300.0
+"""A retention's lifetime, mostly: longer than the run."""
+SHORT_LIFETIME_S = (11.0, 16.0)
+"""The others': past the daemon's safety margin (10 s by default) within the run."""
 CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -188,9 +193,14 @@ class FakeSidecar:
     async def register(self, key: tuple[str, str], rng: random.Random) -> None:
         shared, process = self.shared, f"{self.engine}/reg"
         x = f"{self.engine}-{key[0]}-{key[1]}-{next(shared.ids)}"
+        # a quarter expire during the run: into the safety margin, then past the deadline
+        lifetime = rng.uniform(*SHORT_LIFETIME_S) if rng.random() < 0.25 else LIFETIME_S
+        deadline = time.time() + lifetime
         req = lease_request(key[1], self.engine, TOKENS, key[0], params=d_params(self.engine, TOKENS, x))
+        req.expires_at.FromNanoseconds(int(deadline * 1e9))
         req.request_id = x
         i, _ = shared.pick(rng)
+        expires = on_this_clock(deadline)
         t0 = shared.recorder.start()
         try:
             if rng.random() < 0.5:
@@ -198,9 +208,9 @@ class FakeSidecar:
             else:
                 res = await self._streams[i].register(req, CALL_S)
         except Exception as e:  # recorded: its outcome is the history's
-            shared.recorder.failed(Kind.REGISTER, process, key, t0, e, retention=x)
+            shared.recorder.failed(Kind.REGISTER, process, key, t0, e, retention=x, expires=expires)
             return
-        shared.recorder.register(process, key, t0, x, res, f"r{i}")
+        shared.recorder.register(process, key, t0, x, res, f"r{i}", expires)
         shared.latest[key] = x
 
 
