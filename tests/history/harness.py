@@ -14,9 +14,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from controlplane.settings import Settings
 from tests.faults.cluster import DaemonProcess
-from tests.history.checker import Kind, Op, Report, Status, check
+from tests.history.checker import Kind, Op, Report, Rule, Status, check
 from tests.history.recorder import Recorder
 
 REPLICA_ANNOUNCE_TTL_S = 10.0
@@ -131,6 +133,18 @@ def verdict(recorder: Recorder, title: str, root: Path) -> Report:
     for v in report.violations[:20]:
         print(f"{v.rule}: {v.retention}: {v.text}", *recorder.excerpt_lines(v.ops), sep="\n  ")
     return report
+
+
+KNOWN = frozenset({Rule.SUPERSEDED})
+"""Rules today's daemon is known to break (tests/history/test_findings.py reproduces it):
+a history breaking only these is an expected failure, shown and not failed at random."""
+
+
+def judge(report: Report, recorder: Recorder) -> None:
+    """Fail on any violation, but an expected failure when all are of a KNOWN finding."""
+    if report.violations and all(v.rule in KNOWN for v in report.violations):
+        pytest.xfail(f"known finding (see test_findings.py): {explained(report, recorder)}")
+    assert report.ok, explained(report, recorder)
 
 
 def explained(report: Report, recorder: Recorder) -> str:

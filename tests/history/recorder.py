@@ -106,11 +106,18 @@ class Recorder:
             await self._added.wait()
 
     def failed(
-        self, kind: Kind, process: str, key: tuple[str, str], t0: float, e: BaseException, **kw: Any
+        self,
+        kind: Kind,
+        process: str,
+        key: tuple[str, str],
+        t0: float,
+        e: BaseException,
+        via: str = "",
+        **kw: Any,
     ) -> Op:
         """Record a call that raised `e`. -> the op."""
         status, code = status_of(e)
-        return self.add(Op(process, kind, *key, t0, time.monotonic(), status, detail=code, **kw))
+        return self.add(Op(process, kind, *key, t0, time.monotonic(), status, detail=code, **kw), via)
 
     def lookup(
         self, process: str, key: tuple[str, str], t0: float, res: leases_pb2.LookupResponse, via: str = ""

@@ -23,7 +23,7 @@ from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2_grpc
 from tests.factories import d_params, lease_request, node_request
 from tests.history.checker import Rule, check
 from tests.history.harness import (
-    explained,
+    judge,
     kill_and_restart,
     longest_ttl_s,
     pause,
@@ -54,10 +54,10 @@ async def test_single_use_under_replica_faults(etcd_endpoint: str, tmp_path: Pat
     finally:
         await stop_replicas(daemons)
     report = verdict(recorder, "3 replicas, one etcd: 2 killed, 1 stopped", tmp_path)
-    assert report.ok, explained(report, recorder)
     counts = report.counts
     assert counts["handed out by lookup"] >= 40
     assert counts["lookup unknown"] > 0, "no lookup raced its deadline: nothing was put back"
+    judge(report, recorder)
 
 
 async def test_a_resent_registration_is_found_handed_out_twice(daemon: Daemon) -> None:

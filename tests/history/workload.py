@@ -5,9 +5,10 @@ daemon replicas (processes) through their public gRPC API only, everything recor
   replica (heartbeats with a small KV pool, so the retention budget releases some
   retentions over it; releases recorded), moving to the next replica when its stream
   breaks or its heartbeats go unanswered. Its registration workers register a new
-  retention (a unique id) for one of its conversations after another, through any
-  replica, by unary Register or on a Leases/Stream; one whose outcome is unknown is never
-  sent again (as sidecar.retentions does).
+  retention (a unique id) for one of its conversations after another (now and then one
+  of another D's), through any replica, by unary Register or on a Leases/Stream; one
+  whose outcome is unknown is never sent again (as sidecar.retentions does). A quarter
+  of them expire during the run.
 - Clients look the same few conversations of two tenants up at once, each op through a
   replica picked at random: unary Lookup (some with deadlines close to a claim's
   latency: the daemon puts back what the claim took), a Leases/Stream lookup whose
@@ -185,9 +186,11 @@ class FakeSidecar:
     async def register_forever(self, worker: int) -> None:
         """Register a new retention for one of the engine's conversations after another."""
         rng = random.Random(f"{self.engine}/{worker}")
-        keys = self.shared.keys(self.n)
+        home, every = self.shared.keys(self.n), self.shared.keys()
         while not self.shared.stopping.is_set():
-            await self.register(rng.choice(keys), rng)
+            # a conversation's turns mostly end on its own D; some on another (replacing
+            # the first D's retention: its release, if any, is handed to this sidecar)
+            await self.register(rng.choice(home if rng.random() < 0.8 else every), rng)
             await asyncio.sleep(rng.uniform(0.0, 4 * self.shared.shape.pause_s))
 
     async def register(self, key: tuple[str, str], rng: random.Random) -> None:
@@ -208,7 +211,7 @@ class FakeSidecar:
             else:
                 res = await self._streams[i].register(req, CALL_S)
         except Exception as e:  # recorded: its outcome is the history's
-            shared.recorder.failed(Kind.REGISTER, process, key, t0, e, retention=x, expires=expires)
+            shared.recorder.failed(Kind.REGISTER, process, key, t0, e, f"r{i}", retention=x, expires=expires)
             return
         shared.recorder.register(process, key, t0, x, res, f"r{i}", expires)
         shared.latest[key] = x
@@ -260,7 +263,7 @@ class Client:
         try:
             res = await self.shared.leases(i).Lookup(req, timeout=self._deadline())
         except grpc.aio.AioRpcError as e:
-            rec.failed(Kind.LOOKUP, self.name, key, t0, e)
+            rec.failed(Kind.LOOKUP, self.name, key, t0, e, f"r{i}")
             return
         self._answered(rec.lookup(self.name, key, t0, res, f"r{i}"))
 
@@ -284,7 +287,7 @@ class Client:
         try:
             res = await self._streams[i].lookup_with_prompt(req, prompt(), self._deadline(), late)
         except Exception as e:  # recorded: its outcome is the history's
-            unknown.append(rec.failed(Kind.LOOKUP, self.name, key, t0, e))
+            unknown.append(rec.failed(Kind.LOOKUP, self.name, key, t0, e, f"r{i}"))
             return
         self._answered(rec.lookup(self.name, key, t0, res, f"r{i}"))
 
@@ -304,7 +307,7 @@ async def revoke_forever(shared: Shared) -> None:
         try:
             res = await shared.leases(i).Revoke(req, timeout=CALL_S)
         except grpc.aio.AioRpcError as e:
-            shared.recorder.failed(Kind.REVOKE, "revoker", key, t0, e)
+            shared.recorder.failed(Kind.REVOKE, "revoker", key, t0, e, f"r{i}")
             continue
         shared.recorder.revoke("revoker", key, t0, res, f"r{i}")
 
