@@ -2,10 +2,11 @@
 daemon replicas (processes) on one etcd, fake decode sidecars and clients contending for
 the same conversations through different replicas, with registrations replacing
 retentions, revokes and conversation ends, budget releases and lookups cancelled at
-deadlines near a claim's latency; one replica is SIGKILLed and restarted, another
-stopped (SIGSTOP) for longer than any TTL the daemon uses. The recorded history must
-show no retention handed out twice, after its release, or where it was never
-registered (tests.history.checker). The long variant, with etcd's faults too, is
+deadlines near a claim's latency, retentions expiring; one replica is SIGKILLed and
+restarted, then another is stopped (SIGSTOP) for longer than any TTL the daemon uses
+while the third is killed and restarted. The recorded history must show no retention
+handed out twice, after its release or deadline, after a newer registration, or where
+it was never registered (tests.history.checker). The long variant, with etcd's faults too, is
 tests/faults/test_history_faults.py."""
 
 from __future__ import annotations
