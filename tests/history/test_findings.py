@@ -24,18 +24,13 @@ KEY = ("t1", "c0")
 """The conversation (of engine d-0, the fake sidecar's)."""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,  # (the check itself: a wait that times out is a failure)
-    reason="finding: a claim's put-back resurrects a retention a newer registration replaced, "
-    "when the budget released the newer one meanwhile (RetentionStore.revoke_exact deletes the "
-    "retention but leaves the earlier claim's marker, which is all unclaim compares)",
-)
 @pytest.mark.timeout(120)
 async def test_a_put_back_does_not_undo_a_newer_registration(etcd_endpoint: str, tmp_path: Path) -> None:
     """A lookup on replica A claims X and its caller goes away while A is stopped (its
     put-back waits for A); meanwhile X's conversation registers Y through replica B, and
-    B's budget releases Y. Once A runs again, X must not come back: Y replaced it."""
+    B's budget releases Y. Once A runs again, X must not come back: Y replaced it.
+    (Found by the history check: the budget's release, RetentionStore.revoke_exact, left
+    X's claim marker, which is all a put-back compares; it now takes the marker too.)"""
     recorder = Recorder()
     a, b = await start_replicas(tmp_path, (etcd_endpoint,), f"/find-{uuid.uuid4().hex[:8]}", 2)
     channels = [grpc.aio.insecure_channel(d.address, options=CHANNEL_OPTIONS) for d in (a, b)]
