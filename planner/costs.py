@@ -85,6 +85,19 @@ def p_waits(turns: Sequence[Turn], model: CostModel, reused: Sequence[int]) -> l
     return waits
 
 
+def recorded_ttfts(turns: Sequence[Turn], model: CostModel, reused: Sequence[int]) -> list[float]:
+    """Each turn's TTFT (ms) as `model` has it, the turn arriving when the trace says and
+    reusing `reused` tokens (its wait for P included)."""
+    waits = p_waits(turns, model, reused)
+    return [
+        model.overhead_ms
+        + wait
+        + model.prefill_ms_per_token * max(1, t.prompt_tokens - r)
+        + model.transfer_ms_per_block * model.moved_blocks(t.prompt_tokens, r)
+        for t, r, wait in zip(turns, reused, waits, strict=True)
+    ]
+
+
 def fit(turns: Sequence[Turn], start: CostModel | None = None) -> CostModel:
     """Rates fitted to a kvferry trace's measured TTFT and latency (`start`: the fallback).
 
@@ -111,7 +124,7 @@ def fit(turns: Sequence[Turn], start: CostModel | None = None) -> CostModel:
     if linear is not None:
         # (a transfer rate the linear fit kept, the data not pinning it down, stays kept)
         kept = linear.transfer_ms_per_block == model.transfer_ms_per_block
-        model = _with_waits(linear, timed, reused, rows, ttfts, transfer_free=not kept)
+        model = _with_waits(linear, timed, reused, ttfts, transfer_free=not kept)
     return replace(model, decode_ms_per_token=_decode_rate(timed, model.decode_ms_per_token))
 
 
@@ -119,7 +132,6 @@ def _with_waits(
     linear: CostModel,
     turns: Sequence[Turn],
     reused: Sequence[int],
-    rows: Sequence[tuple[float, float, float]],
     ttfts: Sequence[float],
     transfer_free: bool,
 ) -> CostModel:
@@ -132,10 +144,8 @@ def _with_waits(
         return replace(linear, prefill_ms_per_token=math.exp(logs[0]), transfer_ms_per_block=transfer)
 
     def errors(logs: Sequence[float]) -> tuple[float, float]:
-        m = at(logs)
-        waits = p_waits(turns, m, reused)
-        prefill, transfer = m.prefill_ms_per_token, m.transfer_ms_per_block
-        left = [y - w - prefill * r[1] - transfer * r[2] for y, w, r in zip(ttfts, waits, rows, strict=True)]
+        modelled = recorded_ttfts(turns, replace(at(logs), overhead_ms=0.0), reused)
+        left = [y - m for y, m in zip(ttfts, modelled, strict=True)]
         overhead = max(0.0, statistics.median(left))
         return sum(abs(e - overhead) for e in left), overhead
 
