@@ -25,8 +25,8 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from kvferry.retentionvalue import blocks_for
 from planner.traces import Turn
-from planner.value import blocks_for
 
 EMULATOR = {"prefill_ms_per_token": 0.05, "transfer_ms_per_block": 0.05, "decode_ms_per_token": 2.0}
 """`make demo`'s emulator timing (bench/demo.py TIMING): the default rates."""

@@ -22,11 +22,12 @@ What it models (each step as kvferry and the emulator do it):
   and output) while it runs.
 - At the turn's end D retains its blocks for the TTL. With a budget (a share of D's pool)
   retentions over it are released early: ``fixed``, the oldest first; ``value``, the least
-  valuable first (`planner.value`: the daemon's rule). With ``value``, a turn that finds
-  D's pool full gets room from retentions first (least valuable first); with ``fixed``
-  (vLLM's own behaviour) it counts as a pool-full moment: D would make it wait, then 503.
-  ``idle`` is ``value`` plus the daemon's idle release (its defaults: `planner.value.
-  idle_after`): a retention idle far past every return interval seen goes early.
+  valuable first (`kvferry.retentionvalue`: the daemon's rule). With ``value``, a turn
+  that finds D's pool full gets room from retentions first (least valuable first); with
+  ``fixed`` (vLLM's own behaviour) it counts as a pool-full moment: D would make it wait,
+  then 503. ``idle`` is ``value`` plus the daemon's idle release (its defaults:
+  `planner.value.idle_after`): a retention idle far past every return interval seen goes
+  early.
 
 What comes out per configuration: `Outcome` (hit rate, reused tokens, block-seconds held
 per reused token, TTFT, D's pool use over time).
@@ -40,9 +41,10 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
+from kvferry.retentionvalue import blocks_for, value_per_block_second
 from planner.costs import CostModel, recorded_ttfts
 from planner.traces import Turn, Workload
-from planner.value import ReturnIntervals, blocks_for, idle_after, value_per_block_second
+from planner.value import ReturnIntervals, idle_after
 
 POLICIES = ("fixed", "value", "idle")
 SAFETY_MARGIN_S = 10.0

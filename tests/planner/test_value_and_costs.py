@@ -8,9 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvferry.retentionvalue import value_per_block_second
 from planner.costs import CostModel, fit, least_squares, p_waits
 from planner.traces import Measured, Turn
-from planner.value import PRIOR, ReturnIntervals, value_per_block_second
+from planner.value import PRIOR, ReturnIntervals
 
 gaps = st.lists(st.floats(0, 1000, allow_nan=False), max_size=40)
 times = st.floats(0, 2000, allow_nan=False)
