@@ -9,6 +9,7 @@ messages to the plain dataclasses of these modules and back. One module per conc
 - attachments.py: the sidecars' Attach streams, heartbeats, KV-event index, counts;
 - retentions.py: registering, reading, listing and revoking retentions;
 - claims.py: the claim, own-turn and put-back of a retention (one place for all three);
+- held.py: what became of the D requests a sidecar holds pinned (Leases/Held);
 - lookups.py: validate -> claim -> decide;
 - gauges.py: per-node gauges from a paced scan;
 - budgets.py: the retention budget of each decode node attached here (its releases);
@@ -25,6 +26,7 @@ from controlplane.service.background import Background
 from controlplane.service.budgets import Budgets
 from controlplane.service.claims import Claims
 from controlplane.service.gauges import Gauges
+from controlplane.service.held import HeldPins
 from controlplane.service.lookups import Lookups
 from controlplane.service.nodecache import NodeCache
 from controlplane.service.nodes import NodeRegistry
@@ -50,8 +52,11 @@ class ControlPlane:
         )
         self.registry = NodeRegistry(store.nodes, self.nodes, self.attachments, self.gauges, settings, clock)
         self.retentions = Retentions(store, self.nodes, settings, clock, self.budgets)
-        self.claims = Claims(store.retentions, self.background, clock)
+        self.claims = Claims(
+            store.retentions, self.background, clock, self.budgets, self.retentions.still_held
+        )
         self.lookups = Lookups(self.claims, store.retentions, self.nodes, settings, clock, self.budgets)
+        self.held = HeldPins(store.retentions, lim, clock)
 
     def begin_stop(self) -> None:
         """The replica stops: the Attach streams it ends from now on suspend no node (their
