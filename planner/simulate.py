@@ -317,9 +317,10 @@ def simulate(
 
 
 def recorded_lags(workload: Workload, costs: CostModel) -> dict[int, float]:
-    """Seconds each measured turn of a timed trace (by ``id``) ended after the end `costs`
-    model for it: its recorded arrival, reuse and latency against the model's TTFT (P's
-    queue on the recorded arrivals) and decode."""
+    """Seconds each measured turn of a timed trace (by ``id``) really ended after the end
+    the `costs` model gives it as recorded: its measured latency less the model's TTFT
+    (with its recorded reuse, P's queue on the recorded arrivals) and decode. Negative:
+    it ended before."""
     recorded = [
         t
         for t in workload.turns
