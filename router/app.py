@@ -31,6 +31,7 @@ from router.patience import PrefillRates
 from router.releases import Releases
 from router.security import Security, follow_rotation, load_security
 from router.settings import Settings
+from router.tokenizer import LocalTokenizer, TokenizerChecks, load_tokenizer
 from router.trace import TurnTrace
 from router.turn import Shared
 from router.upstream import Engines
@@ -43,12 +44,15 @@ _RELEASES_AT_LEAST_S = 2.0
 class Router:
     """A running router; `start()` then `stop()`, or `async with`."""
 
-    def __init__(self, settings: Settings, security: Security | None = None) -> None:
-        """`security`: as `load_security` reads it from `settings` (None: read here; a
-        ValueError says what is wrong with the files)."""
+    def __init__(
+        self, settings: Settings, security: Security | None = None, tokenizer: LocalTokenizer | None = None
+    ) -> None:
+        """`security`: as `load_security` reads it from `settings`; `tokenizer`: as
+        `load_tokenizer` does (None: read here; a ValueError says what is wrong with the files)."""
         settings.validate()
         self.settings = settings
         self.security = security if security is not None else load_security(settings)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings)
         self.metrics = RouterMetrics()
         self.port = 0
         self.daemon: DaemonClient | None = None
@@ -98,6 +102,8 @@ class Router:
                 rates=PrefillRates(s.daemon.prefill_s_per_token),
                 releases=Releases(s.upstream.max_releases_in_flight),
                 trace=TurnTrace(s.server.trace_out) if s.server.trace_out else None,
+                tokenizer=self.tokenizer,
+                tokenizer_checks=TokenizerChecks(s.upstream.tokenizer_recheck_s),
             )
             self._runner = web.AppRunner(
                 build_app(shared, sec.keys),
@@ -121,6 +127,7 @@ class Router:
             daemon=list(s.daemon.addresses),
             nodes=[n.engine_id for n in directory.nodes],
             reuse=s.reuse.enabled,
+            tokenizer=None if self.tokenizer is None else self.tokenizer.fingerprint,
             tls=sec.tls is not None,
             api_keys=sec.keys.checked,
         )

@@ -22,6 +22,7 @@ from router.choice import Node, alike, choose_prefill
 from router.decisions import Failure, FailureKind, Reuse, Skip, skipped
 from router.patience import Patience, lookup_wait_s
 from router.releases import release_claim
+from router.tokenizer import Check, LocalTokenizer, Pieces
 from router.upstream import UpstreamError, encode, tokenize_request, tokens_of
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ async def prepare(turn: Turn, prefill: Node, scoring: bool, tiebreak: int) -> No
         made = await prompt
         turn.tokens = made[0] if made is not None else None
     elif scoring:
-        turn.tokens = await _tokenize(turn, prefill)
+        turn.tokens = await _tokens(turn, prefill)
     prefill = turn.tokenized_by or prefill
     if prefill.engine_id in turn.unreachable:  # (tokenizing could not reach it, nor a twin)
         others = choose_prefill(turn.nodes, s.load.view, exclude=turn.unreachable, tiebreak=tiebreak)
@@ -101,7 +102,7 @@ def _lookup_wait_s(turn: Turn, prefill: Node, scoring: bool, prompt_tokens: int)
 async def _prompt(turn: Turn, prefill: Node) -> Made | None:
     """The prompt's token ids (P's /tokenize) and their digests (None: P could not
     tokenize it)."""
-    tokens = await _tokenize(turn, prefill)
+    tokens = await _tokens(turn, prefill)
     if tokens is None:
         return None
     requested = turn.body.get("model")
@@ -119,6 +120,72 @@ async def _prompt(turn: Turn, prefill: Node) -> Made | None:
     metrics.digest_blocks.labels("hashed").inc(len(digests) // DIGEST_SIZE - reused)
     metrics.digest_cache_bytes.set(cache.size_bytes)
     return tokens, digests
+
+
+_THREAD_CHARS = 16384
+"""Text above which the local tokenizer runs in a thread: the lookup's I/O goes on meanwhile."""
+
+
+async def _tokens(turn: Turn, node: Node) -> list[int] | None:
+    """The prompt's token ids: the local tokenizer's (``--tokenizer``) when it renders the
+    request as the engine does and `node`'s /tokenize gave the same ids when compared
+    (`router.tokenizer`), else `node`'s /tokenize's."""
+    s = turn.s
+    local = s.tokenizer
+    req = tokenize_request(turn.path, turn.body) if local is not None else None
+    if local is None or not isinstance(req, dict):
+        return await _tokenize(turn, node)
+    kind = "chat" if turn.path.endswith("/chat/completions") else "completion"
+    check = s.tokenizer_checks.check(node.engine_id, kind, time.monotonic())
+    t0 = time.perf_counter()
+    pieces = local.pieces(turn.path, turn.body) if check is not Check.ENGINE else "node"
+    if isinstance(pieces, str):
+        turn.log.debug("router.tokenize.by_engine", node=node.engine_id, reason=pieces)
+        s.metrics.tokenized.labels("engine").inc()
+        return await _tokenize(turn, node)
+    if check is Check.COMPARE:
+        return await _compare(turn, node, kind, local, pieces)
+    tokens = await _tokenize_locally(local, pieces)
+    s.metrics.stage.labels("tokenize").observe(time.perf_counter() - t0)
+    s.metrics.tokenized.labels("local").inc()
+    return tokens
+
+
+async def _tokenize_locally(local: LocalTokenizer, pieces: Pieces) -> list[int]:
+    if pieces.missing_chars <= _THREAD_CHARS:
+        return local.finish(pieces)
+    return local.finish(pieces, await asyncio.to_thread(local.tokenize_missing, pieces))
+
+
+async def _compare(
+    turn: Turn, node: Node, kind: str, local: LocalTokenizer, pieces: Pieces
+) -> list[int] | None:
+    """A node's check: tokenized both ways at once, the engine's ids kept; the local
+    tokenizer is used for the node's next turns only if they agreed."""
+    s = turn.s
+    mine, theirs = await asyncio.gather(_tokenize_locally(local, pieces), _tokenize(turn, node))
+    if theirs is None:
+        return None  # (nothing compared: P did not tokenize it)
+    asked = turn.tokenized_by or node
+    agreed = mine == theirs
+    s.tokenizer_checks.record(asked.engine_id, kind, agreed, time.monotonic())
+    s.metrics.tokenized.labels("compared" if agreed else "differed").inc()
+    if not agreed:
+        turn.log.warning(
+            "router.tokenizer.differs",
+            node=asked.engine_id,
+            kind=kind,
+            files=local.fingerprint,
+            local_tokens=len(mine),
+            engine_tokens=len(theirs),
+            first_difference=_first_difference(mine, theirs),
+        )
+    return theirs
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    """The index of the first id two token lists differ at (the shorter's length: a prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 async def _tokenize(turn: Turn, node: Node) -> list[int] | None:

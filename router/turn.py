@@ -29,7 +29,7 @@ import itertools
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -73,6 +73,7 @@ from router.patience import PrefillRates
 from router.prepare import prepare
 from router.releases import Releases, release_claim
 from router.settings import Settings
+from router.tokenizer import LocalTokenizer, TokenizerChecks
 from router.trace import TurnTrace, UsageSniffer
 from router.upstream import Engines, Reply, UpstreamError, client_request_id, encode
 
@@ -101,6 +102,10 @@ class Shared:
     """Releases of blocks kept for turns, still on their way (`router.releases`)."""
     trace: TurnTrace | None = None
     """Where finished turns are recorded (``--trace-out``; None: nowhere)."""
+    tokenizer: LocalTokenizer | None = None
+    """The model's tokenizer files (``--tokenizer``; None: P's /tokenize tokenizes)."""
+    tokenizer_checks: TokenizerChecks = field(default_factory=TokenizerChecks)
+    """Which nodes' /tokenize gave the local tokenizer's ids (`router.tokenizer`)."""
 
 
 class Turn:
