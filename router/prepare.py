@@ -102,6 +102,8 @@ def _lookup_wait_s(turn: Turn, prefill: Node, scoring: bool, prompt_tokens: int)
 async def _prompt(turn: Turn, prefill: Node) -> Made | None:
     """The prompt's token ids (P's /tokenize) and their digests (None: P could not
     tokenize it)."""
+    if turn.s.tokenizer is not None:
+        await _let_the_lookup_leave()
     tokens = await _tokens(turn, prefill)
     if tokens is None:
         return None
@@ -120,6 +122,15 @@ async def _prompt(turn: Turn, prefill: Node) -> Made | None:
     metrics.digest_blocks.labels("hashed").inc(len(digests) // DIGEST_SIZE - reused)
     metrics.digest_cache_bytes.set(cache.size_bytes)
     return tokens, digests
+
+
+async def _let_the_lookup_leave() -> None:
+    """Two turns of the loop before the prompt's CPU work: in the first the lookup's task
+    (started after this one) queues it on the stream, in the second the stream's writer
+    hands it to gRPC. A local tokenizer waits on nothing: without these, the claim would
+    leave only once the prompt is tokenized and digested, and the two would not overlap."""
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
 
 
 _THREAD_CHARS = 16384

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from emulator.tokenizer import apply_chat_template, encode
 from emulator.tokenizer_files import CHAT_TEMPLATE, write_tokenizer_files
+from kvferry import logs
 from router.cli import main as router_main
 from router.tokenizer import (
     Check,
@@ -159,7 +160,7 @@ def test_a_template_that_raises_goes_to_the_engine(tmp_path: Path) -> None:
 
 
 def test_unusable_files_are_refused_with_what_is_wrong(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with pytest.raises(TokenizerFilesError, match=r"no tokenizer\.json"):
         LocalTokenizer(tmp_path)
@@ -174,6 +175,7 @@ def test_unusable_files_are_refused_with_what_is_wrong(
     with pytest.raises(TokenizerFilesError, match=r"tokenizer\.json"):
         LocalTokenizer(tmp_path)
     argv = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--tokenizer", str(tmp_path)]
+    monkeypatch.setattr(logs, "configure", lambda *a, **k: None)  # keep the process's logging as it is
     assert router_main(argv) == 2
     assert "kvferry router: " in capsys.readouterr().err
 
