@@ -1,7 +1,8 @@
 """Step 2 of a turn (`router.turn`): what the prefill must know before it leaves.
 
-With a conversation id: the prompt's token ids (P's ``/tokenize``, or a twin's when P
-cannot be connected to), their block digests (``kvferry.digests``, the sidecar's
+With a conversation id: the prompt's token ids (the router's own tokenizer files,
+`router.tokenizer`, when given and checked against P's; else P's ``/tokenize``, or a
+twin's when P cannot be connected to), their block digests (``kvferry.digests``, the sidecar's
 function, through the router's digest cache), and the daemon's ``Lookup``, sent before
 the prompt is known (`router.daemon_client`) and waited for as long as `router.patience`
 says for the prompt's size. With several caching P, a ``Score`` meanwhile finds the P
@@ -14,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvferry.blockhash import block_hashes, external_block_hash
 from kvferry.digests import DIGEST_SIZE, seed_for
@@ -28,6 +30,7 @@ from router.upstream import UpstreamError, encode, tokenize_request, tokens_of
 if TYPE_CHECKING:
     from router.turn import Turn
 
+_T = TypeVar("_T")
 Made = tuple[list[int], bytes]
 """A prompt's token ids and their block digests."""
 
@@ -149,23 +152,37 @@ async def _tokens(turn: Turn, node: Node) -> list[int] | None:
     kind = "chat" if turn.path.endswith("/chat/completions") else "completion"
     check = s.tokenizer_checks.check(node.engine_id, kind, time.monotonic())
     t0 = time.perf_counter()
-    pieces = local.pieces(turn.path, turn.body) if check is not Check.ENGINE else "node"
-    if isinstance(pieces, str):
-        turn.log.debug("router.tokenize.by_engine", node=node.engine_id, reason=pieces)
+    pieces = _guarded(turn, local.pieces, turn.path, turn.body) if check is not Check.ENGINE else "node"
+    if not isinstance(pieces, Pieces):
+        turn.log.debug("router.tokenize.by_engine", node=node.engine_id, reason=pieces or "failed")
         s.metrics.tokenized.labels("engine").inc()
         return await _tokenize(turn, node)
     if check is Check.COMPARE:
         return await _compare(turn, node, kind, local, pieces)
-    tokens = await _tokenize_locally(local, pieces)
+    tokens = await _tokenize_locally(turn, local, pieces)
+    if tokens is None:
+        s.metrics.tokenized.labels("engine").inc()
+        return await _tokenize(turn, node)
     s.metrics.stage.labels("tokenize").observe(time.perf_counter() - t0)
     s.metrics.tokenized.labels("local").inc()
     return tokens
 
 
-async def _tokenize_locally(local: LocalTokenizer, pieces: Pieces) -> list[int]:
+def _guarded(turn: Turn, work: Callable[..., _T], *args: Any) -> _T | None:
+    """`work(*args)`, or None when the tokenizer library or the template failed on an input
+    no check foresaw: logged, and the engine tokenizes (a turn never fails for it)."""
+    try:
+        return work(*args)
+    except Exception as e:
+        turn.log.warning("router.tokenizer.failed", error=repr(e))
+        return None
+
+
+async def _tokenize_locally(turn: Turn, local: LocalTokenizer, pieces: Pieces) -> list[int] | None:
     if pieces.missing_chars <= _THREAD_CHARS:
-        return local.finish(pieces)
-    return local.finish(pieces, await asyncio.to_thread(local.tokenize_missing, pieces))
+        return _guarded(turn, local.finish, pieces)
+    missing = await asyncio.to_thread(_guarded, turn, local.tokenize_missing, pieces)
+    return None if missing is None else _guarded(turn, local.finish, pieces, missing)
 
 
 async def _compare(
@@ -174,9 +191,9 @@ async def _compare(
     """A node's check: tokenized both ways at once, the engine's ids kept; the local
     tokenizer is used for the node's next turns only if they agreed."""
     s = turn.s
-    mine, theirs = await asyncio.gather(_tokenize_locally(local, pieces), _tokenize(turn, node))
-    if theirs is None:
-        return None  # (nothing compared: P did not tokenize it)
+    mine, theirs = await asyncio.gather(_tokenize_locally(turn, local, pieces), _tokenize(turn, node))
+    if theirs is None or mine is None:
+        return theirs  # (nothing compared: one side did not tokenize it)
     asked = turn.tokenized_by or node
     agreed = mine == theirs
     s.tokenizer_checks.record(asked.engine_id, kind, agreed, time.monotonic())

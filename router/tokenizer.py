@@ -13,8 +13,12 @@ path could differ from the engine's:
   role and content, a continued final message, a marker's text inside a message);
 - a node whose ``/tokenize`` did not give the same ids (`TokenizerChecks`: each node's
   first turn of each kind is tokenized both ways and compared, and again every so often;
-  a difference is logged and that node's turns go to its ``/tokenize``). A wrong id only
-  ever costs a reuse (the digests differ, the daemon refuses), but silently.
+  a difference is logged and that node's turns go to its ``/tokenize``). This also
+  catches what the files alone do not say: a vLLM that hands the template list-shaped
+  content (its "openai" content format), a tokenizer class that changes the
+  post-processor. A wrong id only ever costs a reuse (the digests differ from D's and
+  the daemon refuses), but silently; with ``--forward-prompt-token-ids`` the ids are
+  the engines' prompt, which is why nothing unchecked is used.
 
 Long prompts are cut at the tokenizer's special tokens into pieces that the library
 tokenizes independently of each other; a piece seen lately (a conversation's history)

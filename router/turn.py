@@ -4,7 +4,8 @@ With the steps' modules, the small async layer that applies the decisions
 (`router.choice`, `router.decisions`, `router.patience`: pure):
 
 1. Choose P and D (`router.choice`).
-2. Prepare (`router.prepare`): with a conversation id, tokenize once (P's ``/tokenize``),
+2. Prepare (`router.prepare`): with a conversation id, tokenize once (``--tokenizer``'s
+   files, `router.tokenizer`, else P's ``/tokenize``),
    digest the prompt, and ``Lookup`` under a short deadline; with several caching P,
    score them meanwhile.
 3. Prefill (here): P gets the daemon's params (a pull, a release, or fresh ones),

@@ -152,3 +152,25 @@ async def test_the_lookup_leaves_before_the_router_tokenizes(
     body = {"model": MODEL, "messages": first_turn("sluices"), "max_tokens": 5, "conversation_id": "c"}
     assert (await ask(http, router.url, body)).status == 200
     assert order == ["lookup", "tokenize", "prompt"]
+
+
+async def test_a_tokenizer_that_fails_leaves_the_turn_to_the_engine(
+    make_stack: MakeStack, http: aiohttp.ClientSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stack = await make_stack()
+    router = await stack.router(upstream__tokenizer=files(tmp_path))
+
+    def broken(*args: Any) -> list[int]:
+        raise RuntimeError("the library panicked")
+
+    monkeypatch.setattr(LocalTokenizer, "finish", broken)
+    body = {"model": MODEL, "messages": first_turn("moorings"), "max_tokens": 5, "conversation_id": "c"}
+    with capture_logs() as logged:
+        one = await ask(http, router.url, body)
+    assert one.status == 200 and one.reason == "no_lease"
+    [failed] = [e for e in logged if e["event"] == "router.tokenizer.failed"]
+    assert "the library panicked" in failed["error"] and failed["log_level"] == "warning"
+    assert tokenized(router) == {}  # (the node's check compared nothing: it is compared again)
+    with capture_logs():
+        assert (await ask(http, router.url, {**body, "conversation_id": "d"})).status == 200
+    assert router.metrics.value("kvferry_router_stage_seconds_count", stage="tokenize") == 2  # (by P)
