@@ -89,22 +89,7 @@ class Router:
                 # the start: then the first turns set the stream up, and the breaker again)
                 await self.daemon.open_stream()
             self._refresh = asyncio.create_task(directory.run(), name="router-nodes")
-            shared = self._shared = Shared(
-                settings=s,
-                engines=Engines(self._http, s.upstream),
-                directory=directory,
-                load=Load(),
-                daemon=self.daemon,
-                metrics=self.metrics,
-                tickets=itertools.count(),
-                direct=DirectRoutes(),
-                digests=DigestCache(s.reuse.digest_cache_bytes),
-                rates=PrefillRates(s.daemon.prefill_s_per_token),
-                releases=Releases(s.upstream.max_releases_in_flight),
-                trace=TurnTrace(s.server.trace_out) if s.server.trace_out else None,
-                tokenizer=self.tokenizer,
-                tokenizer_checks=TokenizerChecks(s.upstream.tokenizer_recheck_s),
-            )
+            shared = self._shared = self._make_shared(directory)
             self._runner = web.AppRunner(
                 build_app(shared, sec.keys),
                 handler_cancellation=True,
@@ -130,6 +115,27 @@ class Router:
             tokenizer=None if self.tokenizer is None else self.tokenizer.fingerprint,
             tls=sec.tls is not None,
             api_keys=sec.keys.checked,
+        )
+
+    def _make_shared(self, directory: NodeDirectory) -> Shared:
+        """What every turn uses (the HTTP session and the daemon client made)."""
+        s = self.settings
+        assert self._http is not None
+        return Shared(
+            settings=s,
+            engines=Engines(self._http, s.upstream),
+            directory=directory,
+            load=Load(),
+            daemon=self.daemon,
+            metrics=self.metrics,
+            tickets=itertools.count(),
+            direct=DirectRoutes(),
+            digests=DigestCache(s.reuse.digest_cache_bytes),
+            rates=PrefillRates(s.daemon.prefill_s_per_token),
+            releases=Releases(s.upstream.max_releases_in_flight),
+            trace=TurnTrace(s.server.trace_out) if s.server.trace_out else None,
+            tokenizer=self.tokenizer,
+            tokenizer_checks=TokenizerChecks(s.upstream.tokenizer_recheck_s),
         )
 
     async def stop(self) -> None:
