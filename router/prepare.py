@@ -103,8 +103,7 @@ def _lookup_wait_s(turn: Turn, prefill: Node, scoring: bool, prompt_tokens: int)
 
 
 async def _prompt(turn: Turn, prefill: Node) -> Made | None:
-    """The prompt's token ids (P's /tokenize) and their digests (None: P could not
-    tokenize it)."""
+    """The prompt's token ids (`_tokens`) and their digests (None: none could be made)."""
     if turn.s.tokenizer is not None:
         await _let_the_lookup_leave()
     tokens = await _tokens(turn, prefill)
@@ -165,6 +164,7 @@ async def _tokens(turn: Turn, node: Node) -> list[int] | None:
         return await _tokenize(turn, node)
     s.metrics.stage.labels("tokenize").observe(time.perf_counter() - t0)
     s.metrics.tokenized.labels("local").inc()
+    turn.tokenized_locally = True
     return tokens
 
 

@@ -17,8 +17,9 @@ path could differ from the engine's:
   catches what the files alone do not say: a vLLM that hands the template list-shaped
   content (its "openai" content format), a tokenizer class that changes the
   post-processor. A wrong id only ever costs a reuse (the digests differ from D's and
-  the daemon refuses), but silently; with ``--forward-prompt-token-ids`` the ids are
-  the engines' prompt, which is why nothing unchecked is used.
+  the daemon refuses), but silently. Since the ids of later turns are not checked, they
+  are never forwarded as the engines' prompt (``--forward-prompt-token-ids``: only an
+  engine's ids are), where a wrong one would change the answer.
 
 Long prompts are cut at the tokenizer's special tokens into pieces that the library
 tokenizes independently of each other; a piece seen lately (a conversation's history)
@@ -48,10 +49,6 @@ from tokenizers import Tokenizer
 
 from router.settings import Settings
 
-#: What a chat request may carry for the local path to render it (the rest: `renderable`).
-_CHAT_FIELDS = frozenset(
-    {"messages", "add_generation_prompt", "add_special_tokens", "continue_final_message"}
-)
 #: Template inputs of a chat request that only the engine's renderer takes as it does.
 _ENGINE_ONLY = ("tools", "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "documents")
 _PIECE_ENTRY_BYTES = 120  # a cached piece's objects and dict slot, besides its text and ids

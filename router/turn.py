@@ -135,6 +135,8 @@ class Turn:
         self.identity: Identity = identify(request.headers, body, tenant)
         """Its tenant (`tenant`: as the client's API key names it) and conversation."""
         self.tokens: list[int] | None = None
+        self.tokenized_locally = False
+        """`tokens` are the router's own tokenizer's (`router.tokenizer`), not an engine's."""
         self.tokenized_by: Node | None = None
         """The P that tokenized instead of the chosen one (unreachable): the prefill goes there."""
         self.unreachable: set[str] = set()
@@ -322,8 +324,11 @@ class Turn:
     def forwarded_ids(self) -> list[int] | None:
         """The prompt's token ids for P's and D's kv_transfer_params: only when the engines
         take them (``--forward-prompt-token-ids``: vLLM >= 0.32 reads them on its chat path
-        alone), else None and each engine renders the request itself."""
-        forward = self.s.settings.upstream.forward_prompt_token_ids
+        alone), else None and each engine renders the request itself. Never the router's own
+        tokenizer's: only a node's first turns are checked against its /tokenize, and
+        forwarded ids are the engines' prompt (a wrong one would change the answer, where
+        wrong digests only cost the reuse)."""
+        forward = self.s.settings.upstream.forward_prompt_token_ids and not self.tokenized_locally
         return self.tokens if forward and self.path.endswith("/chat/completions") else None
 
     def engine_headers(self, turn_id: str, extra: Sequence[tuple[str, str]] = ()) -> dict[str, str]:

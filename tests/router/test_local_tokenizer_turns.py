@@ -174,3 +174,24 @@ async def test_a_tokenizer_that_fails_leaves_the_turn_to_the_engine(
     with capture_logs():
         assert (await ask(http, router.url, {**body, "conversation_id": "d"})).status == 200
     assert router.metrics.value("kvferry_router_stage_seconds_count", stage="tokenize") == 2  # (by P)
+
+
+async def test_the_routers_own_ids_are_never_forwarded_as_the_engines_prompt(
+    make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference, tmp_path: Path
+) -> None:
+    """With --forward-prompt-token-ids (engines that take them as the prompt: vLLM 0.32),
+    the ids forwarded are an engine's only: the router's, unchecked after the node's first
+    turn, could be wrong (here from turn 2 on), and would change the answer."""
+    stack = await make_stack()
+    sly = "{% if messages | length > 2 %}X{% endif %}" + CHAT_TEMPLATE
+    router = await stack.router(
+        upstream__tokenizer=files(tmp_path, sly), upstream__forward_prompt_token_ids=True
+    )
+    body: dict[str, Any] = {"model": MODEL, "messages": first_turn("quays"), "max_tokens": 30}
+    one = await ask(http, router.url, {**body, "conversation_id": "c"})
+    assert one.text == await reference(CHAT, body)  # (compared: the engine's ids, forwarded)
+    await stack.registrations_idle()
+    body["messages"] = next_turn(body["messages"], one.text)
+    two = await ask(http, router.url, {**body, "conversation_id": "c"})
+    assert tokenized(router) == {"compared": 1, "local": 1}
+    assert two.status == 200 and two.text == await reference(CHAT, body)
