@@ -188,27 +188,57 @@ async def _tokenize_locally(turn: Turn, local: LocalTokenizer, pieces: Pieces) -
 async def _compare(
     turn: Turn, node: Node, kind: str, local: LocalTokenizer, pieces: Pieces
 ) -> list[int] | None:
-    """A node's check: tokenized both ways at once, the engine's ids kept; the local
-    tokenizer is used for the node's next turns only if they agreed."""
+    """A node's check: the turn tokenized both ways at once, the engine's ids kept, and the
+    conversation's next turn too (a template whose rendering of the history changes as
+    the conversation grows would pass the first and fail the second); the local tokenizer
+    is used for the node's next turns only if both agreed."""
     s = turn.s
-    mine, theirs = await asyncio.gather(_tokenize_locally(turn, local, pieces), _tokenize(turn, node))
-    if theirs is None or mine is None:
+    mine, theirs, later = await asyncio.gather(
+        _tokenize_locally(turn, local, pieces), _tokenize(turn, node), _next_turn_ids(turn, node, local)
+    )
+    if theirs is None or mine is None or later is None:
         return theirs  # (nothing compared: one side did not tokenize it)
     asked = turn.tokenized_by or node
-    agreed = mine == theirs
+    agreed = mine == theirs and later[0] == later[1]
     s.tokenizer_checks.record(asked.engine_id, kind, agreed, time.monotonic())
     s.metrics.tokenized.labels("compared" if agreed else "differed").inc()
     if not agreed:
+        a, b = (mine, theirs) if mine != theirs else later
         turn.log.warning(
             "router.tokenizer.differs",
             node=asked.engine_id,
             kind=kind,
+            on="turn" if mine != theirs else "next_turn",
             files=local.fingerprint,
-            local_tokens=len(mine),
-            engine_tokens=len(theirs),
-            first_difference=_first_difference(mine, theirs),
+            local_tokens=len(a),
+            engine_tokens=len(b),
+            first_difference=_first_difference(a, b),
         )
     return theirs
+
+
+async def _next_turn_ids(turn: Turn, node: Node, local: LocalTokenizer) -> tuple[list[int], list[int]] | None:
+    """A chat's next turn (the messages, an answer and a question), tokenized locally and by
+    `node` -> (local, engine) ids; ([], []) for a completion (no template); None when either
+    could not tokenize it."""
+    messages = turn.body.get("messages")
+    if not isinstance(messages, list):
+        return [], []
+    follow = [*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}]
+    body = {**turn.body, "messages": follow}
+    pieces = _guarded(turn, local.pieces, turn.path, body)
+    req = tokenize_request(turn.path, body)
+    if not isinstance(pieces, Pieces) or not isinstance(req, dict):
+        return None
+    mine = await _tokenize_locally(turn, local, pieces)
+    try:
+        reply = await turn.post_to_prefill(
+            node, "/tokenize", encode(req), turn.s.settings.upstream.tokenize_timeout_s
+        )
+    except UpstreamError:
+        return None
+    theirs = tokens_of(reply.body) if reply.status == 200 else None
+    return None if mine is None or theirs is None else (mine, theirs)
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:

@@ -91,24 +91,47 @@ async def test_files_that_are_not_the_engines_are_found_out_and_left_for_the_eng
     assert tokenized(router) == {"differed": 1, "engine": 1}
 
 
-async def test_ids_that_slip_past_the_check_cost_the_reuse_never_the_answer(
-    make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference, tmp_path: Path
+async def test_a_template_that_renders_a_longer_conversation_otherwise_is_found_out(
+    make_stack: MakeStack, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     """Files that agree with the engine on a first turn (two messages) and differ from the
-    first token on longer conversations: the digests of turn 2 match nothing of D's, the
-    daemon refuses the reuse, and P renders the prompt itself, as always."""
+    first token on longer conversations: the check tokenizes the conversation's next turn
+    too, and finds them out on the first."""
     stack = await make_stack()
     sly = "{% if messages | length > 2 %}X{% endif %}" + CHAT_TEMPLATE
     router = await stack.router(upstream__tokenizer=files(tmp_path, sly))
+    body: dict[str, Any] = {"model": MODEL, "messages": first_turn("weirs"), "max_tokens": 5}
+    with capture_logs() as logged:
+        assert (await ask(http, router.url, {**body, "conversation_id": "c"})).status == 200
+    [differs] = [e for e in logged if e["event"] == "router.tokenizer.differs"]
+    assert differs["on"] == "next_turn" and differs["first_difference"] == 0
+    assert tokenized(router) == {"differed": 1}
+
+
+SLIP = "{% if messages | length > 4 %}X{% endif %}" + CHAT_TEMPLATE
+"""A template that renders conversations of more than four messages unlike the engine's:
+past the check (two messages, and the next turn's four), wrong from the third turn on."""
+
+
+async def test_ids_that_slip_past_the_check_cost_the_reuse_never_the_answer(
+    make_stack: MakeStack, http: aiohttp.ClientSession, reference: Reference, tmp_path: Path
+) -> None:
+    """The digests of the third turn's ids match nothing of D's: the daemon refuses the
+    reuse, and P renders the prompt itself, as always."""
+    stack = await make_stack()
+    router = await stack.router(upstream__tokenizer=files(tmp_path, SLIP))
     body: dict[str, Any] = {"model": MODEL, "messages": first_turn("weirs"), "max_tokens": 30}
-    one = await ask(http, router.url, {**body, "conversation_id": "c"})
-    assert tokenized(router) == {"compared": 1}
-    await stack.registrations_idle()
-    body["messages"] = next_turn(body["messages"], one.text)
-    two = await ask(http, router.url, {**body, "conversation_id": "c"})
-    assert two.status == 200 and two.decision == "RECOMPUTE" and two.reason == "prefix_mismatch"
-    assert two.text == await reference(CHAT, body)
-    assert tokenized(router) == {"compared": 1, "local": 1}
+    answer = ""
+    for decision in ("RECOMPUTE", "PULL", "RECOMPUTE"):
+        if answer:
+            await stack.registrations_idle()
+            body["messages"] = next_turn(body["messages"], answer)
+        turn = await ask(http, router.url, {**body, "conversation_id": "c"})
+        assert turn.status == 200 and turn.decision == decision, dict(turn.headers)
+        assert turn.text == await reference(CHAT, body)
+        answer = turn.text
+    assert turn.reason == "prefix_mismatch"
+    assert tokenized(router) == {"compared": 1, "local": 2}
 
 
 async def test_a_request_the_files_cannot_render_alike_is_tokenized_by_the_engine(
@@ -147,10 +170,12 @@ async def test_the_lookup_leaves_before_the_router_tokenizes(
         order.append("tokenize")
         return cut(self, text, add_special_tokens)
 
+    body = {"model": MODEL, "messages": first_turn("sluices"), "max_tokens": 5, "conversation_id": "c"}
+    assert (await ask(http, router.url, body)).status == 200  # (P's check: its /tokenize waited for)
     monkeypatch.setattr(call, "write", recorded_write)
     monkeypatch.setattr(LocalTokenizer, "cut", recorded_cut)
-    body = {"model": MODEL, "messages": first_turn("sluices"), "max_tokens": 5, "conversation_id": "c"}
-    assert (await ask(http, router.url, body)).status == 200
+    assert (await ask(http, router.url, {**body, "conversation_id": "d"})).status == 200
+    assert tokenized(router) == {"compared": 1, "local": 1}
     assert order == ["lookup", "tokenize", "prompt"]
 
 
@@ -168,8 +193,9 @@ async def test_a_tokenizer_that_fails_leaves_the_turn_to_the_engine(
     with capture_logs() as logged:
         one = await ask(http, router.url, body)
     assert one.status == 200 and one.reason == "no_lease"
-    [failed] = [e for e in logged if e["event"] == "router.tokenizer.failed"]
-    assert "the library panicked" in failed["error"] and failed["log_level"] == "warning"
+    failed = [e for e in logged if e["event"] == "router.tokenizer.failed"]
+    assert failed and all("the library panicked" in e["error"] for e in failed)  # (the turn, its next)
+    assert failed[0]["log_level"] == "warning"
     assert tokenized(router) == {}  # (the node's check compared nothing: it is compared again)
     with capture_logs():
         assert (await ask(http, router.url, {**body, "conversation_id": "d"})).status == 200
@@ -181,17 +207,18 @@ async def test_the_routers_own_ids_are_never_forwarded_as_the_engines_prompt(
 ) -> None:
     """With --forward-prompt-token-ids (engines that take them as the prompt: vLLM 0.32),
     the ids forwarded are an engine's only: the router's, unchecked after the node's first
-    turn, could be wrong (here from turn 2 on), and would change the answer."""
+    turn, could be wrong (here from turn 3 on), and would change the answer."""
     stack = await make_stack()
-    sly = "{% if messages | length > 2 %}X{% endif %}" + CHAT_TEMPLATE
     router = await stack.router(
-        upstream__tokenizer=files(tmp_path, sly), upstream__forward_prompt_token_ids=True
+        upstream__tokenizer=files(tmp_path, SLIP), upstream__forward_prompt_token_ids=True
     )
     body: dict[str, Any] = {"model": MODEL, "messages": first_turn("quays"), "max_tokens": 30}
-    one = await ask(http, router.url, {**body, "conversation_id": "c"})
-    assert one.text == await reference(CHAT, body)  # (compared: the engine's ids, forwarded)
-    await stack.registrations_idle()
-    body["messages"] = next_turn(body["messages"], one.text)
-    two = await ask(http, router.url, {**body, "conversation_id": "c"})
-    assert tokenized(router) == {"compared": 1, "local": 1}
-    assert two.status == 200 and two.text == await reference(CHAT, body)
+    answer = ""
+    for _ in range(3):
+        if answer:
+            await stack.registrations_idle()
+            body["messages"] = next_turn(body["messages"], answer)
+        turn = await ask(http, router.url, {**body, "conversation_id": "c"})
+        assert turn.status == 200 and turn.text == await reference(CHAT, body)
+        answer = turn.text
+    assert tokenized(router) == {"compared": 1, "local": 2}
