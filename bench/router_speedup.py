@@ -1,23 +1,38 @@
 """Section 2 of the router benchmark (bench.router): the emulated TTFT speedup of turn 2
 at long contexts, through kvferry, the multi-turn proxy stand-in and the client alone,
-against reuse off and against the timing model's ideal."""
+against reuse off and against the timing model's ideal. kvferry is given the engines'
+tokenizer files (as `emulator.tokenizer_files` writes them) and tokenizes itself;
+"kvferry /tokenize" is the same router without them, asking P's /tokenize."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import statistics
+import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import grpc
 import msgspec
 
-from bench.demo import TIMING, Deployment, deployment, timing_text
-from bench.router_paths import CHAT, FRESH, JSON, MultiturnProxyStandIn, filler, first_token, stage_totals
+from bench.demo import TIMING, Deployment, deployment, router_settings, timing_text
+from bench.router_paths import (
+    CHAT,
+    FRESH,
+    JSON,
+    STAGES,
+    MultiturnProxyStandIn,
+    filler,
+    first_token,
+    stage_totals,
+)
+from emulator.tokenizer_files import write_tokenizer_files
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
 from router import Router
 from router.decisions import decode_body, prefill_body
@@ -34,10 +49,12 @@ class Sample:
     router_ms: float = 0.0
     """The router's own reuse work on this turn's critical path: tokenize, digests, then the
     wait for the lookup's answer once the prompt is known (the rest of its round trip)."""
+    stage_ms: dict[str, float] = field(default_factory=dict)
+    """`router_ms` by stage (`bench.router_paths.STAGES`)."""
 
 
-def _stage_sums(router: Router) -> float:
-    return sum(seconds for seconds, _ in stage_totals(router).values())
+def _stage_sums(router: Router) -> dict[str, float]:
+    return {stage: seconds for stage, (seconds, _) in stage_totals(router).items()}
 
 
 Sent = tuple[float, int, str, int]
@@ -90,9 +107,9 @@ class ClientDirect:
         return ttft, prompt, answer, 0
 
 
-async def measured_turn(dep: Deployment, send: Awaitable[Sent]) -> Sample:
+async def measured_turn(dep: Deployment, send: Awaitable[Sent], router: Router | None = None) -> Sample:
     """One streamed turn, sent by ``send``; its TTFT and the timing model's cost of what the
-    engines did for it."""
+    engines did for it (and the stages of `router`, the one it went through)."""
     p, d = dep.prefill, dep.decode
 
     def engine_counts() -> list[float]:
@@ -104,7 +121,7 @@ async def measured_turn(dep: Deployment, send: Awaitable[Sent]) -> Sample:
             d.engine.metrics.total("vllm:prefix_cache_hits"),
         ]
 
-    before, stages = engine_counts(), _stage_sums(dep.kvferry)
+    before, stages = engine_counts(), _stage_sums(router) if router is not None else {}
     ttft, prompt, answer, reused = await send
     p_tokens, p_blocks, d_tokens, d_blocks, d_hits = (
         a - b for a, b in zip(engine_counts(), before, strict=True)
@@ -114,8 +131,9 @@ async def measured_turn(dep: Deployment, send: Awaitable[Sent]) -> Sample:
     model_ms = TIMING["prefill_ms_per_token"] * (p_computed + d_computed) + TIMING[
         "transfer_ms_per_block"
     ] * (p_blocks + d_blocks)
-    router_ms = (_stage_sums(dep.kvferry) - stages) * 1e3
-    return Sample(ttft, prompt, model_ms, reused, answer, router_ms)
+    after = _stage_sums(router) if router is not None else {}
+    stage_ms = {stage: (after[stage] - stages[stage]) * 1e3 for stage in after}
+    return Sample(ttft, prompt, model_ms, reused, answer, sum(stage_ms.values()), stage_ms)
 
 
 PEEK = leases_pb2.LookupRequest(conversation_id="bench-probe", prompt_tokens=1, peek=True)
@@ -144,6 +162,21 @@ async def idle_cost(daemon: leases_pb2_grpc.LeasesAsyncStub) -> tuple[float, flo
 
 Paths = dict[str, Callable[[str, dict[str, Any]], Awaitable[Sent]]]
 """How a turn is sent, by name: (conversation id, body) -> the turn as the client saw it."""
+KVFERRY = ("kvferry", "kvferry /tokenize")
+"""kvferry's paths: given the model's tokenizer files (as the emulator writes them), and
+tokenizing through P's /tokenize (`dep.kvferry`, no files)."""
+
+
+@contextlib.asynccontextmanager
+async def local_tokenizer_router(dep: Deployment) -> AsyncIterator[Router]:
+    """A router with reuse, like `dep.kvferry`, given the engines' tokenizer files."""
+    config = dep.prefill.engine.config
+    with tempfile.TemporaryDirectory(prefix="kvferry-tokenizer-") as tmp:
+        files = write_tokenizer_files(Path(tmp), config.model, config.max_model_len)
+        base = router_settings(dep.daemon.address)
+        settings = replace(base, upstream=replace(base.upstream, tokenizer=str(files)))
+        async with Router(settings) as router:
+            yield router
 
 
 async def speedup(lengths: Sequence[int], repeats: int) -> None:
@@ -157,6 +190,7 @@ async def speedup(lengths: Sequence[int], repeats: int) -> None:
             {**TIMING, "num_blocks": d_blocks, "decoder_kv_blocks_ttl": 600.0},
         ) as dep,
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http,
+        local_tokenizer_router(dep) as local,
     ):
         proxy = MultiturnProxyStandIn(dep.prefill.http_url, dep.sidecars[1].url)
         await proxy.start()
@@ -166,7 +200,8 @@ async def speedup(lengths: Sequence[int], repeats: int) -> None:
         daemon = leases_pb2_grpc.LeasesStub(probe)
         paths: Paths = {
             "off": lambda cid, b: through_front_door(http, dep.plain.url, {**b, "conversation_id": cid}),
-            "kvferry": lambda cid, b: through_front_door(
+            "kvferry": lambda cid, b: through_front_door(http, local.url, {**b, "conversation_id": cid}),
+            "kvferry /tokenize": lambda cid, b: through_front_door(
                 http, dep.kvferry.url, {**b, "conversation_id": cid}
             ),
             "stand-in": lambda cid, b: through_front_door(http, proxy.url, {**b, "conversation_id": cid}),
@@ -176,7 +211,7 @@ async def speedup(lengths: Sequence[int], repeats: int) -> None:
             for length in lengths:
                 runs: dict[str, list[Sample]] = {name: [] for name in paths}
                 for i in range(repeats):
-                    await _conversation(dep, paths, runs, rng, length, i)
+                    await _conversation(dep, paths, runs, rng, length, i, [local, dep.kvferry])
                 rows.append(runs)
             warm_ms, cold_ms = await idle_cost(daemon)
         finally:
@@ -186,7 +221,13 @@ async def speedup(lengths: Sequence[int], repeats: int) -> None:
 
 
 async def _conversation(
-    dep: Deployment, paths: Paths, runs: dict[str, list[Sample]], rng: random.Random, length: int, i: int
+    dep: Deployment,
+    paths: Paths,
+    runs: dict[str, list[Sample]],
+    rng: random.Random,
+    length: int,
+    i: int,
+    routers: Sequence[Router],
 ) -> None:
     """Conversation `i` of `length` characters on every path: turn 1 leaves D's blocks,
     turn 2 is measured, a Sample added to `runs` for each path."""
@@ -196,7 +237,7 @@ async def _conversation(
     ]
     turn1 = {"messages": messages, "max_tokens": 16, "stream": True}
     answers = set()
-    for name in ("kvferry", "stand-in", "no router"):  # turn 1, leaving D's blocks
+    for name in (*KVFERRY, "stand-in", "no router"):  # turn 1, leaving D's blocks
         answers.add((await paths[name](f"{name}-{length}-{i}", turn1))[2])
     assert len(answers) == 1, answers  # (reuse's correctness is section 3's business)
     await asyncio.sleep(0.1)  # D's sidecar registers kvferry's turn
@@ -209,7 +250,8 @@ async def _conversation(
     rng.shuffle(order)  # none always meets a warmer engine
     for name in order:
         send = paths[name](f"{name}-{length}-{i}", turn2)
-        runs[name].append(await measured_turn(dep, send))
+        router = dict(zip(KVFERRY, routers, strict=True)).get(name)
+        runs[name].append(await measured_turn(dep, send, router))
     assert len({runs[n][-1].answer for n in paths}) == 1, "answers differ"
 
 
@@ -226,6 +268,10 @@ def _print_speedup(rows: list[dict[str, list[Sample]]], repeats: int, warm_ms: f
     )
     for runs in rows:
         print(_speedup_row(runs))
+    print("   kvferry over the stand-in (p50 TTFT), and the router's stages (p50 ms of its turns):")
+    for name in KVFERRY:
+        for runs in rows:
+            print(_overhead_row(runs, name))
     print(
         "   model = the timing model's cost of the tokens the engines computed and the blocks they moved;\n"
         "   ideal = model off / the least model cost of a correct reuse of the turn (kvferry's, the\n"
@@ -240,6 +286,18 @@ def _print_speedup(rows: list[dict[str, list[Sample]]], repeats: int, warm_ms: f
         f"   a daemon Lookup (peek) here: {warm_ms:.2f} ms back to back, {cold_ms:.2f} ms after 200 ms"
         "\n   idle, which is how each measured turn finds the router's gRPC client, the daemon and etcd."
     )
+
+
+def _overhead_row(runs: dict[str, list[Sample]], name: str) -> str:
+    """One context length's cost of verifying: kvferry's TTFT (path `name`) over the
+    stand-in's, by stage."""
+    on = runs[name]
+    t_on, t_in = (_p50(runs[n], lambda x: x.ttft_s * 1e3) for n in (name, "stand-in"))
+    stages = " ".join(
+        f"{stage} {statistics.median(x.stage_ms.get(stage, 0.0) for x in on):.1f}" for stage in STAGES
+    )
+    ratio = f"{t_on:>6.1f}ms / {t_in:>6.1f}ms = {t_on / t_in - 1:>+6.1%}"
+    return f"   {name:>17} {on[0].prompt:>7,} {ratio} | {stages}"
 
 
 def _speedup_row(runs: dict[str, list[Sample]]) -> str:

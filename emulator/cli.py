@@ -6,9 +6,11 @@ import argparse
 import asyncio
 import signal
 import sys
+from pathlib import Path
 
 from emulator.config import KV_LOAD_FAILURE_POLICIES, ROLES, ConfigError, EmulatorConfig
 from emulator.server import serve_forever
+from emulator.tokenizer_files import write_tokenizer_files
 from kvferry import logs
 from kvferry.flags import finite_float
 from kvferry.tasks import run_process
@@ -42,6 +44,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add("--num-blocks", type=int, default=_DEFAULTS.num_blocks, help="KV blocks in the pool")
     add("--max-model-len", type=int, default=_DEFAULTS.max_model_len, help="longest sequence")
     add("--engine-id", default=None, help="fixed engine id (default: fresh uuid per start)")
+    add(
+        "--write-tokenizer",
+        metavar="DIR",
+        default=None,
+        help="write the engine's tokenizer as a model's tokenizer files (tokenizer.json, "
+        "tokenizer_config.json) into DIR, for `kvferry router --tokenizer DIR`, and exit",
+    )
 
 
 def _add_endpoint_flags(parser: argparse.ArgumentParser) -> None:
@@ -179,6 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"kvferry emulate: error: {exc}", file=sys.stderr)
         return 2
+    if args.write_tokenizer is not None:
+        try:
+            print(write_tokenizer_files(Path(args.write_tokenizer), config.model, config.max_model_len))
+        except OSError as exc:
+            print(f"kvferry emulate: error: --write-tokenizer {args.write_tokenizer}: {exc}", file=sys.stderr)
+            return 2
+        return 0
     logs.configure(args.log_level)
     return run_process("emulate", _run(config), use_uvloop=False)
 

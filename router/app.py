@@ -31,6 +31,7 @@ from router.patience import PrefillRates
 from router.releases import Releases
 from router.security import Security, follow_rotation, load_security
 from router.settings import Settings
+from router.tokenizer import LocalTokenizer, TokenizerChecks, load_tokenizer
 from router.trace import TurnTrace
 from router.turn import Shared
 from router.upstream import Engines
@@ -43,12 +44,15 @@ _RELEASES_AT_LEAST_S = 2.0
 class Router:
     """A running router; `start()` then `stop()`, or `async with`."""
 
-    def __init__(self, settings: Settings, security: Security | None = None) -> None:
-        """`security`: as `load_security` reads it from `settings` (None: read here; a
-        ValueError says what is wrong with the files)."""
+    def __init__(
+        self, settings: Settings, security: Security | None = None, tokenizer: LocalTokenizer | None = None
+    ) -> None:
+        """`security`: as `load_security` reads it from `settings`; `tokenizer`: as
+        `load_tokenizer` does (None: read here; a ValueError says what is wrong with the files)."""
         settings.validate()
         self.settings = settings
         self.security = security if security is not None else load_security(settings)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings)
         self.metrics = RouterMetrics()
         self.port = 0
         self.daemon: DaemonClient | None = None
@@ -86,20 +90,7 @@ class Router:
                 # the start: then the first turns set the stream up, and the breaker again)
                 await self.daemon.open_stream()
             self._refresh = asyncio.create_task(directory.run(), name="router-nodes")
-            shared = self._shared = Shared(
-                settings=s,
-                engines=Engines(self._http, s.upstream),
-                directory=directory,
-                load=Load(),
-                daemon=self.daemon,
-                metrics=self.metrics,
-                tickets=itertools.count(),
-                direct=DirectRoutes(),
-                digests=DigestCache(s.reuse.digest_cache_bytes),
-                rates=PrefillRates(s.daemon.prefill_s_per_token),
-                releases=Releases(s.upstream.max_releases_in_flight),
-                trace=TurnTrace(s.server.trace_out) if s.server.trace_out else None,
-            )
+            shared = self._shared = self._make_shared(directory)
             self._lag = asyncio.create_task(shared.lag.run(), name="router-loop-lag")
             self._runner = web.AppRunner(
                 build_app(shared, sec.keys),
@@ -123,8 +114,30 @@ class Router:
             daemon=list(s.daemon.addresses),
             nodes=[n.engine_id for n in directory.nodes],
             reuse=s.reuse.enabled,
+            tokenizer=None if self.tokenizer is None else self.tokenizer.fingerprint,
             tls=sec.tls is not None,
             api_keys=sec.keys.checked,
+        )
+
+    def _make_shared(self, directory: NodeDirectory) -> Shared:
+        """What every turn uses (the HTTP session and the daemon client made)."""
+        s = self.settings
+        assert self._http is not None
+        return Shared(
+            settings=s,
+            engines=Engines(self._http, s.upstream),
+            directory=directory,
+            load=Load(),
+            daemon=self.daemon,
+            metrics=self.metrics,
+            tickets=itertools.count(),
+            direct=DirectRoutes(),
+            digests=DigestCache(s.reuse.digest_cache_bytes),
+            rates=PrefillRates(s.daemon.prefill_s_per_token),
+            releases=Releases(s.upstream.max_releases_in_flight),
+            trace=TurnTrace(s.server.trace_out) if s.server.trace_out else None,
+            tokenizer=self.tokenizer,
+            tokenizer_checks=TokenizerChecks(s.upstream.tokenizer_recheck_s),
         )
 
     async def stop(self) -> None:

@@ -26,6 +26,7 @@ from kvferry.tasks import run_process
 from router.app import Router
 from router.security import Security, load_security
 from router.settings import ENV_PREFIX, Settings, add_arguments, from_args
+from router.tokenizer import LocalTokenizer, load_tokenizer
 from router.trace import check_trace_out
 
 log = structlog.get_logger(__name__)
@@ -40,13 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def run(settings: Settings, security: Security) -> int:
+async def run(settings: Settings, security: Security, tokenizer: LocalTokenizer | None = None) -> int:
     """Serve until SIGTERM or SIGINT, then stop gracefully."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with Router(settings, security):
+    async with Router(settings, security, tokenizer):
         await stop.wait()
         log.info("router.stopping")
     return 0
@@ -60,10 +61,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = from_args(args)
         check_trace_out(settings.server.trace_out)
         security = load_security(settings)  # (the TLS and policy files: PolicyError is one)
+        tokenizer = load_tokenizer(settings)  # (TokenizerFilesError is one)
     except ValueError as e:
         print(f"kvferry router: {e}", file=sys.stderr)
         return 2
-    return run_process("router", run(settings, security))
+    return run_process("router", run(settings, security, tokenizer))
 
 
 if __name__ == "__main__":

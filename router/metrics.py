@@ -63,6 +63,16 @@ class RouterMetrics(OwnRegistry):
             registry=r,
         )
 
+        self.tokenized = Counter(
+            "kvferry_router_tokenized",
+            "Prompts of conversation turns by who tokenized them: local (--tokenizer), engine "
+            "(P's /tokenize: no files given, a request the local path does not render alike, or a "
+            "node whose ids differ), compared (both, on a node's check), differed (a check whose "
+            "ids were not the engine's: that node's turns go to its /tokenize)",
+            ["by"],
+            registry=r,
+        )
+
     def _define_engine_metrics(self, r: CollectorRegistry) -> None:
         """What the engines failed and what the router did about it: retries, releases."""
         self.upstream_errors = Counter(

@@ -1,7 +1,8 @@
 """Step 2 of a turn (`router.turn`): what the prefill must know before it leaves.
 
-With a conversation id: the prompt's token ids (P's ``/tokenize``, or a twin's when P
-cannot be connected to), their block digests (``kvferry.digests``, the sidecar's
+With a conversation id: the prompt's token ids (the router's own tokenizer files,
+`router.tokenizer`, when given and checked against P's; else P's ``/tokenize``, or a
+twin's when P cannot be connected to), their block digests (``kvferry.digests``, the sidecar's
 function, through the router's digest cache), and the daemon's ``Lookup``, sent before
 the prompt is known (`router.daemon_client`) and waited for as long as `router.patience`
 says for the prompt's size. With several caching P, a ``Score`` meanwhile finds the P
@@ -14,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvferry.blockhash import block_hashes, external_block_hash
 from kvferry.digests import DIGEST_SIZE, seed_for
@@ -22,11 +24,13 @@ from router.choice import Node, alike, choose_prefill
 from router.decisions import Failure, FailureKind, Reuse, Skip, skipped
 from router.patience import Patience, lookup_wait_s
 from router.releases import release_claim
+from router.tokenizer import Check, LocalTokenizer, Pieces
 from router.upstream import UpstreamError, encode, tokenize_request, tokens_of
 
 if TYPE_CHECKING:
     from router.turn import Turn
 
+_T = TypeVar("_T")
 Made = tuple[list[int], bytes]
 """A prompt's token ids and their block digests."""
 
@@ -60,7 +64,7 @@ async def prepare(turn: Turn, prefill: Node, scoring: bool, tiebreak: int) -> No
         made = await prompt
         turn.tokens = made[0] if made is not None else None
     elif scoring:
-        turn.tokens = await _tokenize(turn, prefill)
+        turn.tokens = await _tokens(turn, prefill)
     prefill = turn.tokenized_by or prefill
     if prefill.engine_id in turn.unreachable:  # (tokenizing could not reach it, nor a twin)
         others = choose_prefill(turn.nodes, s.load.view, exclude=turn.unreachable, tiebreak=tiebreak)
@@ -100,9 +104,10 @@ def _lookup_wait_s(turn: Turn, prefill: Node, scoring: bool, prompt_tokens: int)
 
 
 async def _prompt(turn: Turn, prefill: Node) -> Made | None:
-    """The prompt's token ids (P's /tokenize) and their digests (None: P could not
-    tokenize it)."""
-    tokens = await _tokenize(turn, prefill)
+    """The prompt's token ids (`_tokens`) and their digests (None: none could be made)."""
+    if turn.s.tokenizer is not None:
+        await _let_the_lookup_leave()
+    tokens = await _tokens(turn, prefill)
     if tokens is None:
         return None
     requested = turn.body.get("model")
@@ -120,6 +125,126 @@ async def _prompt(turn: Turn, prefill: Node) -> Made | None:
     metrics.digest_blocks.labels("hashed").inc(len(digests) // DIGEST_SIZE - reused)
     metrics.digest_cache_bytes.set(cache.size_bytes)
     return tokens, digests
+
+
+async def _let_the_lookup_leave() -> None:
+    """Two turns of the loop before the prompt's CPU work: in the first the lookup's task
+    (started after this one) queues it on the stream, in the second the stream's writer
+    hands it to gRPC. A local tokenizer waits on nothing: without these, the claim would
+    leave only once the prompt is tokenized and digested, and the two would not overlap."""
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+
+
+_THREAD_CHARS = 16384
+"""Text above which the local tokenizer runs in a thread: the lookup's I/O goes on meanwhile."""
+
+
+async def _tokens(turn: Turn, node: Node) -> list[int] | None:
+    """The prompt's token ids: the local tokenizer's (``--tokenizer``) when it renders the
+    request as the engine does and `node`'s /tokenize gave the same ids when compared
+    (`router.tokenizer`), else `node`'s /tokenize's."""
+    s = turn.s
+    local = s.tokenizer
+    req = tokenize_request(turn.path, turn.body) if local is not None else None
+    if local is None or not isinstance(req, dict):
+        return await _tokenize(turn, node)
+    kind = "chat" if turn.path.endswith("/chat/completions") else "completion"
+    check = s.tokenizer_checks.check(node.engine_id, kind, time.monotonic())
+    t0 = time.perf_counter()
+    pieces = _guarded(turn, local.pieces, turn.path, turn.body) if check is not Check.ENGINE else "node"
+    if not isinstance(pieces, Pieces):
+        turn.log.debug("router.tokenize.by_engine", node=node.engine_id, reason=pieces or "failed")
+        s.metrics.tokenized.labels("engine").inc()
+        return await _tokenize(turn, node)
+    if check is Check.COMPARE:
+        return await _compare(turn, node, kind, local, pieces)
+    tokens = await _tokenize_locally(turn, local, pieces)
+    if tokens is None:
+        s.metrics.tokenized.labels("engine").inc()
+        return await _tokenize(turn, node)
+    s.metrics.stage.labels("tokenize").observe(time.perf_counter() - t0)
+    s.metrics.tokenized.labels("local").inc()
+    turn.tokenized_locally = True
+    return tokens
+
+
+def _guarded(turn: Turn, work: Callable[..., _T], *args: Any) -> _T | None:
+    """`work(*args)`, or None when the tokenizer library or the template failed on an input
+    no check foresaw: logged, and the engine tokenizes (a turn never fails for it)."""
+    try:
+        return work(*args)
+    except Exception as e:
+        turn.log.warning("router.tokenizer.failed", error=repr(e))
+        return None
+
+
+async def _tokenize_locally(turn: Turn, local: LocalTokenizer, pieces: Pieces) -> list[int] | None:
+    if pieces.missing_chars <= _THREAD_CHARS:
+        return _guarded(turn, local.finish, pieces)
+    missing = await asyncio.to_thread(_guarded, turn, local.tokenize_missing, pieces)
+    return None if missing is None else _guarded(turn, local.finish, pieces, missing)
+
+
+async def _compare(
+    turn: Turn, node: Node, kind: str, local: LocalTokenizer, pieces: Pieces
+) -> list[int] | None:
+    """A node's check: the turn tokenized both ways at once, the engine's ids kept, and the
+    conversation's next turn too (a template whose rendering of the history changes as
+    the conversation grows would pass the first and fail the second); the local tokenizer
+    is used for the node's next turns only if both agreed."""
+    s = turn.s
+    mine, theirs, later = await asyncio.gather(
+        _tokenize_locally(turn, local, pieces), _tokenize(turn, node), _next_turn_ids(turn, node, local)
+    )
+    if theirs is None or mine is None or later is None:
+        return theirs  # (nothing compared: one side did not tokenize it)
+    asked = turn.tokenized_by or node
+    agreed = mine == theirs and later[0] == later[1]
+    s.tokenizer_checks.record(asked.engine_id, kind, agreed, time.monotonic())
+    s.metrics.tokenized.labels("compared" if agreed else "differed").inc()
+    if not agreed:
+        a, b = (mine, theirs) if mine != theirs else later
+        turn.log.warning(
+            "router.tokenizer.differs",
+            node=asked.engine_id,
+            kind=kind,
+            on="turn" if mine != theirs else "next_turn",
+            files=local.fingerprint,
+            local_tokens=len(a),
+            engine_tokens=len(b),
+            first_difference=_first_difference(a, b),
+        )
+    return theirs
+
+
+async def _next_turn_ids(turn: Turn, node: Node, local: LocalTokenizer) -> tuple[list[int], list[int]] | None:
+    """A chat's next turn (the messages, an answer and a question), tokenized locally and by
+    `node` -> (local, engine) ids; ([], []) for a completion (no template); None when either
+    could not tokenize it."""
+    messages = turn.body.get("messages")
+    if not isinstance(messages, list):
+        return [], []
+    follow = [*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}]
+    body = {**turn.body, "messages": follow}
+    pieces = _guarded(turn, local.pieces, turn.path, body)
+    req = tokenize_request(turn.path, body)
+    if not isinstance(pieces, Pieces) or not isinstance(req, dict):
+        return None
+    mine = await _tokenize_locally(turn, local, pieces)
+    try:
+        reply = await turn.post_to_prefill(
+            node, "/tokenize", encode(req), turn.s.settings.upstream.tokenize_timeout_s
+        )
+    except UpstreamError:
+        return None
+    theirs = tokens_of(reply.body) if reply.status == 200 else None
+    return None if mine is None or theirs is None else (mine, theirs)
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    """The index of the first id two token lists differ at (the shorter's length: a prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 async def _tokenize(turn: Turn, node: Node) -> list[int] | None:

@@ -111,6 +111,13 @@ class UpstreamSettings:
     rendering the messages again: vLLM 0.32 does (PR 48145), earlier releases ignore them
     (64k ids per turn of a long prompt, sent twice for nothing). Off: each engine renders
     the request itself, which /tokenize renders alike (`router.decisions.reproducible`)."""
+    tokenizer: str = ""
+    """A directory with the model's tokenizer files (tokenizer.json, and the chat template in
+    tokenizer_config.json or chat_template.jinja): the router tokenizes prompts itself
+    instead of asking P's /tokenize (`router.tokenizer`), after checking that each node's
+    /tokenize gives the same ids; "" = P tokenizes."""
+    tokenizer_recheck_s: float = 300.0
+    """Seconds after which a node's /tokenize is compared with the local tokenizer again."""
     health_interval_s: float = 1.0
     """Seconds between the router's /health probes of each node the daemon listed (through
     its sidecar). A node failing them is left out whatever the daemon says; a node the
@@ -233,6 +240,8 @@ class Settings:
             raise ValueError("upstream timeouts must be positive")
         if u.health_interval_s <= 0 or u.health_timeout_s <= 0 or u.health_failures < 1:
             raise ValueError("health interval and timeout must be positive, failures at least 1")
+        if u.tokenizer_recheck_s <= 0:
+            raise ValueError("upstream tokenizer_recheck_s must be positive")
         if u.max_releases_in_flight < 1:
             raise ValueError("upstream max_releases_in_flight must be at least 1")
 
@@ -331,6 +340,18 @@ FLAGS = (
         "engines that take them (vLLM >= 0.32); false: the engines render the prompt themselves",
         boolean,
         to_text=bool_text,
+    ),
+    Flag(
+        "tokenizer",
+        "upstream.tokenizer",
+        "directory of the model's tokenizer files (tokenizer.json, tokenizer_config.json): the "
+        "router tokenizes prompts itself, checked against each node's /tokenize; empty = P does",
+    ),
+    Flag(
+        "tokenizer-recheck",
+        "upstream.tokenizer_recheck_s",
+        "seconds after which a node's /tokenize is compared with --tokenizer's ids again",
+        float,
     ),
     Flag("connect-timeout", "upstream.connect_timeout_s", "seconds to connect to an engine", float),
     Flag("prefill-timeout", "upstream.prefill_timeout_s", "longest a prefill request may take, s", float),

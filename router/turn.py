@@ -4,7 +4,8 @@ With the steps' modules, the small async layer that applies the decisions
 (`router.choice`, `router.decisions`, `router.patience`: pure):
 
 1. Choose P and D (`router.choice`).
-2. Prepare (`router.prepare`): with a conversation id, tokenize once (P's ``/tokenize``),
+2. Prepare (`router.prepare`): with a conversation id, tokenize once (``--tokenizer``'s
+   files, `router.tokenizer`, else P's ``/tokenize``),
    digest the prompt, and ``Lookup`` under a short deadline; with several caching P,
    score them meanwhile.
 3. Prefill (here): P gets the daemon's params (a pull, a release, or fresh ones),
@@ -74,6 +75,7 @@ from router.patience import PrefillRates
 from router.prepare import prepare
 from router.releases import Releases, release_claim
 from router.settings import Settings
+from router.tokenizer import LocalTokenizer, TokenizerChecks
 from router.trace import TurnTrace, UsageSniffer
 from router.upstream import Engines, Reply, UpstreamError, client_request_id, encode
 
@@ -104,6 +106,10 @@ class Shared:
     """How late the router's loop runs (its task: `Router.start`): lookups wait for it too."""
     trace: TurnTrace | None = None
     """Where finished turns are recorded (``--trace-out``; None: nowhere)."""
+    tokenizer: LocalTokenizer | None = None
+    """The model's tokenizer files (``--tokenizer``; None: P's /tokenize tokenizes)."""
+    tokenizer_checks: TokenizerChecks = field(default_factory=TokenizerChecks)
+    """Which nodes' /tokenize gave the local tokenizer's ids (`router.tokenizer`)."""
 
 
 class Turn:
@@ -132,6 +138,8 @@ class Turn:
         self.identity: Identity = identify(request.headers, body, tenant)
         """Its tenant (`tenant`: as the client's API key names it) and conversation."""
         self.tokens: list[int] | None = None
+        self.tokenized_locally = False
+        """`tokens` are the router's own tokenizer's (`router.tokenizer`), not an engine's."""
         self.tokenized_by: Node | None = None
         """The P that tokenized instead of the chosen one (unreachable): the prefill goes there."""
         self.unreachable: set[str] = set()
@@ -319,8 +327,11 @@ class Turn:
     def forwarded_ids(self) -> list[int] | None:
         """The prompt's token ids for P's and D's kv_transfer_params: only when the engines
         take them (``--forward-prompt-token-ids``: vLLM >= 0.32 reads them on its chat path
-        alone), else None and each engine renders the request itself."""
-        forward = self.s.settings.upstream.forward_prompt_token_ids
+        alone), else None and each engine renders the request itself. Never the router's own
+        tokenizer's: only a node's first turns are checked against its /tokenize, and
+        forwarded ids are the engines' prompt (a wrong one would change the answer, where
+        wrong digests only cost the reuse)."""
+        forward = self.s.settings.upstream.forward_prompt_token_ids and not self.tokenized_locally
         return self.tokens if forward and self.path.endswith("/chat/completions") else None
 
     def engine_headers(self, turn_id: str, extra: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
