@@ -118,9 +118,23 @@ def conversation(d: Deployment, cid: str) -> tuple[Answer, Answer]:
     history = [{"role": "user", "content": "tell me about the sea " * 60}]
     first = turn(d, cid, history)
     assert first.status == 200, first.body
+    retained(d, cid)
     history += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]}]
     history += [{"role": "user", "content": "and the mountains?"}]
     return first, turn(d, cid, history)
+
+
+def retained(d: Deployment, cid: str) -> None:
+    """Wait until the daemon holds a retention of conversation `cid` (D's sidecar registers
+    it after the answer, on its own time: a second turn sent at once may find none)."""
+    with channel(d, "admin") as ch:
+        leases = leases_pb2_grpc.LeasesStub(ch)
+
+        def held() -> bool:
+            listed = leases.List(leases_pb2.ListLeasesRequest(all_tenants=True), timeout=10)
+            return any(r.conversation_id == cid for r in listed.leases)
+
+        wait_for(f"a retention of {cid!r}", held, d, timeout_s=30)
 
 
 def test_real_clients_are_served_with_reuse(deployment: Deployment) -> None:
