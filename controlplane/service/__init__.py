@@ -19,10 +19,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
+from controlplane.budget import Reason
+from controlplane.owners import OwnedRetentions, OwnerStore, ShardOwners
+from controlplane.owners.memory import Conversation
+from controlplane.records import Retention
 from controlplane.service.attachments import Attachments
 from controlplane.service.background import Background
-from controlplane.service.budgets import Budgets
+from controlplane.service.budgets import Budgets, Release
 from controlplane.service.claims import Claims
 from controlplane.service.gauges import Gauges
 from controlplane.service.lookups import Lookups
@@ -43,15 +48,29 @@ class ControlPlane:
         self.background = Background()
         self.nodes = NodeCache(store.nodes, settings.nodes.cache_refresh_s)
         lim = settings.limits
-        self.budgets = Budgets(store.retentions, settings.budget, clock, self.background.spawn)
+        owner_store = OwnerStore(store.kv, store.keys, store.gc, settings.owners.shards, store.scans.sample)
+        owning = replace(settings.owners, marker_s=settings.gc.claim_marker_s)
+        self.owners = ShardOwners(owner_store, owning, lambda: 1, self._spent, clock)
+        self.owned = OwnedRetentions(self.owners, owner_store, None, store.kv.timeout)
+        """Retentions and claim markers, decided by their shards' owners (controlplane.owners)."""
+        self.budgets = Budgets(self.owned, settings.budget, clock, self.background.spawn)
         self.gauges = Gauges(store.scans, clock, self.budgets.rescanned)
         self.attachments = Attachments(
             store.nodes, self.nodes, self.background, lim.max_id_bytes, lim.max_tokens, clock, self.budgets
         )
         self.registry = NodeRegistry(store.nodes, self.nodes, self.attachments, self.gauges, settings, clock)
-        self.retentions = Retentions(store, self.nodes, settings, clock, self.budgets)
-        self.claims = Claims(store.retentions, self.background, clock)
-        self.lookups = Lookups(self.claims, store.retentions, self.nodes, settings, clock, self.budgets)
+        self.retentions = Retentions(store, self.nodes, settings, clock, self.budgets, self.owned)
+        self.claims = Claims(self.owned, self.background, clock)
+        self.lookups = Lookups(self.claims, self.owned, self.nodes, settings, clock, self.budgets)
+        self._clock = clock
+
+    def _spent(self, spent: list[tuple[Conversation, Retention]]) -> None:
+        """Release the blocks of retentions an unclean takeover found (reason failover):
+        those of a live engine, before their deadline."""
+        now = self._clock()
+        for (tenant, conversation_id), r in spent:
+            if r.expires_at > now:
+                self.budgets.queue(r.engine_id, Release(tenant, conversation_id, r.params, Reason.FAILOVER))
 
     def begin_stop(self) -> None:
         """The replica stops: the Attach streams it ends from now on suspend no node (their
@@ -62,3 +81,7 @@ class ControlPlane:
         """Until the claims of callers that went away are put back and the nodes of ended
         streams suspended (a stop waits for them before the store closes)."""
         await self.background.settle()
+
+    async def close(self) -> None:
+        """Hand every owned shard over cleanly (its writes flushed first)."""
+        await self.owners.close()

@@ -25,8 +25,8 @@ import structlog
 from controlplane import metrics
 from controlplane.budget import Budget, Held, IntervalSketch, Pool, Reason, idle, releases
 from controlplane.errors import StoreUnavailable
+from controlplane.owners import OwnedRetentions
 from controlplane.records import Retention
-from controlplane.store.retentions import RetentionStore
 
 log = structlog.get_logger(__name__)
 
@@ -51,7 +51,7 @@ class Budgets:
 
     def __init__(
         self,
-        store: RetentionStore,
+        store: OwnedRetentions,
         budget: Budget,
         clock: Callable[[], float],
         spawn: Callable[[Coroutine[Any, Any, None], str], object] | None = None,

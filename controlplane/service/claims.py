@@ -18,9 +18,9 @@ from typing import TypeVar
 import structlog
 
 from controlplane.errors import StoreUnavailable
+from controlplane.owners import OwnedRetentions
 from controlplane.records import Claim, Retention
 from controlplane.service.background import Background
-from controlplane.store.retentions import RetentionStore
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -47,7 +47,7 @@ class Claimed:
 class Claims:
     """Claims of this replica's lookups on the conversations' retentions."""
 
-    def __init__(self, store: RetentionStore, background: Background, clock: Callable[[], float]) -> None:
+    def __init__(self, store: OwnedRetentions, background: Background, clock: Callable[[], float]) -> None:
         self._store = store
         self._background = background
         self._clock = clock

@@ -55,8 +55,8 @@ class EtcdStore:
         self.kv = EtcdKv(self._client, timeout_s)
         self.nodes = NodeStore(self.kv, keys)
         self.scans = RetentionScans(self.kv, keys)
-        gc = GcLeases(self._client, bucket_s, max_keys_per_lease, timeout_s)
-        self.retentions = RetentionStore(self.kv, keys, gc, self.scans.sample, claim_marker_s)
+        self.gc = GcLeases(self._client, bucket_s, max_keys_per_lease, timeout_s)
+        self.retentions = RetentionStore(self.kv, keys, self.gc, self.scans.sample, claim_marker_s)
         self.replicas = ReplicaStore(self.kv, keys)
 
     async def connect(self) -> None:
