@@ -159,9 +159,9 @@ class OwnerSettings:
     """How claim shards are owned (controlplane.owners)."""
 
     shards: int = 32
-    ttl_s: int = 3
+    ttl_s: int = 5
     """TTL of the ownership lease: a crashed owner's shards are free after it."""
-    margin_s: float = 0.5
+    margin_s: float = 1.0
     """Validity ends this long before the lease could lapse in etcd."""
     grace_s: float = 5.0
     """After an unclean takeover, how long the spent retentions' blocks are kept before

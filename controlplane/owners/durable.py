@@ -16,6 +16,7 @@ from typing import Any
 from aetcd import rpc
 
 from controlplane.errors import StoreUnavailable
+from controlplane.etcd import LeaseGone
 from controlplane.owners.memory import Conversation, Held, Target, Write
 from controlplane.owners.shards import shard_of
 from controlplane.records import (
@@ -33,6 +34,8 @@ from controlplane.records import (
 from controlplane.store.gcleases import GcLeases
 from controlplane.store.kv import EtcdKv, absent, decoded, delete_op, get, put_op, range_op
 
+HANDOVER_BATCH = 40
+"""Shards left in one transaction (two operations each: etcd takes at most 128)."""
 LOAD_PAGE = 500
 """Keys per read while a shard's retentions are loaded."""
 
@@ -97,12 +100,15 @@ class OwnerStore:
         """Take a shard nobody owns, on `lease`. -> its fence, None when it is owned."""
         okey, skey = self.keys.owner(shard), self.keys.shard_state(shard)
         state = encode(ShardState(clean=False, replica=me.replica))
-        resp = await self._kv.txn(
-            "owner_take",
-            [absent(okey)],
-            [range_op(skey), put_op(okey, encode(me), lease), put_op(skey, state)],
-            [],
-        )
+        try:
+            resp = await self._kv.txn(
+                "owner_take",
+                [absent(okey)],
+                [range_op(skey), put_op(okey, encode(me), lease), put_op(skey, state)],
+                [],
+            )
+        except LeaseGone as e:
+            raise StoreUnavailable(f"the ownership lease lapsed while taking shard {shard}") from e
         if not resp.succeeded:
             return None
         kvs = resp.responses[0].response_range.kvs
@@ -111,18 +117,25 @@ class OwnerStore:
             previous = ShardState(clean=False)
         return Taken(shard, int(resp.header.revision), previous)
 
-    async def hand_over(self, shard: int, fence: int, me: OwnerRecord) -> bool:
-        """Leave a shard whose writes are all in etcd: state clean, owner key deleted, in one
-        transaction. -> whether it was still this replica's to leave."""
+    async def hand_over(self, fences: dict[int, int], me: OwnerRecord) -> set[int]:
+        """Leave shards whose writes are all in etcd: each one's state clean and its owner key
+        deleted, atomically per shard. -> the shards that were still this replica's to leave."""
+        left: set[int] = set()
+        shards = sorted(fences)
+        for i in range(0, len(shards), HANDOVER_BATCH):
+            batch = shards[i : i + HANDOVER_BATCH]
+            txns = [self._hand_over_txn(s, fences[s], me) for s in batch]
+            resp = await self._kv.txn("owner_hand_over", [], [rpc.RequestOp(request_txn=t) for t in txns], [])
+            left |= {s for s, r in zip(batch, resp.responses, strict=True) if r.response_txn.succeeded}
+        return left
+
+    def _hand_over_txn(self, shard: int, fence: int, me: OwnerRecord) -> rpc.TxnRequest:
         okey = self.keys.owner(shard)
         state = encode(ShardState(clean=True, replica=me.replica, fence=fence))
-        resp = await self._kv.txn(
-            "owner_hand_over",
-            [fenced(okey, fence)],
-            [put_op(self.keys.shard_state(shard), state), delete_op(okey)],
-            [],
+        return rpc.TxnRequest(
+            compare=[fenced(okey, fence)],
+            success=[put_op(self.keys.shard_state(shard), state), delete_op(okey)],
         )
-        return bool(resp.succeeded)
 
     async def owners(self) -> dict[int, OwnerRecord]:
         """Every shard's owner now (shards without one are absent)."""

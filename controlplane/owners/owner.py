@@ -80,6 +80,7 @@ class ShardOwners:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
         self._started = False
+        self._granting = asyncio.Lock()
         self._swept = 0
 
     def marker(self) -> int:
@@ -91,7 +92,9 @@ class ShardOwners:
         """Whether this replica may decide for its shards now."""
         if time.monotonic() < self._valid_until:
             return True
-        self._valid.clear()
+        if self._valid.is_set():
+            self._valid.clear()
+            log.warning("owners.validity_lapsed", shards=len(self.shards), lease=self._lease)
         return False
 
     async def local(self, shard: int) -> OwnedShard | None:
@@ -100,6 +103,8 @@ class ShardOwners:
         owned = self.shards.get(shard)
         if owned is None:
             return None
+        if owned.ready.is_set() and self.valid():  # (the usual case: nothing to wait for)
+            return None if owned.leaving else owned
         try:
             async with asyncio.timeout(self.settings.wait_s):
                 await owned.ready.wait()
@@ -176,11 +181,13 @@ class ShardOwners:
         self._spent(spent)
 
     async def _ensure_lease(self) -> None:
-        """An ownership lease, kept alive and acknowledged (StoreUnavailable otherwise)."""
-        if not self._lease:
-            sent = time.monotonic()
-            self._lease = await self.store.grant(self.settings.ttl_s)
-            self._confirmed(sent, self.settings.ttl_s)
+        """An ownership lease, kept alive and acknowledged (StoreUnavailable otherwise). One
+        at a time: two grants at once would leave shards on a lease nobody keeps alive."""
+        async with self._granting:
+            if not self._lease:
+                sent = time.monotonic()
+                self._lease = await self.store.grant(self.settings.ttl_s)
+                self._confirmed(sent, self.settings.ttl_s)
         if not self.valid():
             await self._keep_alive()
             if not self.valid():
@@ -192,6 +199,8 @@ class ShardOwners:
             return
         sent = time.monotonic()
         ttl = await self.store.refresh(self._lease)
+        if time.monotonic() - sent > self.settings.ttl_s / 4:
+            log.warning("owners.keepalive_slow", seconds=round(time.monotonic() - sent, 3), ttl=ttl)
         if ttl > 0:
             self._confirmed(sent, ttl)
             return
@@ -216,22 +225,32 @@ class ShardOwners:
         if not self._started and not self._closing:
             self._started = True
             self._spawn(self.writes.run())
-            self._spawn(self._run())
+            self._spawn(self._keep_alive_loop())
+            self._spawn(self._balance_loop())
 
-    async def _run(self) -> None:
-        last_balance = 0.0
+    async def _keep_alive_loop(self) -> None:
+        """Keep the ownership lease alive (its own loop: nothing else may delay it)."""
         while True:
             try:
                 await self._keep_alive()
-                if time.monotonic() - last_balance >= self.settings.balance_s:
-                    last_balance = time.monotonic()
-                    self._sweep()
-                    await self.balance()
             except StoreUnavailable as e:
                 log.info("owners.keepalive_failed", error=str(e))
             except Exception:  # a defect: logged, and tried again
-                log.exception("owners.loop_crashed")
+                log.exception("owners.keepalive_crashed")
             await asyncio.sleep(self.settings.ttl_s / 6)
+
+    async def _balance_loop(self) -> None:
+        """Sweep memory and balance the shards, every balance_s."""
+        while True:
+            await asyncio.sleep(self.settings.balance_s)
+            try:
+                self._sweep()
+                if self.valid():
+                    await self.balance()
+            except StoreUnavailable as e:
+                log.info("owners.balance_failed", error=str(e))
+            except Exception:  # a defect: logged, and tried again
+                log.exception("owners.balance_crashed")
 
     def _sweep(self) -> None:
         """Forget what etcd collects by itself (on the GC leases): retentions well past
@@ -248,8 +267,7 @@ class ShardOwners:
             return
         share = fair_share(self.settings.shards, self.live())
         if len(self.shards) > share:
-            for shard in sorted(self.shards)[share:]:
-                await self.hand_over(shard)
+            await self.hand_over(*sorted(self.shards)[share:])
             return
         if len(self.shards) == share:
             return
@@ -258,30 +276,30 @@ class ShardOwners:
         if free:
             await self._take_now(set(free))
 
-    async def hand_over(self, shard: int) -> None:
-        """Leave a shard cleanly: stop deciding, flush, then mark it clean and free."""
-        owned = self.shards.get(shard)
-        if owned is None:
-            return
-        owned.leaving = True
+    async def hand_over(self, *shards: int) -> None:
+        """Leave shards cleanly: stop deciding, flush, then mark them clean and free."""
+        leaving = {s: self.shards[s] for s in shards if s in self.shards}
+        for owned in leaving.values():
+            owned.leaving = True
         try:
-            while self.writes.pending(shard):
+            while any(self.writes.pending(s) for s in leaving):
                 await self.writes.flush()
-            done = await self.store.hand_over(shard, owned.fence, self.me)
+            left = await self.store.hand_over(
+                {s: o.fence for s, o in leaving.items() if self.shards.get(s) is o}, self.me
+            )
         except StoreUnavailable as e:
-            owned.leaving = False
-            log.warning("owners.hand_over_failed", shard=shard, error=str(e))
+            for owned in leaving.values():
+                owned.leaving = False
+            log.warning("owners.hand_over_failed", shards=sorted(leaving), error=str(e))
             return
-        self._lose({shard})
-        log.debug("owners.handed_over", shard=shard, clean=done)
+        self._lose(set(leaving))
+        log.info("owners.handed_over", shards=sorted(leaving), clean=sorted(left))
 
     async def close(self) -> None:
         """A clean stop: every shard handed over (what fails lapses with the lease, unclean)."""
         self._closing = True
-        leaving = sorted(self.shards)
-        for shard in leaving:
-            await self.hand_over(shard)
-        log.info("owners.closed", handed_over=leaving, left=sorted(self.shards))
+        await self.hand_over(*self.shards)
+        log.info("owners.closed", unclean=sorted(self.shards))
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -8,7 +8,8 @@ messages to the plain dataclasses of these modules and back. One module per conc
 - nodes.py: node registrations (the generation rule), listing, collection;
 - attachments.py: the sidecars' Attach streams, heartbeats, KV-event index, counts;
 - retentions.py: registering, reading, listing and revoking retentions;
-- claims.py: the claim, own-turn and put-back of a retention (one place for all three);
+- claims.py: the claim, own-turn and put-back of a retention (one place for all three),
+  on the shard owners (controlplane.owners: every retention op runs at its shard's owner);
 - lookups.py: validate -> claim -> decide;
 - gauges.py: per-node gauges from a paced scan;
 - budgets.py: the retention budget of each decode node attached here (its releases);

@@ -3,8 +3,9 @@ for a lookup, the put-back of a lookup's own retention (it came late, after its 
 registered), the put-back of what was taken for a caller that went away, and the
 deadline noted in a marker.
 
-A retention is handed out once: a claim takes it out of etcd (store.retentions.claim),
-and only a claim whose answer reaches nobody puts it back.
+A retention is handed out once: a claim takes it out of its shard owner's memory
+(controlplane.owners: decided there, made durable in etcd behind the answer), and only a
+claim whose answer reaches nobody puts it back.
 """
 
 from __future__ import annotations

@@ -60,12 +60,14 @@ class NodeCache:
         metrics.NODES_ALIVE.set(sum(1 for n in nodes.values() if n.alive))
         return nodes
 
-    async def get(self, engine_id: str, fresh: bool = False) -> NodeState | None:
-        """A node as the view has it (read from etcd when it has none, when `fresh` is asked
-        for, or when the view is four refreshes old)."""
+    async def get(self, engine_id: str, fresh: bool = False, confirm: bool = False) -> NodeState | None:
+        """A node as the view has it (read from etcd when it has none, when `fresh` or
+        `confirm` is asked for, or when the view is four refreshes old). `confirm`: a
+        lookup's check, read as the etcd member has it applied (serializable), so that it
+        never waits behind etcd's fsync (claims no longer do: controlplane.owners)."""
         state = self._nodes.get(engine_id)
-        if state is None or fresh or time.monotonic() - self.loaded_at > 4 * self._refresh_s:
-            state, revision = await self._store.get(engine_id)
+        if state is None or fresh or confirm or time.monotonic() - self.loaded_at > 4 * self._refresh_s:
+            state, revision = await self._store.get(engine_id, serializable=confirm and not fresh)
             if state is not None:
                 self.put(state, revision)
             else:
@@ -91,11 +93,13 @@ class NodeCache:
         moment old: a pull, or giving up the reuse because the node is gone or restarted,
         is confirmed on a fresh read first (a pull must not reach a node suspended or
         registered anew since: another process behind the same engine id, see
-        sidecar/identity.py)."""
+        sidecar/identity.py). The read is serializable: every node change goes through a
+        daemon replica's etcd write, which it sees once applied (on another etcd member
+        than the writer's, a replication lag later: milliseconds)."""
         node = await self.get(retention.engine_id)
         decided = decide(retention, node, prompt, policy, now)
         if decided.pull or decided.reason in (Reason.NODE_GONE, Reason.NODE_RESTARTED):
-            node = await self.get(retention.engine_id, fresh=True)
+            node = await self.get(retention.engine_id, confirm=True)
             decided = decide(retention, node, prompt, policy, now)
         return decided
 

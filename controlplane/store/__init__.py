@@ -9,7 +9,8 @@ One part per kind of record, on one connection (`EtcdStore`):
 
 - kv.py: the etcd operations and request builders every part is built from;
 - nodes.py: node records, liveness and the generation floor;
-- retentions.py: retentions and claim markers (the lookup hot path);
+- retentions.py: retentions and claim markers (as records; claims are decided by the
+  shard owners, controlplane.owners, which write them fenced);
 - gcleases.py: the shared etcd leases that garbage-collect those;
 - scans.py: listings and the gauge scan, in bounded windows;
 - replicas.py: the daemon replicas' announcements.

@@ -97,8 +97,8 @@ async def test_a_deposed_owners_writes_are_refused_by_the_fence(store: EtcdStore
         await owners.write({0: a.fence}, write, time.time())
     assert e.value.shards == {0}
     assert await owners.write({0: b.fence}, write, time.time()) >= b.fence
-    assert not await owners.hand_over(0, a.fence, OwnerRecord("a"))
-    assert await owners.hand_over(0, b.fence, OwnerRecord("b"))
+    assert await owners.hand_over({0: a.fence}, OwnerRecord("a")) == set()
+    assert await owners.hand_over({0: b.fence}, OwnerRecord("b")) == {0}
     c = await owners.take(0, await owners.grant(30), OwnerRecord("c"))
     assert c is not None and c.previous == ShardState(clean=True, replica="b", fence=b.fence)
 
