@@ -63,6 +63,7 @@ bench: $(STAMP)
 	test ! -f bench/router.py || $(BIN)/python -m bench.router
 	$(BIN)/python -m bench.sustained
 	$(BIN)/python -m bench.holding
+	$(BIN)/python -m bench.busy
 
 ## make demo: daemon + P/D emulators with sidecars + router, a multi-turn agent workload with and without reuse
 demo: $(STAMP)

@@ -274,6 +274,8 @@ class TurnRecord:
     reused_tokens: int
     answer: str
     status: int
+    reason: str = ""
+    """Why the turn did not pull (the router's X-Kvferry-Reuse-Reason), when it did not."""
 
 
 async def one_turn(
@@ -315,6 +317,7 @@ async def one_turn(
             int(r.headers.get("X-Kvferry-Reused-Tokens", "0")),
             "".join(text),
             r.status,
+            r.headers.get("X-Kvferry-Reuse-Reason", ""),
         )
 
 

@@ -35,7 +35,8 @@ RPC_LATENCY = Histogram("kvferry_rpc_seconds", "gRPC handler latency", ["method"
 RELEASES = Counter(
     "kvferry_retention_releases_total",
     "Retentions released before a turn claimed them, by reason (budget, near_full, idle, "
-    "conversation_end, expiry; the sidecars count orphan)",
+    "conversation_end, expiry; orphan: a claim's put-back the next registration or a "
+    "revoke overtook, the sidecars counting their own orphans)",
     ["reason"],
 )
 OWNED_SHARDS = Gauge("kvferry_owned_shards", "Claim shards this replica owns (controlplane.owners)")

@@ -57,6 +57,7 @@ class Router:
         self._runner: web.AppRunner | None = None
         self._refresh: asyncio.Task[None] | None = None
         self._tls_watch: asyncio.Task[None] | None = None
+        self._lag: asyncio.Task[None] | None = None
         self._shared: Shared | None = None
 
     @property
@@ -99,6 +100,7 @@ class Router:
                 releases=Releases(s.upstream.max_releases_in_flight),
                 trace=TurnTrace(s.server.trace_out) if s.server.trace_out else None,
             )
+            self._lag = asyncio.create_task(shared.lag.run(), name="router-loop-lag")
             self._runner = web.AppRunner(
                 build_app(shared, sec.keys),
                 handler_cancellation=True,
@@ -144,8 +146,8 @@ class Router:
             await self._shared.releases.settle(until)
             if self._shared.trace is not None:
                 self._shared.trace.close()
-        await cancel_and_wait([self._refresh, self._tls_watch])
-        self._refresh = self._tls_watch = None
+        await cancel_and_wait([self._refresh, self._tls_watch, self._lag])
+        self._refresh = self._tls_watch = self._lag = None
         if self.daemon is not None:
             await self.daemon.close()
             self.daemon = None

@@ -72,6 +72,8 @@ def node_of(n: nodes_pb2.Node) -> Node | None:
 
 #: Lookups in a row a daemon replica answers late after which the next go to another.
 LATE_FAILOVER = 3
+LATE_TRIPS = 2
+"""Late answers in a row (lookups sent after the last late one) that open the breaker."""
 RETIRE_AFTER_S = 60.0
 """How long the channel of a replica replaced on a certificate rotation is kept for the
 calls that started on it (a lookup waits for its prompt, then its deadline); the
@@ -256,12 +258,14 @@ class DaemonClient:
         (and the breaker), fail over when it looks gone or hung; -> the turn's reuse."""
         late = e.code is grpc.StatusCode.DEADLINE_EXCEEDED
         unreachable = e.code in _UNREACHABLE or e.stream_lost  # (a lost stream: whatever its status)
-        if late or unreachable:
-            self.breaker.record(False, time.monotonic())
         if late and sent_at > replica.late_at:
             replica.late, replica.late_at = replica.late + 1, time.monotonic()
         elif not late:
             replica.late = 0
+        # (one late answer is no failing daemon: on a saturated machine answers are read
+        # late, and a breaker opened by each would skip reuse for every turn meanwhile)
+        if unreachable or (late and replica.late >= LATE_TRIPS):
+            self.breaker.record(False, time.monotonic())
         # (a replica that keeps its connection but answers nothing in time: hung, or
         # overloaded, is left as one that cannot be reached is)
         failing_over = unreachable or replica.late >= LATE_FAILOVER

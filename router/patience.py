@@ -31,14 +31,19 @@ class Patience:
     max_s: float
 
 
-def lookup_wait_s(p: Patience, prompt_tokens: int, s_per_token: float, busy_s: float = 0.0) -> float:
+def lookup_wait_s(
+    p: Patience, prompt_tokens: int, s_per_token: float, busy_s: float = 0.0, lag_s: float = 0.0
+) -> float:
     """Seconds to wait for the lookup's answer once the prompt is known: `p.base_s` plus
     `p.recompute_share` of the prompt's estimated recompute time, at most `p.max_s` (or the
     base, if that is longer); and
     at least `busy_s`, the time the turn waits for something else anyway (the prefill
-    scores): an answer that comes meanwhile costs nothing to use."""
+    scores): an answer that comes meanwhile costs nothing to use. Plus `lag_s` (at most
+    `p.max_s`), how late the router's own loop runs (`kvferry.looplag`): an answer that
+    came in time is read that much late, and the turn's prefill starts that much late too."""
     recompute_s = max(prompt_tokens, 0) * max(s_per_token, 0.0)
-    return max(min(p.base_s + p.recompute_share * recompute_s, max(p.max_s, p.base_s)), busy_s)
+    wait = max(min(p.base_s + p.recompute_share * recompute_s, max(p.max_s, p.base_s)), busy_s)
+    return wait + min(max(lag_s, 0.0), p.max_s)
 
 
 class PrefillRates:

@@ -95,7 +95,8 @@ def _lookup_wait_s(turn: Turn, prefill: Node, scoring: bool, prompt_tokens: int)
     d = turn.s.settings.daemon
     patience = Patience(d.lookup_deadline_s, d.lookup_recompute_share, d.lookup_max_wait_s)
     rate = turn.s.rates.s_per_token(prefill.model)
-    return lookup_wait_s(patience, prompt_tokens, rate, d.score_deadline_s if scoring else 0.0)
+    busy_s = d.score_deadline_s if scoring else 0.0
+    return lookup_wait_s(patience, prompt_tokens, rate, busy_s, turn.s.lag.recent_s())
 
 
 async def _prompt(turn: Turn, prefill: Node) -> Made | None:

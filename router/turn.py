@@ -29,13 +29,14 @@ import itertools
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 from aiohttp import web
 
 from kvferry.digests import DigestCache
+from kvferry.looplag import LoopLag
 from kvferry.releases import nothing_to_pull
 from kvferry.turnheaders import conversation_ends
 from router.choice import (
@@ -99,6 +100,8 @@ class Shared:
     """Prefill seconds per token, as measured: how long lookups are waited for."""
     releases: Releases
     """Releases of blocks kept for turns, still on their way (`router.releases`)."""
+    lag: LoopLag = field(default_factory=LoopLag)
+    """How late the router's loop runs (its task: `Router.start`): lookups wait for it too."""
     trace: TurnTrace | None = None
     """Where finished turns are recorded (``--trace-out``; None: nowhere)."""
 

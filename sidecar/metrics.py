@@ -43,7 +43,8 @@ class SidecarMetrics(OwnRegistry):
             "Blocks the engine pins now that no retention names, by reason: stream_without_params "
             "(uncaptured turns), maybe_stored and cancelled (the daemon may hold a retention naming "
             "them: never released, counted until D's TTL), or a dropped registration's reason "
-            "(overflow, shutdown, superseded, attempts, failed) while its release waits",
+            "(overflow, shutdown, superseded, attempts, failed) or unanswered (a registered "
+            "retention whose claim reached nobody) while its release waits",
             ["reason"],
         )
 
@@ -81,10 +82,18 @@ class SidecarMetrics(OwnRegistry):
         self.releases = self.counter(
             "kvferry_sidecar_releases",
             "Releases of D blocks this sidecar handed a prefill node, by reason: orphan (a "
-            "registration given up: stored nowhere), replaced (a retention replaced unclaimed), "
+            "registration given up: stored nowhere), unanswered (a registered retention whose "
+            "claim reached nobody), replaced (a retention replaced unclaimed), "
             "conversation_end (the conversation's last turn: not registered), and those the daemon "
             "asked for: budget, near_full, conversation_end (kvferry_retention_releases_total)",
             ["reason"],
+        )
+        self.held_pins = self.counter(
+            "kvferry_sidecar_held_pins",
+            "Registered retentions' D requests the daemon was asked about (Leases/Held), by what "
+            "it said: retained, claimed (less than its grace ago: asked again later), settled "
+            "(nothing to do), orphan (its claim reached nobody: released, reason unanswered)",
+            ["state"],
         )
         self.registration_queue = self.gauge(
             "kvferry_sidecar_lease_queue", "Registrations waiting to be sent"

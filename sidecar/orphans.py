@@ -35,8 +35,12 @@ from typing import Any, Literal
 
 Decision = Literal["release", "count", "gone"]
 
-RELEASED = frozenset({"overflow", "shutdown", "superseded", "attempts", "failed"})
-"""Drop reasons that prove no retention names the blocks (stored nowhere, ever)."""
+UNANSWERED = "unanswered"
+"""A registered retention whose claim reached nobody: claimed over the daemon's grace ago
+by a turn that has not registered since (Leases/Held said PIN_ORPHAN)."""
+RELEASED = frozenset({"overflow", "shutdown", "superseded", "attempts", "failed", UNANSWERED})
+"""Reasons that prove no retention names the blocks (stored nowhere, ever; or no longer,
+and no claim of them can still be pulled)."""
 COUNTED = frozenset({"maybe_stored", "cancelled"})
 """Drop reasons that leave open whether the daemon holds a retention naming them."""
 GONE = frozenset({"expired", "restarted"})
@@ -91,18 +95,21 @@ class Pin:
 
 
 class OrphanBook:
-    """Pins waiting for a release, and pins only counted, until D frees them."""
+    """Pins waiting for a release, and pins only counted, until D frees them; and the
+    registered retentions' pins, until Leases/Held settles them (`registered`)."""
 
     def __init__(self) -> None:
         self.epoch = 0
         self._waiting: deque[Pin] = deque()
         self._counted: list[Pin] = []
+        self.registered = RegisteredPins()
 
     def restart(self, epoch: int) -> None:
         """A new engine process, `epoch`: the old one's pins went with it."""
         self.epoch = epoch
         self._waiting.clear()
         self._counted.clear()
+        self.registered.clear()
 
     def dropped(self, pin: Pin, now: float) -> Decision:
         """A draft was dropped with `pin.reason`: keep its pin as the decision says.
@@ -149,6 +156,7 @@ class OrphanBook:
         rid = request_of(released)
         if not rid:
             return []
+        self.registered.forget(rid)
         gone = [p for p in self._counted if p.conversation == conversation and request_of(p.params) == rid]
         self._counted = [p for p in self._counted if p not in gone]
         return gone
@@ -170,3 +178,91 @@ class OrphanBook:
     def total(self, now: float) -> int:
         """Every block pinned now with no retention naming it, of the pins here."""
         return sum(self.blocks(now).values())
+
+
+HELD_ASK_AFTER_S = 120.0
+"""A registered pin is asked about this long after its registration at the earliest (the
+daemon's grace, controlplane.service.held: a younger one is retained or freshly claimed)."""
+HELD_EVERY_S = 30.0
+"""Seconds between two Leases/Held passes (a pin still retained is asked again then)."""
+HELD_BATCH = 500
+"""Most pins asked about in one Leases/Held call (the daemon takes up to 1000)."""
+HELD_CALLS = 4
+"""Most Leases/Held calls in one pass (what is left waits for the next)."""
+MAX_REGISTERED = 100_000
+"""Most registered pins kept (the oldest go first: left to D's TTL, as before)."""
+Held = Literal["retained", "claimed", "settled", "orphan"]
+
+
+@dataclass(frozen=True)
+class Registered:
+    """The pin of a retention the daemon acknowledged (reason UNANSWERED, should it be released)."""
+
+    pin: Pin
+    request_id: str
+    """The turn's request (the retention's request_id)."""
+    registered_at: float
+    """Wall-clock time."""
+
+    @property
+    def remote_request_id(self) -> str:
+        """D's request."""
+        return request_of(self.pin.params)
+
+
+class RegisteredPins:
+    """D requests whose retentions were registered, by D request id, until D frees them
+    (its TTL, a restart), another path releases them (`forget`: the retention replaced),
+    or Leases/Held settles them (`answered`). Pure."""
+
+    def __init__(self) -> None:
+        self._pins: dict[str, Registered] = {}
+        self._next_ask: dict[str, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+    def add(self, r: Registered) -> None:
+        """Keep `r` (a D request registered again replaces its earlier entry)."""
+        self._pins.pop(r.remote_request_id, None)
+        self._pins[r.remote_request_id] = r
+        self._next_ask[r.remote_request_id] = r.registered_at
+        while len(self._pins) > MAX_REGISTERED:
+            self.forget(next(iter(self._pins)))
+
+    def forget(self, remote_request_id: str) -> None:
+        """Another path frees it (or will): not asked about any more."""
+        self._pins.pop(remote_request_id, None)
+        self._next_ask.pop(remote_request_id, None)
+
+    def clear(self) -> None:
+        """The engine process that held them is gone."""
+        self._pins.clear()
+        self._next_ask.clear()
+
+    def due(
+        self, now: float, epoch: int, limit: int, ask_after_s: float = HELD_ASK_AFTER_S
+    ) -> list[Registered]:
+        """Up to `limit` pins to ask about now (wall-clock `now`): registered `ask_after_s`
+        ago at least, not asked about for HELD_EVERY_S. Those D freed (its TTL) or of an
+        earlier engine process are forgotten on the way."""
+        out: list[Registered] = []
+        for rid, r in list(self._pins.items()):
+            if r.pin.expires_at <= now or r.pin.epoch != epoch:
+                self.forget(rid)
+            elif len(out) < limit and r.registered_at + ask_after_s <= now and self._next_ask[rid] <= now:
+                out.append(r)
+        return out
+
+    def answered(self, r: Registered, state: Held, now: float, every_s: float = HELD_EVERY_S) -> bool:
+        """Leases/Held said `state` of `r`. -> whether to release it now ("orphan"). Retained
+        or claimed: asked again in `every_s`; settled or orphan: forgotten."""
+        rid = r.remote_request_id
+        if self._pins.get(rid) is not r:  # (forgotten or registered again meanwhile)
+            return False
+        if state in ("retained", "claimed"):
+            self._next_ask[rid] = now + every_s
+            self._pins[rid] = self._pins.pop(rid)  # (last in line: `due` takes each in turn)
+            return False
+        self.forget(rid)
+        return state == "orphan"

@@ -346,7 +346,10 @@ class RetentionSender:
     async def run(self) -> None:
         channel = self._link.channel()
         stream = LeaseStream(channel)
-        reconcile = asyncio.create_task(self.orphans.run(), name="sidecar-orphans")
+        reconcile = asyncio.create_task(
+            self.orphans.run(self._link, self._s.node_id, self._s.daemon.rpc_timeout_s),
+            name="sidecar-orphans",
+        )
         try:
             while True:
                 await self._ready()
@@ -425,6 +428,7 @@ class RetentionSender:
             self._queue.done(draft)
             self._backoff.reset()
             self._metrics.registrations.labels("sent").inc()
+            self.orphans.registered(draft)
             if res.HasField("release_params"):  # the retention it replaced
                 released = struct_to_dict(res.release_params)
                 self._metrics.releases.labels("replaced").inc()

@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 
 from controlplane.errors import InvalidArgument
+from controlplane.server.inbox import close_requests
 from controlplane.server.status import abort
 
 
@@ -71,10 +72,13 @@ def _guard(handler: Any, method: str) -> Any:
         streaming = handler.stream_stream
 
         async def checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
-            async for request in requests:
-                if isinstance(request, _Undecodable):
-                    raise InvalidArgument(request.message)
-                yield request
+            try:
+                async for request in requests:
+                    if isinstance(request, _Undecodable):
+                        raise InvalidArgument(request.message)
+                    yield request
+            finally:
+                await close_requests(requests)
 
         async def stream_stream(
             requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]

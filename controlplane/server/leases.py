@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 
 from controlplane.convert import apply_handout
-from controlplane.errors import InvalidArgument
+from controlplane.errors import FailedPrecondition, InvalidArgument
 from controlplane.messages import (
     fill_lookup_response,
     lease_message,
@@ -23,6 +23,7 @@ from controlplane.policy import RELEASE, Prompt
 from controlplane.server.auth import allowed, caller, require
 from controlplane.server.status import rpc
 from controlplane.server.stream import Later, OpStream
+from controlplane.service.held import HeldPins, Pin, PinState
 from controlplane.service.lookups import Lookups
 from controlplane.service.retentions import Retentions
 from controlplane.service.validation import DEFAULT_TENANT
@@ -36,6 +37,12 @@ from kvferry.security.roles import (
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
 
 _LEASES = "/kvferry.v1.Leases/"
+_PIN_STATES = {
+    PinState.RETAINED: leases_pb2.PIN_RETAINED,
+    PinState.CLAIMED: leases_pb2.PIN_CLAIMED,
+    PinState.SETTLED: leases_pb2.PIN_SETTLED,
+    PinState.ORPHAN: leases_pb2.PIN_ORPHAN,
+}
 
 
 def _check_tenant(tenant: str, method: str) -> None:
@@ -46,9 +53,11 @@ def _check_tenant(tenant: str, method: str) -> None:
 class LeasesServicer(leases_pb2_grpc.LeasesServicer):
     """kvferry.v1.Leases."""
 
-    def __init__(self, retentions: Retentions, lookups: Lookups) -> None:
+    def __init__(self, retentions: Retentions, lookups: Lookups, held: HeldPins | None = None) -> None:
+        """`held` answers Leases/Held (None: FAILED_PRECONDITION)."""
         self._retentions = retentions
         self._lookups = lookups
+        self._held = held
 
     async def _register(self, request: leases_pb2.RegisterLeaseRequest) -> leases_pb2.RegisterLeaseResponse:
         # A retention of engine E comes only from E's sidecar (or an admin): no one else's
@@ -160,6 +169,20 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         if releasable and view.retention is not None and not told:
             apply_handout(view.retention.params, RELEASE, resp.release_params)
         return resp
+
+    @rpc("Leases/Held")
+    async def Held(
+        self, request: leases_pb2.HeldRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> leases_pb2.HeldResponse:
+        """What became of the D requests a decode node's sidecar holds pinned (held.py)."""
+        # Only a node's own sidecar (or an admin) learns of its pins: what a claim marker
+        # says of a conversation is no other node's business.
+        require(node_denial(caller(), request.engine_id), _LEASES + "Held")
+        if self._held is None:
+            raise FailedPrecondition("Leases/Held is not served by this daemon")
+        pins = [Pin(p.tenant, p.conversation_id, p.request_id, p.remote_request_id) for p in request.pins]
+        states = await self._held.states(pins)
+        return leases_pb2.HeldResponse(states=[_PIN_STATES[s] for s in states])
 
 
 async def _prompt(later: Later) -> Prompt:

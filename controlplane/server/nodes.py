@@ -17,7 +17,7 @@ from controlplane.messages import beat_of, node_message, registration_of, releas
 from controlplane.records import NodeRecord, NodeState
 from controlplane.server.auth import allowed, caller, require
 from controlplane.server.inbox import Inbox, Wake
-from controlplane.server.status import abort, rpc
+from controlplane.server.status import refuse, rpc
 from controlplane.service.attachments import Attachments
 from controlplane.service.budgets import Release
 from controlplane.service.nodes import ListedNode, NodeRegistry
@@ -92,7 +92,7 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
                 else:
                     raise InvalidArgument("Attach message has no body")
         except Exception as e:
-            await abort(context, e, "Nodes/Attach")
+            refuse(context, e, "Nodes/Attach")
         finally:
             await inbox.close()
             metrics.ATTACHED.dec()

@@ -10,6 +10,7 @@ messages to the plain dataclasses of these modules and back. One module per conc
 - retentions.py: registering, reading, listing and revoking retentions;
 - claims.py: the claim, own-turn and put-back of a retention (one place for all three),
   on the shard owners (controlplane.owners: every retention op runs at its shard's owner);
+- held.py: what became of the D requests a sidecar holds pinned (Leases/Held);
 - lookups.py: validate -> claim -> decide;
 - gauges.py: per-node gauges from a paced scan;
 - budgets.py: the retention budget of each decode node attached here (its releases);
@@ -18,6 +19,7 @@ messages to the plain dataclasses of these modules and back. One module per conc
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -31,12 +33,17 @@ from controlplane.service.background import Background
 from controlplane.service.budgets import Budgets, Release
 from controlplane.service.claims import Claims
 from controlplane.service.gauges import Gauges
+from controlplane.service.held import HeldPins
 from controlplane.service.lookups import Lookups
 from controlplane.service.nodecache import NodeCache
 from controlplane.service.nodes import NodeRegistry
 from controlplane.service.retentions import Retentions
 from controlplane.settings import Settings
 from controlplane.store import EtcdStore
+
+
+STOP_SETTLE_S = 0.1
+"""How long a stop lets the cancelled streams end before it hands the shards over."""
 
 
 class ControlPlane:
@@ -61,8 +68,9 @@ class ControlPlane:
         )
         self.registry = NodeRegistry(store.nodes, self.nodes, self.attachments, self.gauges, settings, clock)
         self.retentions = Retentions(store, self.nodes, settings, clock, self.budgets, self.owned)
-        self.claims = Claims(self.owned, self.background, clock)
+        self.claims = Claims(self.owned, self.background, clock, self.budgets, self.retentions.still_held)
         self.lookups = Lookups(self.claims, self.owned, self.nodes, settings, clock, self.budgets)
+        self.held = HeldPins(self.owned, lim, clock)
         self._clock = clock
 
     def _spent(self, spent: list[tuple[Conversation, Retention]]) -> None:
@@ -84,5 +92,10 @@ class ControlPlane:
         await self.background.settle()
 
     async def close(self) -> None:
-        """Hand every owned shard over cleanly (its writes flushed first)."""
+        """Hand every owned shard over cleanly (its writes flushed first), once the claims
+        of the streams the server's stop cancelled are put back: those streams end in
+        tasks of their own, a moment after the stop returns, and a put-back after the
+        handover would find no owner here (the retention spent)."""
+        await asyncio.sleep(STOP_SETTLE_S)
+        await self.background.settle()
         await self.owners.close()

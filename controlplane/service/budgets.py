@@ -12,6 +12,9 @@ and its release finds it gone, for the shard's owner is the arbiter of single us
   lookup claimed meanwhile, or a newer turn replaced, is left alone and not released;
 - only then is D's sidecar told to free the blocks (a ReleaseRetention on its Attach
   stream), so no lookup can be handed blocks that are being freed.
+
+The same stream frees the blocks of a claim's put-back that came too late (`orphaned`:
+the retention is out of etcd for good, and nothing else would free them).
 """
 
 from __future__ import annotations
@@ -254,4 +257,14 @@ class Budgets:
         if r.engine_id not in self._attached:
             return False
         self.queue(r.engine_id, Release(tenant, conversation_id, r.params, Reason.CONVERSATION_END))
+        return True
+
+    def orphaned(self, tenant: str, conversation_id: str, engine_id: str, params: bytes) -> bool:
+        """A claim's put-back found its retention's place taken (the next turn registered,
+        or a revoke came, meanwhile): the retention is out of etcd for good, and nothing
+        else pulls or frees its blocks. Have D's sidecar free them when it is attached
+        here. -> whether it will be told (else D keeps them to its TTL)."""
+        if engine_id not in self._attached:
+            return False
+        self.queue(engine_id, Release(tenant, conversation_id, params, Reason.ORPHAN))
         return True

@@ -5,7 +5,8 @@ deadline noted in a marker.
 
 A retention is handed out once: a claim takes it out of its shard owner's memory
 (controlplane.owners: decided there, made durable in etcd behind the answer), and only a
-claim whose answer reaches nobody puts it back.
+claim whose answer reaches nobody puts it back. A put-back the conversation's next
+registration (or a revoke) overtook has D's sidecar free the blocks instead.
 """
 
 from __future__ import annotations
@@ -22,9 +23,13 @@ from controlplane.errors import StoreUnavailable
 from controlplane.owners import OwnedRetentions
 from controlplane.records import Claim, Retention
 from controlplane.service.background import Background
+from controlplane.service.budgets import Budgets
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
+StillHeld = Callable[[Retention, Retention | None, float], Awaitable[bytes | None]]
+"""(a retention out of etcd, the conversation's retention now, now) -> its params if D
+still holds its blocks with nothing else to free them."""
 
 PUT_BACK_PAUSES_S = (0.1, 0.3, 1.0, 2.0)
 """Pauses between the tries of a put-back etcd did not answer (a leader election takes about
@@ -48,8 +53,19 @@ class Claimed:
 class Claims:
     """Claims of this replica's lookups on the conversations' retentions."""
 
-    def __init__(self, store: OwnedRetentions, background: Background, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        store: OwnedRetentions,
+        background: Background,
+        clock: Callable[[], float],
+        budgets: Budgets,
+        still_held: StillHeld,
+    ) -> None:
+        """`still_held` is `Retentions.still_held`: whether D holds a retention's blocks for
+        nobody else; `budgets` has D's sidecar free them."""
         self._store = store
+        self._budgets = budgets
+        self._still_held = still_held
         self._background = background
         self._clock = clock
 
@@ -114,7 +130,8 @@ class Claims:
         does not answer is tried again a few times (PUT_BACK_PAUSES_S), while the
         retention is not yet past its deadline. (unclaim compares the marker's revision:
         a try that was written after all makes the next one find nothing to put back.)
-        -> the put-back's task (None: nothing to put back)."""
+        One the conversation's next registration or a revoke overtook has its blocks
+        freed (`_overtaken`). -> the put-back's task (None: nothing to put back)."""
         taken, marker = claimed.taken, claimed.marker_revision
         if claimed.own or taken is None:
             return None
@@ -132,9 +149,35 @@ class Claims:
                     await asyncio.sleep(pause)
                     continue
                 log.info("lookup.put_back", conversation_id=conversation_id, back=back, attempt=attempt)
+                if not back:
+                    await self._overtaken(taken, tenant, conversation_id)
                 return
 
         return self._background.spawn(put_back(), "put-back")
+
+    async def _overtaken(self, taken: Retention, tenant: str, conversation_id: str) -> None:
+        """A put-back that did not go back: `taken` is spent, and when nobody else can pull
+        or free its blocks (`put_back_orphan`), D's sidecar is told to free them."""
+        now = self._clock()
+        if taken.expires_at <= now:  # D has freed them
+            return
+        try:
+            stored, marker = await self._store.read(tenant, conversation_id)
+            current = stored.retention if stored is not None else None
+            params = await self._still_held(taken, current, now)
+        except StoreUnavailable as e:
+            log.warning("lookup.overtaken.unchecked", conversation_id=conversation_id, error=str(e))
+            return
+        if params is None or not put_back_orphan(taken, current, marker is not None):
+            return
+        told = self._budgets.orphaned(tenant, conversation_id, taken.engine_id, params)
+        log.info(
+            "lookup.overtaken.released",
+            conversation_id=conversation_id,
+            engine_id=taken.engine_id,
+            request_id=taken.request_id,
+            told=told,
+        )
 
     def _put_back_when_done(self, tenant: str, conversation_id: str, done: asyncio.Future[Claimed]) -> None:
         if not done.cancelled() and done.exception() is None:
@@ -160,3 +203,24 @@ class Claims:
             await self._store.note_claim_deadline(tenant, conversation_id, claimed.marker_revision, claim)
         except StoreUnavailable as e:
             log.warning("lookup.claim_deadline.failed", conversation_id=conversation_id, error=str(e))
+
+
+def put_back_orphan(taken: Retention, current: Retention | None, marked: bool) -> bool:
+    """Whether a put-back that failed leaves `taken`'s blocks to nobody, the conversation
+    now holding retention `current` (None: none) and a claim marker or not (`marked`).
+
+    - `taken` is there again (the same request): back after all, for a try whose answer
+      etcd lost was written (the next try then fails), or the sidecar registered it again;
+    - none is there but a marker is: a later claim took what was there, which may be
+      `taken` put back by such a try, handed out to be pulled: not known, so kept;
+    - another retention is there (the turn's own registration overtook the put-back), or
+      neither is (a revoke took the marker): `taken` is out of etcd for good. (Were it
+      back first, the registration or revoke that removed it freed it, or a claim handed
+      it to a turn that has registered since: a second release only logs at D.)
+
+    (`Retentions.still_held` rules out what D freed or holds for `current` itself.)"""
+    if current is not None:
+        return not (
+            current.params == taken.params or (taken.request_id and current.request_id == taken.request_id)
+        )
+    return not marked

@@ -126,7 +126,7 @@ class Retentions:
         release = None
         if replaced is not None:
             try:
-                release = await self._still_held(replaced, retention, now)
+                release = await self.still_held(replaced, retention, now)
             except StoreUnavailable as e:  # (the registration is stored: answer it all the same)
                 log.info("retention.replaced.unchecked", conversation_id=reg.conversation_id, error=str(e))
         log.debug(
@@ -145,21 +145,24 @@ class Retentions:
             raise FailedPrecondition(f"engine {reg.engine_id} is not a registered node")
         return node
 
-    async def _still_held(self, replaced: Retention, new: Retention, now: float) -> bytes | None:
-        """The params of a replaced retention whose blocks D still holds (None: expired, its
-        engine restarted or gone, or the same D request registered again)."""
-        if replaced.expires_at <= now or replaced.params == new.params:
+    async def still_held(self, held: Retention, now_stored: Retention | None, now: float) -> bytes | None:
+        """The params of a retention out of etcd (replaced by `now_stored`, or gone: None)
+        whose blocks D still holds with nothing else to free them (None: expired, its engine
+        restarted or gone, or `now_stored` names the same D request). One rule for a
+        registration's replaced retention and a put-back a registration or revoke overtook."""
+        if held.expires_at <= now or (now_stored is not None and held.params == now_stored.params):
             return None
-        node = await self._nodes.get(replaced.engine_id)
-        same_engine = replaced.engine_id == new.engine_id
-        # (a registration from the node itself, at that generation, vouches for it: its
-        # liveness may only have lapsed, as every node's does while etcd has no quorum)
-        vouched = same_engine and new.generation == replaced.generation
-        if node is None or not (node.alive or vouched) or node.record.generation != replaced.generation:
+        vouched = False
+        if now_stored is not None and now_stored.engine_id == held.engine_id:
+            # (a registration from the node itself, at that generation, vouches for it: its
+            # liveness may only have lapsed, as every node's does while etcd has no quorum)
+            vouched = now_stored.generation == held.generation
+            if remote_request_of(held.params) == remote_request_of(now_stored.params):
+                return None
+        node = await self._nodes.get(held.engine_id)
+        if node is None or not (node.alive or vouched) or node.record.generation != held.generation:
             return None
-        if same_engine and remote_request_of(replaced.params) == remote_request_of(new.params):
-            return None
-        return replaced.params
+        return held.params
 
     async def get(self, tenant: str, conversation_id: str) -> RetentionView:
         """The conversation's retention, or the marker of the claim that took it."""

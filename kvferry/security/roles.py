@@ -49,7 +49,14 @@ ALLOWED: dict[Role, frozenset[str]] = {
     Role.READER: _READ,
     Role.ROUTER: _READ | {f"{LEASES}Lookup", f"{LEASES}Stream", f"{NODES}Score", f"{LEASES}Revoke"},
     Role.SIDECAR: frozenset(
-        {f"{NODES}Register", f"{NODES}Attach", f"{NODES}List", f"{LEASES}Register", f"{LEASES}Stream"}
+        {
+            f"{NODES}Register",
+            f"{NODES}Attach",
+            f"{NODES}List",
+            f"{LEASES}Register",
+            f"{LEASES}Stream",
+            f"{LEASES}Held",  # (of its own node's pins: node_denial)
+        }
     ),
     Role.DAEMON: frozenset({f"{NODES}Score", f"{NODES}List", f"{OWNERS}Apply"}),
 }

@@ -44,6 +44,52 @@ RECOMPUTE: Decision.ValueType  # 2
 """P computes the prompt itself (with release_params if there are any)."""
 Global___Decision: _TypeAlias = Decision  # noqa: Y015
 
+class _PinState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PinStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PinState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PIN_STATE_UNSPECIFIED: _PinState.ValueType  # 0
+    PIN_RETAINED: _PinState.ValueType  # 1
+    """A retention names it: it may still be handed out."""
+    PIN_CLAIMED: _PinState.ValueType  # 2
+    """The conversation's retention was claimed less than the grace ago: a prefill node
+    may still be pulling the blocks.
+    """
+    PIN_SETTLED: _PinState.ValueType  # 3
+    """Nothing to do from the sidecar: the turn that claimed it has registered since (it
+    went on), or it left etcd another way (replaced, revoked, released: their callers
+    free it), or who claimed it is not known.
+    """
+    PIN_ORPHAN: _PinState.ValueType  # 4
+    """Claimed over the grace ago by a turn that has not registered since: its answer
+    reached nobody (the router crashed, the stream broke), and D holds the blocks for
+    no one. The sidecar has D free them.
+    """
+
+class PinState(_PinState, metaclass=_PinStateEnumTypeWrapper):
+    """What became of a pinned D request's retention."""
+
+PIN_STATE_UNSPECIFIED: PinState.ValueType  # 0
+PIN_RETAINED: PinState.ValueType  # 1
+"""A retention names it: it may still be handed out."""
+PIN_CLAIMED: PinState.ValueType  # 2
+"""The conversation's retention was claimed less than the grace ago: a prefill node
+may still be pulling the blocks.
+"""
+PIN_SETTLED: PinState.ValueType  # 3
+"""Nothing to do from the sidecar: the turn that claimed it has registered since (it
+went on), or it left etcd another way (replaced, revoked, released: their callers
+free it), or who claimed it is not known.
+"""
+PIN_ORPHAN: PinState.ValueType  # 4
+"""Claimed over the grace ago by a turn that has not registered since: its answer
+reached nobody (the router crashed, the stream broke), and D holds the blocks for
+no one. The sidecar has D free them.
+"""
+Global___PinState: _TypeAlias = PinState  # noqa: Y015
+
 @_typing.final
 class Lease(_message.Message):
     """A retention: blocks a decode node (D) holds for one conversation after a turn."""
@@ -675,3 +721,81 @@ class LeaseOpResultBatch(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LeaseOpResultBatch: _TypeAlias = LeaseOpResultBatch  # noqa: Y015
+
+@_typing.final
+class HeldPin(_message.Message):
+    """A D request whose retention the node's sidecar registered."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    REMOTE_REQUEST_ID_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    conversation_id: _builtins.str
+    request_id: _builtins.str
+    """The turn's request (its X-Request-Id: the retention's request_id)."""
+    remote_request_id: _builtins.str
+    """D's request (remote_request_id in the registered kv_transfer_params)."""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        conversation_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        remote_request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "remote_request_id", b"remote_request_id", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeldPin: _TypeAlias = HeldPin  # noqa: Y015
+
+@_typing.final
+class HeldRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    PINS_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    """The decode node whose sidecar asks (a sidecar may ask only for its own node)."""
+    @_builtins.property
+    def pins(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldPin]: ...
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        pins: _abc.Iterable[Global___HeldPin] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "pins", b"pins"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeldRequest: _TypeAlias = HeldRequest  # noqa: Y015
+
+@_typing.final
+class HeldResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def states(self) -> _containers.RepeatedScalarFieldContainer[Global___PinState.ValueType]:
+        """One per pin asked about, in the same order."""
+
+    def __init__(
+        self,
+        *,
+        states: _abc.Iterable[Global___PinState.ValueType] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["states", b"states"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeldResponse: _TypeAlias = HeldResponse  # noqa: Y015

@@ -53,6 +53,11 @@ class LeasesStub:
     (one op per message when idle, many under load): a gRPC message costs far
     more than an operation in gRPC Python.
     """
+    Held: _grpc.UnaryUnaryMultiCallable[_leases_pb2.HeldRequest, _leases_pb2.HeldResponse]
+    """For a decode node's sidecar (of that node only): which of the D requests it holds
+    pinned, their retentions registered, still have a use. Those claimed over a grace
+    ago by a turn that never registered since reached nobody: the sidecar releases them.
+    """
 
 @_typing.type_check_only
 class LeasesAsyncStub(LeasesStub):
@@ -76,6 +81,11 @@ class LeasesAsyncStub(LeasesStub):
     stream goes on. Both sides batch whatever is ready when they get to write
     (one op per message when idle, many under load): a gRPC message costs far
     more than an operation in gRPC Python.
+    """
+    Held: _aio.UnaryUnaryMultiCallable[_leases_pb2.HeldRequest, _leases_pb2.HeldResponse]  # type: ignore[assignment]
+    """For a decode node's sidecar (of that node only): which of the D requests it holds
+    pinned, their retentions registered, still have a use. Those claimed over a grace
+    ago by a turn that never registered since reached nobody: the sidecar releases them.
     """
 
 class LeasesServicer(metaclass=_abc_1.ABCMeta):
@@ -133,6 +143,17 @@ class LeasesServicer(metaclass=_abc_1.ABCMeta):
         stream goes on. Both sides batch whatever is ready when they get to write
         (one op per message when idle, many under load): a gRPC message costs far
         more than an operation in gRPC Python.
+        """
+
+    @_abc_1.abstractmethod
+    def Held(
+        self,
+        request: _leases_pb2.HeldRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_leases_pb2.HeldResponse, _abc.Awaitable[_leases_pb2.HeldResponse]]:
+        """For a decode node's sidecar (of that node only): which of the D requests it holds
+        pinned, their retentions registered, still have a use. Those claimed over a grace
+        ago by a turn that never registered since reached nobody: the sidecar releases them.
         """
 
 def add_LeasesServicer_to_server(servicer: LeasesServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

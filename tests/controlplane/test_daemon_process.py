@@ -97,6 +97,7 @@ async def test_metrics_count_decisions_claims_and_registrations(
     await c.leases.Lookup(lookup_request("m-1"))
     await c.leases.Lookup(lookup_request("m-1"))
     assert d.control_plane is not None
+    await d.control_plane.owners.writes.flush()  # (the gauges read etcd: it trails the claims)
     await d.control_plane.gauges.scan()
     after = await scrape()
     deltas = [after.get(key, 0.0) - before.get(key, 0.0) for key in counted]

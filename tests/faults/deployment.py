@@ -72,7 +72,7 @@ class Deployment:
     root: Path
 
     def keep_record(self, name: str, turns: list[Turn], ledger: Ledger, restored_at: float) -> Path:
-        """Every turn, registration and grant as JSON beside the processes' logs (to find
+        """Every turn, registration, grant and release as JSON beside the processes' logs (to find
         out why a figure is off). -> the file."""
         path = self.root / f"record-{name.split()[1]}.json"
         record = {
@@ -80,6 +80,7 @@ class Deployment:
             "turns": [dataclasses.asdict(t) for t in turns],
             "grants": [dataclasses.asdict(g) for g in ledger.grants],
             "registrations": [dataclasses.asdict(r) for r in ledger.registrations],
+            "releases": [dataclasses.asdict(r) for r in ledger.releases],
         }
         path.write_text(json.dumps(record))
         return path

@@ -4,8 +4,9 @@ Pure: turns and the ledger in, numbers out.
 
 A retention is *lost* when a daemon acknowledged its registration and afterwards no
 lookup was ever granted it, no later registration replaced it (the daemon hands the
-replaced one back to be released), and it is not among those the daemons hold
-unclaimed at the end.
+replaced one back to be released), no daemon had D's sidecar release it (its budget,
+or a put-back the conversation's next registration overtook: reason orphan), and it is
+not among those the daemons hold unclaimed at the end.
 
 Documented losses, by design, counted apart:
 - `unacked`: registrations never acknowledged. They are not retentions the system
@@ -85,18 +86,20 @@ LEGEND = (
     "held for the request named; regs: registrations the daemons acknowledged; unacked:\n"
     "registrations never acknowledged (dropped by the sidecar: documented losses); in doubt:\n"
     "retentions whose claim was at etcd as it broke (documented losses); lost: other\n"
-    "acknowledged retentions neither granted, replaced nor still held; reuse back: seconds\n"
+    "acknowledged retentions neither granted, replaced, released nor still held; reuse back:\n"
+    "seconds "
     "from the fault's end to the first turn started after it that pulled; no pull s: the\n"
     "longest stretch from the fault on in which no turn pulled."
 )
 
 
 def lost_retentions(ledger: Ledger, unclaimed: Iterable[str]) -> set[str]:
-    """Retentions acknowledged, then neither granted, replaced nor held at the end."""
+    """Retentions acknowledged, then neither granted, replaced, released nor held at the end."""
     acked = {r.retention for r in ledger.registrations if r.outcome == "ok"}
     granted = {g.retention for g in ledger.grants}
     replaced = {r.replaced for r in ledger.registrations if r.replaced}
-    return acked - granted - replaced - set(unclaimed)
+    released = {r.retention for r in ledger.releases}
+    return acked - granted - replaced - released - set(unclaimed)
 
 
 def in_doubt(lost: set[str], ledger: Ledger, turns: Sequence[Turn], broken_at: float) -> set[str]:

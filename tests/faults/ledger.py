@@ -1,9 +1,11 @@
 """What the fault suite records of the retentions: every registration a sidecar sent
-and its outcome, every retention a lookup was granted (on time or late), keyed by
-D's request id (``remote_request_id``: one retention per D answer).
+and its outcome, every retention a lookup was granted (on time or late), and every
+release a daemon had D's sidecar make, keyed by D's request id (``remote_request_id``:
+one retention per D answer).
 
 It taps ``kvferry.leaseclient.LeaseStream``, the one path the sidecars' registrations
-and the router's lookups take to the daemon, in this process only; the daemons run
+and the router's lookups take to the daemon, and ``sidecar.node.NodeSession._release``,
+where a sidecar gets a daemon's ReleaseRetention, in this process only; the daemons run
 elsewhere and are not touched."""
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import pytest
 
 from kvferry.leaseclient import LeaseOpError, LeaseStream
 from kvferry.structs import struct_to_dict
-from kvferry.v1 import leases_pb2
+from kvferry.v1 import leases_pb2, nodes_pb2
+from sidecar.node import NodeSession
 
 
 @dataclass(frozen=True)
@@ -45,14 +48,27 @@ class Registration:
     """The unclaimed retention this one replaced ("" = none), per the daemon's answer."""
 
 
+@dataclass(frozen=True)
+class Released:
+    """A retention a daemon had D's sidecar free (its budget, an orphaned put-back, ...)."""
+
+    at: float
+    conversation_id: str
+    retention: str
+    reason: str
+
+
 @dataclass
 class Ledger:
     grants: list[Grant] = field(default_factory=list)
     registrations: list[Registration] = field(default_factory=list)
+    releases: list[Released] = field(default_factory=list)
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        """Record through LeaseStream.register and .lookup_with_prompt (until the test ends)."""
+        """Record through LeaseStream.register and .lookup_with_prompt, and
+        NodeSession._release (until the test ends)."""
         register, lookup = LeaseStream.register, LeaseStream.lookup_with_prompt
+        release = NodeSession._release
         ledger = self
 
         async def tapped_register(
@@ -91,7 +107,13 @@ class Ledger:
             ledger.granted(cid, res, late=False)
             return res
 
+        def tapped_release(session: NodeSession, msg: nodes_pb2.ReleaseRetention) -> None:
+            retention = str(struct_to_dict(msg.kv_transfer_params).get("remote_request_id", ""))
+            ledger.releases.append(Released(time.monotonic(), msg.conversation_id, retention, msg.reason))
+            release(session, msg)
+
         monkeypatch.setattr(LeaseStream, "register", tapped_register)
+        monkeypatch.setattr(NodeSession, "_release", tapped_release)
         monkeypatch.setattr(LeaseStream, "lookup_with_prompt", tapped_lookup)
 
     def granted(self, conversation_id: str, res: leases_pb2.LookupResponse, late: bool) -> None:

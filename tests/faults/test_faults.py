@@ -7,7 +7,7 @@ it, runs until reuse works again, and checks what the clients and the retentions
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import collections
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -50,7 +50,8 @@ async def run(name: str, dep: Deployment, ledger: Ledger, fault: Fault) -> Figur
     FIGURES.append(got)
     dep.keep_record(name, load.turns_done, ledger, restored_at)
     failed = [t for t in load.turns_done if not t.ok]
-    print(got.row(), *failed[:5], sep="\n")
+    released = collections.Counter(r.reason for r in ledger.releases)
+    print(got.row(), f"daemon releases: {dict(released)}", *failed[:5], sep="\n")
     return got
 
 
@@ -113,14 +114,10 @@ async def test_quorum_lost(cluster_deployment: Deployment, ledger: Ledger) -> No
         return broken_at, restored_at
 
     got = await run("etcd quorum lost 25 s", cluster_deployment, ledger, fault)
-    check(dataclasses.replace(got, lost=0))
+    # (a put-back the turn's own registration overtook right after quorum came back used
+    # to leave its retention lost, D's blocks held to their TTL: it is released now)
+    check(got)
     assert got.reuse_back_s is not None, "no turn pulled after quorum was restored"
-    if got.lost:
-        # An open finding, shown and not failed at random: after the budget, orphan and idle
-        # release work merged, 1 run in 9 lost 2 retentions here with no budget or idle
-        # release in the daemons' logs (cause not found yet; the record JSON beside the
-        # logs names them). The other faults keep lost == 0 strict.
-        pytest.xfail(f"{got.lost} retention(s) lost after quorum came back (open finding)")
     if got.reuse_back_s > REUSE_BACK_S:
         # Reuse comes back with D's sidecar's first registration after quorum; registration
         # retries pause at most --registration-retry-max (1 s), which brought this from up

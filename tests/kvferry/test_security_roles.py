@@ -39,7 +39,14 @@ ADMIN = Caller("alice", Role.ADMIN)
         ),
         (
             SIDECAR,
-            ["Nodes/Register", "Nodes/Attach", "Leases/Register", "Leases/Stream", "Nodes/List"],
+            [
+                "Nodes/Register",
+                "Nodes/Attach",
+                "Leases/Register",
+                "Leases/Stream",
+                "Nodes/List",
+                "Leases/Held",
+            ],
             ["Leases/Lookup", "Leases/Revoke", "Leases/List", "Nodes/Deregister", "Nodes/Score"],
         ),
         (

@@ -249,3 +249,51 @@ async def test_lookups_leave_a_replica_that_keeps_answering_late() -> None:
         assert time.monotonic() < control.breaker.open_until  # (the breaker counted them)
     finally:
         await control.close()
+
+
+async def test_one_late_lookup_does_not_open_the_breaker_two_in_a_row_do() -> None:
+    """On a saturated machine an answer is read late now and then: each late one opening the
+    breaker skipped reuse for every turn of the pause (bench.busy: 96 of 702 turns that
+    could pull). One late answer leaves the breaker closed; LATE_TRIPS in a row open it;
+    an answer in time resets the count."""
+    import asyncio
+    import time
+
+    import grpc
+
+    from kvferry.leaseclient import LeaseOpError
+    from router.daemon_client import LATE_TRIPS, DaemonClient
+    from router.settings import DaemonSettings
+
+    addresses = ("127.0.0.1:1", "127.0.0.1:2")
+    control = DaemonClient(list(addresses), DaemonSettings(addresses=addresses))
+    answers_late = True
+
+    async def answer(req: object, message: Any, *args: object) -> object:
+        message.close()
+        await asyncio.sleep(0.001)
+        if answers_late:
+            raise LeaseOpError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline")
+        from kvferry.v1 import leases_pb2
+
+        return leases_pb2.LookupResponse()
+
+    async def lookup() -> Any:
+        prompt: asyncio.Future[tuple[list[int], bytes] | None] = asyncio.get_running_loop().create_future()
+        prompt.set_result(None)
+        return await control.lookup_early("", "c", prompt)
+
+    control._replica.stream.lookup_with_prompt = answer  # type: ignore[method-assign]
+    try:
+        assert LATE_TRIPS == 2
+        await lookup()
+        assert control.breaker.allows(time.monotonic())  # one late: still closed
+        answers_late = False
+        await lookup()  # in time: the count starts again
+        answers_late = True
+        await lookup()
+        assert control.breaker.allows(time.monotonic())
+        await lookup()  # the second late one in a row
+        assert not control.breaker.allows(time.monotonic())
+    finally:
+        await control.close()

@@ -42,3 +42,10 @@ def test_prefill_rates_are_measured_per_model_from_long_prefills() -> None:
     rates.observe("m", 1000, 1.0)
     assert 1e-3 < rates.s_per_token("m") < 2e-3  # (a running estimate)
     assert rates.s_per_token("other") == 1e-4
+
+
+def test_the_loops_lag_is_waited_for_on_top_bounded_by_the_longest_wait() -> None:
+    assert lookup_wait_s(P, 100, 1e-4, lag_s=0.2) == pytest.approx(0.05 + 0.25 * 0.01 + 0.2)
+    assert lookup_wait_s(P, 100, 1e-4, busy_s=0.3, lag_s=0.2) == pytest.approx(0.5)
+    assert lookup_wait_s(P, 100, 1e-4, lag_s=5.0) == pytest.approx(0.05 + 0.25 * 0.01 + 1.0)
+    assert lookup_wait_s(P, 100, 1e-4, lag_s=-1.0) == lookup_wait_s(P, 100, 1e-4)
