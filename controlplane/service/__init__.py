@@ -41,7 +41,6 @@ from controlplane.service.retentions import Retentions
 from controlplane.settings import Settings
 from controlplane.store import EtcdStore
 
-
 STOP_SETTLE_S = 0.1
 """How long a stop lets the cancelled streams end before it hands the shards over."""
 

@@ -14,8 +14,11 @@ from structlog.testing import capture_logs
 from controlplane.daemon import Daemon
 from kvferry.v1 import leases_pb2, owners_pb2, owners_pb2_grpc
 from tests.conftest import DaemonFactory
-from tests.controlplane.test_auth import As, Connect, _denials, _refused, _setup, as_, certs, secure  # noqa: F401
+from tests.controlplane import test_auth
+from tests.controlplane.test_auth import As, Connect, _denials, _refused, _setup
 from tests.factories import lease_request, lookup_request, node_request
+
+certs, secure, as_ = test_auth.certs, test_auth.secure, test_auth.as_  # (its fixtures, used here)
 
 READ = owners_pb2.OwnerOp(kind=owners_pb2.OwnerOp.READ, tenant="acme", conversation_id="conv-1")
 
