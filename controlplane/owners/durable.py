@@ -153,6 +153,19 @@ class OwnerStore:
         (resp,) = await self._kv.read("owner", get(self.keys.owner(shard)))
         return decoded(decode_owner, resp.kvs[0]) if resp.kvs else None
 
+    async def fetch(self, c: Conversation) -> tuple[Held | None, Claim | None]:
+        """One conversation's retention and marker, linearizably (a shard's owner reads it
+        when first touched: nobody else writes it since the owner took the shard)."""
+        tenant, conversation = c
+        ret, marker = await self._kv.read(
+            "owner_fetch",
+            get(self.keys.retention(tenant, conversation)),
+            get(self.keys.claim(tenant, conversation)),
+        )
+        r = decoded(decode_retention, ret.kvs[0]) if ret.kvs else None
+        claim = decoded(decode_claim, marker.kvs[0]) if marker.kvs else None
+        return (Held(r, int(ret.kvs[0].mod_revision)) if r is not None else None), claim
+
     async def load(self, shards: set[int]) -> dict[int, Loaded]:
         """The retentions and markers of `shards`, read in pages (one pass over each prefix)."""
         out = {s: Loaded() for s in shards}

@@ -63,6 +63,24 @@ class ShardMemory:
     """How long a marker is kept (GcSettings.claim_marker_s)."""
     retentions: dict[Conversation, Held] = field(default_factory=dict)
     markers: dict[Conversation, Marked] = field(default_factory=dict)
+    lazy: bool = False
+    """Conversations not `known` are as etcd holds them, read on first touch (`learn`)."""
+    known: set[Conversation] = field(default_factory=set)
+
+    def needs(self, c: Conversation) -> bool:
+        """Whether the conversation must be read from etcd before any decision on it."""
+        return self.lazy and c not in self.known
+
+    def learn(self, c: Conversation, held: Held | None, claim: Claim | None) -> None:
+        """The conversation as etcd holds it (read after this owner took the shard, before
+        any decision on it here)."""
+        if not self.needs(c):
+            return
+        self.known.add(c)
+        if held is not None:
+            self.retentions[c] = held
+        if claim is not None:
+            self.markers[c] = Marked(claim, 0)
 
     def claim(
         self, c: Conversation, now: float, claimed_by: str, marker: int
@@ -150,7 +168,13 @@ class ShardMemory:
     def sweep(self, now: float, slack_s: float) -> None:
         """Forget retentions `slack_s` past their deadline and markers past their keep (etcd
         collects their keys by itself, on their GC leases)."""
-        for c in [c for c, h in self.retentions.items() if h.retention.expires_at + slack_s <= now]:
+        gone = [c for c, h in self.retentions.items() if h.retention.expires_at + slack_s <= now]
+        for c in gone:
             del self.retentions[c]
-        for c in [c for c, m in self.markers.items() if m.claim.claimed_at + self.marker_s <= now]:
+        forgotten = [c for c, m in self.markers.items() if m.claim.claimed_at + self.marker_s <= now]
+        for c in forgotten:
             del self.markers[c]
+        # (long written: read again from etcd when touched next)
+        self.known.difference_update(
+            c for c in (*gone, *forgotten) if c not in self.retentions and c not in self.markers
+        )

@@ -131,12 +131,26 @@ class ShardOwners:
         await self._ensure_lease()
         self.start()
         taken = [t for s in sorted(shards) if s not in self.shards and (t := await self._take_one(s))]
-        if taken:
-            log.info("owners.taken", shards=[t.shard for t in taken], owned=len(self.shards))
-            loaded = await self._load_retrying({t.shard for t in taken})
-            for t in taken:
+        if not taken:
+            return None
+        log.info("owners.taken", shards=[t.shard for t in taken], owned=len(self.shards))
+        for t in taken:
+            if t.previous is None or t.previous.clean:
+                self._lazy(t)
+        unclean = [t for t in taken if t.previous is not None and not t.previous.clean]
+        if unclean:
+            loaded = await self._load_retrying({t.shard for t in unclean})
+            for t in unclean:
                 self._loaded(t, loaded[t.shard])
         return None
+
+    def _lazy(self, taken: Taken) -> None:
+        """A shard etcd holds exactly as its last owner left it (cleanly, or never owned):
+        each conversation is read from etcd when first touched (routed.py), not all now."""
+        owned = self.shards.get(taken.shard)
+        if owned is not None and owned.fence == taken.fence:
+            owned.memory.lazy = True
+            owned.ready.set()
 
     async def _take_one(self, shard: int) -> Taken | None:
         taken = await self.store.take(shard, self._lease, self.me)
@@ -156,18 +170,15 @@ class ShardOwners:
                 await asyncio.sleep(0.2)
 
     def _loaded(self, taken: Taken, loaded: Loaded) -> None:
-        """Set a taken shard's memory from what etcd holds. After an unclean leave, every
-        retention found is spent: deleted (fenced, ahead of any other write), its blocks
-        released after the grace."""
+        """Set a shard taken after an unclean leave from what etcd holds: its markers, and
+        no retention: every one found is spent, deleted (fenced, ahead of any other
+        write), its blocks released after the grace."""
         owned = self.shards.get(taken.shard)
         if owned is None or owned.fence != taken.fence:
             return
         memory = owned.memory
         memory.markers = {c: Marked(claim, 0) for c, claim in loaded.markers.items()}
-        previous = taken.previous
-        if previous is None or previous.clean:
-            memory.retentions = loaded.retentions
-        elif loaded.retentions:
+        if loaded.retentions:
             spent = [(c, h.retention) for c, h in loaded.retentions.items()]
             deletes = [Write(Target.RETENTION, c, None) for c, _ in spent]
             self.writes.add(taken.shard, taken.fence, memory, deletes, wait=False)
@@ -282,15 +293,16 @@ class ShardOwners:
         for owned in leaving.values():
             owned.leaving = True
         try:
-            while any(self.writes.pending(s) for s in leaving):
-                await self.writes.flush()
+            async with asyncio.timeout(self.settings.ttl_s):
+                while any(self.writes.pending(s) for s in leaving):
+                    await self.writes.flush()
             left = await self.store.hand_over(
                 {s: o.fence for s, o in leaving.items() if self.shards.get(s) is o}, self.me
             )
-        except StoreUnavailable as e:
+        except (StoreUnavailable, TimeoutError) as e:  # (left to lapse with the lease: unclean)
             for owned in leaving.values():
                 owned.leaving = False
-            log.warning("owners.hand_over_failed", shards=sorted(leaving), error=str(e))
+            log.warning("owners.hand_over_failed", shards=sorted(leaving), error=str(e) or "flush timed out")
             return
         self._lose(set(leaving))
         log.info("owners.handed_over", shards=sorted(leaving), clean=sorted(left))

@@ -18,6 +18,7 @@ import structlog
 from controlplane import metrics
 from controlplane.errors import FailedPrecondition, StoreUnavailable
 from controlplane.owners.durable import OwnerStore
+from controlplane.owners.memory import Conversation, Held
 from controlplane.owners.ops import WAITS, Kind, OwnerAnswer, OwnerOp, decide, stored_of
 from controlplane.owners.owner import OwnedShard, ShardOwners
 from controlplane.owners.shards import shard_of
@@ -57,6 +58,9 @@ class OwnedRetentions:
         self.forwarder = forwarder
         self._timeout = timeout_s
         self._remote: dict[int, tuple[OwnerRecord, float]] = {}
+        self._fetching: dict[
+            tuple[int, int, Conversation], asyncio.Future[tuple[Held | None, Claim | None]]
+        ] = {}
 
     async def claim(
         self, tenant: str, conversation_id: str, now: float, claimed_by: str = ""
@@ -109,14 +113,17 @@ class OwnedRetentions:
         deadline = time.monotonic() + self.owners.settings.wait_s
         while True:
             owned = await self.owners.local(shard)
-            if owned is not None:
-                return await self._run(owned, op)
-            owner = await self._owner(shard)
-            if owner is None:
+            if owned is None and (owner := await self._owner(shard)) is None:
                 owned = await self.owners.take(shard)
-                if owned is not None:
-                    return await self._run(owned, op)
-            elif owner.replica != self.owners.me.replica and self.forwarder is not None and owner.address:
+            if owned is not None:
+                if not await self._learned(owned, op):
+                    continue  # (etcd answered: the shard may have moved meanwhile)
+                return await self._run(owned, op)
+            if owner is not None and owner.replica != self.owners.me.replica:
+                if self.forwarder is None or not owner.address:
+                    raise StoreUnavailable(
+                        f"shard {shard} is owned by replica {owner.replica}, which has no address"
+                    )
                 try:
                     metrics.FORWARDED.labels(op.kind.name.lower()).inc()
                     return await self.forwarder.apply(owner.address, op, self._timeout)
@@ -125,10 +132,6 @@ class OwnedRetentions:
                 except StoreUnavailable:
                     self._remote.pop(shard, None)  # (read again next time: it may be gone)
                     raise
-            elif owner.replica != self.owners.me.replica:
-                raise StoreUnavailable(
-                    f"shard {shard} is owned by replica {owner.replica}, which has no address"
-                )
             if time.monotonic() > deadline:
                 raise StoreUnavailable(f"shard {shard}: no owner could take the operation in time")
             self._remote.pop(shard, None)
@@ -137,10 +140,30 @@ class OwnedRetentions:
     async def apply_local(self, op: OwnerOp) -> OwnerAnswer:
         """Run an operation forwarded by another replica: only when this one owns the shard."""
         shard = shard_of(op.tenant, op.conversation_id, self.owners.settings.shards)
-        owned = await self.owners.local(shard)
-        if owned is None:
-            raise NotOwner(f"replica {self.owners.me.replica} does not own shard {shard}")
-        return await self._run(owned, op)
+        for _ in range(2):
+            owned = await self.owners.local(shard)
+            if owned is None:
+                break
+            if await self._learned(owned, op):
+                return await self._run(owned, op)
+        raise NotOwner(f"replica {self.owners.me.replica} does not own shard {shard}")
+
+    async def _learned(self, owned: OwnedShard, op: OwnerOp) -> bool:
+        """Whether the operation's conversation is in memory: read from etcd first when the
+        shard is loaded lazily (once per conversation: concurrent first touches share the
+        read). -> False when it had to be read (the caller checks ownership again)."""
+        c = (op.tenant, op.conversation_id)
+        if not owned.memory.needs(c):
+            return True
+        key = (owned.shard, owned.fence, c)
+        reading = self._fetching.get(key)
+        if reading is None:
+            reading = asyncio.ensure_future(self._store.fetch(c))
+            self._fetching[key] = reading
+            reading.add_done_callback(lambda _: self._fetching.pop(key, None))
+        held, claim = await asyncio.shield(reading)
+        owned.memory.learn(c, held, claim)
+        return False
 
     async def _run(self, owned: OwnedShard, op: OwnerOp) -> OwnerAnswer:
         """Decide in memory now (nothing awaited since `local` checked), then wait for the

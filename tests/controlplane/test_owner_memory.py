@@ -97,3 +97,19 @@ def test_a_revoke_takes_the_marker_too() -> None:
     held, writes = m.revoke(C)
     assert held is None and len(writes) == 2  # (the marker goes: a put-back now fails)
     assert m.unclaim(C, r, marker=1, now=11.0) is None
+
+
+def test_a_lazy_shard_reads_a_conversation_once_then_decides_in_memory() -> None:
+    from controlplane.owners.memory import Held
+
+    m = ShardMemory(marker_s=600, lazy=True)
+    r = retention()
+    assert m.needs(C)
+    m.learn(C, Held(r, 9), None)
+    assert not m.needs(C) and m.read(C, 1.0)[0] is not None
+    m.learn(C, None, None)  # (a second read, late: memory already decided on it)
+    assert m.retentions[C].retention is r
+    got, _ = m.claim(C, 10.0, "x", marker=1)
+    assert got.taken is r
+    m.sweep(now=10_000.0, slack_s=10.0)
+    assert m.needs(C)  # (long written: read again when touched)
