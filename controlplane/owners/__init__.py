@@ -10,8 +10,11 @@ transaction that requires it absent (durable.OwnerStore.take). Its create_revisi
 the shard's FENCE: every etcd write for the shard carries the compare
 `create_revision(owners/<shard>) == fence`, so a deposed owner writes nothing.
 
-On taking a shard the owner loads its retentions and claim markers; from then on, for
-that shard, its memory (memory.ShardMemory) is the truth and etcd the durable copy.
+From taking a shard on, its owner's memory (memory.ShardMemory) is the truth for it and
+etcd the durable copy. A shard never owned, or left cleanly, is exactly as etcd holds it,
+and nobody else writes it: each conversation is read from etcd (linearizably, once) when
+an operation first touches it, then decided in memory; so a restart does not wait for
+every retention to load. (Only an unclean takeover reads the whole shard: see below.)
 Every operation that takes, replaces or reads a retention runs at the owner (routed.py;
 another replica forwards it over the daemon-only Owners RPC, kvferry.v1.Owners):
 
@@ -65,6 +68,10 @@ TTL), and a release already told to a caller may be told again (freeing a reques
 blocks twice is harmless to D). A clean stop (SIGTERM) hands every shard over and costs
 nothing. A restart of the same process after an unclean loss is a failover too: it does
 not try to prove its old memory current.
+
+Every replica of a deployment must decide claims this way: a replica of an older
+version (claims as etcd transactions) beside owners would hand out what an owner's
+memory still holds. Upgrade by stopping the old replicas first.
 """
 
 from controlplane.owners.durable import OwnerStore

@@ -134,12 +134,16 @@ class ShardMemory:
         return held, [Write(Target.RETENTION, c, None), Write(Target.MARKER, c, None)]
 
     def revoke_exact(self, c: Conversation, revision: int) -> tuple[Retention | None, list[Write]]:
-        """Delete the retention only if it is still the one written at `revision`."""
+        """Delete the retention only if it is still the one written at `revision`, and the
+        marker with it, as `revoke` does: an older claim's late put-back must not bring
+        back what this retention replaced (the history checker found it in the etcd
+        claims: main's a5bde6a)."""
         held = self.retentions.get(c)
         if held is None or not revision or held.revision != revision:
             return None, []
         del self.retentions[c]
-        return held.retention, [Write(Target.RETENTION, c, None)]
+        self.markers.pop(c, None)
+        return held.retention, [Write(Target.RETENTION, c, None), Write(Target.MARKER, c, None)]
 
     def read(self, c: Conversation, now: float) -> tuple[Stored | None, Claim | None]:
         """The retention and the live marker, as they are."""

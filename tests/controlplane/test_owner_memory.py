@@ -113,3 +113,17 @@ def test_a_lazy_shard_reads_a_conversation_once_then_decides_in_memory() -> None
     assert got.taken is r
     m.sweep(now=10_000.0, slack_s=10.0)
     assert m.needs(C)  # (long written: read again when touched)
+
+
+def test_a_late_put_back_does_not_bring_back_what_a_budget_release_replaced() -> None:
+    """X claimed by a lookup that went away; Y registered, then released by the budget:
+    X's late put-back must fail (main's a5bde6a, found by the history checker)."""
+    m = ShardMemory(marker_s=600)
+    x, y = retention("x"), retention("y")
+    m.put(C, x)
+    got, _ = m.claim(C, 10.0, "turn-2", marker=1)
+    _, writes = m.put(C, y)
+    m.written(writes, 7)
+    assert m.revoke_exact(C, 7)[0] is y
+    assert m.unclaim(C, x, marker=1, now=11.0) is None
+    assert m.read(C, 11.0) == (None, None)
