@@ -198,12 +198,18 @@ class RetentionStore:
 
     async def revoke_exact(self, tenant: str, conversation_id: str, revision: int) -> Retention | None:
         """Delete the conversation's retention only if it is still the one stored at
-        `revision` (not claimed, replaced or revoked since). -> the retention deleted,
-        None if it was not there at that revision."""
+        `revision` (not claimed, replaced or revoked since), and its claim marker with it,
+        as `revoke` does: an older claim whose caller went away puts its retention back
+        only while its marker is there (`unclaim`), and must not bring back what a newer
+        registration replaced (the history checker found it: tests/history).
+        -> the retention deleted, None if it was not there at that revision."""
         key = self._keys.retention(tenant, conversation_id)
         txn = rpc.TxnRequest(
             compare=[mod_is(key, revision)],
-            success=[rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key, prev_kv=True))],
+            success=[
+                rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key, prev_kv=True)),
+                delete_op(self._keys.claim(tenant, conversation_id)),
+            ],
         )
         resp = await self._kv.send_txn("revoke_exact", txn)
         prev = resp.responses[0].response_delete_range.prev_kvs if resp.succeeded else []
