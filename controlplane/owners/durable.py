@@ -37,7 +37,9 @@ from controlplane.store.kv import EtcdKv, absent, decoded, delete_op, get, put_o
 HANDOVER_BATCH = 40
 """Shards left in one transaction (two operations each: etcd takes at most 128)."""
 LOAD_PAGE = 500
-"""Keys per read while a shard's retentions are loaded."""
+"""Records per read while a shard's retentions are loaded (unclean takeover)."""
+KEYS_PAGE = 5000
+"""Keys per read while the conversations a shard has in etcd are listed (keys only)."""
 
 
 @dataclass(frozen=True)
@@ -183,10 +185,25 @@ class OwnerStore:
                 target.markers[c] = claim
         return out
 
-    async def _pages(self, prefix: bytes) -> AsyncIterator[tuple[bytes, Any]]:
+    async def present(self, shards: set[int]) -> dict[int, set[Conversation]]:
+        """The conversations of `shards` with a retention or a marker in etcd (keys only:
+        a lazily read shard reads only those when first touched; any other has none)."""
+        out: dict[int, set[Conversation]] = {s: set() for s in shards}
+        for prefix in (self.keys.retentions, self.keys.claimed):
+            async for key, _ in self._pages(prefix, keys_only=True):
+                c = self.keys.split_retention(key)
+                target = out.get(shard_of(*c, self.shards))
+                if target is not None:
+                    target.add(c)
+        return out
+
+    async def _pages(self, prefix: bytes, keys_only: bool = False) -> AsyncIterator[tuple[bytes, Any]]:
         end, start, revision = prefix_end(prefix), prefix, 0
+        limit = KEYS_PAGE if keys_only else LOAD_PAGE
         while True:
-            req = rpc.RangeRequest(key=start, range_end=end, limit=LOAD_PAGE, revision=revision)
+            req = rpc.RangeRequest(
+                key=start, range_end=end, limit=limit, revision=revision, keys_only=keys_only
+            )
             resp = await self._kv.range("owner_load", req)
             revision = int(resp.header.revision)
             for kv in resp.kvs:

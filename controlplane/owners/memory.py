@@ -63,20 +63,20 @@ class ShardMemory:
     """How long a marker is kept (GcSettings.claim_marker_s)."""
     retentions: dict[Conversation, Held] = field(default_factory=dict)
     markers: dict[Conversation, Marked] = field(default_factory=dict)
-    lazy: bool = False
-    """Conversations not `known` are as etcd holds them, read on first touch (`learn`)."""
-    known: set[Conversation] = field(default_factory=set)
+    stored: set[Conversation] = field(default_factory=set)
+    """Conversations etcd holds records of that memory has not read yet (`learn`: read on
+    first touch). Any other conversation has none in etcd but what memory wrote."""
 
     def needs(self, c: Conversation) -> bool:
         """Whether the conversation must be read from etcd before any decision on it."""
-        return self.lazy and c not in self.known
+        return c in self.stored
 
     def learn(self, c: Conversation, held: Held | None, claim: Claim | None) -> None:
         """The conversation as etcd holds it (read after this owner took the shard, before
         any decision on it here)."""
         if not self.needs(c):
             return
-        self.known.add(c)
+        self.stored.discard(c)
         if held is not None:
             self.retentions[c] = held
         if claim is not None:
@@ -178,7 +178,3 @@ class ShardMemory:
         forgotten = [c for c, m in self.markers.items() if m.claim.claimed_at + self.marker_s <= now]
         for c in forgotten:
             del self.markers[c]
-        # (long written: read again from etcd when touched next)
-        self.known.difference_update(
-            c for c in (*gone, *forgotten) if c not in self.retentions and c not in self.markers
-        )

@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import structlog
 
@@ -32,6 +33,7 @@ from controlplane.records import OwnerRecord, Retention
 from controlplane.settings import OwnerSettings
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -134,22 +136,25 @@ class ShardOwners:
         if not taken:
             return None
         log.info("owners.taken", shards=[t.shard for t in taken], owned=len(self.shards))
-        for t in taken:
-            if t.previous is None or t.previous.clean:
-                self._lazy(t)
+        clean = [t for t in taken if t.previous is None or t.previous.clean]
+        if clean:
+            present = await self._retrying(lambda: self.store.present({t.shard for t in clean}))
+            for t in clean:
+                self._lazy(t, present[t.shard])
         unclean = [t for t in taken if t.previous is not None and not t.previous.clean]
         if unclean:
-            loaded = await self._load_retrying({t.shard for t in unclean})
+            loaded = await self._retrying(lambda: self.store.load({t.shard for t in unclean}))
             for t in unclean:
                 self._loaded(t, loaded[t.shard])
         return None
 
-    def _lazy(self, taken: Taken) -> None:
+    def _lazy(self, taken: Taken, stored: set[Conversation]) -> None:
         """A shard etcd holds exactly as its last owner left it (cleanly, or never owned):
-        each conversation is read from etcd when first touched (routed.py), not all now."""
+        each conversation of `stored` (those etcd has records of) is read from etcd when
+        first touched (routed.py), not all now."""
         owned = self.shards.get(taken.shard)
         if owned is not None and owned.fence == taken.fence:
-            owned.memory.lazy = True
+            owned.memory.stored = stored
             owned.ready.set()
 
     async def _take_one(self, shard: int) -> Taken | None:
@@ -160,11 +165,12 @@ class ShardOwners:
             log.debug("owners.taken", shard=shard, fence=taken.fence, previous=str(taken.previous))
         return taken
 
-    async def _load_retrying(self, shards: set[int]) -> dict[int, Loaded]:
-        """Load the shards (etcd out: tried again; ops wait meanwhile, and time out)."""
+    async def _retrying(self, read: Callable[[], Awaitable[T]]) -> T:
+        """A read of taken shards from etcd (etcd out: tried again; their ops wait
+        meanwhile, and time out)."""
         while True:
             try:
-                return await self.store.load(shards)
+                return await read()
             except StoreUnavailable as e:
                 log.info("owners.load.retry", error=str(e))
                 await asyncio.sleep(0.2)
