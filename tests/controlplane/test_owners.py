@@ -194,3 +194,18 @@ async def test_replicas_forward_to_the_owner_and_hand_each_retention_out_once(
 
 def _forwarded() -> list[Any]:
     return [child._value for child in metrics.FORWARDED._metrics.values()]  # type: ignore[attr-defined]
+
+
+async def test_lookups_of_one_node_share_its_confirming_read(daemon: Daemon, client: Client) -> None:
+    """A pull is confirmed on the node as etcd had it at most CONFIRM_S ago: concurrent
+    lookups of one decode node share one read (they were two etcd requests each)."""
+    await client.nodes.Register(node_request("d-1", liveness_ttl_seconds=60))
+    names = [f"many-{i}" for i in range(20)]
+    for name in names:
+        await client.leases.Register(lease_request(name))
+    reads = metrics.ETCD_LATENCY.labels("get_node")
+    before = sum(b.get() for b in reads._buckets)  # type: ignore[attr-defined]
+    answers = await asyncio.gather(*(client.leases.Lookup(lookup_request(n), timeout=10) for n in names))
+    assert [a.decision for a in answers] == [leases_pb2.PULL] * len(names)
+    counted = sum(b.get() for b in reads._buckets) - before  # type: ignore[attr-defined]
+    assert 1 <= counted <= 2 * 10, counted  # (two ranges a read: 40 unshared; one, or a few if slow)
