@@ -204,7 +204,7 @@ async def test_lookups_of_one_node_share_its_confirming_read(daemon: Daemon, cli
     for name in names:
         await client.leases.Register(lease_request(name))
     reads = metrics.ETCD_LATENCY.labels("get_node")
-    before = sum(b.get() for b in reads._buckets)  # type: ignore[attr-defined]
+    before = sum(b.get() for b in reads._buckets)
     answers = await asyncio.gather(*(client.leases.Lookup(lookup_request(n), timeout=10) for n in names))
     assert [a.decision for a in answers] == [leases_pb2.PULL] * len(names)
     counted = sum(b.get() for b in reads._buckets) - before  # type: ignore[attr-defined]
