@@ -207,5 +207,5 @@ async def test_lookups_of_one_node_share_its_confirming_read(daemon: Daemon, cli
     before = sum(b.get() for b in reads._buckets)
     answers = await asyncio.gather(*(client.leases.Lookup(lookup_request(n), timeout=10) for n in names))
     assert [a.decision for a in answers] == [leases_pb2.PULL] * len(names)
-    counted = sum(b.get() for b in reads._buckets) - before  # type: ignore[attr-defined]
+    counted = sum(b.get() for b in reads._buckets) - before
     assert 1 <= counted <= 2 * 10, counted  # (two ranges a read: 40 unshared; one, or a few if slow)
