@@ -28,6 +28,10 @@ another replica forwards it over the daemon-only Owners RPC, kvferry.v1.Owners):
 - Get (and a peek lookup) read the owner's memory; List, the gauge scan and the budget
   rescans read etcd, which may be a write-behind (milliseconds) behind.
 
+So a lookup waits for no etcd write. What it still asks etcd is its decode node's state
+before a pull (service/nodecache.py): one serializable read (never behind etcd's WAL
+fsync) shared by that node's lookups for 50 ms.
+
 A single replica owns every shard, and nothing is forwarded. Several replicas share them:
 each takes free shards up to its fair share (ceil(S / live replicas)) and hands the rest
 over cleanly; an operation on a shard nobody owns takes it at once.
