@@ -27,7 +27,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -321,15 +321,21 @@ async def one_turn(
         )
 
 
+THINK_S = 0.05
+"""`make demo`'s think time: the agent's tool runs for 50 ms after each turn."""
+
+
 async def run_workload(
     url: str,
     conversations: Sequence[Conversation],
     turns: int,
     clients: int,
-    think_s: float = 0.05,
+    think_s: Callable[[int], float] = lambda turn: THINK_S,
     max_tokens: int = 48,
 ) -> list[TurnRecord]:
-    """Each client takes conversations one at a time and runs all their turns."""
+    """Each client takes conversations one at a time and runs all their turns, waiting
+    ``think_s(t)`` seconds after turn `t` (from 0) of a conversation before its next turn
+    (or the next conversation)."""
     queue: asyncio.Queue[Conversation] = asyncio.Queue()
     for c in conversations:
         c.answers.clear()
@@ -344,7 +350,7 @@ async def run_workload(
                     rec = await one_turn(http, url, conv, t, max_tokens)
                     records.append(rec)
                     conv.answers.append(rec.answer)
-                    await asyncio.sleep(think_s)  # the tool runs
+                    await asyncio.sleep(think_s(t))  # the tool runs
 
         await asyncio.gather(*(client() for _ in range(clients)))
     return records
@@ -428,16 +434,21 @@ async def main_async(args: argparse.Namespace) -> int:
     return 1 if failed or differ or stale else 0
 
 
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """`make demo`'s workload flags: --conversations, --turns, --clients, --seed."""
+    p.add_argument("--conversations", type=int, default=8, help="agent conversations")
+    p.add_argument("--turns", type=int, default=10, help="turns of each")
+    p.add_argument("--clients", type=int, default=2, help="conversations run at a time")
+    p.add_argument("--seed", type=int, default=1, help="the conversations' seed")
+
+
 def with_reuse_sorted(records: list[TurnRecord]) -> list[TurnRecord]:
     return sorted(records, key=lambda r: (r.cid, r.turn))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--conversations", type=int, default=8)
-    p.add_argument("--turns", type=int, default=10)
-    p.add_argument("--clients", type=int, default=2)
-    p.add_argument("--seed", type=int, default=1)
+    add_workload_arguments(p)
     args = p.parse_args(argv)
     logs.configure("warning")
     return run_main(main_async(args))

@@ -23,14 +23,13 @@ import argparse
 import asyncio
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import aiohttp
 import grpc
 
 from bench.demo import TIMING as DEMO_TIMING
-from bench.demo import Conversation, TurnRecord, agent_conversations, deployment, one_turn
+from bench.demo import add_workload_arguments, agent_conversations, deployment, run_workload
 from kvferry import logs
 from kvferry.tasks import run_main
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
@@ -110,28 +109,10 @@ async def _poll(address: str, holding: Holding, stop: asyncio.Event, tail_s: flo
             await asyncio.sleep(POLL_S)
 
 
-async def _turns(url: str, conversations: Sequence[Conversation], w: Workload, seed: int) -> list[TurnRecord]:
-    """bench.demo's run_workload with think times drawn from `w.think_s`."""
+def _think(w: Workload, seed: int) -> Callable[[int], float]:
+    """Seconds between a conversation's turns, drawn from `w.think_s`; none after its last."""
     rng = random.Random(seed)
-    queue: asyncio.Queue[Conversation] = asyncio.Queue()
-    for c in conversations:
-        c.answers.clear()
-        queue.put_nowait(c)
-    records: list[TurnRecord] = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
-
-        async def client() -> None:
-            while not queue.empty():
-                conv = queue.get_nowait()
-                for t in range(w.turns):
-                    rec = await one_turn(http, url, conv, t, 48)
-                    records.append(rec)
-                    conv.answers.append(rec.answer)
-                    if t + 1 < w.turns:
-                        await asyncio.sleep(rng.uniform(*w.think_s))
-
-        await asyncio.gather(*(client() for _ in range(w.clients)))
-    return records
+    return lambda t: rng.uniform(*w.think_s) if t + 1 < w.turns else 0.0
 
 
 @dataclass(frozen=True)
@@ -161,7 +142,7 @@ async def run(w: Workload, policy: str, flag: str, seed: int) -> Run:
             _poll(dep.daemon.address, holding, stop, FIXED_TAIL_S if flag == "0" else IDLE_TAIL_S)
         )
         try:
-            records = await _turns(dep.kvferry.url, conversations, w, seed)
+            records = await run_workload(dep.kvferry.url, conversations, w.turns, w.clients, _think(w, seed))
         finally:
             stop.set()
         await poller
@@ -228,15 +209,12 @@ async def main_async(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.holding", description=__doc__.split("\n\n")[0])
-    p.add_argument("--conversations", type=int, default=8, help="make demo's workload (its defaults)")
-    p.add_argument("--turns", type=int, default=10)
-    p.add_argument("--clients", type=int, default=2)
+    add_workload_arguments(p)  # (make demo's workload, its defaults)
     p.add_argument("--long-conversations", type=int, default=40, help="the long-think workload")
     p.add_argument("--long-turns", type=int, default=3)
     p.add_argument("--long-clients", type=int, default=40)
     p.add_argument("--think-min", type=float, default=20.0)
     p.add_argument("--think-max", type=float, default=40.0)
-    p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
     logs.configure("warning")
     return run_main(main_async(args))

@@ -1,7 +1,8 @@
 """The retention budget of a decode node: which retentions to release early, and why.
 
 Retention trades D's KV memory for reuse. A retention is worth what it is expected to
-save per block-second it still holds:
+save per block-second it still holds (the rule's one home is `kvferry.retentionvalue`,
+which `kvferry plan` replays too):
 
     value = reusable tokens x P(its conversation comes back before it expires)
             / (blocks x seconds left)
@@ -29,6 +30,17 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvferry.retentionvalue import (
+    DEFAULT_IDLE_FACTOR,
+    IDLE_QUANTILE,
+    blocks_for,
+    p_return,
+    value_per_block_second,
+)
+from kvferry.retentionvalue import IDLE_FLOOR_S as IDLE_FLOOR_S  # (the idle rule's, named here too)
+from kvferry.retentionvalue import MIN_OBSERVED as MIN_OBSERVED
+from kvferry.retentionvalue import idle_after as _idle_after
+
 #: Upper edges (seconds) of the turn-interval histogram: 1 s to ~2 h, 4 buckets per doubling.
 EDGES: tuple[float, ...] = tuple(2 ** (i / 4) for i in range(53))
 #: The prior: PRIOR_WEIGHT pseudo-observations (they fade as intervals are seen), a share
@@ -43,15 +55,6 @@ PRIOR_WEIGHT = 4.0
 DEFAULT_SHARE = 0.5
 #: Default near-full mark: above 90% pool use, retentions give room to requests first.
 DEFAULT_NEAR_FULL = 0.9
-#: Default --idle-release FACTOR: a retention idle FACTOR x the IDLE_QUANTILE turn interval
-#: is released (0 = off: retentions are held to their deadline, the fixed TTL of old).
-DEFAULT_IDLE_FACTOR = 2.0
-#: The turn interval the idle rule scales: 99% of the conversations seen came back sooner.
-IDLE_QUANTILE = 0.99
-#: Intervals to see before the idle rule releases anything (fewer say too little).
-MIN_OBSERVED = 50
-#: Never idle-release a retention younger than this, whatever the intervals seen.
-IDLE_FLOOR_S = 10.0
 
 
 class Reason(enum.StrEnum):
@@ -130,11 +133,7 @@ class IntervalSketch:
 
     def p_return(self, age_s: float, left_s: float) -> float:
         """P(the conversation comes back within `left_s` | idle for `age_s` so far)."""
-        if left_s <= 0 or math.isnan(age_s) or math.isnan(left_s):
-            return 0.0
-        alive = self._beyond(age_s)
-        p = (alive - self._beyond(age_s + left_s)) / alive
-        return min(max(p, 0.0), 1.0)
+        return p_return(self._beyond, age_s, left_s)
 
 
 @dataclass(frozen=True)
@@ -153,7 +152,7 @@ class Held:
     @property
     def blocks(self) -> int:
         """The D blocks it holds (a partial last block is a whole one)."""
-        return -(-self.num_tokens // max(self.block_size, 1))
+        return blocks_for(self.num_tokens, self.block_size)
 
 
 @dataclass(frozen=True)
@@ -192,8 +191,7 @@ def value(h: Held, now: float, sketch: IntervalSketch) -> float:
     left = h.expires_at - now
     if left <= 0:
         return 0.0
-    p = sketch.p_return(now - h.created_at, left)
-    return h.num_tokens * p / (h.blocks * left)
+    return value_per_block_second(h.num_tokens, h.blocks, sketch.p_return(now - h.created_at, left), left)
 
 
 def releases(
@@ -243,9 +241,7 @@ def idle_after(sketch: IntervalSketch, factor: float) -> float | None:
     Its interval is then not seen, so the sketch learns no interval longer than the
     threshold; IDLE_FLOOR_S, and the quantile's bucket edge (rounding up), keep it from
     shrinking far below the intervals actually seen."""
-    if factor <= 0.0 or sketch.observed < MIN_OBSERVED:
-        return None
-    return max(factor * sketch.quantile(IDLE_QUANTILE), IDLE_FLOOR_S)
+    return _idle_after(sketch.quantile(IDLE_QUANTILE), sketch.observed, factor)
 
 
 def idle(held: Iterable[Held], now: float, sketch: IntervalSketch, factor: float) -> list[Held]:

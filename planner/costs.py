@@ -11,20 +11,22 @@ one prefill at a time; the KV moves block by block) plus what the router's hops 
 its first byte.
 
 `fit` takes a kvferry trace (turns with and without reuse: the regressors computed
-tokens and blocks moved are then not collinear) and solves the least squares for the
-overhead, prefill and transfer rates, subtracting P's queueing as the current estimate
-predicts it (three rounds); decode comes from latency minus TTFT over output tokens.
-A rate the data cannot pin down (negative, or a singular system) keeps the given value.
+tokens and blocks moved are then not collinear) and finds the overhead, prefill and
+transfer rates with the least absolute errors of the whole formula, P's queue included
+(`p_waits`, on the trace's arrivals); decode comes from latency minus TTFT over output
+tokens. A rate the data cannot pin down (negative, or a singular system) keeps the given
+value.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from kvferry.retentionvalue import blocks_for
 from planner.traces import Turn
-from planner.value import blocks_for
 
 EMULATOR = {"prefill_ms_per_token": 0.05, "transfer_ms_per_block": 0.05, "decode_ms_per_token": 2.0}
 """`make demo`'s emulator timing (bench/demo.py TIMING): the default rates."""
@@ -83,32 +85,109 @@ def p_waits(turns: Sequence[Turn], model: CostModel, reused: Sequence[int]) -> l
     return waits
 
 
-def fit(turns: Sequence[Turn], start: CostModel | None = None, rounds: int = 3) -> CostModel:
+def recorded_ttfts(turns: Sequence[Turn], model: CostModel, reused: Sequence[int]) -> list[float]:
+    """Each turn's TTFT (ms) as `model` has it, the turn arriving when the trace says and
+    reusing `reused` tokens (its wait for P included)."""
+    waits = p_waits(turns, model, reused)
+    return [
+        model.overhead_ms
+        + wait
+        + model.prefill_ms_per_token * max(1, t.prompt_tokens - r)
+        + model.transfer_ms_per_block * model.moved_blocks(t.prompt_tokens, r)
+        for t, r, wait in zip(turns, reused, waits, strict=True)
+    ]
+
+
+def fit(turns: Sequence[Turn], start: CostModel | None = None) -> CostModel:
     """Rates fitted to a kvferry trace's measured TTFT and latency (`start`: the fallback).
 
-    Least absolute deviations (iteratively reweighted least squares): the fitted model's
-    errors have a median of zero, so its TTFT percentiles follow the measured ones, and a
-    few slow turns (a first connection, a stall of a loaded machine) do not set the rates
-    as they would a least-squares fit."""
+    The rates minimise the absolute errors of the whole model, P's queue included: the
+    waits are computed from the rates being tried, on the trace's own arrivals, and the
+    overhead is the median of what is left (least absolute deviations: the fitted model's
+    errors have a median of zero, and a few slow turns, a first connection or a stall of a
+    loaded machine, do not set the rates as they would a least-squares fit). The search
+    (`_nelder_mead` over the logarithms of the prefill and transfer rates) starts from the
+    linear fit without waits. (Fitting the linear part to the TTFT minus the waits of the
+    previous rates, round by round, did not converge: a rate a little high made the
+    modelled queue grow, and the next round's rate higher still.)"""
     model = start or CostModel()
     timed = [t for t in turns if t.measured is not None and t.measured.ttft_ms is not None]
     if len(timed) < 4:
         raise ValueError(f"a fit needs at least 4 turns with a measured TTFT; the trace has {len(timed)}")
     reused = [t.measured.reused_tokens if t.measured else 0 for t in timed]
-    for _ in range(rounds):
-        waits = p_waits(timed, model, reused)
-        rows = [
-            (1.0, float(max(1, t.prompt_tokens - r)), float(model.moved_blocks(t.prompt_tokens, r)))
-            for t, r in zip(timed, reused, strict=True)
-        ]
-        ys = [
-            (t.measured.ttft_ms or 0.0) - w if t.measured else 0.0 for t, w in zip(timed, waits, strict=True)
-        ]
-        fitted = _solve(model, rows, ys)
-        if fitted is None:
-            break
-        model = fitted
+    ttfts = [(t.measured.ttft_ms or 0.0) if t.measured else 0.0 for t in timed]
+    rows = [
+        (1.0, float(max(1, t.prompt_tokens - r)), float(model.moved_blocks(t.prompt_tokens, r)))
+        for t, r in zip(timed, reused, strict=True)
+    ]
+    linear = _solve(model, rows, ttfts)
+    if linear is not None:
+        # (a transfer rate the linear fit kept, the data not pinning it down, stays kept)
+        kept = linear.transfer_ms_per_block == model.transfer_ms_per_block
+        model = _with_waits(linear, timed, reused, ttfts, transfer_free=not kept)
     return replace(model, decode_ms_per_token=_decode_rate(timed, model.decode_ms_per_token))
+
+
+def _with_waits(
+    linear: CostModel,
+    turns: Sequence[Turn],
+    reused: Sequence[int],
+    ttfts: Sequence[float],
+    transfer_free: bool,
+) -> CostModel:
+    """`linear` with the prefill rate (and the transfer rate when `transfer_free`) and the
+    overhead minimising the absolute errors of TTFT = overhead + P's wait + prefill x
+    computed + transfer x moved."""
+
+    def at(logs: Sequence[float]) -> CostModel:
+        transfer = math.exp(logs[1]) if transfer_free else linear.transfer_ms_per_block
+        return replace(linear, prefill_ms_per_token=math.exp(logs[0]), transfer_ms_per_block=transfer)
+
+    def errors(logs: Sequence[float]) -> tuple[float, float]:
+        modelled = recorded_ttfts(turns, replace(at(logs), overhead_ms=0.0), reused)
+        left = [y - m for y, m in zip(ttfts, modelled, strict=True)]
+        overhead = max(0.0, statistics.median(left))
+        return sum(abs(e - overhead) for e in left), overhead
+
+    first = [math.log(linear.prefill_ms_per_token), math.log(max(linear.transfer_ms_per_block, 1e-6))]
+    best = _nelder_mead(lambda x: errors(x)[0], first[: 1 + transfer_free], [0.2, 0.2][: 1 + transfer_free])
+    return replace(at(best), overhead_ms=errors(best)[1])
+
+
+def _nelder_mead(
+    f: Callable[[Sequence[float]], float], x0: Sequence[float], steps: Sequence[float], iterations: int = 300
+) -> list[float]:
+    """The point near `x0` minimising `f` (the Nelder-Mead simplex; `steps`: its first size)."""
+    n = len(x0)
+    points = [list(x0)] + [[x + (steps[i] if j == i else 0.0) for j, x in enumerate(x0)] for i in range(n)]
+    values = [f(p) for p in points]
+    for _ in range(iterations):
+        order = sorted(range(n + 1), key=values.__getitem__)
+        points, values = [points[i] for i in order], [values[i] for i in order]
+        if values[-1] - values[0] <= 1e-9 * max(1.0, abs(values[0])):
+            break
+        centre = [sum(p[j] for p in points[:-1]) / n for j in range(n)]
+        worst = points[-1]
+        reflected = [c + (c - w) for c, w in zip(centre, worst, strict=True)]
+        fr = f(reflected)
+        if fr < values[0]:
+            expanded = [c + 2 * (c - w) for c, w in zip(centre, worst, strict=True)]
+            fe = f(expanded)
+            points[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
+        elif fr < values[-2]:
+            points[-1], values[-1] = reflected, fr
+        else:
+            contracted = [c + 0.5 * (w - c) for c, w in zip(centre, worst, strict=True)]
+            fc = f(contracted)
+            if fc < values[-1]:
+                points[-1], values[-1] = contracted, fc
+            else:  # (shrink towards the best point)
+                points = [
+                    points[0],
+                    *([b + 0.5 * (x - b) for b, x in zip(points[0], p, strict=True)] for p in points[1:]),
+                ]
+                values = [values[0], *(f(p) for p in points[1:])]
+    return points[min(range(n + 1), key=values.__getitem__)]
 
 
 L1_ROUNDS = 20

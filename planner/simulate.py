@@ -2,22 +2,32 @@
 
 What it models (each step as kvferry and the emulator do it):
 
-- A turn arrives (at its timestamp, or ``think_s`` after its conversation's previous
-  turn ended, `clients` conversations at a time). Its lookup claims the conversation's
-  retention, if one is live and more than the daemon's safety margin (10 s) from its
-  expiry: P pulls ``min(shared, retained)`` tokens, cut to whole blocks, when that is at
-  least the recompute threshold (the daemon's `controlplane.policy.decide`); else P
-  recomputes and the retention is released. Either way the retention ends there.
+- A turn arrives: at its timestamp, or ``think_s`` after its conversation's previous
+  turn ended, `clients` conversations at a time. A kvferry trace's later turns keep
+  their recorded think time after the previous turn's end, and that end keeps its
+  recorded lag: how much later (or earlier) than the model's end for it, on the
+  recorded arrivals with the recorded reuse, the turn really ended (`recorded_lags`). So
+  a configuration moves a turn by what the model says it changes, and replaying the
+  recorded configuration keeps the recorded timeline, stalls of the machine and all,
+  which P's queue (modelled on it, as the fit models it) depends on.
+- Its lookup claims the conversation's retention, if one is live and more than the
+  daemon's safety margin (10 s) from its expiry: P pulls ``min(shared, retained)``
+  tokens, cut to whole blocks, when that is at least the recompute threshold (the
+  daemon's `controlplane.policy.decide`); else P recomputes and the retention is
+  released. Either way the retention ends there. A turn whose lookup the recorded run
+  skipped (`planner.traces.Measured.skipped_for_the_run`: the daemon late, say) skips it
+  here too; its retention stays until the turn's own replaces it.
 - P computes the rest, one prefill at a time; D pulls the prompt from P; the answer takes
   decode x output tokens (`planner.costs.CostModel`). D holds the turn's blocks (prompt
   and output) while it runs.
 - At the turn's end D retains its blocks for the TTL. With a budget (a share of D's pool)
   retentions over it are released early: ``fixed``, the oldest first; ``value``, the least
-  valuable first (`planner.value`: the daemon's rule). With ``value``, a turn that finds
-  D's pool full gets room from retentions first (least valuable first); with ``fixed``
-  (vLLM's own behaviour) it counts as a pool-full moment: D would make it wait, then 503.
-  ``idle`` is ``value`` plus the daemon's idle release (its defaults: `planner.value.
-  idle_after`): a retention idle far past every return interval seen goes early.
+  valuable first (`kvferry.retentionvalue`: the daemon's rule). With ``value``, a turn
+  that finds D's pool full gets room from retentions first (least valuable first); with
+  ``fixed`` (vLLM's own behaviour) it counts as a pool-full moment: D would make it wait,
+  then 503. ``idle`` is ``value`` plus the daemon's idle release (its defaults:
+  `planner.value.idle_after`): a retention idle far past every return interval seen goes
+  early.
 
 What comes out per configuration: `Outcome` (hit rate, reused tokens, block-seconds held
 per reused token, TTFT, D's pool use over time).
@@ -31,9 +41,10 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from planner.costs import CostModel
+from kvferry.retentionvalue import blocks_for, value_per_block_second
+from planner.costs import CostModel, recorded_ttfts
 from planner.traces import Turn, Workload
-from planner.value import ReturnIntervals, blocks_for, idle_after, value_per_block_second
+from planner.value import ReturnIntervals, idle_after
 
 POLICIES = ("fixed", "value", "idle")
 SAFETY_MARGIN_S = 10.0
@@ -89,7 +100,14 @@ class Outcome:
     pool_full: int = 0
     """Turns that found D's pool full (``fixed``: D would make them wait, then refuse)."""
     releases: dict[str, int] = field(
-        default_factory=lambda: {"claimed": 0, "expiry": 0, "budget": 0, "near_full": 0, "idle": 0}
+        default_factory=lambda: {
+            "claimed": 0,
+            "expiry": 0,
+            "budget": 0,
+            "near_full": 0,
+            "idle": 0,
+            "replaced": 0,
+        }
     )
     pressure: list[tuple[float, float, float]] = field(default_factory=list)
     """(seconds, share of D's pool in use, share held by retentions), at each event."""
@@ -179,6 +197,9 @@ class _Engines:
         cap = self.c.budget * self.c.pool_blocks
         if not self.c.reuse or self.c.ttl_s <= SAFETY_MARGIN_S or blocks > cap:
             return
+        replaced = self.retained.get(turn.conversation)
+        if replaced is not None:  # (a turn that skipped its lookup left it: the daemon replaces it)
+            self.release(replaced, now, "replaced")
         while self.retained_blocks + blocks > cap and self.retained:
             self.intervals.expired()
             self.release(self.victim(now), now, "budget")
@@ -205,7 +226,10 @@ class _Engines:
         """The turn's lookup, prefill and D's allocation; -> its predicted result."""
         self.expire_until(now)
         decision, reused = ("RECOMPUTE", 0) if self.c.reuse else ("NONE", 0)
-        r = self.retained.get(turn.conversation)
+        skipped = self.c.reuse and turn.measured is not None and turn.measured.skipped_for_the_run
+        r = None if skipped else self.retained.get(turn.conversation)
+        if skipped:
+            decision = "SKIPPED"
         if r is not None:
             self.intervals.returned(now - r.start)
             if now < r.expiry - SAFETY_MARGIN_S:
@@ -261,6 +285,7 @@ def simulate(
     convs = _all_conversations(workload)
     follow = {id(t): (conv, i) for conv in convs for i, t in enumerate(conv)}
     pending = iter(convs)
+    lags = recorded_lags(workload, costs)
     if workload.timed:  # first turns at their times; later ones when the previous has ended
         for conv in convs:
             heapq.heappush(events, (conv[0].arrival_s or 0.0, next(seq), "arrive", conv[0]))
@@ -279,9 +304,9 @@ def simulate(
             conv, i = follow[id(turn)]
             after = conv[i + 1] if i + 1 < len(conv) else None
             if after is not None:
-                heapq.heappush(
-                    events, (_next_arrival(after, now, think_s, workload.timed), next(seq), "arrive", after)
-                )
+                end = now + lags.get(id(turn), 0.0)
+                at = max(now, _next_arrival(after, end, think_s, workload.timed))
+                heapq.heappush(events, (at, next(seq), "arrive", after))
             elif not workload.timed:
                 nxt = next(pending, None)
                 if nxt is not None:
@@ -289,6 +314,32 @@ def simulate(
         eng.sample(now)
     eng.expire_until(math.inf)  # (what is still retained is held to its expiry)
     return out
+
+
+def recorded_lags(workload: Workload, costs: CostModel) -> dict[int, float]:
+    """Seconds each measured turn of a timed trace (by ``id``) really ended after the end
+    the `costs` model gives it as recorded: its measured latency less the model's TTFT
+    (with its recorded reuse, P's queue on the recorded arrivals) and decode. Negative:
+    it ended before."""
+    recorded = [
+        t
+        for t in workload.turns
+        if workload.timed
+        and t.arrival_s is not None
+        and t.measured is not None
+        and t.measured.ttft_ms is not None
+    ]
+    reused = [t.measured.reused_tokens if t.measured else 0 for t in recorded]
+    ttfts = recorded_ttfts(recorded, costs, reused)
+    return {
+        id(t): (
+            (t.measured.latency_ms if t.measured else 0.0)
+            - ttft
+            - costs.decode_ms_per_token * t.output_tokens
+        )
+        / 1e3
+        for t, ttft in zip(recorded, ttfts, strict=True)
+    }
 
 
 def _all_conversations(workload: Workload) -> list[list[Turn]]:

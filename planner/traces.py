@@ -72,6 +72,16 @@ class Measured:
     reused_tokens: int
     ttft_ms: float | None
     latency_ms: float
+    reason: str = ""
+    """The decision's reason (traces before it was recorded: "")."""
+
+    @property
+    def skipped_for_the_run(self) -> bool:
+        """The router did not look the turn up (or got no usable answer) for a reason of the
+        run or of the request: the daemon late or unreachable, a prompt it cannot verify.
+        A replay skips it too: no retention policy changes that. (Not reuse being off: a
+        replay decides that, and not a trace without reasons.)"""
+        return self.decision == "SKIPPED" and self.reason not in ("", "reuse_off")
 
 
 @dataclass(frozen=True)
@@ -358,11 +368,15 @@ def read_kvferry(text: str, name: str) -> Workload:
         tenant = obj.get("tenant", "")
         cid = f"{tenant}/{conversation}" if conversation else f"line{lineno}"
         ttft = obj.get("ttft_ms")
+        reason = obj.get("reason", "")
+        if not isinstance(reason, str):
+            raise TraceError(f"{where}: 'reason' must be a string, not {reason!r}")
         measured = Measured(
             str(obj.get("decision", "")),
             _count(obj, "reused_tokens", where),
             float(ttft) if isinstance(ttft, (int, float)) else None,
             float(obj.get("latency_ms") or 0.0),
+            reason,
         )
         prev = previous.get(cid) if index else None
         shared = min(prompt, prev.prompt_tokens + prev.output_tokens) if prev is not None else 0

@@ -223,4 +223,5 @@ def record_turn(turn: Turn, trace: TurnTrace, elapsed: float) -> None:
         decision=reuse.decision if reuse is not None else "NONE",
         ttft_s=turn.first_byte_s,
         latency_s=elapsed,
+        reason=reuse.reason if reuse is not None else "",
     )

@@ -4,11 +4,12 @@ What `kvferry plan` replays (`planner.traces.read_kvferry`): when each turn bega
 and which conversation it was (digests, salted per file: the same id gives the same
 digest within one file and nothing a reader could look up), the turn's index in its
 conversation, its prompt and output tokens, the tokens it reused, the lookup's
-decision, and its time to first byte and latency::
+decision and its reason (`router.decisions`: why a turn was SKIPPED, say), and its time
+to first byte and latency::
 
     {"t": 1764650000.123, "tenant": "9f2c...", "conversation": "41ab...", "turn": 3,
      "prompt_tokens": 9120, "output_tokens": 48, "reused_tokens": 6592,
-     "decision": "PULL", "ttft_ms": 61.2, "latency_ms": 160.4}
+     "decision": "PULL", "reason": "partial_pull", "ttft_ms": 61.2, "latency_ms": 160.4}
 
 Off by default. On, a turn costs one small dict, a digest and a buffered write (the file
 is flushed when the router stops, or as its buffer fills). Output tokens come from the
@@ -92,6 +93,7 @@ class TurnTrace:
         decision: str,
         ttft_s: float | None,
         latency_s: float,
+        reason: str = "",
     ) -> None:
         """Append one finished turn (`started`: its wall-clock start, seconds)."""
         if self._file is None:
@@ -105,6 +107,7 @@ class TurnTrace:
             "output_tokens": output_tokens,
             "reused_tokens": reused_tokens,
             "decision": decision,
+            "reason": reason,
             "ttft_ms": None if ttft_s is None else round(ttft_s * 1e3, 3),
             "latency_ms": round(latency_s * 1e3, 3),
         }

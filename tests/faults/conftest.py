@@ -14,6 +14,7 @@ as one table (``make test-faults`` shows it; so does ``pytest -s`` or not)."""
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import pytest
 from tests.faults.deployment import Deployment, deployment
 from tests.faults.figures import Figures, table
 from tests.faults.ledger import Ledger
+from tests.history.harness import SUMMARIES
 
 ENABLED = os.environ.get("KVFERRY_FAULTS") == "1"
 collect_ignore_glob = [] if ENABLED else ["test_*.py"]
@@ -44,7 +46,10 @@ async def cluster_deployment(tmp_path: Path, ledger: Ledger) -> AsyncIterator[De
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if not FIGURES:
-        return
-    terminalreporter.section("fault suite figures")
-    terminalreporter.write_line(table(FIGURES))
+    if FIGURES:
+        terminalreporter.section("fault suite figures")
+        terminalreporter.write_line(table(FIGURES))
+    if SUMMARIES and "tests.history.conftest" not in sys.modules:  # (else it shows them)
+        terminalreporter.section("single-use history check")
+        for line in SUMMARIES:
+            terminalreporter.write_line(line)

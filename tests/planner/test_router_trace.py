@@ -34,6 +34,7 @@ def test_the_trace_names_conversations_by_salted_digest_and_counts_their_turns(t
             decision="RECOMPUTE",
             ttft_s=0.01,
             latency_s=0.02,
+            reason="below_threshold",
         )
     trace.close()
     trace.close()  # (idempotent)
@@ -45,6 +46,7 @@ def test_the_trace_names_conversations_by_salted_digest_and_counts_their_turns(t
     assert lines[0]["conversation"] == lines[1]["conversation"] != lines[2]["conversation"]
     assert lines[3]["conversation"] == ""
     assert lines[0]["ttft_ms"] == 10.0 and lines[0]["latency_ms"] == 20.0
+    assert lines[0]["decision"] == "RECOMPUTE" and lines[0]["reason"] == "below_threshold"
     one, two = TurnTrace(str(tmp_path / "u.jsonl")), TurnTrace(str(tmp_path / "v.jsonl"))
     assert one.digest("secret-conv") != two.digest("secret-conv")
     one.close()

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
 from planner.costs import CostModel
 from planner.simulate import Config, simulate
-from planner.traces import Turn, Workload
+from planner.traces import Measured, Turn, Workload
 
 FREE = CostModel(0.0, 0.0, 0.0, 0.0, 16)
 """Engines that take no time: only the think times set the clock."""
@@ -145,3 +146,70 @@ def test_idle_release_frees_last_turns_early_at_the_same_hit_rate() -> None:
     assert idle.block_seconds < 0.1 * fixed.block_seconds
     few = simulate(_timed(*convs[:10]), Config(ttl_s=480, policy="idle", pool_blocks=1_000_000), FREE)
     assert few.releases["idle"] == 0  # (30 returns seen: fewer than 50, the rule waits)
+
+
+def _recorded(
+    cid: str,
+    index: int,
+    prompt: int,
+    shared: int,
+    at: float,
+    think: float | None,
+    ttft: float,
+    latency: float,
+    reused: int = 0,
+) -> Turn:
+    """A turn of a kvferry trace: its recorded arrival, think time, reuse and timing."""
+    decision = "PULL" if reused else "RECOMPUTE"
+    return Turn(cid, index, prompt, 16, shared, at, Measured(decision, reused, ttft, latency), think)
+
+
+def test_a_recorded_turn_keeps_its_lag_so_p_queues_on_the_recorded_timeline() -> None:
+    """a#0 ended 724 ms after the model's end for it (a stall: 900 ms against 160 + 16), so
+    a#1 arrives when it did, 1.0 s, and its prefill (160 ms) delays b's, which came at
+    1.05 s. Without the lag a#1 would come at 0.276 s and b would find P free."""
+    costs = CostModel(prefill_ms_per_token=0.1, transfer_ms_per_block=0.0, decode_ms_per_token=1.0)
+    workload = _timed(
+        [
+            _recorded("a", 0, 1600, 0, 0.0, None, 500.0, 900.0),
+            _recorded("a", 1, 3216, 1616, 1.0, 0.1, 170.0, 190.0, reused=1616),
+        ],
+        [_recorded("b", 0, 1600, 0, 1.05, None, 270.0, 290.0)],
+    )
+    out = simulate(workload, Config(ttl_s=480, pool_blocks=10_000), costs)
+    by = {(r.turn.conversation, r.turn.index): r for r in out.turns}
+    assert by["a", 1].decision == "PULL"
+    assert by["a", 1].ttft_ms == pytest.approx(160.0)
+    assert by["b", 0].ttft_ms == pytest.approx(270.0)  # (110 ms behind a#1, then its own 160)
+
+
+def test_a_turn_recorded_faster_than_the_model_still_follows_its_previous_answer() -> None:
+    """a#0 took 50 ms where the model says 176: its lag (-126 ms) is more than the think time
+    (100 ms), so a#1 comes at a#0's modelled end, and finds its retention."""
+    costs = CostModel(prefill_ms_per_token=0.1, transfer_ms_per_block=0.0, decode_ms_per_token=1.0)
+    workload = _timed(
+        [
+            _recorded("a", 0, 1600, 0, 0.0, None, 40.0, 50.0),
+            _recorded("a", 1, 3216, 1616, 0.15, 0.1, 170.0, 190.0, reused=1616),
+        ]
+    )
+    out = simulate(workload, Config(ttl_s=480, pool_blocks=10_000), costs)
+    assert [r.decision for r in out.turns] == ["RECOMPUTE", "PULL"]
+    assert out.pressure[1][0] == pytest.approx(0.176)  # (a#0's end, then a#1 at once)
+    assert out.pressure[2][0] == pytest.approx(0.176)
+
+
+@pytest.mark.parametrize(("reason", "replayed"), [("daemon_timeout", "SKIPPED"), ("reuse_off", "PULL")])
+def test_a_lookup_the_run_skipped_is_skipped_in_the_replay(reason: str, replayed: str) -> None:
+    """The router skipped a#1's lookup at its deadline: no retention policy changes that, so
+    the replay skips it too, and a#1's retention replaces a#0's, which a#2 then pulls. A turn
+    skipped because reuse was off is looked up: the replay decides that."""
+    a0 = _recorded("a", 0, 1600, 0, 0.0, None, 160.0, 176.0)
+    a1 = _recorded("a", 1, 3216, 1616, 1.0, 0.824, 322.0, 338.0)
+    a1 = dataclasses.replace(a1, measured=Measured("SKIPPED", 0, 322.0, 338.0, reason))
+    a2 = _recorded("a", 2, 4832, 3232, 2.0, 0.662, 160.0, 176.0, reused=3232)
+    costs = CostModel(prefill_ms_per_token=0.1, transfer_ms_per_block=0.0, decode_ms_per_token=1.0)
+    out = simulate(_timed([a0, a1, a2]), Config(ttl_s=480, pool_blocks=10_000), costs)
+    assert [r.decision for r in out.turns] == ["RECOMPUTE", replayed, "PULL"]
+    assert out.turns[2].reused_tokens == 3232
+    assert out.releases["replaced"] == (1 if replayed == "SKIPPED" else 0)

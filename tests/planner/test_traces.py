@@ -101,12 +101,17 @@ def test_kvferry_trace_keeps_the_measured_reuse_and_think_times(tmp_path: Path) 
          "reused_tokens": 0, "decision": "RECOMPUTE", "ttft_ms": 80.0, "latency_ms": 120.0},
         {"t": 100.5, "tenant": "", "conversation": "x", "turn": 1, "prompt_tokens": 1500, "output_tokens": 20,
          "reused_tokens": 1008, "decision": "PULL", "ttft_ms": 40.0, "latency_ms": 90.0},
+        {"t": 101.0, "tenant": "", "conversation": "x", "turn": 2, "prompt_tokens": 2000, "output_tokens": 20,
+         "reused_tokens": 0, "decision": "SKIPPED", "reason": "daemon_timeout", "ttft_ms": 90.0,
+         "latency_ms": 130.0},
     ]  # fmt: skip
     w = read_trace(_write(tmp_path, "k.jsonl", "\n".join(json.dumps(x) for x in lines)), "kvferry")
-    first, second = w.turns
+    first, second, third = w.turns
     assert (first.arrival_s, second.arrival_s) == (0.0, 0.5)
     assert second.shared_tokens == 1020 and second.think_s == pytest.approx(0.38)
     assert second.measured is not None and second.measured.reused_tokens == 1008
+    assert second.measured.reason == "" and not second.measured.skipped_for_the_run  # (no reason: older)
+    assert third.measured is not None and third.measured.skipped_for_the_run
 
 
 @pytest.mark.parametrize(
@@ -134,6 +139,12 @@ def test_kvferry_trace_keeps_the_measured_reuse_and_think_times(tmp_path: Path) 
             "t.jsonl:1: 'prompt_tokens'",
         ),
         ("kvferry", "", "no turns in the trace"),
+        (
+            "kvferry",
+            '{"t": 1, "conversation": "x", "turn": 0, "prompt_tokens": 1, "output_tokens": 1, '
+            '"reused_tokens": 0, "reason": 3}',
+            "t.jsonl:1: 'reason' must be a string, not 3",
+        ),
         (
             "vllm",
             '[{"id": "a", "messages": []}]',

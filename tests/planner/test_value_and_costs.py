@@ -8,9 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from planner.costs import CostModel, fit, least_squares
+from kvferry.retentionvalue import value_per_block_second
+from planner.costs import CostModel, fit, least_squares, p_waits
 from planner.traces import Measured, Turn
-from planner.value import PRIOR, ReturnIntervals, value_per_block_second
+from planner.value import PRIOR, ReturnIntervals
 
 gaps = st.lists(st.floats(0, 1000, allow_nan=False), max_size=40)
 times = st.floats(0, 2000, allow_nan=False)
@@ -92,6 +93,37 @@ def test_fit_is_not_led_by_a_few_slow_turns() -> None:
         turns[i] = dataclasses.replace(turns[i], measured=slow)
     got = fit(turns, CostModel())
     assert got.prefill_ms_per_token == pytest.approx(0.05, rel=0.05)
+
+
+def test_fit_recovers_the_rates_when_p_queues() -> None:
+    """Turns 60 ms apart with 50-200 ms prefills: most wait for P. The fit models the queue
+    with the rates it tries (the earlier fit, which subtracted the previous round's waits,
+    ended 2% off here, and ran away on some of the demo's traces)."""
+    truth = CostModel(prefill_ms_per_token=0.05, transfer_ms_per_block=0.04, overhead_ms=25)
+    shapes = []
+    for i in range(40):
+        prompt = 2000 + 600 * (i % 7) + 40 * i
+        reused = 0 if i % 5 == 0 else prompt - 1000 - 80 * (i % 9)
+        shapes.append(Turn(f"c{i}", 0, prompt, 40, 0, 0.06 * i, Measured("", reused, None, 0.0)))
+    waits = p_waits(shapes, truth, [t.measured.reused_tokens for t in shapes if t.measured])
+    turns = []
+    for t, wait in zip(shapes, waits, strict=True):
+        assert t.measured is not None
+        r = t.measured.reused_tokens
+        ttft = (
+            truth.overhead_ms
+            + wait
+            + truth.prefill_ms_per_token * (t.prompt_tokens - r)
+            + truth.transfer_ms_per_block * truth.moved_blocks(t.prompt_tokens, r)
+        )
+        turns.append(
+            dataclasses.replace(t, measured=Measured("PULL" if r else "RECOMPUTE", r, ttft, ttft + 80))
+        )
+    assert sum(w > 0 for w in waits) > 20
+    got = fit(turns, CostModel())
+    assert got.prefill_ms_per_token == pytest.approx(0.05, rel=0.01)
+    assert got.transfer_ms_per_block == pytest.approx(0.04, rel=0.05)
+    assert got.overhead_ms == pytest.approx(25, abs=1)
 
 
 def test_fit_needs_measured_turns() -> None:
