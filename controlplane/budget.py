@@ -72,6 +72,9 @@ class Reason(enum.StrEnum):
     """Blocks pinned with no retention (sidecar.retentions' orphan release)."""
     IDLE = "idle"
     """Idle far past every turn interval seen: its conversation is not coming back."""
+    FAILOVER = "failover"
+    """Found at a shard's unclean takeover: its last owner may have handed it out from
+    memory, so it is spent (controlplane.owners)."""
 
 
 @dataclass

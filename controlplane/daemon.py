@@ -20,8 +20,9 @@ from controlplane import metrics
 from controlplane.embedded import SECOND_DAEMON, EmbeddedEtcd, port_free
 from controlplane.errors import StoreUnavailable
 from controlplane.etcd import EtcdTls
+from controlplane.forward import OwnerClient
 from controlplane.peers import Peers
-from controlplane.records import Keys
+from controlplane.records import Keys, OwnerRecord
 from controlplane.server import Access, start_server
 from controlplane.service import ControlPlane
 from controlplane.settings import Settings
@@ -52,6 +53,7 @@ class Daemon:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _store: EtcdStore | None = None
     peers: Peers | None = None
+    _forwarder: OwnerClient | None = None
     _stopped: bool = False
 
     @property
@@ -79,6 +81,7 @@ class Daemon:
         self._server, self.port, self._health = serving.server, serving.port, serving.health
         self.token_port = serving.token_port
         announced = advertised(s.server.listen, self.port, s.server.advertise)
+        await self._own(cp, self.peers, announced, tls)
         if announced:
             self._tasks.append(asyncio.create_task(self.peers.run(announced), name="peers"))
         else:
@@ -97,6 +100,19 @@ class Daemon:
             embedded=self.embedded is not None,
             startup_s=round(time.perf_counter() - t0, 3),
         )
+
+    async def _own(self, cp: ControlPlane, peers: Peers, announced: str, tls: TlsFiles | None) -> None:
+        """Own claim shards (controlplane.owners): under this replica's id and address, the
+        others counted from the announcements, forwarding over the Owners RPC; the fair
+        share taken now when etcd answers (else as operations need them)."""
+        cp.owners.me = OwnerRecord(replica=peers.id, address=announced)
+        cp.owners.live = peers.live
+        self._forwarder = OwnerClient(tls)
+        peers.on_rotated.append(self._forwarder.rotated)
+        cp.owned.forwarder = self._forwarder
+        cp.owners.start()
+        with contextlib.suppress(StoreUnavailable):
+            await cp.owners.balance()
 
     async def _open_store(self) -> EtcdStore:
         """The store, connected (etcd not answering yet is logged, not fatal: lookups answer
@@ -173,10 +189,13 @@ class Daemon:
             await self._server.stop(grace)
         if self.control_plane is not None:
             await self.control_plane.settle()  # (before the store closes under them)
+            await self.control_plane.close()  # (every shard handed over, cleanly)
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
         if self.peers is not None:
             await self.peers.close()
+        if self._forwarder is not None:
+            await self._forwarder.close()
         if self._store is not None:
             await self._store.close()
         if self.embedded is not None:

@@ -80,6 +80,11 @@ class EmbeddedEtcd:
         self._lock: BinaryIO | None = None
 
     @property
+    def pid(self) -> int:
+        """The etcd process's id (0: not running)."""
+        return self._proc.pid if self._proc is not None and self._proc.returncode is None else 0
+
+    @property
     def endpoint(self) -> str:
         """host:port of its client port."""
         return f"127.0.0.1:{self.client_port}"

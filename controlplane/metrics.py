@@ -39,6 +39,17 @@ RELEASES = Counter(
     "revoke overtook, the sidecars counting their own orphans)",
     ["reason"],
 )
+OWNED_SHARDS = Gauge("kvferry_owned_shards", "Claim shards this replica owns (controlplane.owners)")
+OWNER_WRITES_QUEUED = Gauge(
+    "kvferry_owner_writes_queued", "Decisions of the owned shards whose etcd writes are still behind"
+)
+FAILOVER_RETENTIONS = Counter(
+    "kvferry_failover_retentions_total",
+    "Retentions found at an unclean takeover of a shard: treated as spent, their blocks released",
+)
+FORWARDED = Counter(
+    "kvferry_owner_forwarded_total", "Operations forwarded to a shard's owner replica", ["op"]
+)
 RETAINED_BLOCK_SECONDS = Counter(
     "kvferry_retained_block_seconds_total",
     "D KV block-seconds held by retentions (nodes attached to this replica); over "

@@ -73,6 +73,12 @@ class Peers:
         self._backoff = backoff_s
         self._lease = 0
         self._peers: dict[str, _Peer] = {}  # by replica id
+        self.on_rotated: list[Callable[[], None]] = []
+        """Told when the TLS files rotated (other channels with this identity re-made)."""
+
+    def live(self) -> int:
+        """How many replicas are announced now, this one included."""
+        return 1 + len(self._peers)
 
     @property
     def addresses(self) -> list[str]:
@@ -90,6 +96,8 @@ class Peers:
                     log.info("peers.announced", address=address, id=self.id)
                 if self._tls is not None and self._tls.changed():
                     await self._drop_all()  # (rotated: followed again below, on new channels)
+                    for rotated in self.on_rotated:
+                        rotated()
                 await self._follow(await self._store.announced())
             except StoreUnavailable as e:
                 log.info("peers.refresh_failed", error=str(e))

@@ -8,6 +8,8 @@ Key layout under a configurable prefix (default ``/kvferry``)::
     <prefix>/claimed/<tenant>/<conversation>      Claim marker, on a shared GC lease
     <prefix>/meta/scan-bounds                     Window bounds of the gauge scan (no lease)
     <prefix>/meta/generation-floor                Highest generation of a deleted node record
+    <prefix>/owners/<shard>                       OwnerRecord, on the owning replica's lease
+    <prefix>/shardstate/<shard>                   ShardState (no lease): how the last owner left
 
 Path segments are percent-encoded, so ids may contain ``/`` without ambiguity.
 Values are JSON (msgspec), readable with ``etcdctl get``.
@@ -108,6 +110,24 @@ class Claim(msgspec.Struct, frozen=True):
     """The request whose lookup claimed it (its X-Request-Id; "" = the lookup named none)."""
 
 
+class OwnerRecord(msgspec.Struct, frozen=True):
+    """Which replica owns a shard (controlplane.owners), and where the others reach it."""
+
+    replica: str
+    address: str = ""
+    """Its advertised gRPC address ("": none, a lone replica)."""
+
+
+class ShardState(msgspec.Struct, frozen=True):
+    """How a shard's last owner left it: written `clean=False` when a replica takes the
+    shard, `clean=True` (with its fence) when it hands it over after flushing every write."""
+
+    clean: bool
+    replica: str = ""
+    fence: int = 0
+    """The fence of the owner that left cleanly (0 while owned: the key's own revision)."""
+
+
 class NodeState(msgspec.Struct, frozen=True):
     """A node as the policy sees it: its record and whether its liveness key exists."""
 
@@ -123,7 +143,11 @@ _summary_decoder = msgspec.json.Decoder(HeldSummary)
 _bounds_decoder = msgspec.json.Decoder(list[bytes])
 
 
-def encode(obj: NodeRecord | Retention | Claim) -> bytes:
+_owner_decoder = msgspec.json.Decoder(OwnerRecord)
+_state_decoder = msgspec.json.Decoder(ShardState)
+
+
+def encode(obj: NodeRecord | Retention | Claim | OwnerRecord | ShardState) -> bytes:
     """A record as stored (JSON)."""
     return _node_encoder.encode(obj)
 
@@ -158,6 +182,16 @@ def decode_claim(raw: bytes) -> Claim:
     return _claim_decoder.decode(raw)
 
 
+def decode_owner(raw: bytes) -> OwnerRecord:
+    """A stored shard owner."""
+    return _owner_decoder.decode(raw)
+
+
+def decode_state(raw: bytes) -> ShardState:
+    """A stored shard state."""
+    return _state_decoder.decode(raw)
+
+
 def _seg(s: str) -> str:
     return quote(s, safe="")
 
@@ -174,6 +208,16 @@ class Keys:
         self.scan_bounds = f"{self.prefix}/meta/scan-bounds".encode()
         self.generation_floor = f"{self.prefix}/meta/generation-floor".encode()
         self.replicas = f"{self.prefix}/replicas/".encode()
+        self.owners = f"{self.prefix}/owners/".encode()
+        self.shard_states = f"{self.prefix}/shardstate/".encode()
+
+    def owner(self, shard: int) -> bytes:
+        """The key naming a shard's owner replica."""
+        return self.owners + str(shard).encode()
+
+    def shard_state(self, shard: int) -> bytes:
+        """The key of a shard's state (how its last owner left)."""
+        return self.shard_states + str(shard).encode()
 
     def replica(self, replica_id: str) -> bytes:
         """The key announcing a daemon replica."""

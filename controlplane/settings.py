@@ -150,6 +150,31 @@ class GcSettings:
     """Interval of the per-node live-retention / held-token gauge scan, seconds; 0 = off."""
 
 
+MAX_SHARDS = 4096
+"""Most claim shards (each is an etcd key and a compare in its writes)."""
+
+
+@dataclass(frozen=True)
+class OwnerSettings:
+    """How claim shards are owned (controlplane.owners)."""
+
+    shards: int = 32
+    ttl_s: int = 5
+    """TTL of the ownership lease: a crashed owner's shards are free after it."""
+    margin_s: float = 1.0
+    """Validity ends this long before the lease could lapse in etcd."""
+    grace_s: float = 5.0
+    """After an unclean takeover, how long the spent retentions' blocks are kept before
+    they are released (a pull the old owner answered may still be running)."""
+    wait_s: float = 1.0
+    """How long an operation waits for its shard (taken, loaded, valid) before it answers
+    store_unavailable."""
+    balance_s: float = 1.0
+    """Seconds between passes that take free shards and hand over those past the share."""
+    marker_s: float = 600.0
+    """How long claim markers are kept (set from GcSettings.claim_marker_s)."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """The largest inputs the daemon takes."""
@@ -174,6 +199,7 @@ class Settings:
     limits: Limits = field(default_factory=Limits)
     security: SecuritySettings = field(default_factory=SecuritySettings)
     budget: Budget = field(default_factory=lambda: Budget(DEFAULT_SHARE, DEFAULT_NEAR_FULL))
+    owners: OwnerSettings = field(default_factory=OwnerSettings)
 
     def validate(self) -> None:
         """Raise ValueError on a setting out of range."""
@@ -196,6 +222,10 @@ class Settings:
             ):
                 if not 1 <= port <= MAX_PORT:
                     raise ValueError(f"embedded etcd {name} port {port} is not a port (1..{MAX_PORT})")
+        if not 1 <= self.owners.shards <= MAX_SHARDS:
+            raise ValueError(f"claim shards must be 1..{MAX_SHARDS}, not {self.owners.shards}")
+        if not 2 <= self.owners.ttl_s <= 60:
+            raise ValueError(f"owner TTL must be 2..60 s, not {self.owners.ttl_s}")
         if self.nodes.gc_after_s < 0:
             raise ValueError("node GC delay must be 0 (never) or positive")
         if self.gc.bucket_s < 1 or self.gc.max_keys_per_lease < 1:
@@ -363,6 +393,19 @@ FLAGS = (
         "release a retention idle FACTOR x the 99th-percentile turn interval seen (after 50 "
         "seen; at least 10 s), whatever the budget (0 = off: held to its deadline)",
         float,
+    ),
+    Flag(
+        "claim-shards",
+        "owners.shards",
+        "conversations are split into this many shards, each owned by one replica that "
+        "decides its claims in memory (the same on every replica)",
+        int,
+    ),
+    Flag(
+        "owner-ttl",
+        "owners.ttl_s",
+        "seconds a crashed replica's shards stay owned (its ownership lease's TTL)",
+        int,
     ),
     Flag("gc-bucket", "gc.bucket_s", "seconds of retention deadlines per shared GC lease", int),
     Flag("gauge-scan", "gc.gauge_scan_s", "seconds between per-node gauge scans (0 = off)", float),

@@ -2,6 +2,7 @@
 operation and build the reply. Nothing else lives here.
 
 - nodes.py, leases.py: the servicers of kvferry.v1.Nodes and kvferry.v1.Leases;
+- owners.py: kvferry.v1.Owners, the daemon-only forwarding to a shard's owner;
 - auth.py: who calls, and whether its role may (one interceptor; per-request checks);
 - stream.py: Leases/Stream's ops multiplexed on one stream;
 - status.py: the one map from domain errors to gRPC status codes;
@@ -26,16 +27,18 @@ from controlplane.server.auth import Authenticator
 from controlplane.server.decoding import DecodeGuard
 from controlplane.server.leases import LeasesServicer
 from controlplane.server.nodes import NodesServicer
+from controlplane.server.owners import OwnersServicer
 from controlplane.service import ControlPlane
 from kvferry.channels import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 from kvferry.security.policy import Policy
 from kvferry.security.tls import TlsFiles, grpc_server_credentials
-from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
+from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc, owners_pb2, owners_pb2_grpc
 
 SERVICE_NAMES = (
     leases_pb2.DESCRIPTOR.services_by_name["Leases"].full_name,
     nodes_pb2.DESCRIPTOR.services_by_name["Nodes"].full_name,
     health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+    owners_pb2.DESCRIPTOR.services_by_name["Owners"].full_name,
     reflection.SERVICE_NAME,
 )
 
@@ -88,6 +91,7 @@ async def start_server(
     cluster = Cluster(cp.registry, cp.attachments, peers)
     nodes_pb2_grpc.add_NodesServicer_to_server(NodesServicer(cp.registry, cp.attachments, cluster), server)
     leases_pb2_grpc.add_LeasesServicer_to_server(LeasesServicer(cp.retentions, cp.lookups, cp.held), server)
+    owners_pb2_grpc.add_OwnersServicer_to_server(OwnersServicer(cp.owned), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(SERVICE_NAMES, server)

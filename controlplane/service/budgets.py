@@ -5,11 +5,11 @@ Held retentions are known from the registrations, claims and revokes this replic
 served (a node's sidecar registers its retentions through the replica it is attached
 to, which is the one that enforces that node's budget). A retention claimed through
 another replica may linger here until it expires: the count is then high, never low,
-and its release finds it gone, for etcd is the arbiter of single use:
+and its release finds it gone, for the shard's owner is the arbiter of single use:
 
-- a release deletes the retention from etcd first, only at the revision decided on
-  (`RetentionStore.revoke_exact`): one a lookup claimed meanwhile, or a newer turn
-  replaced, is left alone and not released;
+- a release deletes the retention at its shard's owner first (in memory, then written
+  to etcd), only at the revision decided on (`OwnedRetentions.revoke_exact`): one a
+  lookup claimed meanwhile, or a newer turn replaced, is left alone and not released;
 - only then is D's sidecar told to free the blocks (a ReleaseRetention on its Attach
   stream), so no lookup can be handed blocks that are being freed.
 
@@ -28,8 +28,8 @@ import structlog
 from controlplane import metrics
 from controlplane.budget import Budget, Held, IntervalSketch, Pool, Reason, idle, releases
 from controlplane.errors import StoreUnavailable
+from controlplane.owners import OwnedRetentions
 from controlplane.records import Retention
-from controlplane.store.retentions import RetentionStore
 
 log = structlog.get_logger(__name__)
 
@@ -54,7 +54,7 @@ class Budgets:
 
     def __init__(
         self,
-        store: RetentionStore,
+        store: OwnedRetentions,
         budget: Budget,
         clock: Callable[[], float],
         spawn: Callable[[Coroutine[Any, Any, None], str], object] | None = None,

@@ -3,9 +3,10 @@ for a lookup, the put-back of a lookup's own retention (it came late, after its 
 registered), the put-back of what was taken for a caller that went away, and the
 deadline noted in a marker.
 
-A retention is handed out once: a claim takes it out of etcd (store.retentions.claim),
-and only a claim whose answer reaches nobody puts it back. A put-back the conversation's
-next registration (or a revoke) overtook has D's sidecar free the blocks instead.
+A retention is handed out once: a claim takes it out of its shard owner's memory
+(controlplane.owners: decided there, made durable in etcd behind the answer), and only a
+claim whose answer reaches nobody puts it back. A put-back the conversation's next
+registration (or a revoke) overtook has D's sidecar free the blocks instead.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from typing import TypeVar
 import structlog
 
 from controlplane.errors import StoreUnavailable
+from controlplane.owners import OwnedRetentions
 from controlplane.records import Claim, Retention
 from controlplane.service.background import Background
 from controlplane.service.budgets import Budgets
-from controlplane.store.retentions import RetentionStore
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -54,7 +55,7 @@ class Claims:
 
     def __init__(
         self,
-        store: RetentionStore,
+        store: OwnedRetentions,
         background: Background,
         clock: Callable[[], float],
         budgets: Budgets,

@@ -7,7 +7,7 @@ it), nothing pulls or frees them. Nobody but the router knows whether it used an
 but the claim marker (``claimed/<tenant>/<conv>``: who claimed, when) and the
 conversation's retention (the turn that registered it) tell enough: a claim older than
 HELD_GRACE_S whose turn has not registered since went nowhere. `pin_state` decides that
-(pure); `HeldPins` reads etcd for it.
+(pure); `HeldPins` reads them at the conversations' shard owners (controlplane.owners).
 
 It can never name a pin an orphan while a retention names it or a claim of its
 conversation is less than HELD_GRACE_S old.
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 from controlplane.convert import remote_request_of
 from controlplane.errors import InvalidArgument
+from controlplane.owners import OwnedRetentions
 from controlplane.records import Claim, Retention
 from controlplane.service.validation import check_id, tenant_of
 from controlplane.settings import Limits
-from controlplane.store.retentions import RetentionStore
 
 HELD_GRACE_S = 120.0
 """A claim younger than this may still be pulled: a prefill node's pull of what a router
@@ -87,9 +87,9 @@ def pin_state(pin: Pin, current: Retention | None, marker: Claim | None, now: fl
 
 
 class HeldPins:
-    """Answers Leases/Held from etcd."""
+    """Answers Leases/Held from the shard owners' memory (the truth; etcd trails it)."""
 
-    def __init__(self, store: RetentionStore, limits: Limits, clock: Callable[[], float]) -> None:
+    def __init__(self, store: OwnedRetentions, limits: Limits, clock: Callable[[], float]) -> None:
         self._store = store
         self._limits = limits
         self._clock = clock

@@ -15,14 +15,14 @@ import structlog
 
 from controlplane import metrics
 from controlplane.errors import InvalidArgument, StoreUnavailable
-from controlplane.policy import RELEASE, Decision, Prompt, Reason, decide, decide_claimed
+from controlplane.owners import OwnedRetentions
+from controlplane.policy import Decision, Prompt, Reason, decide, decide_claimed
 from controlplane.records import Claim, Retention
 from controlplane.service.budgets import Budgets
 from controlplane.service.claims import Claimed, Claims
 from controlplane.service.nodecache import NodeCache
 from controlplane.service.validation import check_id, check_prompt, tenant_of
 from controlplane.settings import Settings
-from controlplane.store.retentions import RetentionStore
 
 log = structlog.get_logger(__name__)
 
@@ -35,6 +35,8 @@ LatePrompt = Callable[[], Awaitable[Prompt]]
 PUT_BACK_WAIT_S = 0.5
 """How long a node_gone answer waits for its retention to be back (an etcd that does not
 answer in time: it goes on being put back behind the answer)."""
+_PUT_BACK = frozenset({Reason.NODE_GONE, Reason.STORE_UNAVAILABLE})
+"""Answers whose claimed retention goes back: nobody can pull it now."""
 _OWN_TURN = Decision(False, Reason.OWN_TURN, "registered for this same request: left to the next turn")
 
 
@@ -66,7 +68,7 @@ class Lookups:
     def __init__(
         self,
         claims: Claims,
-        store: RetentionStore,
+        store: OwnedRetentions,
         nodes: NodeCache,
         settings: Settings,
         clock: Callable[[], float],
@@ -112,19 +114,21 @@ class Lookups:
                 self._claims.put_back(got, tenant, conversation)
                 raise
         except StoreUnavailable as e:
-            decision = _unavailable(e, got.taken if got is not None else None, now)
+            decision = _unavailable(e)
         taken = got.taken if got is not None else None
-        if got is not None and taken is not None and decision.reason is Reason.NODE_GONE:
-            # Its node may only be out of touch (its liveness lapsed while etcd had no quorum,
-            # suspended while in doubt), D still holding the blocks: the retention goes back
-            # for a later turn, not spent with nobody to pull or free it. (A node gone for
-            # good: it expires, or the conversation's next registration replaces it.) Back
-            # before the answer: the turn's own registration, sent after it, then replaces it
-            # (handed back to be freed), where it used to overtake a slow put-back and leave
-            # the blocks held for nobody (the fault suite, right after quorum came back).
+        if got is not None and taken is not None and decision.reason in _PUT_BACK:
+            # Nobody is handed it: it goes back for a later turn, before the answer. node_gone:
+            # its node may only be out of touch (its liveness lapsed while etcd had no quorum,
+            # suspended while in doubt), D still holding the blocks (a node gone for good: it
+            # expires, or the next registration replaces it). Back before the answer: the
+            # turn's own registration, sent after it, then replaces it (handed back to be
+            # freed), where it used to overtake a slow put-back and leave the blocks held for
+            # nobody. store_unavailable (the node unreadable after an in-memory claim): it
+            # was never handed out.
             putting = self._claims.put_back(got, tenant, conversation)
             if putting is not None:
                 await asyncio.wait({putting}, timeout=PUT_BACK_WAIT_S)
+            taken = None if decision.reason is Reason.STORE_UNAVAILABLE else taken
         if got is not None and taken is not None and decision.reason is Reason.EXPIRED:
             await self._claims.note_deadline(got, tenant, conversation, claimed_at, q.request_id)
         return self._answered(tenant, q, decision, taken, claimed=taken is not None)
@@ -148,7 +152,7 @@ class Lookups:
             prompt = Prompt(q.prompt_tokens, q.prompt_digests)
             decision = await self._decision(retention, claim, prompt, self._clock())
         except StoreUnavailable as e:
-            retention, decision = None, _unavailable(e, None, 0.0)
+            retention, decision = None, _unavailable(e)
         return self._answered(tenant, q, decision, retention, claimed=False)
 
     async def _decide(self, got: Claimed, prompt: Prompt, missing: str, now: float) -> Decision:
@@ -209,11 +213,8 @@ class Lookups:
         return LookupResult(decision, claimed, retention.params if retention else b"")
 
 
-def _unavailable(e: StoreUnavailable, taken: Retention | None, now: float) -> Decision:
-    """store_unavailable. A retention claimed before etcd failed (reading the node, say) is
-    spent either way, so its release is handed out while its deadline holds; a D that
-    restarted meanwhile ignores the notification."""
+def _unavailable(e: StoreUnavailable) -> Decision:
+    """store_unavailable. (A retention claimed before etcd failed, reading the node, say, goes
+    back: the claim was decided in its owner's memory, and nobody was handed it.)"""
     log.warning("lookup.store_unavailable", error=str(e))
-    release = RELEASE if taken is not None and now < taken.expires_at else None
-    engine = taken.engine_id if taken is not None else ""
-    return Decision(False, Reason.STORE_UNAVAILABLE, str(e), release=release, engine_id=engine)
+    return Decision(False, Reason.STORE_UNAVAILABLE, str(e))

@@ -12,6 +12,7 @@ import structlog
 from controlplane import metrics
 from controlplane.convert import remote_request_of
 from controlplane.errors import FailedPrecondition, InvalidArgument, NotFound, StoreUnavailable
+from controlplane.owners import OwnedRetentions
 from controlplane.policy import Prompt, holds_null_blocks
 from controlplane.records import Claim, NodeState, Retention
 from controlplane.service.budgets import Budgets
@@ -82,8 +83,10 @@ class Retentions:
         settings: Settings,
         clock: Callable[[], float],
         budgets: Budgets,
+        owned: OwnedRetentions,
     ) -> None:
         self._store = store
+        self._owned = owned
         self._budgets = budgets
         self._nodes = nodes
         self._policy = settings.policy
@@ -117,7 +120,7 @@ class Retentions:
             request_id=reg.request_id,
             whole_only=holds_null_blocks(reg.params),
         )
-        revision, replaced = await self._store.retentions.put(tenant, reg.conversation_id, retention, now)
+        revision, replaced = await self._owned.put(tenant, reg.conversation_id, retention, now)
         metrics.REGISTRATIONS.labels("replaced" if replaced else "new").inc()
         self._budgets.registered(tenant, reg.conversation_id, retention, revision)
         release = None
@@ -165,7 +168,7 @@ class Retentions:
         """The conversation's retention, or the marker of the claim that took it."""
         tenant = tenant_of(tenant, self._limits.max_id_bytes)
         check_id("conversation_id", conversation_id, self._limits.max_id_bytes)
-        stored, claim = await self._store.retentions.read(tenant, conversation_id)
+        stored, claim = await self._owned.read(tenant, conversation_id)
         if stored is None and claim is None:
             raise NotFound(f"no retention for conversation {conversation_id!r} of tenant {tenant!r}")
         if stored is not None:
@@ -232,7 +235,7 @@ class Retentions:
         release, i.e. not expired, its node alive at the retention's generation)."""
         tenant = tenant_of(tenant, self._limits.max_id_bytes)
         check_id("conversation_id", conversation_id, self._limits.max_id_bytes)
-        stored = await self._store.retentions.revoke(tenant, conversation_id)
+        stored = await self._owned.revoke(tenant, conversation_id)
         log.info(
             "retention.revoked", tenant=tenant, conversation_id=conversation_id, found=stored is not None
         )

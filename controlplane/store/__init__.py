@@ -9,7 +9,8 @@ One part per kind of record, on one connection (`EtcdStore`):
 
 - kv.py: the etcd operations and request builders every part is built from;
 - nodes.py: node records, liveness and the generation floor;
-- retentions.py: retentions and claim markers (the lookup hot path);
+- retentions.py: retentions and claim markers (as records; claims are decided by the
+  shard owners, controlplane.owners, which write them fenced);
 - gcleases.py: the shared etcd leases that garbage-collect those;
 - scans.py: listings and the gauge scan, in bounded windows;
 - replicas.py: the daemon replicas' announcements.
@@ -55,8 +56,8 @@ class EtcdStore:
         self.kv = EtcdKv(self._client, timeout_s)
         self.nodes = NodeStore(self.kv, keys)
         self.scans = RetentionScans(self.kv, keys)
-        gc = GcLeases(self._client, bucket_s, max_keys_per_lease, timeout_s)
-        self.retentions = RetentionStore(self.kv, keys, gc, self.scans.sample, claim_marker_s)
+        self.gc = GcLeases(self._client, bucket_s, max_keys_per_lease, timeout_s)
+        self.retentions = RetentionStore(self.kv, keys, self.gc, self.scans.sample, claim_marker_s)
         self.replicas = ReplicaStore(self.kv, keys)
 
     async def connect(self) -> None:

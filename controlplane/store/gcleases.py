@@ -94,6 +94,10 @@ class GcLeases:
         """Drop an etcd lease etcd no longer knows (e.g. after a cluster restore)."""
         self._leases = {b: v for b, v in self._leases.items() if v[0] != lease_id}
 
+    def forget_all(self) -> None:
+        """Drop every etcd lease known (a write named one etcd no longer knows)."""
+        self._leases.clear()
+
     def _forget_before(self, bucket: int) -> None:
         for b in [b for b in self._leases if b < bucket]:
             del self._leases[b]

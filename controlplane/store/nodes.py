@@ -105,10 +105,13 @@ class NodeStore:
             revisions[rec.engine_id] = int(kv.mod_revision)
         return states, revisions
 
-    async def get(self, engine_id: str) -> tuple[NodeState | None, int]:
-        """A node's record and liveness, and its record's mod revision (0 = no record)."""
+    async def get(self, engine_id: str, serializable: bool = False) -> tuple[NodeState | None, int]:
+        """A node's record and liveness, and its record's mod revision (0 = no record);
+        `serializable`: see EtcdKv.read."""
         k = self._keys
-        record, alive = await self._kv.read("get_node", get(k.node(engine_id)), get(k.alive_key(engine_id)))
+        record, alive = await self._kv.read(
+            "get_node", get(k.node(engine_id)), get(k.alive_key(engine_id)), serializable=serializable
+        )
         return _node_state(record.kvs, alive.kvs, self._clock())
 
     async def get_with_floor(self, engine_id: str) -> tuple[NodeState | None, int, int, int]:

@@ -4,6 +4,11 @@ A retention lives at ``retentions/<tenant>/<conversation>``; a claim takes it ou
 leaves a marker at ``claimed/<tenant>/<conversation>``, in one transaction, so that
 of any number of concurrent lookups on any number of replicas exactly one gets it.
 Both go on shared GC leases (gcleases.py); the hot writes are group-committed.
+
+The daemon decides claims in the shard owners' memory now (controlplane.owners, which
+writes these same keys, fenced); what reads or writes them directly here are the
+linearizable `read` (the owners' view checked against etcd, in tests) and the tools and
+tests that set records up. `Stored` and `ClaimOutcome` are the answers both share.
 """
 
 from __future__ import annotations

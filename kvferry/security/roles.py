@@ -22,6 +22,7 @@ ALL_TENANTS = "*"
 
 LEASES = "/kvferry.v1.Leases/"
 NODES = "/kvferry.v1.Nodes/"
+OWNERS = "/kvferry.v1.Owners/"
 HEALTH = "/grpc.health.v1.Health/"
 REFLECTION = ("/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.ServerReflection/")
 
@@ -39,7 +40,8 @@ class Role(enum.StrEnum):
     SIDECAR = "sidecar"
     """The sidecar of one engine: registers that engine and its retentions."""
     DAEMON = "daemon"
-    """A peer daemon replica: the fan-out of node lists and scores."""
+    """A peer daemon replica: the fan-out of node lists and scores, and the operations
+    forwarded to a claim shard's owner (Owners/Apply)."""
 
 
 _READ = frozenset({f"{LEASES}Get", f"{LEASES}List", f"{NODES}List"})
@@ -56,7 +58,7 @@ ALLOWED: dict[Role, frozenset[str]] = {
             f"{LEASES}Held",  # (of its own node's pins: node_denial)
         }
     ),
-    Role.DAEMON: frozenset({f"{NODES}Score", f"{NODES}List"}),
+    Role.DAEMON: frozenset({f"{NODES}Score", f"{NODES}List", f"{OWNERS}Apply"}),
 }
 """Methods each role other than admin may call (admin: all). Leases/Stream carries lookups
 and registrations: each operation is checked again (`stream_op_denial`)."""

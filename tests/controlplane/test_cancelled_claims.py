@@ -56,7 +56,7 @@ def slow_claims(
     """Make every claim's answer come back from etcd only once `after_write()` returns
     (the transaction itself is written at once)."""
     assert daemon.control_plane is not None
-    retentions = daemon.control_plane.store.retentions
+    retentions = daemon.control_plane.owned
     claim = retentions.claim
 
     async def slow(*args: Any, **kwargs: Any) -> ClaimOutcome:
@@ -155,7 +155,7 @@ async def test_a_put_back_etcd_does_not_answer_is_tried_again(
 
     slow_claims(daemon, monkeypatch, stalled)
     assert daemon.control_plane is not None
-    retentions = daemon.control_plane.store.retentions
+    retentions = daemon.control_plane.owned
     unclaim = retentions.unclaim
     tries: list[str] = []
 

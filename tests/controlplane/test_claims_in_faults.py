@@ -1,6 +1,6 @@
-"""Claims in the faults of a real cluster (found by the fault suite, tests/faults): a claim
-etcd wrote but did not answer (the member the daemon talked to was killed, an election)
-is read back and handed out, not spent with nobody told; a retention whose node is out
+"""Claims in the faults of a real cluster (found by the fault suite, tests/faults): a claim's
+write etcd applied or not but did not answer (the member the daemon talked to was killed,
+an election) is sent again until etcd holds it, the retention handed out once; a retention whose node is out
 of touch (its liveness lapsed while etcd had no quorum) is not spent by a lookup either."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from aetcd import rpc
 
 from controlplane.daemon import Daemon
 from controlplane.errors import StoreUnavailable
+from controlplane.owners.memory import Write
 from kvferry.v1 import leases_pb2
 from tests.conftest import Client
 from tests.controlplane.test_claims_and_nodes import AttachStream, hello
@@ -20,52 +20,57 @@ from tests.polling import eventually
 
 
 def unanswered(daemon: Daemon, monkeypatch: pytest.MonkeyPatch, written: bool) -> list[str]:
-    """Make the next claim fail as a killed etcd member's would: StoreUnavailable, after
-    the transaction was applied (`written`) or not. -> the ops sent, as they go."""
+    """Make the owner's next fenced write fail as a killed etcd member's would:
+    StoreUnavailable, after the transaction was applied (`written`) or not. -> one entry
+    per send, as they go."""
     assert daemon.control_plane is not None
-    batcher = daemon.control_plane.store.retentions._batcher
-    submit = batcher.submit
+    store = daemon.control_plane.owners.store
+    write = store.write
     sent: list[str] = []
 
-    async def lost_answer(op: str, txn: rpc.TxnRequest, keys: tuple[bytes, ...]) -> rpc.TxnResponse:
-        sent.append(op)
-        if op != "claim" or sent.count("claim") > 1:
-            return await submit(op, txn, keys)
+    async def lost_answer(fences: dict[int, int], writes: list[Write], now: float) -> int:
+        sent.append("write")
+        if len(sent) > 1:
+            return await write(fences, writes, now)
         if written:
-            await submit(op, txn, keys)
-        raise StoreUnavailable("etcd claim: UNAVAILABLE: Stream removed (recvmsg:Connection reset by peer)")
+            await write(fences, writes, now)
+        raise StoreUnavailable(
+            "etcd owner_write: UNAVAILABLE: Stream removed (recvmsg:Connection reset by peer)"
+        )
 
-    monkeypatch.setattr(batcher, "submit", lost_answer)
+    monkeypatch.setattr(store, "write", lost_answer)
     return sent
 
 
-async def test_a_claim_written_but_not_answered_is_handed_out(
-    daemon: Daemon, client: Client, monkeypatch: pytest.MonkeyPatch
+async def in_etcd(daemon: Daemon, conversation: str) -> tuple[bool, bool]:
+    """(whether etcd holds the conversation's retention, whether its claim marker)."""
+    assert daemon.control_plane is not None
+    stored, marker = await daemon.control_plane.store.retentions.read("default", conversation)
+    return stored is not None, marker is not None
+
+
+@pytest.mark.parametrize("written", [True, False], ids=["applied", "not-applied"])
+async def test_a_claims_write_etcd_did_not_answer_is_sent_again_and_handed_out_once(
+    daemon: Daemon, client: Client, monkeypatch: pytest.MonkeyPatch, written: bool
 ) -> None:
+    """A claim is decided by its shard's owner in memory and answered before etcd has it
+    (controlplane.owners): a write-behind etcd did not answer (applied or not) is sent
+    again, in order, until etcd holds what memory does. (Before owners, a claim etcd did
+    not apply answered store_unavailable; now it answers at once.)"""
     await client.nodes.Register(node_request("d-1"))
     await client.leases.Register(lease_request("c"))
-    unanswered(daemon, monkeypatch, written=True)
+    sent = unanswered(daemon, monkeypatch, written=written)
 
     res = await client.leases.Lookup(lookup_request("c"))
 
-    assert res.decision == leases_pb2.PULL, res
-    assert res.claimed
+    assert res.decision == leases_pb2.PULL and res.claimed, res
     again = await client.leases.Lookup(lookup_request("c"))
     assert again.reason == "already_claimed"  # handed out once
 
+    async def durable() -> bool:  # (sent again, and etcd holds what memory does)
+        return len(sent) >= 2 and await in_etcd(daemon, "c") == (False, True)
 
-async def test_a_claim_not_written_fails_and_leaves_the_retention(
-    daemon: Daemon, client: Client, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    await client.nodes.Register(node_request("d-1"))
-    await client.leases.Register(lease_request("c"))
-    unanswered(daemon, monkeypatch, written=False)
-
-    res = await client.leases.Lookup(lookup_request("c"))
-
-    assert res.reason == "store_unavailable" and not res.claimed, res
-    again = await client.leases.Lookup(lookup_request("c"))
-    assert again.decision == leases_pb2.PULL and again.claimed  # still there for the next
+    await eventually(durable)
 
 
 async def test_a_retention_of_a_node_out_of_touch_is_kept_for_when_it_is_back(
@@ -137,7 +142,7 @@ async def test_a_node_gone_answer_comes_after_its_retention_is_back(
 
     await eventually(out_of_touch)
     assert daemon.control_plane is not None
-    retentions = daemon.control_plane.store.retentions
+    retentions = daemon.control_plane.owned
     unclaim = retentions.unclaim
 
     async def slow_unclaim(*args: object, **kwargs: object) -> bool:

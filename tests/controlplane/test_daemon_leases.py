@@ -338,7 +338,7 @@ async def test_a_slow_claim_is_decided_on_the_time_it_ended(daemon: Daemon, clie
     await client.nodes.Register(node_request("d-1"))
     margin = daemon.settings.policy.safety_margin_s
     await client.leases.Register(lease_request("conv-slow", expires_in=margin + 0.3))
-    store = daemon.control_plane.store.retentions
+    store = daemon.control_plane.owned
     claim = store.claim
 
     async def slow_claim(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -354,7 +354,7 @@ async def test_a_slow_claim_is_decided_on_the_time_it_ended(daemon: Daemon, clie
 async def test_a_retention_past_its_deadline_is_not_put_back(daemon: Daemon, client: Client) -> None:
     await client.nodes.Register(node_request("d-1"))
     await client.leases.Register(lease_request("conv-late", expires_in=5))
-    store = daemon.control_plane.store.retentions
+    store = daemon.control_plane.owned
     now = time.time()
     taken = await store.claim("default", "conv-late", now)
     assert taken.taken is not None

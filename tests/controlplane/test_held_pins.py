@@ -50,7 +50,7 @@ def _held(engine: str, *pins: tuple[str, str], tenant: str = "") -> leases_pb2.H
 
 async def test_what_became_of_each_pin(daemon: Daemon, client: Client) -> None:
     assert daemon.control_plane is not None
-    store = daemon.control_plane.store.retentions
+    store = daemon.control_plane.owned
     await client.nodes.Register(node_request("d-1"), timeout=10)
     for c in ("kept", "fresh", "lost", "went-on"):
         await client.leases.Register(_turn(c, f"{c}-1"), timeout=10)

@@ -267,7 +267,7 @@ async def test_settling_waits_for_a_claim_still_at_etcd_when_its_caller_left(
     settling had returned: the store then closed under it, and the retention was spent."""
     await client.nodes.Register(node_request("d-1"))
     await client.leases.Register(lease_request("c"))
-    store = daemon.control_plane.store.retentions
+    store = daemon.control_plane.owned
     claim = store.claim
     reached, claimed = asyncio.Event(), asyncio.Event()
 

@@ -39,7 +39,7 @@ class HeldPutBack:
 
     def __init__(self, daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
         assert daemon.control_plane is not None
-        retentions = daemon.control_plane.store.retentions
+        retentions = daemon.control_plane.owned
         unclaim = retentions.unclaim
         self.go = asyncio.Event()
         self.waiting = asyncio.Event()

@@ -138,7 +138,7 @@ async def test_a_retention_handed_out_is_never_released(
         pulled = await client.leases.Lookup(lookup_request("c-low", prompt_tokens=400), timeout=10)
         assert pulled.claimed
         # As a replica that did not see the claim knows it: still held.
-        record = await daemon.control_plane.store.retentions.read("default", "c-high")
+        record = await daemon.control_plane.owned.read("default", "c-high")
         assert record[0] is not None
         low = msgspec.structs.replace(record[0].retention, num_tokens=305)
         budgets.registered("default", "c-low", low, stale.revision)
@@ -231,7 +231,7 @@ async def test_a_lookup_and_a_release_racing_for_a_retention_never_both_get_it(
     """Twenty conversations, each looked up and released at the same moment: each
     retention goes to exactly one of the two."""
     assert daemon.control_plane is not None
-    store = daemon.control_plane.store.retentions
+    store = daemon.control_plane.owned
     await client.nodes.Register(node_request("d-1"), timeout=10)
     names = [f"race-{i}" for i in range(20)]
     revisions = {}
@@ -258,7 +258,7 @@ async def _idle(daemon: Daemon, names: list[str], age: float = 1000.0) -> None:
     for _ in range(MIN_OBSERVED):
         budgets.sketch.observe(5.0)
     for name in names:
-        record, _ = await daemon.control_plane.store.retentions.read("default", name)
+        record, _ = await daemon.control_plane.owned.read("default", name)
         assert record is not None
         old = msgspec.structs.replace(record.retention, created_at=record.retention.created_at - age)
         budgets.registered("default", name, old, record.revision)

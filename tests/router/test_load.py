@@ -11,6 +11,7 @@ import aiohttp
 
 from bench.demo import DaemonProcess
 from router import Router
+from tests.polling import eventually
 from tests.router.conftest import MakeStack, Reference
 from tests.router.helpers import CHAT, Result, ask, first_turn, next_turn, unheld_reads
 
@@ -129,12 +130,19 @@ async def _survive_a_kill(
     assert all(r.status == 200 for r in three)
     pulled = sum(r.decision == "PULL" for r in three)
     # Only a registration the kill caught at the daemon is lost (sending it again could
-    # hand out D's blocks twice): its conversation recomputes once.
+    # hand out D's blocks twice): its conversation recomputes once. And a retention the
+    # killed daemon held: it may have been handed out from its memory, not yet in etcd
+    # (controlplane.owners), so the daemon that takes over spends it, and D's sidecar is
+    # told to free its blocks (reason failover), after a grace.
     [d] = stack.decodes
-    lost = stack.sidecar(d).metrics.value(
-        "kvferry_sidecar_lease_registrations_dropped_total", reason="maybe_stored"
-    )
-    assert pulled >= len(three) - lost, [(r.decision, r.reason) for r in three]
+    sidecar = stack.sidecar(d).metrics
+    lost = sidecar.value("kvferry_sidecar_lease_registrations_dropped_total", reason="maybe_stored")
+
+    async def explained() -> bool:
+        failover = sidecar.value("kvferry_sidecar_releases_total", reason="failover")
+        return pulled >= len(three) - lost - failover
+
+    await eventually(explained, within=30)
 
     assert await _check_answers(convs, reference) == 200 * 2 + 20 + 180
     assert router.metrics.value("kvferry_router_upstream_errors_total", role="decode", kind="status_5xx") == 0

@@ -66,7 +66,7 @@ async def test_the_orphan_is_released_a_held_one_and_a_fresh_claims_are_not(
         lookup = leases_pb2.LookupRequest(conversation_id="fresh", prompt_tokens=1200, request_id="fresh-2")
         assert (await client.leases.Lookup(lookup, timeout=10)).claimed
         then = time.time() - HELD_GRACE_S - 5
-        claimed = await daemon.control_plane.store.retentions.claim("default", "lost", then, "lost-2")
+        claimed = await daemon.control_plane.owned.claim("default", "lost", then, "lost-2")
         assert claimed.taken is not None
 
         async def asked_after_the_claims() -> bool:

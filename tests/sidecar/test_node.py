@@ -369,7 +369,10 @@ async def test_a_registration_the_daemon_may_have_stored_is_not_sent_again(
     await eventually(back, within=20)
     assert sc.retentions is not None and sc.retentions.pending == 0
     assert sc.metrics.value("kvferry_sidecar_lease_registrations_total", outcome="requeue") == 0
-    assert (await _lookup(client, "unsure")).reason == "no_lease"
+    # (the daemon may store it all the same: its shard's owner had taken it in memory, and
+    # writes it once etcd is back, as etcd may commit a write it timed out; the sidecar
+    # keeps D's blocks for it either way, counted as maybe_stored)
+    assert (await _lookup(client, "unsure")).reason in ("no_lease", "pull", "partial_pull")
 
 
 async def _counted(sc: Sidecar, name: str, **labels: str) -> bool:

@@ -1,0 +1,193 @@
+"""Every operation on a retention or claim marker, taken to its shard's owner: run here
+in memory when this replica owns the shard (taking it first when nobody does), else
+forwarded to the owner replica (`Forwarder`: the Owners RPC, kvferry.v1.Owners).
+
+`OwnedRetentions` has the methods (and the answers) of store.RetentionStore that the
+service layer uses, so claims, lookups, registrations, revokes and budget releases run
+unchanged on top of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Protocol
+
+import structlog
+
+from controlplane import metrics
+from controlplane.errors import FailedPrecondition, StoreUnavailable
+from controlplane.owners.durable import OwnerStore
+from controlplane.owners.memory import Conversation, Held
+from controlplane.owners.ops import WAITS, Kind, OwnerAnswer, OwnerOp, decide, stored_of
+from controlplane.owners.owner import OwnedShard, ShardOwners
+from controlplane.owners.shards import shard_of
+from controlplane.records import Claim, OwnerRecord, Retention
+from controlplane.store.retentions import ClaimOutcome, Stored
+
+log = structlog.get_logger(__name__)
+
+OWNER_CACHE_S = 2.0
+"""How long a remote owner read from etcd is used before it is read again."""
+
+
+class NotOwner(FailedPrecondition):
+    """A forwarded operation reached a replica that does not own (or no longer owns) the
+    shard: the caller reads the owner again."""
+
+
+class Forwarder(Protocol):
+    """Sends an operation to the replica at `address` (the Owners RPC). Raises NotOwner
+    when that replica does not own the shard, StoreUnavailable when it does not answer."""
+
+    async def apply(self, address: str, op: OwnerOp, timeout_s: float) -> OwnerAnswer: ...
+
+
+class OwnedRetentions:
+    """Retentions and markers, decided by their shards' owners."""
+
+    def __init__(
+        self,
+        owners: ShardOwners,
+        store: OwnerStore,
+        forwarder: Forwarder | None,
+        timeout_s: float,
+    ) -> None:
+        self.owners = owners
+        self._store = store
+        self.forwarder = forwarder
+        self._timeout = timeout_s
+        self._remote: dict[int, tuple[OwnerRecord, float]] = {}
+        self._fetching: dict[
+            tuple[int, int, Conversation], asyncio.Future[tuple[Held | None, Claim | None]]
+        ] = {}
+
+    async def claim(
+        self, tenant: str, conversation_id: str, now: float, claimed_by: str = ""
+    ) -> ClaimOutcome:
+        """As RetentionStore.claim: decided by the owner, answered before it is durable."""
+        a = await self.apply(OwnerOp(Kind.CLAIM, tenant, conversation_id, now, claimed_by=claimed_by))
+        return ClaimOutcome(a.retention, earlier=a.claim, marker_revision=a.number)
+
+    async def put(
+        self, tenant: str, conversation_id: str, r: Retention, now: float
+    ) -> tuple[int, Retention | None]:
+        """As RetentionStore.put -> (revision, the retention it replaced, never claimed)."""
+        a = await self.apply(OwnerOp(Kind.PUT, tenant, conversation_id, now, retention=r))
+        return a.number, a.retention
+
+    async def unclaim(
+        self, tenant: str, conversation_id: str, r: Retention, marker_revision: int, now: float
+    ) -> bool:
+        """As RetentionStore.unclaim."""
+        op = OwnerOp(Kind.UNCLAIM, tenant, conversation_id, now, retention=r, number=marker_revision)
+        return (await self.apply(op)).done
+
+    async def note_claim_deadline(
+        self, tenant: str, conversation_id: str, marker_revision: int, claim: Claim
+    ) -> bool:
+        """As RetentionStore.note_claim_deadline."""
+        op = OwnerOp(Kind.NOTE_DEADLINE, tenant, conversation_id, claim=claim, number=marker_revision)
+        return (await self.apply(op)).done
+
+    async def read(self, tenant: str, conversation_id: str) -> tuple[Stored | None, Claim | None]:
+        """As RetentionStore.read, from the owner's memory."""
+        op = OwnerOp(Kind.READ, tenant, conversation_id, time.time())
+        a = await self.apply(op)
+        return stored_of(op, a), a.claim
+
+    async def revoke_exact(self, tenant: str, conversation_id: str, revision: int) -> Retention | None:
+        """As RetentionStore.revoke_exact."""
+        return (
+            await self.apply(OwnerOp(Kind.REVOKE_EXACT, tenant, conversation_id, number=revision))
+        ).retention
+
+    async def revoke(self, tenant: str, conversation_id: str) -> Stored | None:
+        """As RetentionStore.revoke."""
+        op = OwnerOp(Kind.REVOKE, tenant, conversation_id)
+        return stored_of(op, await self.apply(op))
+
+    async def apply(self, op: OwnerOp) -> OwnerAnswer:
+        """Run `op` at its shard's owner (taking the shard when nobody owns it)."""
+        shard = shard_of(op.tenant, op.conversation_id, self.owners.settings.shards)
+        deadline = time.monotonic() + self.owners.settings.wait_s
+        while True:
+            owned = await self.owners.local(shard)
+            if owned is None and (owner := await self._owner(shard)) is None:
+                owned = await self.owners.take(shard)
+            if owned is not None:
+                if not await self._learned(owned, op):
+                    continue  # (etcd answered: the shard may have moved meanwhile)
+                return await self._run(owned, op)
+            if owner is not None and owner.replica != self.owners.me.replica:
+                if self.forwarder is None or not owner.address:
+                    raise StoreUnavailable(
+                        f"shard {shard} is owned by replica {owner.replica}, which has no address"
+                    )
+                try:
+                    metrics.FORWARDED.labels(op.kind.name.lower()).inc()
+                    return await self.forwarder.apply(owner.address, op, self._timeout)
+                except NotOwner:
+                    self._remote.pop(shard, None)
+                except StoreUnavailable:
+                    self._remote.pop(shard, None)  # (read again next time: it may be gone)
+                    raise
+            if time.monotonic() > deadline:
+                raise StoreUnavailable(f"shard {shard}: no owner could take the operation in time")
+            self._remote.pop(shard, None)
+            await asyncio.sleep(0.02)
+
+    async def apply_local(self, op: OwnerOp) -> OwnerAnswer:
+        """Run an operation forwarded by another replica: only when this one owns the shard."""
+        shard = shard_of(op.tenant, op.conversation_id, self.owners.settings.shards)
+        for _ in range(2):
+            owned = await self.owners.local(shard)
+            if owned is None:
+                break
+            if await self._learned(owned, op):
+                return await self._run(owned, op)
+        raise NotOwner(f"replica {self.owners.me.replica} does not own shard {shard}")
+
+    async def _learned(self, owned: OwnedShard, op: OwnerOp) -> bool:
+        """Whether the operation's conversation is in memory: read from etcd first when the
+        shard is loaded lazily (once per conversation: concurrent first touches share the
+        read). -> False when it had to be read (the caller checks ownership again)."""
+        c = (op.tenant, op.conversation_id)
+        if not owned.memory.needs(c):
+            return True
+        key = (owned.shard, owned.fence, c)
+        reading = self._fetching.get(key)
+        if reading is None:
+            reading = asyncio.ensure_future(self._store.fetch(c))
+            self._fetching[key] = reading
+            reading.add_done_callback(lambda _: self._fetching.pop(key, None))
+        held, claim = await asyncio.shield(reading)
+        owned.memory.learn(c, held, claim)
+        return False
+
+    async def _run(self, owned: OwnedShard, op: OwnerOp) -> OwnerAnswer:
+        """Decide in memory now (nothing awaited since `local` checked), then wait for the
+        writes unless it is a claim."""
+        marker = self.owners.marker() if op.kind is Kind.CLAIM else 0
+        answer, writes = decide(owned.memory, op, marker)
+        waited = self.owners.writes.add(owned.shard, owned.fence, owned.memory, writes, op.kind in WAITS)
+        if waited is None:
+            return answer
+        try:
+            async with asyncio.timeout(self._timeout):
+                revision = await asyncio.shield(waited)
+        except TimeoutError:
+            raise StoreUnavailable(f"etcd did not take the {op.kind.name.lower()} in time") from None
+        if op.kind is Kind.PUT:
+            return OwnerAnswer(answer.retention, number=revision)
+        return answer
+
+    async def _owner(self, shard: int) -> OwnerRecord | None:
+        """The shard's owner as etcd says (cached a moment for a remote one)."""
+        cached = self._remote.get(shard)
+        if cached is not None and time.monotonic() < cached[1]:
+            return cached[0]
+        owner = await self._store.owner(shard)
+        if owner is not None and owner.replica != self.owners.me.replica:
+            self._remote[shard] = (owner, time.monotonic() + OWNER_CACHE_S)
+        return owner

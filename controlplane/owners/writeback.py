@@ -1,0 +1,184 @@
+"""The owners' write-behind: the etcd writes of the decisions made in memory, sent in
+the order they were decided, group-committed (what queued while one transaction was in
+flight leaves in the next), each transaction fenced on every shard it writes for.
+
+A claim does not wait for its writes; every other operation does (write-through), so
+its answer means durable. A transaction etcd did not answer is sent again, as it was
+(puts and deletes of final values: sending them twice ends in the same state), before
+anything queued after it; a shard deposed meanwhile (Deposed) loses its queued writes,
+which the next owner treats as it treats a crash (see controlplane.owners).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from controlplane import metrics
+from controlplane.errors import StoreUnavailable
+from controlplane.etcd import LeaseGone
+from controlplane.owners.durable import Deposed, OwnerStore
+from controlplane.owners.memory import ShardMemory, Target, Write
+
+log = structlog.get_logger(__name__)
+
+MAX_OPS = 120
+"""Most etcd operations in one transaction (etcd refuses more than 128 by default)."""
+MAX_INFLIGHT = 4
+"""Transactions in flight at once (of different shards)."""
+RETRY_PAUSES_S = (0.02, 0.1, 0.3, 1.0)
+"""Pauses before sending again a transaction etcd did not answer (the last one repeats)."""
+
+
+@dataclass(eq=False)
+class _Entry:
+    shard: int
+    fence: int
+    memory: ShardMemory
+    writes: list[Write]
+    done: asyncio.Future[int] | None
+    sending: bool = False
+
+
+class WriteBehind:
+    """The queue of durable writes of every shard this replica owns. Up to MAX_INFLIGHT
+    transactions at once, never two of one shard: each shard's writes reach etcd in the
+    order they were decided."""
+
+    def __init__(
+        self, store: OwnerStore, clock: Callable[[], float], deposed: Callable[[set[int]], None]
+    ) -> None:
+        """`deposed(shards)` is told the shards a fenced write found owned by another."""
+        self._store = store
+        self._clock = clock
+        self._deposed = deposed
+        self._queue: list[_Entry] = []
+        self._busy: set[int] = set()  # shards with a transaction in flight (or pausing)
+        self._inflight = 0
+        self._attempt = 0
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def add(
+        self, shard: int, fence: int, memory: ShardMemory, writes: list[Write], wait: bool
+    ) -> asyncio.Future[int] | None:
+        """Queue a decision's writes. -> with `wait`, a future of the revision they are in
+        etcd at (StoreUnavailable: deposed first); None otherwise or with nothing to write."""
+        if not writes:
+            return None
+        done = asyncio.get_running_loop().create_future() if wait else None
+        self._queue.append(_Entry(shard, fence, memory, writes, done))
+        metrics.OWNER_WRITES_QUEUED.set(len(self._queue))
+        self._idle.clear()
+        self._wake.set()
+        return done
+
+    def drop(self, shards: set[int]) -> None:
+        """Forget the queued writes of shards this replica no longer owns."""
+        for e in self._queue:
+            if e.shard in shards and e.done is not None and not e.done.done():
+                e.done.set_exception(StoreUnavailable(f"shard {e.shard} changed owner before its write"))
+        self._queue = [e for e in self._queue if e.shard not in shards]
+        self._settled()
+
+    def pending(self, shard: int) -> bool:
+        """Whether writes of `shard` are still queued."""
+        return any(e.shard == shard for e in self._queue)
+
+    async def flush(self) -> None:
+        """Until every write queued so far is in etcd (or dropped)."""
+        await self._idle.wait()
+
+    async def run(self) -> None:
+        """Send the queue, until cancelled."""
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                while self._inflight < MAX_INFLIGHT and (batch := self._take()):
+                    for e in batch:
+                        e.sending = True
+                    shards = {e.shard for e in batch}
+                    self._busy |= shards
+                    self._inflight += 1
+                    task = asyncio.ensure_future(self._send(batch, shards))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+
+    def _take(self) -> list[_Entry]:
+        """The oldest entries of shards not in flight that fit one transaction (they stay
+        queued until written: a failed send is sent again, before anything of its shards)."""
+        batch: list[_Entry] = []
+        ops = 0
+        for e in self._queue:
+            if e.sending or e.shard in self._busy:
+                continue
+            if batch and ops + len(e.writes) > MAX_OPS:
+                break
+            batch.append(e)
+            ops += len(e.writes)
+        return batch
+
+    async def _send(self, batch: list[_Entry], shards: set[int]) -> None:
+        try:
+            revision = await self._store.write(
+                {e.shard: e.fence for e in batch}, _coalesced(batch), self._clock()
+            )
+        except Deposed as e:
+            log.warning("owners.deposed", shards=sorted(e.shards))
+            self._deposed(e.shards)
+            self.drop(e.shards)
+            self._unsend(batch)
+        except (StoreUnavailable, LeaseGone) as e:
+            pause = RETRY_PAUSES_S[min(self._attempt, len(RETRY_PAUSES_S) - 1)]
+            self._attempt += 1
+            log.info("owners.write.retry", error=str(e), attempt=self._attempt, entries=len(batch))
+            if isinstance(e, LeaseGone):
+                self._store.gc.forget_all()
+            await asyncio.sleep(pause)
+            self._unsend(batch)
+        else:
+            self._attempt = 0
+            self._written(batch, revision)
+        finally:
+            self._busy -= shards
+            self._inflight -= 1
+            self._wake.set()
+            self._settled()
+
+    def _unsend(self, batch: list[_Entry]) -> None:
+        for e in batch:
+            e.sending = False
+
+    def _written(self, batch: list[_Entry], revision: int) -> None:
+        sent = set(map(id, batch))
+        self._queue = [e for e in self._queue if id(e) not in sent]
+        for e in batch:
+            e.memory.written(e.writes, revision)
+            if e.done is not None and not e.done.done():
+                e.done.set_result(revision)
+
+    def _settled(self) -> None:
+        metrics.OWNER_WRITES_QUEUED.set(len(self._queue))
+        if not self._queue:
+            self._idle.set()
+
+
+def _coalesced(batch: list[_Entry]) -> list[Write]:
+    """The batch's writes, the last one to each key only (etcd refuses a key written twice
+    in one transaction; the last decision is the state memory holds)."""
+    last: dict[tuple[Target, tuple[str, str]], Write] = {}
+    for e in batch:
+        for w in e.writes:
+            key = (w.target, w.conversation)
+            last.pop(key, None)
+            last[key] = w
+    return list(last.values())

@@ -1,0 +1,211 @@
+"""Claims decided in memory by shard owners (controlplane.owners), on real daemons and a
+real etcd: answered without etcd, stopped past the owner's validity, fenced against a
+deposed owner, an unclean takeover spending what it finds, a clean one keeping it, and
+operations forwarded between replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from controlplane import metrics
+from controlplane.budget import Reason
+from controlplane.daemon import Daemon
+from controlplane.errors import StoreUnavailable
+from controlplane.owners import OwnerStore
+from controlplane.owners.durable import Deposed
+from controlplane.owners.memory import Target, Write
+from controlplane.owners.shards import shard_of
+from controlplane.records import OwnerRecord, ShardState
+from controlplane.settings import OwnerSettings, Settings
+from controlplane.store import EtcdStore
+from kvferry.v1 import leases_pb2
+from tests.conftest import Client, DaemonFactory, EtcdProcess, daemon_settings
+from tests.factories import lease_request, lookup_request, node_request
+from tests.polling import eventually
+
+Connect = Callable[[Daemon], Client]
+
+
+def owning(settings: Settings, **changes: Any) -> Settings:
+    return replace(settings, owners=replace(settings.owners, **changes))
+
+
+async def test_the_owner_claims_from_memory_while_etcd_is_paused_then_stops_past_its_validity(
+    private_etcd: EtcdProcess, make_daemon: DaemonFactory, connect: Connect
+) -> None:
+    # validity ends at most 4 s after the last keep-alive etcd acknowledged; the lease, 10 s
+    d = await make_daemon(owning(daemon_settings(private_etcd.endpoint), ttl_s=10, margin_s=6.0))
+    c = connect(d)
+    await c.nodes.Register(node_request("d-1", liveness_ttl_seconds=30))
+    for name in ("p0", "p1"):
+        await c.leases.Register(lease_request(name))
+    assert d.control_plane is not None
+    owned, owners = d.control_plane.owned, d.control_plane.owners
+    pid = private_etcd.etcd.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        got = await owned.claim("default", "p0", time.time(), "turn-2")
+        assert got.taken is not None and time.monotonic() - started < 1.0  # (no etcd round trip)
+        again = await owned.claim("default", "p0", time.time(), "turn-2b")
+        assert again.taken is None and again.earlier is not None and again.earlier.claimed_by == "turn-2"
+
+        async def lapsed() -> bool:
+            return not owners.valid()
+
+        await eventually(lapsed, within=10)
+        with pytest.raises(StoreUnavailable, match="ownership not confirmed by etcd"):
+            await owned.claim("default", "p1", time.time(), "turn-3")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+    async def decided() -> bool:  # (the lease outlived the pause: the same memory goes on)
+        try:
+            return (await owned.claim("default", "p1", time.time(), "turn-3")).taken is not None
+        except StoreUnavailable:
+            return False
+
+    await eventually(decided, within=10)
+    assert d.control_plane is not None
+
+    async def durable() -> bool:  # the claims' writes reached etcd behind their answers
+        etcd = d.control_plane.store.retentions  # type: ignore[union-attr]
+        return all([(await etcd.read("default", n))[0] is None for n in ("p0", "p1")])
+
+    await eventually(durable, within=10)
+
+
+async def test_a_deposed_owners_writes_are_refused_by_the_fence(store: EtcdStore) -> None:
+    owners = OwnerStore(store.kv, store.keys, store.gc, 4, lambda _: None)
+    lease_a, lease_b = await owners.grant(30), await owners.grant(30)
+    a = await owners.take(0, lease_a, OwnerRecord("a"))
+    assert a is not None and a.previous is None
+    assert await owners.take(0, lease_b, OwnerRecord("b")) is None  # (owned)
+    await owners.revoke_lease(lease_a)  # a's lease lapsed: its owner key went with it
+    b = await owners.take(0, lease_b, OwnerRecord("b"))
+    assert b is not None and b.previous == ShardState(clean=False, replica="a")
+    write = [Write(Target.RETENTION, ("t", "c"), None)]
+    with pytest.raises(Deposed) as e:
+        await owners.write({0: a.fence}, write, time.time())
+    assert e.value.shards == {0}
+    assert await owners.write({0: b.fence}, write, time.time()) >= b.fence
+    assert await owners.hand_over({0: a.fence}, OwnerRecord("a")) == set()
+    assert await owners.hand_over({0: b.fence}, OwnerRecord("b")) == {0}
+    c = await owners.take(0, await owners.grant(30), OwnerRecord("c"))
+    assert c is not None and c.previous == ShardState(clean=True, replica="b", fence=b.fence)
+
+
+async def test_an_unclean_takeover_spends_every_retention_it_finds_and_releases_it(
+    etcd_endpoint: str, make_daemon: DaemonFactory, connect: Connect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = owning(daemon_settings(etcd_endpoint), ttl_s=2, grace_s=0.3)
+    first = await make_daemon(settings)
+    ca = connect(first)
+    await ca.nodes.Register(node_request("d-1", liveness_ttl_seconds=60))
+    await ca.leases.Register(lease_request("kept-by-a"))
+    assert first.control_plane is not None
+
+    async def unreachable(*_: object, **__: object) -> int:
+        raise StoreUnavailable("etcd: partitioned away")
+
+    # a loses etcd: no keep-alive reaches it, nor any write (it stops deciding on its own)
+    monkeypatch.setattr(first.control_plane.owners.store, "refresh", unreachable)
+    monkeypatch.setattr(first.control_plane.owners.store, "write", unreachable)
+    spent_before = metrics.FAILOVER_RETENTIONS._value.get()
+    owners_a = first.control_plane.owners
+
+    async def lapsed() -> bool:  # (until then a may still hand it out from memory: rightly)
+        return not owners_a.valid()
+
+    await eventually(lapsed, within=10)
+    second = await make_daemon(settings)
+    cb = connect(second)
+    assert second.control_plane is not None
+
+    async def taken_over() -> bool:
+        answer = await cb.leases.Lookup(lookup_request("kept-by-a"), timeout=10)
+        return answer.reason != "store_unavailable"
+
+    await eventually(taken_over, within=20)
+    answer = await cb.leases.Lookup(lookup_request("kept-by-a"), timeout=10)
+    assert (answer.decision, answer.reason) == (leases_pb2.RECOMPUTE, "no_lease")  # never handed out
+    assert metrics.FAILOVER_RETENTIONS._value.get() - spent_before >= 1
+    budgets = second.control_plane.budgets
+
+    async def released() -> bool:
+        return any(r.reason is Reason.FAILOVER for r in budgets._pending.get("d-1", []))
+
+    await eventually(released, within=10)
+    [release] = [r for r in budgets.take_releases("d-1") if r.conversation_id == "kept-by-a"]
+    assert release.reason is Reason.FAILOVER
+    # and a, past its validity, decides nothing any more
+    gone = await ca.leases.Lookup(lookup_request("kept-by-a"), timeout=10)
+    assert gone.reason == "store_unavailable" and not gone.claimed
+
+
+async def test_a_clean_handover_keeps_the_retentions(make_daemon: DaemonFactory, connect: Connect) -> None:
+    first = await make_daemon()
+    ca = connect(first)
+    await ca.nodes.Register(node_request("d-1", liveness_ttl_seconds=60))
+    names = [f"keep-{i}" for i in range(8)]
+    for name in names:
+        await ca.leases.Register(lease_request(name))
+    second = await make_daemon(first.settings)
+    cb = connect(second)
+    await first.stop()  # (SIGTERM's path: every shard flushed and handed over)
+    answers = await asyncio.gather(*(cb.leases.Lookup(lookup_request(n), timeout=10) for n in names))
+    assert [a.decision for a in answers] == [leases_pb2.PULL] * len(names), answers
+
+
+async def test_replicas_forward_to_the_owner_and_hand_each_retention_out_once(
+    make_daemon: DaemonFactory, connect: Connect
+) -> None:
+    first = await make_daemon()
+    second = await make_daemon(first.settings)
+    ca, cb = connect(first), connect(second)
+    await ca.nodes.Register(node_request("d-1", liveness_ttl_seconds=60))
+    names = [f"race-{i}" for i in range(24)]
+    for i, name in enumerate(names):
+        await (ca if i % 2 else cb).leases.Register(lease_request(name))
+    assert first.control_plane is not None and second.control_plane is not None
+    forwarded = sum(s.get() for s in _forwarded())
+
+    async def both(name: str) -> list[bool]:
+        looked = await asyncio.gather(
+            ca.leases.Lookup(lookup_request(name), timeout=10),
+            cb.leases.Lookup(lookup_request(name), timeout=10),
+        )
+        return [x.claimed for x in looked]
+
+    outcomes = await asyncio.gather(*map(both, names))
+    assert all(sum(o) == 1 for o in outcomes), outcomes  # each exactly once
+    assert sum(s.get() for s in _forwarded()) > forwarded  # (a replica without the shard asked its owner)
+    owners = first.control_plane.owners.shards.keys() | second.control_plane.owners.shards.keys()
+    assert {shard_of("default", n, OwnerSettings().shards) for n in names} <= owners
+
+
+def _forwarded() -> list[Any]:
+    return [child._value for child in metrics.FORWARDED._metrics.values()]  # type: ignore[attr-defined]
+
+
+async def test_lookups_of_one_node_share_its_confirming_read(daemon: Daemon, client: Client) -> None:
+    """A pull is confirmed on the node as etcd had it at most CONFIRM_S ago: concurrent
+    lookups of one decode node share one read (they were two etcd requests each)."""
+    await client.nodes.Register(node_request("d-1", liveness_ttl_seconds=60))
+    names = [f"many-{i}" for i in range(20)]
+    for name in names:
+        await client.leases.Register(lease_request(name))
+    reads = metrics.ETCD_LATENCY.labels("get_node")
+    before = sum(b.get() for b in reads._buckets)
+    answers = await asyncio.gather(*(client.leases.Lookup(lookup_request(n), timeout=10) for n in names))
+    assert [a.decision for a in answers] == [leases_pb2.PULL] * len(names)
+    counted = sum(b.get() for b in reads._buckets) - before
+    assert 1 <= counted <= 2 * 10, counted  # (two ranges a read: 40 unshared; one, or a few if slow)
