@@ -22,11 +22,16 @@ from controlplane.errors import StoreUnavailable
 from controlplane.etcd import LeaseGone
 from controlplane.owners.durable import Deposed, OwnerStore
 from controlplane.owners.memory import ShardMemory, Target, Write
+from controlplane.records import Retention
 
 log = structlog.get_logger(__name__)
 
 MAX_OPS = 120
 """Most etcd operations in one transaction (etcd refuses more than 128 by default)."""
+MAX_BYTES = 1 << 20
+"""Most bytes of records in one transaction (etcd refuses a request over its
+--max-request-bytes, 1.5 MiB by default: long conversations' retentions are 100s of KiB
+each). One decision's writes always go, whatever their size, as they went before owners."""
 MAX_INFLIGHT = 4
 """Transactions in flight at once (of different shards)."""
 RETRY_PAUSES_S = (0.02, 0.1, 0.3, 1.0)
@@ -117,14 +122,16 @@ class WriteBehind:
         """The oldest entries of shards not in flight that fit one transaction (they stay
         queued until written: a failed send is sent again, before anything of its shards)."""
         batch: list[_Entry] = []
-        ops = 0
+        ops = size = 0
         for e in self._queue:
             if e.sending or e.shard in self._busy:
                 continue
-            if batch and ops + len(e.writes) > MAX_OPS:
+            e_size = sum(map(_size, e.writes))
+            if batch and (ops + len(e.writes) > MAX_OPS or size + e_size > MAX_BYTES):
                 break
             batch.append(e)
             ops += len(e.writes)
+            size += e_size
         return batch
 
     async def _send(self, batch: list[_Entry], shards: set[int]) -> None:
@@ -170,6 +177,12 @@ class WriteBehind:
         metrics.OWNER_WRITES_QUEUED.set(len(self._queue))
         if not self._queue:
             self._idle.set()
+
+
+def _size(w: Write) -> int:
+    """About the bytes `w` adds to a transaction (its key and overhead counted as 256)."""
+    v = w.value
+    return 256 + (len(v.params) + len(v.digests) if isinstance(v, Retention) else 0)
 
 
 def _coalesced(batch: list[_Entry]) -> list[Write]:
