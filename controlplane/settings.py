@@ -185,6 +185,10 @@ class Limits:
     """Largest prompt or retention in tokens (digests are bounded by this / block size)."""
     max_params_bytes: int = 256 * 1024
     """Largest kv_transfer_params, bytes of the serialized google.protobuf.Struct (11 per block id)."""
+    max_record_bytes: int = 1 << 20
+    """Largest retention record as stored (its params and digests, base64 in JSON): etcd
+    refuses a request over its --max-request-bytes (1.5 MiB by default). At 16 tokens a
+    block and small params, about 700,000 tokens."""
 
 
 @dataclass(frozen=True)

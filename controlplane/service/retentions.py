@@ -21,6 +21,7 @@ from controlplane.service.validation import (
     MAX_PAGE,
     check_id,
     check_on_node,
+    check_record_size,
     check_retention_size,
     deadline_of,
     page_start,
@@ -102,6 +103,7 @@ class Retentions:
         check_id("engine_id", reg.engine_id, lim.max_id_bytes)
         check_id("request_id", reg.request_id, lim.max_id_bytes, required=False)
         check_retention_size(reg.num_tokens, len(reg.params_blob), lim)
+        check_record_size(len(reg.params_blob), len(reg.digests), lim)
         now = self._clock()
         expires_at = deadline_of(reg.expires_at, self._policy, now)
         node = await self._node_of(reg)

@@ -103,6 +103,17 @@ def check_retention_size(num_tokens: int, params_bytes: int, limits: Limits) -> 
         raise InvalidArgument(f"kv_transfer_params are larger than {limits.max_params_bytes} bytes")
 
 
+def check_record_size(params_bytes: int, digests_bytes: int, limits: Limits) -> None:
+    """A retention's record as stored: etcd takes no larger one (`Limits.max_record_bytes`)."""
+    stored = 4 * ((params_bytes + digests_bytes + 2) // 3) + 512  # (base64 in JSON, and the rest)
+    if stored > limits.max_record_bytes:
+        raise InvalidArgument(
+            f"the retention's record would be about {stored} bytes, more than the store takes "
+            f"({limits.max_record_bytes}): {digests_bytes} bytes of block digests and "
+            f"{params_bytes} of kv_transfer_params"
+        )
+
+
 def deadline_of(expires_at: float | None, policy: Policy, now: float) -> float:
     """A retention's deadline as registered (None: the default lifetime from `now`)."""
     deadline = expires_at if expires_at is not None else now + policy.default_lifetime_s

@@ -312,3 +312,21 @@ async def test_a_message_that_does_not_decode_gets_invalid_argument(daemon: Daem
     assert ended.value.code() is grpc.StatusCode.INVALID_ARGUMENT, ended.value
     answers = sorted((r.id, r.lookup.decision, r.lookup.reason) for r in results)
     assert answers == [(1, leases_pb2.PULL, "pull"), (3, leases_pb2.RECOMPUTE, "no_prompt")]
+
+
+async def test_a_retention_larger_than_the_store_takes_is_refused_not_retried(client: Client) -> None:
+    """A retention whose record etcd would refuse (a conversation of ~1M tokens at 16 a
+    block) is refused at once, naming its size: with shard owners, a write etcd refuses
+    would wait in the write-behind, retried, holding up its shard's later writes."""
+    await client.nodes.Register(node_request("d-1"))
+    tokens = 70_000 * 16
+    req = lease_request("c-huge", num_tokens=tokens, params=d_params("d-1", 16))
+    req.block_digests = b"\x01" * 16 * 70_000  # (1.1 MB of digests: ~1.5 MB as stored)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await client.leases.Register(req)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "more than the store takes" in (e.value.details() or "")
+    small = lease_request("c-next")  # (the shard's next write is not held up)
+    await asyncio.wait_for(client.leases.Register(small), 10)
+    listed = await client.leases.List(leases_pb2.ListLeasesRequest())
+    assert [r.conversation_id for r in listed.leases] == ["c-next"]
