@@ -51,7 +51,9 @@ async def test_a_put_back_does_not_undo_a_newer_registration(etcd_endpoint: str,
         try:
             claiming.cancel()  # the caller goes away: A puts x1 back once it runs
             recorder.failed(Kind.LOOKUP, "router", KEY, t0, asyncio.CancelledError(), "A")
-            await register(recorder, on_b, "x2", "B")  # replaces x1 (claimed: nothing to release)
+            # replaces x1 (claimed: nothing to release); while A owns the shard and is
+            # stopped, B's forward goes unanswered until A's ownership lapses (--owner-ttl)
+            await register_until_taken(recorder, on_b, "x2", "B")
             async with asyncio.timeout(30):  # B's budget releases x2
                 await recorder.until(lambda o: o.kind is Kind.RELEASE and o.handed == "x2", 1, 0.0)
         finally:
@@ -87,5 +89,27 @@ async def claimed(leases: leases_pb2_grpc.LeasesAsyncStub) -> bool:
 
 
 async def put_back_logged(d: DaemonProcess) -> bool:
-    """Whether replica `d` logged its try to put a claim back (whatever came of it)."""
-    return '"lookup.put_back"' in d.log_path.read_text(errors="replace")
+    """Whether replica `d` logged its try to put a claim back (whatever came of it: given up
+    too, when the shard's new owner did not answer)."""
+    text = d.log_path.read_text(errors="replace")
+    return '"lookup.put_back"' in text or '"lookup.put_back.failed"' in text
+
+
+async def register_until_taken(
+    recorder: Recorder, leases: leases_pb2_grpc.LeasesAsyncStub, x: str, via: str, within_s: float = 60.0
+) -> None:
+    """`register`, again while the shard's owner does not answer (each try recorded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        req = lease_request(KEY[1], "d-0", TOKENS, KEY[0], params=d_params("d-0", TOKENS, x))
+        t0 = recorder.start()
+        try:
+            res = await leases.Register(req, timeout=10)
+        except grpc.aio.AioRpcError as e:
+            recorder.failed(Kind.REGISTER, "d-0/reg", KEY, t0, e, via, retention=x)
+            if e.code() is not grpc.StatusCode.UNAVAILABLE or loop.time() > deadline:
+                raise
+            continue
+        recorder.register("d-0/reg", KEY, t0, x, res, via)
+        return
