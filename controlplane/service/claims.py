@@ -104,11 +104,20 @@ class Claims:
             raise
 
     async def claim_while(
-        self, tenant: str, conversation_id: str, request_id: str, now: float, waiting: Awaitable[T]
+        self,
+        tenant: str,
+        conversation_id: str,
+        request_id: str,
+        now: float,
+        waiting: Awaitable[T],
+        claimed: Callable[[Claimed], None] | None = None,
     ) -> tuple[Claimed, T]:
-        """`claim_guarded` while `waiting` (the caller's prompt) is awaited. -> (the claim,
-        what `waiting` gave)."""
+        """`claim_guarded` while `waiting` (the caller's prompt) is awaited; `claimed` is
+        told the claim as soon as it is made, still waiting (to start what the decision
+        will need). -> (the claim, what `waiting` gave)."""
         claiming = self._claiming(tenant, conversation_id, request_id, now)
+        if claimed is not None:
+            claiming.add_done_callback(functools.partial(_tell, claimed))
         try:
             waited = await waiting
             return await asyncio.shield(claiming), waited
@@ -203,6 +212,11 @@ class Claims:
             await self._store.note_claim_deadline(tenant, conversation_id, claimed.marker_revision, claim)
         except StoreUnavailable as e:
             log.warning("lookup.claim_deadline.failed", conversation_id=conversation_id, error=str(e))
+
+
+def _tell(claimed: Callable[[Claimed], None], done: asyncio.Future[Claimed]) -> None:
+    if not done.cancelled() and done.exception() is None:
+        claimed(done.result())
 
 
 def put_back_orphan(taken: Retention, current: Retention | None, marked: bool) -> bool:

@@ -103,7 +103,7 @@ class Lookups:
             else:
                 waiting = self._late_prompt(later, conversation)
                 got, (prompt, missing) = await self._claims.claim_while(
-                    tenant, conversation, q.request_id, now, waiting
+                    tenant, conversation, q.request_id, now, waiting, self._confirm_early
                 )
             now = self._clock()  # decide on the time it is now (the claim may have been slow)
             try:
@@ -132,6 +132,13 @@ class Lookups:
         if got is not None and taken is not None and decision.reason is Reason.EXPIRED:
             await self._claims.note_deadline(got, tenant, conversation, claimed_at, q.request_id)
         return self._answered(tenant, q, decision, taken, claimed=taken is not None)
+
+    def _confirm_early(self, got: Claimed) -> None:
+        """A claim made while its prompt is still on its way: start the read of its node
+        that a pull is confirmed on (NodeCache.decision), so that it overlaps the wait for
+        the prompt instead of following it (about a millisecond of every pulling turn)."""
+        if got.taken is not None and not got.own:
+            self._nodes.confirm_soon(got.taken.engine_id)
 
     def _checked(self, q: LookupQuery, later: LatePrompt | None) -> str:
         """-> the query's tenant, its fields checked."""

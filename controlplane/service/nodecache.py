@@ -92,6 +92,13 @@ class NodeCache:
             reading.add_done_callback(lambda _: self._confirming.pop(engine_id, None))
         return await asyncio.shield(reading)
 
+    def confirm_soon(self, engine_id: str) -> None:
+        """Start the read that confirms a lookup's pull on `engine_id` (`get(confirm=True)`),
+        not waiting for it: the lookup's decision then finds it done or under way. A
+        failed read is the decision's to see (it reads again)."""
+        task = asyncio.ensure_future(self.get(engine_id, confirm=True))
+        task.add_done_callback(_quietly)
+
     async def _read(self, engine_id: str, serializable: bool) -> NodeState | None:
         started = time.monotonic()
         state, revision = await self._store.get(engine_id, serializable=serializable)
@@ -147,3 +154,9 @@ class NodeCache:
             else:
                 outage.report(log, True, "nodes.refresh.failed", "nodes.refresh.recovered")
             await asyncio.sleep(self._refresh_s)
+
+
+def _quietly(done: asyncio.Future[NodeState | None]) -> None:
+    """Retrieve an early confirmation's error, if any (the decision reads again)."""
+    if not done.cancelled():
+        done.exception()
