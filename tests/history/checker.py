@@ -210,7 +210,28 @@ def _counts(ops: Sequence[Op]) -> Counter[str]:
     return counts
 
 
+FAILOVER_GRACE_S = 5.0
+"""An unclean owner takeover releases every retention of the shard, after this grace
+(controlplane.settings.OwnerSettings.grace_s), without knowing which ones the lost owner
+handed out from memory. A release of X at least this long after a lookup handed X out
+takes nothing from anyone: the pull is over, D freed X's blocks then, and a release of
+freed blocks is a no-op on D. One sooner could race the pull: that stays a violation."""
+
+
+def _settled_failover(o: Op, handed: list[Op]) -> bool:
+    """Whether `o` is a failover release of a retention a lookup handed out (and completed)
+    FAILOVER_GRACE_S or more before it."""
+    return (
+        o.kind is Kind.RELEASE
+        and o.detail == "failover"
+        and any(h.kind is Kind.LOOKUP and h.completed + FAILOVER_GRACE_S <= o.invoked for h in handed)
+    )
+
+
 def _twice(x: str, handed: list[Op], retired: list[Op]) -> list[Violation]:
+    settled = [o for o in handed if _settled_failover(o, handed)]
+    handed = [o for o in handed if o not in settled]
+    retired = [o for o in retired if o not in settled]
     if len(handed) < 2 and len(retired) < 2:
         return []
     shown = sorted({id(o): o for o in handed + retired}.values(), key=lambda o: o.invoked)

@@ -214,3 +214,30 @@ def test_a_lookup_after_the_deadline() -> None:
         op(Kind.RELEASE, (12, 12), conv="c3", handed="x3", retired="x3", detail="budget"),
     ]
     assert rules(history) == [(Rule.EXPIRED, "x2")]
+
+
+def test_a_failover_release_after_the_grace_is_no_second_taking_one_sooner_is() -> None:
+    """An unclean owner takeover releases every retention it finds, the lost owner's
+    hand-outs among them (their writes never reached etcd): the fault suite saw one 24 s
+    after the pull. Past the grace the pull is over and D freed the blocks: no violation.
+    Within it, the release could race the pull: still one, as is any other release."""
+    late = [
+        reg("x1", (0, 1)),
+        pull("x1", (2, 3)),
+        op(Kind.RELEASE, (10, 10), handed="x1", retired="x1", detail="failover"),
+    ]
+    assert rules(late) == []
+    soon = [
+        reg("x1", (0, 1)),
+        pull("x1", (2, 3)),
+        op(Kind.RELEASE, (5, 5), handed="x1", retired="x1", detail="failover"),
+    ]
+    assert rules(soon) == [(Rule.TWICE, "x1")]
+    budget = [
+        reg("x1", (0, 1)),
+        pull("x1", (2, 3)),
+        op(Kind.RELEASE, (10, 10), handed="x1", retired="x1", detail="budget"),
+    ]
+    assert rules(budget) == [(Rule.TWICE, "x1")]
+    twice = [*late, pull("x1", (11, 12), process="b")]
+    assert (Rule.TWICE, "x1") in rules(twice)
