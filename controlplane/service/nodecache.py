@@ -4,6 +4,7 @@ made on it (confirmed by a fresh read before they pull or give the reuse up)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import structlog
@@ -82,22 +83,32 @@ class NodeCache:
         applied (serializable: never behind etcd's fsync), one read shared by the lookups
         of the same node meanwhile (at 1,000/s on one decode node: 20 reads a second, not
         2,000: the reads were most of a lookup's cost once claims left etcd)."""
+        reading = self._confirming_read(engine_id)
+        return self._nodes.get(engine_id) if reading is None else await asyncio.shield(reading)
+
+    def confirm_soon(self, engine_id: str) -> None:
+        """Start the read that confirms a lookup's pull on `engine_id`, not waiting for it:
+        the lookup's decision then finds it done or under way (`_confirmed`)."""
+        self._confirming_read(engine_id)
+
+    def _confirming_read(self, engine_id: str) -> asyncio.Future[NodeState | None] | None:
+        """The shared confirming read of `engine_id`, started if none is under way (None:
+        the last one is at most CONFIRM_S old). A failed read's error goes to whoever
+        awaits it, and is not left unretrieved when nobody does."""
         at = self._confirmed_at.get(engine_id)
         if at is not None and time.monotonic() - at < CONFIRM_S:
-            return self._nodes.get(engine_id)
+            return None
         reading = self._confirming.get(engine_id)
         if reading is None:
             reading = asyncio.ensure_future(self._read(engine_id, serializable=True))
             self._confirming[engine_id] = reading
-            reading.add_done_callback(lambda _: self._confirming.pop(engine_id, None))
-        return await asyncio.shield(reading)
+            reading.add_done_callback(functools.partial(self._read_done, engine_id))
+        return reading
 
-    def confirm_soon(self, engine_id: str) -> None:
-        """Start the read that confirms a lookup's pull on `engine_id` (`get(confirm=True)`),
-        not waiting for it: the lookup's decision then finds it done or under way. A
-        failed read is the decision's to see (it reads again)."""
-        task = asyncio.ensure_future(self.get(engine_id, confirm=True))
-        task.add_done_callback(_quietly)
+    def _read_done(self, engine_id: str, done: asyncio.Future[NodeState | None]) -> None:
+        self._confirming.pop(engine_id, None)
+        if not done.cancelled():
+            done.exception()  # (retrieved: its awaiters, if any, still get it)
 
     async def _read(self, engine_id: str, serializable: bool) -> NodeState | None:
         started = time.monotonic()
@@ -154,9 +165,3 @@ class NodeCache:
             else:
                 outage.report(log, True, "nodes.refresh.failed", "nodes.refresh.recovered")
             await asyncio.sleep(self._refresh_s)
-
-
-def _quietly(done: asyncio.Future[NodeState | None]) -> None:
-    """Retrieve an early confirmation's error, if any (the decision reads again)."""
-    if not done.cancelled():
-        done.exception()
