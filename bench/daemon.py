@@ -295,7 +295,7 @@ def _etcd_rows(delta: dict[str, float], turns: int, minutes: float, rows: Rows) 
     """etcd requests and GC lease grants per turn, from the daemon's metrics' `delta`."""
     etcd_requests = sum(v for k, v in delta.items() if k not in ("gc_grants", "load_nodes", "batched_txns"))
     writes = delta.get("put_retention", 0) + delta.get("claim", 0) + delta.get("txn_batch", 0)
-    writes += delta.get("lease_grant", 0)
+    writes += delta.get("lease_grant", 0) + delta.get("owner_write", 0)  # (the owners' write-behind)
     rows.append(
         (
             "etcd requests per turn",

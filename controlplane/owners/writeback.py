@@ -12,6 +12,7 @@ which the next owner treats as it treats a crash (see controlplane.owners).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +38,12 @@ MAX_INFLIGHT = 1
 etcd leaves together in the next, so a busy daemon sends fewer, larger transactions. With
 4, at 1,000 lookups/s most left alone, and their etcd calls took the CPU the lookups
 needed (stream lookup+claim p99 61 -> 13 ms at 1,000/s, 875 -> 90 ms at 2,000/s)."""
+LINGER_S = 0.01
+"""Longest the oldest queued write waits for others to leave with it, when nobody waits
+for any of them (a claim's writes only): a transaction, with its etcd call and fsync,
+costs the same CPU for 2 writes as for 100. At 1,000 lookups/s, 346-629 transactions/s
+of ~3 writes each became <100 (bench.daemon's "owner transactions" row). A write someone
+waits for (write-through), or a full transaction's worth, leaves at once."""
 RETRY_PAUSES_S = (0.02, 0.1, 0.3, 1.0)
 """Pauses before sending again a transaction etcd did not answer (the last one repeats)."""
 
@@ -48,6 +55,7 @@ class _Entry:
     memory: ShardMemory
     writes: list[Write]
     done: asyncio.Future[int] | None
+    queued_at: float
     sending: bool = False
 
 
@@ -68,6 +76,8 @@ class WriteBehind:
         self._inflight = 0
         self._attempt = 0
         self._wake = asyncio.Event()
+        self._urgent = asyncio.Event()  # a queued write is waited for, or a transaction is full
+        self._queued_ops = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -79,9 +89,13 @@ class WriteBehind:
         etcd at (StoreUnavailable: deposed first); None otherwise or with nothing to write."""
         if not writes:
             return None
-        done = asyncio.get_running_loop().create_future() if wait else None
-        self._queue.append(_Entry(shard, fence, memory, writes, done))
+        loop = asyncio.get_running_loop()
+        done = loop.create_future() if wait else None
+        self._queue.append(_Entry(shard, fence, memory, writes, done, loop.time()))
         metrics.OWNER_WRITES_QUEUED.set(len(self._queue))
+        self._queued_ops += len(writes)
+        if wait or self._queued_ops >= MAX_OPS:
+            self._urgent.set()
         self._idle.clear()
         self._wake.set()
         return done
@@ -92,6 +106,7 @@ class WriteBehind:
             if e.shard in shards and e.done is not None and not e.done.done():
                 e.done.set_exception(StoreUnavailable(f"shard {e.shard} changed owner before its write"))
         self._queue = [e for e in self._queue if e.shard not in shards]
+        self._queued_ops = sum(len(e.writes) for e in self._queue)
         self._settled()
 
     def pending(self, shard: int) -> bool:
@@ -108,6 +123,7 @@ class WriteBehind:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
+                await self._linger()
                 while self._inflight < MAX_INFLIGHT and (batch := self._take()):
                     for e in batch:
                         e.sending = True
@@ -120,6 +136,22 @@ class WriteBehind:
         finally:
             for task in list(self._tasks):
                 task.cancel()
+
+    async def _linger(self) -> None:
+        """Until LINGER_S after the oldest unsent write, when nobody waits for any queued
+        write and they fill less than a transaction (see LINGER_S)."""
+        if self._inflight >= MAX_INFLIGHT:
+            return
+        self._urgent.clear()
+        unsent = [e for e in self._queue if not e.sending]
+        if not unsent or any(e.done is not None for e in unsent):
+            return
+        if sum(len(e.writes) for e in unsent) >= MAX_OPS:
+            return
+        left = unsent[0].queued_at + LINGER_S - asyncio.get_running_loop().time()
+        if left > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._urgent.wait(), left)
 
     def _take(self) -> list[_Entry]:
         """The oldest entries of shards not in flight that fit one transaction (they stay
@@ -171,6 +203,7 @@ class WriteBehind:
     def _written(self, batch: list[_Entry], revision: int) -> None:
         sent = set(map(id, batch))
         self._queue = [e for e in self._queue if id(e) not in sent]
+        self._queued_ops = sum(len(e.writes) for e in self._queue)
         for e in batch:
             e.memory.written(e.writes, revision)
             if e.done is not None and not e.done.done():
