@@ -17,11 +17,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import statistics
-from collections.abc import Sequence
+import tempfile
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from bench.demo import TurnRecord, deployment
+from bench import parts
+from bench.demo import DaemonProcess, TurnRecord, wait_nodes
 from bench.sustained import REFERENCE_BLOCKS, Shape, run_load
 from kvferry import logs
 from kvferry.tasks import run_main
@@ -88,14 +92,34 @@ class Phase:
         return 1000 * statistics.median(r.ttft_s for r in later) if later else 0.0
 
 
+@contextlib.asynccontextmanager
+async def deployment() -> AsyncIterator[str]:
+    """bench.demo's deployment (P's prefix cache off, D's pool never full), every part in a
+    process of its own: the daemon, P and D each with its sidecar, the router; this process
+    only sends the load. -> the router's URL."""
+    with tempfile.TemporaryDirectory(prefix="kvferry-busy-") as tmp:
+        async with contextlib.AsyncExitStack() as stack:
+            daemon = DaemonProcess(Path(tmp))
+            stack.push_async_callback(daemon.stop)
+            await daemon.start()
+            at = ("--daemon", daemon.address)
+            await stack.enter_async_context(
+                parts.started("engine", "--role", "prefill", "--no-prefix-caching", *at)
+            )
+            await stack.enter_async_context(
+                parts.started("engine", "--role", "decode", "--num-blocks", str(REFERENCE_BLOCKS), *at)
+            )
+            await wait_nodes(daemon.address, 2)
+            yield (await stack.enter_async_context(parts.started("router", *at))).url
+
+
 async def one_phase(name: str, rate: float, args: argparse.Namespace) -> Phase:
     """`rate` new conversations a second for `args.seconds` on a fresh deployment."""
-    d_changes = {"num_blocks": REFERENCE_BLOCKS}
-    async with deployment(d_changes=d_changes) as dep:
+    async with deployment() as url:
         cpu = CpuWatch()
         watching = asyncio.create_task(cpu.run())
         try:
-            records = await run_load(dep.kvferry.url, rate, args.seconds, Shape(turns=args.turns), args.seed)
+            records = await run_load(url, rate, args.seconds, Shape(turns=args.turns), args.seed)
         finally:
             watching.cancel()
     return Phase(name, rate, records, cpu)

@@ -195,13 +195,13 @@ async def deployment(
                 sidecars.append(
                     await stack.enter_async_context(Sidecar(sidecar_settings(emu, daemon.address, role)))
                 )
-            await _wait_nodes(daemon.address, 2)
+            await wait_nodes(daemon.address, 2)
             kvferry = await stack.enter_async_context(Router(router_settings(daemon.address)))
             plain = await stack.enter_async_context(Router(router_settings(daemon.address, reuse=False)))
             yield Deployment(daemon, p, d, sidecars, kvferry, plain)
 
 
-async def _wait_nodes(address: str, count: int) -> None:
+async def wait_nodes(address: str, count: int) -> None:
     async with grpc.aio.insecure_channel(address) as channel, asyncio.timeout(30):
         stub = nodes_pb2_grpc.NodesStub(channel)
         while True:

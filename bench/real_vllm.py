@@ -39,7 +39,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.demo import DaemonProcess, _wait_nodes, router_settings
+from bench.demo import DaemonProcess, router_settings, wait_nodes
 from bench.router_paths import CHAT, MultiturnProxyStandIn, first_token
 from kvferry import logs
 from kvferry.tasks import run_main
@@ -159,7 +159,7 @@ async def front_doors(engines: Engines, tmp: Path) -> AsyncIterator[Doors]:
         for engine, role in ((engines.prefill, "prefill"), (engines.decode, "decode")):
             sc = await stack.enter_async_context(Sidecar(sidecar_settings(engine, daemon.address, role)))
             d_sidecar = sc if role == "decode" else d_sidecar
-        await _wait_nodes(daemon.address, 2)
+        await wait_nodes(daemon.address, 2)
         kvferry = await stack.enter_async_context(Router(router_settings(daemon.address)))
         plain = await stack.enter_async_context(Router(router_settings(daemon.address, reuse=False)))
         stand_in = MultiturnProxyStandIn(engines.prefill.http_url, engines.decode.http_url)
