@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import pytest
 from google.protobuf import struct_pb2
 
 from controlplane.daemon import Daemon
@@ -18,7 +19,12 @@ from kvferry.structs import struct_to_dict
 from kvferry.v1 import nodes_pb2
 from tests.conftest import Client, DaemonFactory
 from tests.controlplane.test_claims_and_nodes import AttachStream, hello
-from tests.controlplane.test_put_back_orphans import _releases_before_ack
+from tests.controlplane.test_put_back_orphans import (
+    HeldPutBack,
+    _cancelled_claim,
+    _releases_before_ack,
+    _turn,
+)
 from tests.factories import d_params, node_request
 from tests.polling import eventually
 
@@ -119,5 +125,30 @@ async def test_a_release_for_a_node_attached_nowhere_reaches_it_where_it_attache
 
         await eventually(handed_over, within=5)
         assert await _releases_before_ack(stream) == []
+    finally:
+        await stream.close()
+
+
+async def test_a_put_back_overtaken_at_another_replica_has_d_free_the_blocks(
+    make_daemon: DaemonFactory, connect: Connect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fault suite's lost retention after quorum came back: the router's lookup ran
+    at replica B (A had not answered in time), its caller went away, and its put-back met
+    the turn's own registration. D's sidecar is attached to A: it is told through A."""
+    a, b = await _replicas(make_daemon)
+    ca, cb = connect(a), connect(b)
+    await ca.nodes.Register(node_request("d-1", liveness_ttl_seconds=60), timeout=10)
+    stream = await _attach(ca)
+    try:
+        await ca.leases.Register(_turn("c", "turn-1"), timeout=10)
+        putting = HeldPutBack(b, monkeypatch)
+        await _cancelled_claim(b, cb, monkeypatch)
+        await asyncio.wait_for(putting.waiting.wait(), 10)
+        await ca.leases.Register(_turn("c", "turn-2"), timeout=10)  # (it overtakes the put-back)
+        putting.go.set()
+        release = await _release(stream)
+        assert (release.conversation_id, release.reason) == ("c", "orphan")
+        assert struct_to_dict(release.kv_transfer_params)["remote_request_id"] == "turn-1"
+        assert putting.results == [False]
     finally:
         await stream.close()
