@@ -25,6 +25,7 @@ from controlplane.records import Claim, Retention, decode_claim, decode_retentio
 from controlplane.service.budgets import Release
 from kvferry.channels import daemon_channel
 from kvferry.security.tls import TlsFiles
+from kvferry.tasks import cancel_and_wait
 from kvferry.v1 import owners_pb2, owners_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -131,7 +132,8 @@ class OwnerClient:
 
     async def offer_releases(self, addresses: Iterable[str], engine_id: str, releases: list[Release]) -> bool:
         """Offer a node's releases to the replicas at `addresses` at once. -> whether one
-        took them (the node is attached there); False too when none answered in time."""
+        took them (the node is attached there), as soon as one did (a hung replica costs
+        nothing then); False when none did, or answered in time."""
         message = releases_message(engine_id, releases)
 
         async def offer(address: str) -> bool:
@@ -142,7 +144,14 @@ class OwnerClient:
                 return False
             return answer.taken
 
-        return any(await asyncio.gather(*(offer(a) for a in addresses)))
+        offers = [asyncio.ensure_future(offer(a)) for a in addresses]
+        try:
+            for answered in asyncio.as_completed(offers):
+                if await answered:
+                    return True
+            return False
+        finally:
+            await cancel_and_wait(offers)  # (the others' answers no longer matter)
 
     def _stub(self, address: str) -> owners_pb2_grpc.OwnersAsyncStub:
         held = self._stubs.get(address)

@@ -13,8 +13,11 @@ from collections.abc import Callable
 import pytest
 from google.protobuf import struct_pb2
 
+from controlplane.budget import Reason
 from controlplane.daemon import Daemon
+from controlplane.forward import RELEASE_TIMEOUT_S, OwnerClient
 from controlplane.records import Retention
+from controlplane.service.budgets import Release
 from kvferry.structs import struct_to_dict
 from kvferry.v1 import nodes_pb2
 from tests.conftest import Client, DaemonFactory
@@ -151,4 +154,36 @@ async def test_a_put_back_overtaken_at_another_replica_has_d_free_the_blocks(
         assert struct_to_dict(release.kv_transfer_params)["remote_request_id"] == "turn-1"
         assert putting.results == [False]
     finally:
+        await stream.close()
+
+
+async def test_an_offer_taken_by_one_replica_does_not_wait_for_a_hung_one(
+    make_daemon: DaemonFactory, connect: Connect
+) -> None:
+    """A replica stopped (SIGSTOP) answers no offer: the one holding the node's stream
+    answers, and that is enough (every relay round waited RELEASE_TIMEOUT_S otherwise)."""
+    a = await make_daemon()
+    ca = connect(a)
+    await ca.nodes.Register(node_request("d-1", liveness_ttl_seconds=60), timeout=10)
+    stream = await _attach(ca)
+    silent: list[asyncio.StreamWriter] = []
+
+    async def never_answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        silent.append(writer)  # (the connection stays open, and unanswered)
+
+    hung = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    client = OwnerClient(None)
+    try:
+        hung_address = f"127.0.0.1:{hung.sockets[0].getsockname()[1]}"
+        release = Release("default", "c", _retention("turn-1").params, Reason.FAILOVER, time.time() + 60)
+        started = time.monotonic()
+        assert await client.offer_releases([hung_address, a.address], "d-1", [release])
+        assert time.monotonic() - started < RELEASE_TIMEOUT_S
+        assert (await _release(stream)).conversation_id == "c"
+    finally:
+        await client.close()
+        for w in silent:
+            w.close()
+        hung.close()
+        await hung.wait_closed()
         await stream.close()
