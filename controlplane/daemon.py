@@ -25,6 +25,7 @@ from controlplane.peers import Peers
 from controlplane.records import Keys, OwnerRecord
 from controlplane.server import Access, start_server
 from controlplane.service import ControlPlane
+from controlplane.service.budgets import Release
 from controlplane.settings import Settings
 from controlplane.store import EtcdStore
 from kvferry.security.tls import TlsFiles, is_loopback
@@ -110,6 +111,12 @@ class Daemon:
         self._forwarder = OwnerClient(tls)
         peers.on_rotated.append(self._forwarder.rotated)
         cp.owned.forwarder = self._forwarder
+        forwarder = self._forwarder
+
+        async def offer(engine_id: str, releases: list[Release]) -> bool:
+            return await forwarder.offer_releases(peers.addresses, engine_id, releases)
+
+        cp.budgets.relay.offer = offer  # (releases of nodes attached to another replica)
         cp.owners.start()
         with contextlib.suppress(StoreUnavailable):
             await cp.owners.balance()
@@ -158,12 +165,13 @@ class Daemon:
         self.metrics_port = self._metrics_httpd.server_address[1]
 
     def _start_loops(self, cp: ControlPlane, store: EtcdStore) -> None:
-        """The background loops: etcd names followed, the node view refreshed, dead nodes
-        collected, the gauges scanned."""
+        """The background loops: etcd names followed, the node view refreshed, releases
+        relayed, dead nodes collected, the gauges scanned."""
         s = self.settings
         self._tasks.append(asyncio.create_task(store.follow_dns(s.etcd.dns_refresh_s), name="etcd-dns"))
         self._tasks.append(asyncio.create_task(store.follow_certs(CERT_CHECK_S), name="etcd-certs"))
         self._tasks.append(asyncio.create_task(cp.nodes.run(), name="node-cache"))
+        self._tasks.append(asyncio.create_task(cp.budgets.relay.run(), name="release-relay"))
         if s.nodes.gc_after_s > 0:
             interval = min(60.0, s.nodes.gc_after_s / 4)
             self._tasks.append(asyncio.create_task(cp.registry.run_gc(interval), name="node-gc"))

@@ -1,23 +1,37 @@
-"""Forwarding an operation to its shard's owner replica: the client side of the daemon-only
-Owners RPC (kvferry.v1.Owners), and the one mapping between its messages and
-controlplane.owners.ops (the server side, server/owners.py, uses the same).
+"""Forwarding an operation to its shard's owner replica, and a decode node's releases to
+the replica its sidecar is attached to: the client side of the daemon-only Owners RPC
+(kvferry.v1.Owners), and the one mapping between its messages and controlplane.owners.ops
+and service.budgets.Release (the server side, server/owners.py, uses the same).
 
 The replicas call each other with the daemon's own certificate (the policy's `daemon`
-role may call Owners/Apply), at the addresses they advertise in their owner keys.
+role may call Owners/Apply and Owners/Release), at the addresses they advertise in their
+owner keys (Apply) and announcements (Release, to every peer: controlplane.peers).
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterable
+
 import grpc
 import msgspec
+import structlog
 
+from controlplane.budget import Reason
 from controlplane.errors import InvalidArgument, StoreUnavailable
 from controlplane.owners.ops import Kind, OwnerAnswer, OwnerOp
 from controlplane.owners.routed import NotOwner
 from controlplane.records import Claim, Retention, decode_claim, decode_retention, encode
+from controlplane.service.budgets import Release
 from kvferry.channels import daemon_channel
 from kvferry.security.tls import TlsFiles
+from kvferry.tasks import cancel_and_wait
 from kvferry.v1 import owners_pb2, owners_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+RELEASE_TIMEOUT_S = 2.0
+"""How long an offer of releases waits for each replica's answer."""
 
 
 def op_message(op: OwnerOp) -> owners_pb2.OwnerOp:
@@ -66,6 +80,35 @@ def answer_of(m: owners_pb2.OwnerAnswer) -> OwnerAnswer:
     return OwnerAnswer(retention, claim, m.number, m.done)
 
 
+def releases_message(engine_id: str, releases: Iterable[Release]) -> owners_pb2.NodeReleases:
+    """A node's releases as the Owners RPC carries them."""
+    return owners_pb2.NodeReleases(
+        engine_id=engine_id,
+        releases=[
+            owners_pb2.ForwardedRelease(
+                tenant=r.tenant,
+                conversation_id=r.conversation_id,
+                params=r.params,
+                reason=r.reason.value,
+                expires_at=r.expires_at,
+            )
+            for r in releases
+        ],
+    )
+
+
+def releases_of(m: owners_pb2.NodeReleases) -> list[Release]:
+    """Forwarded releases (InvalidArgument: a reason this replica does not know)."""
+    out = []
+    for r in m.releases:
+        try:
+            reason = Reason(r.reason)
+        except ValueError as e:
+            raise InvalidArgument(f"release of {r.conversation_id!r}: unknown reason {r.reason!r}") from e
+        out.append(Release(r.tenant, r.conversation_id, r.params, reason, r.expires_at))
+    return out
+
+
 class OwnerClient:
     """Channels to the owner replicas, by address (owners.Forwarder)."""
 
@@ -86,6 +129,29 @@ class OwnerClient:
                 raise InvalidArgument(e.details() or "") from e
             raise StoreUnavailable(f"owner replica {address}: {e.code().name}: {e.details()}") from e
         return answer_of(answer)
+
+    async def offer_releases(self, addresses: Iterable[str], engine_id: str, releases: list[Release]) -> bool:
+        """Offer a node's releases to the replicas at `addresses` at once. -> whether one
+        took them (the node is attached there), as soon as one did (a hung replica costs
+        nothing then); False when none did, or answered in time."""
+        message = releases_message(engine_id, releases)
+
+        async def offer(address: str) -> bool:
+            try:
+                answer = await self._stub(address).Release(message, timeout=RELEASE_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                log.info("release.offer_failed", address=address, code=e.code().name, details=e.details())
+                return False
+            return answer.taken
+
+        offers = [asyncio.ensure_future(offer(a)) for a in addresses]
+        try:
+            for answered in asyncio.as_completed(offers):
+                if await answered:
+                    return True
+            return False
+        finally:
+            await cancel_and_wait(offers)  # (the others' answers no longer matter)
 
     def _stub(self, address: str) -> owners_pb2_grpc.OwnersAsyncStub:
         held = self._stubs.get(address)

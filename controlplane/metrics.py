@@ -47,6 +47,14 @@ FAILOVER_RETENTIONS = Counter(
     "kvferry_failover_retentions_total",
     "Retentions found at an unclean takeover of a shard: treated as spent, their blocks released",
 )
+RELAYED = Counter(
+    "kvferry_release_relay_total",
+    "Releases of nodes not attached to the replica that decided them (controlplane.service."
+    "relay), by outcome: forwarded (the replica the node is attached to took them), local "
+    "(it attached here), expired (their deadline passed first: D freed the blocks), dropped "
+    "(too many held)",
+    ["outcome"],
+)
 FORWARDED = Counter(
     "kvferry_owner_forwarded_total", "Operations forwarded to a shard's owner replica", ["op"]
 )

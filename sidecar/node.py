@@ -45,7 +45,7 @@ from sidecar.daemon import Backoff, DaemonLink
 from sidecar.engine import EngineFacts, EngineInstance, learn_facts
 from sidecar.kvindex import KvBatch, KvMirror
 from sidecar.metrics import SidecarMetrics
-from sidecar.releases import Releaser
+from sidecar.releases import Releaser, ReleasesSeen
 from sidecar.settings import Settings, listen_address
 from sidecar.unretained import UnretainedLedger
 
@@ -125,6 +125,7 @@ class NodeSession:
         # A call, or a heartbeat, left unanswered this long gives the replica up.
         self._give_up_s = min(settings.daemon.rpc_timeout_s, self._ttl / 4)
         self._wakeup = asyncio.Event()
+        self._released = ReleasesSeen()
         self._kv_since: float | None = None
         self.tap_port = 0
         """Port the tap listens on (for the default advertised URL); set by the app."""
@@ -344,17 +345,20 @@ class NodeSession:
 
     def _release(self, release: nodes_pb2.ReleaseRetention) -> None:
         """The daemon revoked a retention of this node (its budget, the conversation's end):
-        have D free the blocks through a prefill node (the releaser of replaced retentions)."""
+        have D free the blocks through a prefill node (the releaser of replaced retentions),
+        once (the daemon tells a release at least once: `ReleasesSeen`)."""
         facts = self._instance.facts
+        params = struct_to_dict(release.kv_transfer_params)
+        first = self._released.first(release.conversation_id, params)
         log.info(
             "retention.released_early",
             conversation_id=release.conversation_id,
             reason=release.reason,
-            sent=facts is not None and self._releaser is not None,
+            sent=facts is not None and self._releaser is not None and first,
+            again=not first,
         )
-        if facts is None or self._releaser is None:
-            return  # (the engine's facts are gone with its process, and the blocks with it)
-        params = struct_to_dict(release.kv_transfer_params)
+        if facts is None or self._releaser is None or not first:
+            return  # (made already; or the engine's facts are gone with its process, and the blocks with it)
         self._metrics.releases.labels(release.reason or "daemon").inc()
         self._releaser.release(params, facts.model, facts.block_size, release.conversation_id)
 

@@ -37,6 +37,35 @@ _NODES_FRESH_S = 5.0  # how long a node list serves (releases come in bursts aft
 _LIST_TRIES = 12
 
 
+SEEN_RELEASES = 4096
+"""Releases from the daemon remembered, to make each once (`ReleasesSeen`)."""
+
+
+class ReleasesSeen:
+    """The daemon's releases made lately, by D request. The daemon tells a release at least
+    once (a replica that did not hear a peer took it offers it again; two replicas may
+    hold this node's stream for a moment while it moves): a second one is dropped rather
+    than sent to D through a prefill node again. Pure."""
+
+    def __init__(self, keep: int = SEEN_RELEASES) -> None:
+        self._keep = keep
+        self._seen: dict[tuple[str, str, str], None] = {}  # (insertion order: oldest first)
+
+    def first(self, conversation_id: str, params: Mapping[str, Any]) -> bool:
+        """Whether this release of D request `params` is the first one seen (those without a
+        request id always are: nothing tells two of them apart)."""
+        request = params.get("remote_request_id")
+        if not isinstance(request, str) or not request:
+            return True
+        key = (conversation_id, str(params.get("remote_engine_id", "")), request)
+        if key in self._seen:
+            return False
+        self._seen[key] = None
+        if len(self._seen) > self._keep:
+            del self._seen[next(iter(self._seen))]
+        return True
+
+
 class Releaser:
     """Sends each release through an alive prefill node of the same model and block size
     (one picked at random), in the background."""

@@ -59,7 +59,8 @@ leaves etcd behind what the old owner answered: any retention present may have b
 handed out from memory. So the new owner treats EVERY retention of the shard present at
 takeover as spent: it deletes them (fenced, ahead of any other write), never hands them
 out, and after a grace (`OwnerSettings.grace_s`, for a pull the old owner answered to
-finish) has their decode nodes free the blocks (Budgets.queue, reason "failover",
+finish) has their decode nodes free the blocks (Budgets.queue, reason "failover", told
+through the replica each node is attached to: service/relay.py;
 counted in kvferry_failover_retentions_total and kvferry_retention_releases_total).
 Its old writes, if they ever arrive, fail the fence.
 

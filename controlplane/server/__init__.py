@@ -91,7 +91,7 @@ async def start_server(
     cluster = Cluster(cp.registry, cp.attachments, peers)
     nodes_pb2_grpc.add_NodesServicer_to_server(NodesServicer(cp.registry, cp.attachments, cluster), server)
     leases_pb2_grpc.add_LeasesServicer_to_server(LeasesServicer(cp.retentions, cp.lookups, cp.held), server)
-    owners_pb2_grpc.add_OwnersServicer_to_server(OwnersServicer(cp.owned), server)
+    owners_pb2_grpc.add_OwnersServicer_to_server(OwnersServicer(cp.owned, cp.budgets), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(SERVICE_NAMES, server)

@@ -14,6 +14,7 @@ messages to the plain dataclasses of these modules and back. One module per conc
 - lookups.py: validate -> claim -> decide;
 - gauges.py: per-node gauges from a paced scan;
 - budgets.py: the retention budget of each decode node attached here (its releases);
+- relay.py: releases of nodes attached to another replica, until it takes them;
 - background.py: what a stop waits for.
 """
 
@@ -78,7 +79,8 @@ class ControlPlane:
         now = self._clock()
         for (tenant, conversation_id), r in spent:
             if r.expires_at > now:
-                self.budgets.queue(r.engine_id, Release(tenant, conversation_id, r.params, Reason.FAILOVER))
+                release = Release(tenant, conversation_id, r.params, Reason.FAILOVER, r.expires_at)
+                self.budgets.queue(r.engine_id, release)
 
     def begin_stop(self) -> None:
         """The replica stops: the Attach streams it ends from now on suspend no node (their

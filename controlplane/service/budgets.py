@@ -14,7 +14,12 @@ and its release finds it gone, for the shard's owner is the arbiter of single us
   stream), so no lookup can be handed blocks that are being freed.
 
 The same stream frees the blocks of a claim's put-back that came too late (`orphaned`:
-the retention is out of etcd for good, and nothing else would free them).
+the retention is out of etcd for good, and nothing else would free them), and of the
+retentions a shard's unclean takeover spent (reason failover).
+
+Every release goes out through `queue`, whichever replica decided it: on the node's
+stream when its sidecar is attached here, else through the relay (relay.py) to the
+replica it is attached to.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from controlplane.budget import Budget, Held, IntervalSketch, Pool, Reason, idle
 from controlplane.errors import StoreUnavailable
 from controlplane.owners import OwnedRetentions
 from controlplane.records import Retention
+from controlplane.service.relay import ReleaseRelay
 
 log = structlog.get_logger(__name__)
 
@@ -47,6 +53,8 @@ class Release:
     params: bytes
     """D's params as registered (a serialized google.protobuf.Struct)."""
     reason: Reason
+    expires_at: float
+    """The retention's deadline: past it D has freed the blocks, and the release is moot."""
 
 
 class Budgets:
@@ -75,11 +83,14 @@ class Budgets:
         self._attached: dict[str, Callable[[], None]] = {}
         self._running: set[str] = set()
         self._recent: dict[str, list[tuple[float, int]]] = {}  # engine -> (when, blocks) released
+        self.relay = ReleaseRelay(self.take_forwarded, clock)
+        """The releases of nodes attached elsewhere, until their replica takes them."""
 
     def attached(self, engine_id: str, wake: Callable[[], None]) -> None:
         """The node's sidecar holds an Attach stream to this replica (releases reach it):
         `wake` has the stream send those waiting."""
         self._attached[engine_id] = wake
+        self.relay.attached(engine_id)
 
     def registered(self, tenant: str, conversation_id: str, r: Retention, revision: int) -> None:
         """A retention was stored (replacing the conversation's previous one)."""
@@ -140,11 +151,11 @@ class Budgets:
         return self._pools.get(engine_id)
 
     def forget(self, engine_id: str) -> None:
-        """The node's Attach stream ended: its pool facts and unsent releases go (the
-        retentions released are out of etcd all the same; D frees them at their TTL)."""
+        """The node's Attach stream ended: its pool facts go, and its unsent releases to the
+        relay (they follow its sidecar to the replica it attaches to next)."""
         self._attached.pop(engine_id, None)
         self._pools.pop(engine_id, None)
-        self._pending.pop(engine_id, None)
+        self.relay.hold(engine_id, self._pending.pop(engine_id, []))
         self._ticked.pop(engine_id, None)
         self._recent.pop(engine_id, None)
         metrics.forget_pool(engine_id)
@@ -154,12 +165,21 @@ class Budgets:
         return self._pending.pop(engine_id, [])
 
     def queue(self, engine_id: str, release: Release) -> None:
-        """Have the node's sidecar free a revoked retention's blocks with its next answer."""
-        self._pending.setdefault(engine_id, []).append(release)
+        """Have the node's sidecar free a revoked retention's blocks: on its stream when it
+        is attached here, else through the replica it is attached to (the relay)."""
         metrics.RELEASES.labels(release.reason.value).inc()
+        if not self.take_forwarded(engine_id, [release]):
+            self.relay.hold(engine_id, [release])
+
+    def take_forwarded(self, engine_id: str, releases: list[Release]) -> bool:
+        """Send `releases` on the node's stream when its sidecar is attached here (a
+        replica's relay offers them to all). -> whether it is."""
         wake = self._attached.get(engine_id)
-        if wake is not None:
-            wake()
+        if wake is None:
+            return False
+        self._pending.setdefault(engine_id, []).extend(releases)
+        wake()
+        return True
 
     def begin(self, engine_id: str) -> bool:
         """Whether a `report` of the node may start now (one at a time: a heartbeat while
@@ -238,7 +258,7 @@ class Budgets:
         if taken is None:  # claimed, replaced or revoked meanwhile: not ours to free
             log.info("retention.budget.gone", conversation_id=h.conversation_id, reason=reason.value)
             return False
-        self.queue(engine_id, Release(h.tenant, h.conversation_id, taken.params, reason))
+        self.queue(engine_id, Release(h.tenant, h.conversation_id, taken.params, reason, taken.expires_at))
         log.info(
             "retention.budget.released",
             engine_id=engine_id,
@@ -251,20 +271,19 @@ class Budgets:
 
     def ended(self, tenant: str, conversation_id: str, r: Retention) -> bool:
         """A conversation's end revoked its retention: have D's sidecar free the blocks when
-        it is attached here. -> whether it will be told (else the caller frees them)."""
+        it is attached here. -> whether it will be told (else the caller frees them: at
+        once, sooner than through the replica the node is attached to)."""
         self._drop((tenant, conversation_id))
         self.sketch.never()
         if r.engine_id not in self._attached:
             return False
-        self.queue(r.engine_id, Release(tenant, conversation_id, r.params, Reason.CONVERSATION_END))
+        release = Release(tenant, conversation_id, r.params, Reason.CONVERSATION_END, r.expires_at)
+        self.queue(r.engine_id, release)
         return True
 
-    def orphaned(self, tenant: str, conversation_id: str, engine_id: str, params: bytes) -> bool:
-        """A claim's put-back found its retention's place taken (the next turn registered,
-        or a revoke came, meanwhile): the retention is out of etcd for good, and nothing
-        else pulls or frees its blocks. Have D's sidecar free them when it is attached
-        here. -> whether it will be told (else D keeps them to its TTL)."""
-        if engine_id not in self._attached:
-            return False
-        self.queue(engine_id, Release(tenant, conversation_id, params, Reason.ORPHAN))
-        return True
+    def orphaned(self, tenant: str, conversation_id: str, taken: Retention, params: bytes) -> None:
+        """A claim's put-back found its retention (`taken`) place taken (the next turn
+        registered, or a revoke came, meanwhile): the retention is out of etcd for good,
+        and nothing else pulls or frees its blocks. Have D's sidecar free them (`params`),
+        wherever it is attached."""
+        self.queue(taken.engine_id, Release(tenant, conversation_id, params, Reason.ORPHAN, taken.expires_at))

@@ -179,13 +179,12 @@ class Claims:
             return
         if params is None or not put_back_orphan(taken, current, marker is not None):
             return
-        told = self._budgets.orphaned(tenant, conversation_id, taken.engine_id, params)
+        self._budgets.orphaned(tenant, conversation_id, taken, params)
         log.info(
             "lookup.overtaken.released",
             conversation_id=conversation_id,
             engine_id=taken.engine_id,
             request_id=taken.request_id,
-            told=told,
         )
 
     def _put_back_when_done(self, tenant: str, conversation_id: str, done: asyncio.Future[Claimed]) -> None:

@@ -40,8 +40,9 @@ class Role(enum.StrEnum):
     SIDECAR = "sidecar"
     """The sidecar of one engine: registers that engine and its retentions."""
     DAEMON = "daemon"
-    """A peer daemon replica: the fan-out of node lists and scores, and the operations
-    forwarded to a claim shard's owner (Owners/Apply)."""
+    """A peer daemon replica: the fan-out of node lists and scores, the operations
+    forwarded to a claim shard's owner (Owners/Apply), and the releases forwarded to the
+    replica a decode node is attached to (Owners/Release)."""
 
 
 _READ = frozenset({f"{LEASES}Get", f"{LEASES}List", f"{NODES}List"})
@@ -58,7 +59,7 @@ ALLOWED: dict[Role, frozenset[str]] = {
             f"{LEASES}Held",  # (of its own node's pins: node_denial)
         }
     ),
-    Role.DAEMON: frozenset({f"{NODES}Score", f"{NODES}List", f"{OWNERS}Apply"}),
+    Role.DAEMON: frozenset({f"{NODES}Score", f"{NODES}List", f"{OWNERS}Apply", f"{OWNERS}Release"}),
 }
 """Methods each role other than admin may call (admin: all). Leases/Stream carries lookups
 and registrations: each operation is checked again (`stream_op_denial`)."""

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvferry/v1/owners.proto\x12\nkvferry.v1\"\xa7\x02\n\x07OwnerOp\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.kvferry.v1.OwnerOp.Kind\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x03 \x01(\t\x12\x0b\n\x03now\x18\x04 \x01(\x01\x12\x11\n\tretention\x18\x05 \x01(\x0c\x12\r\n\x05\x63laim\x18\x06 \x01(\x0c\x12\x0e\n\x06number\x18\x07 \x01(\x03\x12\x12\n\nclaimed_by\x18\x08 \x01(\t\"x\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\t\n\x05\x43LAIM\x10\x01\x12\x07\n\x03PUT\x10\x02\x12\x0b\n\x07UNCLAIM\x10\x03\x12\x11\n\rNOTE_DEADLINE\x10\x04\x12\n\n\x06REVOKE\x10\x05\x12\x10\n\x0cREVOKE_EXACT\x10\x06\x12\x08\n\x04READ\x10\x07\"M\n\x0bOwnerAnswer\x12\x11\n\tretention\x18\x01 \x01(\x0c\x12\r\n\x05\x63laim\x18\x02 \x01(\x0c\x12\x0e\n\x06number\x18\x03 \x01(\x03\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x32?\n\x06Owners\x12\x35\n\x05\x41pply\x12\x13.kvferry.v1.OwnerOp\x1a\x17.kvferry.v1.OwnerAnswerb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvferry/v1/owners.proto\x12\nkvferry.v1\"\xa7\x02\n\x07OwnerOp\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.kvferry.v1.OwnerOp.Kind\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x03 \x01(\t\x12\x0b\n\x03now\x18\x04 \x01(\x01\x12\x11\n\tretention\x18\x05 \x01(\x0c\x12\r\n\x05\x63laim\x18\x06 \x01(\x0c\x12\x0e\n\x06number\x18\x07 \x01(\x03\x12\x12\n\nclaimed_by\x18\x08 \x01(\t\"x\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\t\n\x05\x43LAIM\x10\x01\x12\x07\n\x03PUT\x10\x02\x12\x0b\n\x07UNCLAIM\x10\x03\x12\x11\n\rNOTE_DEADLINE\x10\x04\x12\n\n\x06REVOKE\x10\x05\x12\x10\n\x0cREVOKE_EXACT\x10\x06\x12\x08\n\x04READ\x10\x07\"M\n\x0bOwnerAnswer\x12\x11\n\tretention\x18\x01 \x01(\x0c\x12\r\n\x05\x63laim\x18\x02 \x01(\x0c\x12\x0e\n\x06number\x18\x03 \x01(\x03\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\"o\n\x10\x46orwardedRelease\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x0e\n\x06params\x18\x03 \x01(\x0c\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x12\n\nexpires_at\x18\x05 \x01(\x01\"Q\n\x0cNodeReleases\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12.\n\x08releases\x18\x02 \x03(\x0b\x32\x1c.kvferry.v1.ForwardedRelease\"#\n\x12NodeReleasesAnswer\x12\r\n\x05taken\x18\x01 \x01(\x08\x32\x84\x01\n\x06Owners\x12\x35\n\x05\x41pply\x12\x13.kvferry.v1.OwnerOp\x1a\x17.kvferry.v1.OwnerAnswer\x12\x43\n\x07Release\x12\x18.kvferry.v1.NodeReleases\x1a\x1e.kvferry.v1.NodeReleasesAnswerb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,6 +37,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OWNEROP_KIND']._serialized_end=335
   _globals['_OWNERANSWER']._serialized_start=337
   _globals['_OWNERANSWER']._serialized_end=414
-  _globals['_OWNERS']._serialized_start=416
-  _globals['_OWNERS']._serialized_end=479
+  _globals['_FORWARDEDRELEASE']._serialized_start=416
+  _globals['_FORWARDEDRELEASE']._serialized_end=527
+  _globals['_NODERELEASES']._serialized_start=529
+  _globals['_NODERELEASES']._serialized_end=610
+  _globals['_NODERELEASESANSWER']._serialized_start=612
+  _globals['_NODERELEASESANSWER']._serialized_end=647
+  _globals['_OWNERS']._serialized_start=650
+  _globals['_OWNERS']._serialized_end=782
 # @@protoc_insertion_point(module_scope)

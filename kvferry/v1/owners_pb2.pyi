@@ -3,11 +3,15 @@
 isort:skip_file
 Owners: the daemon replicas among themselves. An operation on a conversation's
 retention runs at the replica that owns the conversation's claim shard; the others
-forward it here (controlplane.owners). Only the `daemon` role (and admin) may call it.
+forward it here (controlplane.owners). A release of a decode node's blocks goes to the
+replica its sidecar is attached to (controlplane.relay). Only the `daemon` role (and
+admin) may call it.
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
@@ -133,3 +137,86 @@ class OwnerAnswer(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___OwnerAnswer: _TypeAlias = OwnerAnswer  # noqa: Y015
+
+@_typing.final
+class ForwardedRelease(_message.Message):
+    """A revoked retention whose blocks D's sidecar is to free (controlplane.service.budgets.Release)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ID_FIELD_NUMBER: _builtins.int
+    PARAMS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    conversation_id: _builtins.str
+    params: _builtins.bytes
+    """D's params as registered (a serialized google.protobuf.Struct)."""
+    reason: _builtins.str
+    """Why: budget, near_full, orphan, failover, idle, ..."""
+    expires_at: _builtins.float
+    """Seconds since the epoch: the retention's deadline, past which D freed the blocks itself."""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        conversation_id: _builtins.str = ...,
+        params: _builtins.bytes = ...,
+        reason: _builtins.str = ...,
+        expires_at: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "expires_at", b"expires_at", "params", b"params", "reason", b"reason", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForwardedRelease: _TypeAlias = ForwardedRelease  # noqa: Y015
+
+@_typing.final
+class NodeReleases(_message.Message):
+    """Releases for one decode node, offered to a replica its sidecar may be attached to."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    RELEASES_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    @_builtins.property
+    def releases(self) -> _containers.RepeatedCompositeFieldContainer[Global___ForwardedRelease]: ...
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        releases: _abc.Iterable[Global___ForwardedRelease] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "releases", b"releases"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeReleases: _TypeAlias = NodeReleases  # noqa: Y015
+
+@_typing.final
+class NodeReleasesAnswer(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TAKEN_FIELD_NUMBER: _builtins.int
+    taken: _builtins.bool
+    """The node's sidecar is attached here: its Attach stream carries them (else the caller
+    offers them to another replica, or again later).
+    """
+    def __init__(
+        self,
+        *,
+        taken: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["taken", b"taken"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeReleasesAnswer: _TypeAlias = NodeReleasesAnswer  # noqa: Y015

@@ -39,6 +39,11 @@ class OwnersStub:
                 request_serializer=kvferry_dot_v1_dot_owners__pb2.OwnerOp.SerializeToString,
                 response_deserializer=kvferry_dot_v1_dot_owners__pb2.OwnerAnswer.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/kvferry.v1.Owners/Release',
+                request_serializer=kvferry_dot_v1_dot_owners__pb2.NodeReleases.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_owners__pb2.NodeReleasesAnswer.FromString,
+                _registered_method=True)
 
 
 class OwnersServicer:
@@ -52,6 +57,14 @@ class OwnersServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Release(self, request, context):
+        """Take releases for a node whose sidecar is attached to this replica (taken = false
+        otherwise: never forwarded further).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OwnersServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +72,11 @@ def add_OwnersServicer_to_server(servicer, server):
                     servicer.Apply,
                     request_deserializer=kvferry_dot_v1_dot_owners__pb2.OwnerOp.FromString,
                     response_serializer=kvferry_dot_v1_dot_owners__pb2.OwnerAnswer.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=kvferry_dot_v1_dot_owners__pb2.NodeReleases.FromString,
+                    response_serializer=kvferry_dot_v1_dot_owners__pb2.NodeReleasesAnswer.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,6 +106,33 @@ class Owners:
             '/kvferry.v1.Owners/Apply',
             kvferry_dot_v1_dot_owners__pb2.OwnerOp.SerializeToString,
             kvferry_dot_v1_dot_owners__pb2.OwnerAnswer.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvferry.v1.Owners/Release',
+            kvferry_dot_v1_dot_owners__pb2.NodeReleases.SerializeToString,
+            kvferry_dot_v1_dot_owners__pb2.NodeReleasesAnswer.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,9 @@
 isort:skip_file
 Owners: the daemon replicas among themselves. An operation on a conversation's
 retention runs at the replica that owns the conversation's claim shard; the others
-forward it here (controlplane.owners). Only the `daemon` role (and admin) may call it.
+forward it here (controlplane.owners). A release of a decode node's blocks goes to the
+replica its sidecar is attached to (controlplane.relay). Only the `daemon` role (and
+admin) may call it.
 """
 
 from collections import abc as _abc
@@ -38,6 +40,10 @@ class OwnersStub:
     """Run one operation at this replica, which must own the conversation's shard
     (FAILED_PRECONDITION otherwise: the caller reads the owner again).
     """
+    Release: _grpc.UnaryUnaryMultiCallable[_owners_pb2.NodeReleases, _owners_pb2.NodeReleasesAnswer]
+    """Take releases for a node whose sidecar is attached to this replica (taken = false
+    otherwise: never forwarded further).
+    """
 
 @_typing.type_check_only
 class OwnersAsyncStub(OwnersStub):
@@ -45,6 +51,10 @@ class OwnersAsyncStub(OwnersStub):
     Apply: _aio.UnaryUnaryMultiCallable[_owners_pb2.OwnerOp, _owners_pb2.OwnerAnswer]  # type: ignore[assignment]
     """Run one operation at this replica, which must own the conversation's shard
     (FAILED_PRECONDITION otherwise: the caller reads the owner again).
+    """
+    Release: _aio.UnaryUnaryMultiCallable[_owners_pb2.NodeReleases, _owners_pb2.NodeReleasesAnswer]  # type: ignore[assignment]
+    """Take releases for a node whose sidecar is attached to this replica (taken = false
+    otherwise: never forwarded further).
     """
 
 class OwnersServicer(metaclass=_abc_1.ABCMeta):
@@ -56,6 +66,16 @@ class OwnersServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_owners_pb2.OwnerAnswer, _abc.Awaitable[_owners_pb2.OwnerAnswer]]:
         """Run one operation at this replica, which must own the conversation's shard
         (FAILED_PRECONDITION otherwise: the caller reads the owner again).
+        """
+
+    @_abc_1.abstractmethod
+    def Release(
+        self,
+        request: _owners_pb2.NodeReleases,
+        context: _ServicerContext,
+    ) -> _typing.Union[_owners_pb2.NodeReleasesAnswer, _abc.Awaitable[_owners_pb2.NodeReleasesAnswer]]:
+        """Take releases for a node whose sidecar is attached to this replica (taken = false
+        otherwise: never forwarded further).
         """
 
 def add_OwnersServicer_to_server(servicer: OwnersServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -26,8 +26,9 @@ from controlplane.owners.shards import shard_of
 from controlplane.records import OwnerRecord, ShardState
 from controlplane.settings import OwnerSettings, Settings
 from controlplane.store import EtcdStore
-from kvferry.v1 import leases_pb2
+from kvferry.v1 import leases_pb2, nodes_pb2
 from tests.conftest import Client, DaemonFactory, EtcdProcess, daemon_settings
+from tests.controlplane.test_claims_and_nodes import AttachStream, hello
 from tests.factories import lease_request, lookup_request, node_request
 from tests.polling import eventually
 
@@ -138,14 +139,21 @@ async def test_an_unclean_takeover_spends_every_retention_it_finds_and_releases_
     answer = await cb.leases.Lookup(lookup_request("kept-by-a"), timeout=10)
     assert (answer.decision, answer.reason) == (leases_pb2.RECOMPUTE, "no_lease")  # never handed out
     assert metrics.FAILOVER_RETENTIONS._value.get() - spent_before >= 1
-    budgets = second.control_plane.budgets
+    relay = second.control_plane.budgets.relay
 
-    async def released() -> bool:
-        return any(r.reason is Reason.FAILOVER for r in budgets._pending.get("d-1", []))
+    async def released() -> bool:  # (d-1 is attached nowhere: held until it is)
+        return relay.held >= 1
 
     await eventually(released, within=10)
-    [release] = [r for r in budgets.take_releases("d-1") if r.conversation_id == "kept-by-a"]
-    assert release.reason is Reason.FAILOVER
+    stream = AttachStream(cb)
+    try:
+        first_answer = await stream.send(hello("d-1"))
+        assert first_answer is not None and first_answer.HasField("attached")
+        pushed = await asyncio.wait_for(stream.call.read(), 10)
+        assert isinstance(pushed, nodes_pb2.AttachResponse) and pushed.HasField("release"), pushed
+        assert (pushed.release.conversation_id, pushed.release.reason) == ("kept-by-a", Reason.FAILOVER.value)
+    finally:
+        await stream.close()
     # and a, past its validity, decides nothing any more
     gone = await ca.leases.Lookup(lookup_request("kept-by-a"), timeout=10)
     assert gone.reason == "store_unavailable" and not gone.claimed

@@ -80,3 +80,21 @@ async def test_replicas_forward_to_each_other_as_daemon_over_mtls(
     finally:
         for c in (d1, *routers):
             await c.channel.close()
+
+
+async def test_only_daemons_may_offer_releases(as_: Connect) -> None:
+    """A caller that could would have any node free any blocks."""
+    await _setup(as_)
+    offer = owners_pb2.NodeReleases(engine_id="d1", releases=[owners_pb2.ForwardedRelease(reason="budget")])
+    for name, role in (("router", "router"), ("sidecar-d1", "sidecar")):
+        message = await _refused(
+            _owners(as_(name)).Release(offer, timeout=10), grpc.StatusCode.PERMISSION_DENIED
+        )
+        assert message.startswith(f"identity '{name}' (role {role}) may not call /kvferry.v1.Owners/Release")
+    answer = await _owners(as_("daemon")).Release(offer, timeout=10)
+    assert not answer.taken  # (d1's sidecar is not attached here)
+    bad = owners_pb2.NodeReleases(engine_id="d1", releases=[owners_pb2.ForwardedRelease(reason="whim")])
+    message = await _refused(
+        _owners(as_("daemon")).Release(bad, timeout=10), grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert "unknown reason 'whim'" in message

@@ -11,9 +11,10 @@ import pytest
 
 from kvferry.v1 import nodes_pb2
 from sidecar.metrics import SidecarMetrics
-from sidecar.releases import Releaser
+from sidecar.releases import Releaser, ReleasesSeen
 from sidecar.settings import DaemonSettings, EngineSettings, Settings
 from tests.conftest import fake_completions
+from tests.factories import d_params
 
 
 class _Link:
@@ -182,3 +183,15 @@ async def test_a_list_without_the_prefill_node_falls_back_on_the_one_before(
         releaser.release(params, "m", 16, "c")
         await releaser.settled()
         assert link.listed == 2 and _count(metrics, "released") == 2 and len(fake.got) == 2
+
+
+def test_the_sidecar_makes_each_release_once() -> None:
+    seen = ReleasesSeen(keep=2)
+    p1: dict[str, Any] = {**d_params("d-1", 160, "turn-1"), "remote_num_tokens": 0}
+    assert seen.first("c", p1)
+    assert not seen.first("c", p1)  # (told twice: made once)
+    assert seen.first("c", {**p1, "remote_request_id": "turn-2"})
+    assert seen.first("other", p1)  # (2 kept: turn-1 of c is forgotten now)
+    assert seen.first("c", p1)
+    no_id = {k: v for k, v in p1.items() if k != "remote_request_id"}
+    assert seen.first("c", no_id) and seen.first("c", no_id)  # (nothing tells them apart)
