@@ -1,6 +1,6 @@
 """A daemon's certificate rotated under it (cert-manager rewrites the mounted files) is
 taken up by every one of its TLS ends without a restart: the mTLS port, the bearer-token
-port, and the channels to the other replicas."""
+port, the channels to the other replicas, and the metrics port."""
 
 from __future__ import annotations
 
@@ -83,3 +83,25 @@ async def test_both_grpc_ports_and_the_peer_channels_take_up_a_rotation(
         return bool(told)
 
     await eventually(peers_rotated, within=20)
+
+
+async def test_the_metrics_port_takes_up_a_rotation(rotating: Daemon, certs: Path, tmp_path: Path) -> None:
+    first, rotated = _serial(certs / "sidecar-d0.pem"), _serial(certs / "daemon.pem")
+    assert await _served(rotating.metrics_port, certs, None) == first
+    _install(certs, "daemon", tmp_path / "live")
+
+    async def metrics_rotated() -> bool:
+        return await _served(rotating.metrics_port, certs, None) == rotated
+
+    await eventually(metrics_rotated, within=30, interval=0.5)
+
+
+async def test_a_silent_connection_does_not_stop_the_metrics_port(rotating: Daemon, certs: Path) -> None:
+    """A client that connects to the metrics port and sends nothing (no TLS hello): the
+    scrapes after it are answered all the same (the handshake was the accepting thread's,
+    so one such connection stopped every scrape until it went)."""
+    _, silent = await asyncio.open_connection("127.0.0.1", rotating.metrics_port)
+    try:
+        assert await _served(rotating.metrics_port, certs, None) == _serial(certs / "sidecar-d0.pem")
+    finally:
+        silent.close()
