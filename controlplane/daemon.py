@@ -7,10 +7,13 @@ import contextlib
 import ipaddress
 import signal
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from socketserver import BaseRequestHandler
+from typing import Any, cast
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 import structlog
@@ -28,7 +31,7 @@ from controlplane.service import ControlPlane
 from controlplane.service.budgets import Release
 from controlplane.settings import Settings
 from controlplane.store import EtcdStore
-from kvferry.security.tls import TlsFiles, is_loopback
+from kvferry.security.tls import CertReloader, TlsFiles, is_loopback
 from kvferry.tasks import cancel_and_wait
 from kvferry.urls import join_host_port, listen_host_port, local_address, split_host_port
 
@@ -36,6 +39,8 @@ log = structlog.get_logger(__name__)
 
 #: Seconds between checks of the TLS files for a rotation.
 CERT_CHECK_S = 5.0
+#: Seconds a metrics client may take over its TLS handshake and each read of its request.
+METRICS_CLIENT_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -51,6 +56,7 @@ class Daemon:
     _server: grpc.aio.Server | None = None
     _health: Any = None
     _metrics_httpd: Any = None
+    _metrics_reloader: CertReloader | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _store: EtcdStore | None = None
     peers: Peers | None = None
@@ -159,10 +165,11 @@ class Daemon:
         tls = self.settings.security.tls_files()
         files = {} if tls is None else _metrics_tls(tls)
         try:
-            self._metrics_httpd, _ = start_http_server(s.metrics_port, addr=host, **files)
+            httpd, _ = start_http_server(s.metrics_port, addr=host, **files)
         except OSError as e:
             raise OSError(f"cannot serve metrics on {host}:{s.metrics_port}: {e}") from e
-        self.metrics_port = self._metrics_httpd.server_address[1]
+        self._metrics_httpd, self.metrics_port = httpd, httpd.server_address[1]
+        self._metrics_reloader = _guard_metrics(httpd, tls)
 
     def _start_loops(self, cp: ControlPlane, store: EtcdStore) -> None:
         """The background loops: etcd names followed, the node view refreshed, releases
@@ -189,6 +196,8 @@ class Daemon:
             # of the stop, not before the process may exit (a restart is that much quicker).
             httpd = self._metrics_httpd
             threading.Thread(target=lambda: (httpd.shutdown(), httpd.server_close()), daemon=True).start()
+        if self._metrics_reloader is not None:
+            await self._metrics_reloader.stop()
         if self.control_plane is not None:
             self.control_plane.begin_stop()
         if self._health is not None:
@@ -220,13 +229,29 @@ class Daemon:
 
 def _metrics_tls(tls: TlsFiles) -> dict[str, Any]:
     """start_http_server's arguments for HTTPS with client certificates of the CA (a
-    Prometheus scraping with one; the files are read once: a restart takes a rotation)."""
+    Prometheus scraping with one; rotated files are loaded by a `CertReloader`)."""
     return {
         "certfile": str(tls.cert),
         "keyfile": str(tls.key),
         "client_cafile": str(tls.ca),
         "client_auth_required": True,
     }
+
+
+def _guard_metrics(httpd: WSGIServer, tls: TlsFiles | None) -> CertReloader | None:
+    """Each metrics client in its own thread, within a time: a slow or silent one holds
+    that thread only, for METRICS_CLIENT_TIMEOUT_S at most (an idle connection stopped
+    every scrape: the accepting thread waited on its TLS handshake). With TLS, rotated
+    files are loaded: -> the started reloader."""
+    handler = cast(type[BaseRequestHandler], httpd.RequestHandlerClass)
+    httpd.RequestHandlerClass = type(handler.__name__, (handler,), {"timeout": METRICS_CLIENT_TIMEOUT_S})
+    if tls is None:
+        return None
+    listening = cast(ssl.SSLSocket, httpd.socket)
+    listening.do_handshake_on_connect = False  # type: ignore[attr-defined]  # (the client thread's)
+    reloader = CertReloader(tls.watch(), [listening.context], CERT_CHECK_S)
+    reloader.start()
+    return reloader
 
 
 def _warn_open(s: Settings, access: Access) -> None:

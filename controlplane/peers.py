@@ -65,6 +65,7 @@ class Peers:
     ) -> None:
         self.id = uuid.uuid4().hex
         self._tls = tls
+        self._rotation = None if tls is None else tls.watch()  # (a watcher of its own)
         self.address = ""
         self._store = store
         self._ttl = ttl_s
@@ -94,7 +95,7 @@ class Peers:
                     self._lease = 0
                     self._lease = await self._store.announce(self.id, address, self._ttl)
                     log.info("peers.announced", address=address, id=self.id)
-                if self._tls is not None and self._tls.changed():
+                if self._rotation is not None and self._rotation.changed():
                     await self._drop_all()  # (rotated: followed again below, on new channels)
                     for rotated in self.on_rotated:
                         rotated()

@@ -2,7 +2,8 @@
 
 Starts the HTTP session to the engines, the daemon client (when addresses are
 given), the node directory and its refresh task, and the HTTP server (HTTPS with TLS
-files, and a watch that follows their rotation: `router.security`). `stop`
+files, and a watch that follows their rotation: `router.security`; slow and idle
+clients timed out: `kvferry.serving`). `stop`
 lets in-flight answers finish (the server's grace), then cancels the refresh
 and closes every channel and connection.
 """
@@ -17,10 +18,10 @@ from types import TracebackType
 
 import aiohttp
 import structlog
-from aiohttp import web
 
 from kvferry.digests import DigestCache
 from kvferry.hops import KEEPALIVE_S
+from kvferry.serving import LINGER_S, Deadlines, GuardedServer
 from kvferry.tasks import cancel_and_wait
 from kvferry.urls import listen_host_port, local_address
 from router.daemon_client import DaemonClient
@@ -58,7 +59,7 @@ class Router:
         self.daemon: DaemonClient | None = None
         self.directory: NodeDirectory | None = None
         self._http: aiohttp.ClientSession | None = None
-        self._runner: web.AppRunner | None = None
+        self._server: GuardedServer | None = None
         self._refresh: asyncio.Task[None] | None = None
         self._tls_watch: asyncio.Task[None] | None = None
         self._lag: asyncio.Task[None] | None = None
@@ -92,16 +93,15 @@ class Router:
             self._refresh = asyncio.create_task(directory.run(), name="router-nodes")
             shared = self._shared = self._make_shared(directory)
             self._lag = asyncio.create_task(shared.lag.run(), name="router-loop-lag")
-            self._runner = web.AppRunner(
+            self._server = GuardedServer(
                 build_app(shared, sec.keys),
-                handler_cancellation=True,
-                access_log=None,
+                Deadlines(s.server.head_timeout_s, s.server.idle_timeout_s),
                 shutdown_timeout=s.server.shutdown_grace_s,
+                lingering_time=LINGER_S,  # (after a refusal, what is still sent is read so long)
             )
-            await self._runner.setup()
             host, port = listen_host_port(s.server.listen)
-            await web.TCPSite(self._runner, host, port, ssl_context=sec.server_ssl).start()
-            self.port = int(self._runner.addresses[0][1])
+            await self._server.start(host, port, sec.server_ssl)
+            self.port = self._server.port
             self._tls_watch = asyncio.create_task(
                 follow_rotation(sec, self.daemon, s.security.reload_check_s), name="router-tls"
             )
@@ -145,9 +145,9 @@ class Router:
         if self._http is None:  # (nothing started, or stopped already: `start` opens it first)
             return
         deadline = time.monotonic() + self.settings.server.shutdown_grace_s
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._server is not None:
+            await self._server.close()
+            self._server = None
         # What is left of the same grace, and a moment at least (answers cut at the end of
         # the grace release D's blocks): first the lookups still owed an answer (a cut
         # turn's lookup answered late releases what the daemon claimed for it), then the

@@ -31,6 +31,7 @@ from kvferry.decoding import UNDECODABLE, lax_bool
 from kvferry.security import audit
 from kvferry.security.roles import anonymous
 from kvferry.security.tls import peer_identity_from_transport
+from kvferry.serving import guard_middleware
 from kvferry.turnheaders import internal_header
 from router import conversations
 from router.choice import Node, prefill_candidates
@@ -138,8 +139,14 @@ def auth_middleware(keys: ApiKeys) -> Middleware:
 
 
 async def _generate(request: web.Request, path: str) -> web.StreamResponse:
+    timeout_s = request.app[SHARED_KEY].settings.server.body_timeout_s
     try:
-        raw = await request.read()
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        response = error_response(408, f"request body not received within {timeout_s:g} s", "RequestTimeout")
+        response.force_close()  # (the rest of the body may still come)
+        return response
     except web.HTTPRequestEntityTooLarge as e:
         return error_response(413, e.text or "Request body too large.", "BadRequestError")
     except web.RequestPayloadError as e:  # (not what its Content-Encoding says: a 500 it was)
@@ -262,7 +269,7 @@ async def metrics(request: web.Request) -> web.Response:
 def build_app(shared: Shared, keys: ApiKeys) -> web.Application:
     """The router's routes, behind its middlewares; `keys` are the API keys it takes."""
     server = shared.settings.server
-    middlewares = [count_middleware, internal_headers_middleware, auth_middleware(keys)]
+    middlewares = [guard_middleware, count_middleware, internal_headers_middleware, auth_middleware(keys)]
     app = web.Application(middlewares=middlewares, client_max_size=server.max_body_bytes)
     app[SHARED_KEY] = shared
     app.router.add_post(CHAT_PATH, chat_completions)

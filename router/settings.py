@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvferry.flags import Flag, add_flags, bool_text, boolean, items, joined, settings_from
+from kvferry.flags import Flag, add_flags, bool_text, boolean, items, joined, seconds, settings_from
 from kvferry.limits import MAX_BLOCK_SIZE
 from kvferry.security.tls import RELOAD_CHECK_S, TlsFiles, check_listen
 from kvferry.urls import is_http_url, listen_host_port
@@ -36,6 +36,13 @@ class ServerSettings:
     trace_out: str = ""
     """A file to append one line per finished turn to (`router.trace`: timing, sizes and
     reuse, no content), for `kvferry plan`; "" = none."""
+    head_timeout_s: float = 10.0
+    """A request's head must arrive within this of its first byte (of the connection's
+    opening, for its first request): else 408 and the connection is closed."""
+    body_timeout_s: float = 60.0
+    """A request's body must arrive within this of its head (408 beyond)."""
+    idle_timeout_s: float = 75.0
+    """An idle keep-alive connection is closed after this (aiohttp's default)."""
 
 
 @dataclass(frozen=True)
@@ -205,6 +212,8 @@ class Settings:
             raise ValueError("the TLS files' reload check interval must be positive")
         if self.server.max_body_bytes < MIN_BODY_BYTES or self.server.shutdown_grace_s < 0:
             raise ValueError("max body must be at least 1 KiB and the shutdown grace >= 0")
+        if min(self.server.head_timeout_s, self.server.body_timeout_s, self.server.idle_timeout_s) <= 0:
+            raise ValueError("head, body and idle timeouts must be positive")
         d = self.daemon
         if any(":" not in a for a in d.addresses):
             raise ValueError("daemon addresses must be host:port")
@@ -364,6 +373,9 @@ FLAGS = (
     Flag("health-interval", "upstream.health_interval_s", "seconds between node /health probes", float),
     Flag("health-failures", "upstream.health_failures", "failed probes after which a node is left out", int),
     Flag("max-body-bytes", "server.max_body_bytes", "largest request body accepted", int),
+    Flag("head-timeout", "server.head_timeout_s", "seconds a request's head may take to arrive", seconds),
+    Flag("body-timeout", "server.body_timeout_s", "seconds a request's body may take to arrive", seconds),
+    Flag("idle-timeout", "server.idle_timeout_s", "seconds an idle keep-alive connection is kept", seconds),
     Flag(
         "trace-out",
         "server.trace_out",

@@ -31,6 +31,7 @@ import zmq.asyncio
 from kvferry.hops import KEEPALIVE_S
 from kvferry.security.policy import Policy, load_policy
 from kvferry.security.tls import CertReloader, TlsFiles, client_ssl_context, server_ssl_context
+from kvferry.serving import LINGER_S, Deadlines, GuardedServer
 from kvferry.tasks import cancel_and_wait
 from kvferry.urls import local_address
 from sidecar.daemon import DaemonLink
@@ -41,7 +42,6 @@ from sidecar.metrics import SidecarMetrics
 from sidecar.node import NodeSession
 from sidecar.releases import Releaser
 from sidecar.retentions import RetentionSender
-from sidecar.serving import Deadlines, TapServer
 from sidecar.settings import Settings, listen_address
 from sidecar.tap import Tap
 from sidecar.unretained import UnretainedLedger
@@ -101,7 +101,7 @@ class Sidecar:
         """Loads rotated TLS files into the tap's and the client's contexts (None: no TLS)."""
         self._http: aiohttp.ClientSession | None = None
         self._zmq: zmq.asyncio.Context | None = None
-        self._server: TapServer | None = None
+        self._server: GuardedServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.retentions: RetentionSender | None = None
         self._releaser: Releaser | None = None
@@ -142,8 +142,12 @@ class Sidecar:
                 s, self._http, self.instance, self.retentions, self.metrics, self.unretained, self._releaser
             )
             host, port = listen_address(s)
-            self._server = TapServer(
-                tap.app(self.security.policy), Deadlines(s.tap.head_timeout_s, s.tap.idle_timeout_s)
+            self._server = GuardedServer(
+                tap.app(self.security.policy),
+                Deadlines(s.tap.head_timeout_s, s.tap.idle_timeout_s),
+                shutdown_timeout=2.0,
+                auto_decompress=False,  # (sidecar.bodies decodes, with its caps)
+                lingering_time=LINGER_S,
             )
             await self._server.start(host, port, server_ssl)
             self.port = self._server.port

@@ -22,10 +22,10 @@ from kvferry.security import audit
 from kvferry.security.policy import Policy
 from kvferry.security.roles import Denial
 from kvferry.security.tls import bearer_token, peer_identity_from_transport
+from kvferry.serving import guard_of
 from sidecar.access import caller_of, path_denial, tenant_of
 from sidecar.bodies import BodyRefused
 from sidecar.paths import Access, Refusal, Route, route_of
-from sidecar.serving import guard_of
 
 log = structlog.get_logger(__name__)
 

@@ -17,6 +17,7 @@ from kvferry.flags import Flag, add_flags, bool_text, boolean, items, joined, se
 from kvferry.ids import id_problem
 from kvferry.limits import MAX_BLOCK_SIZE, MAX_LIFETIME_S, MAX_LIVENESS_TTL_S, MAX_PORT, MIN_LIVENESS_TTL_S
 from kvferry.security.tls import TlsFiles, check_listen
+from kvferry.security.tls import is_loopback as reachable_only_here
 from kvferry.turnheaders import TENANT_HEADER
 from kvferry.urls import is_http_url, is_loopback, listen_host_port
 
@@ -260,6 +261,13 @@ class Settings:
         plaintext = check_listen(self.tap.listen, self.security.tls_files, self.security.insecure)
         if plaintext:
             raise ValueError(plaintext)
+        host, _ = listen_host_port(self.tap.listen)
+        if not (self.security.policy or self.security.insecure or reachable_only_here(host)):
+            raise ValueError(
+                f"--listen {self.tap.listen} is not a loopback address and no --policy is given: "
+                "every caller, one without a certificate too, would be an admin of the tap; give "
+                "--policy (see `kvferry certs`), or --insecure to serve it so anyway"
+            )
         r = self.retentions
         if r.queue_size < 1 or r.max_attempts < 1 or r.max_in_flight < 1:
             raise ValueError("registration queue size, attempts and in-flight limit must be positive")

@@ -79,6 +79,13 @@ class TlsFiles:
         """Make the next `changed()` True (the files failed to load: try them again)."""
         self._seen.clear()
 
+    def watch(self) -> TlsFiles:
+        """The same files, for one more watcher: `changed()` answers each watcher once, so
+        every end that follows a rotation needs a `TlsFiles` of its own (they are as now)."""
+        own = TlsFiles(self.ca, self.cert, self.key)
+        own.changed()
+        return own
+
     def changed(self) -> bool:
         """True when the files changed since the last call (the first call: True)."""
         now = self._stamp()
@@ -186,7 +193,7 @@ def _server_config(files: TlsFiles) -> Any:
 
 def grpc_server_credentials(files: TlsFiles, require_client_cert: bool) -> grpc.ServerCredentials:
     """A gRPC server's credentials, read again on the first handshake after the files change."""
-    files.changed()
+    files = files.watch()  # (its own: another port or the peers' channels see the change too)
 
     def fetch() -> Any:
         if not files.changed():

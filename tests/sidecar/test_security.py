@@ -31,7 +31,7 @@ from sidecar import Sidecar
 from sidecar.access import caller_of, tenant_of
 from sidecar.cli import build_parser, run_args
 from sidecar.daemon import DaemonLink
-from sidecar.settings import SecuritySettings, Settings, TapSettings
+from sidecar.settings import SecuritySettings, Settings, TapSettings, from_args
 from tests.sidecar.conftest import EchoEngine, StartTap
 
 POLICY = """
@@ -303,3 +303,23 @@ def test_tls_settings_are_checked_at_start(
     missing = ["--tls-ca", str(tmp_path / "none.pem"), "--tls-cert", "c", "--tls-key", "k"]
     assert sidecar_main([*base, *missing]) == 2
     assert f"TLS file {tmp_path / 'none.pem'}" in capsys.readouterr().err
+
+
+def test_tls_off_loopback_without_a_policy_is_refused(
+    dev_ca: Issued, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without a policy every caller of the tap is an admin, and its TLS asks for no client
+    certificate: off loopback, anyone on the network would reset the engine's cache or name
+    any tenant. So that takes --policy, or --insecure to say it is meant."""
+    certs = dev_ca.out
+    argv = [
+        *("--engine-url", "http://127.0.0.1:1", "--daemon", "127.0.0.1:2", "--listen", "0.0.0.0:8100"),
+        *("--tls-ca", str(certs / "ca.pem"), "--tls-cert", str(certs / "sidecar-d0.pem")),
+        *("--tls-key", str(certs / "sidecar-d0.key")),
+    ]
+    assert sidecar_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--listen 0.0.0.0:8100 is not a loopback address and no --policy is given" in err
+    from_args(build_parser().parse_args([*argv, "--insecure", "true"])).validate()  # (meant: allowed)
+    policy = ["--policy", str(certs / "policy.toml")]
+    from_args(build_parser().parse_args([*argv, *policy])).validate()

@@ -1,15 +1,15 @@
-"""The tap's HTTP server: its listening socket, and the deadlines of its connections.
+"""An HTTP server of kvferry's (the router's front door, the sidecar's tap): its listening
+socket, and the deadlines of its connections.
 
 aiohttp times out a connection that waits for its next request (its keep-alive timeout,
 here the idle timeout), but a client that sends a request's head a byte at a time, or
 opens a connection and sends nothing, keeps it as long as it likes under that alone. So
 each connection's protocol is wrapped in a `HeadGuard`: a request's head must be
 complete within the head timeout of its first byte (of the connection's opening, for
-its first request), else the client gets a 408 and the connection is closed. The body's
-own deadline is `sidecar.bodies`'; the idle one is aiohttp's keep-alive timeout.
-
-The tap's server decodes no request body itself (``auto_decompress=False``:
-`sidecar.bodies` does, with its caps) and keeps aiohttp's small read buffer.
+its first request), else the client gets a 408 and the connection is closed. The
+server's middleware tells the guard when a head is in and when its handler is done
+(`guard_middleware`, or the sidecar's gate). The body's own deadline is the handler's
+(`sidecar.bodies`, `router.http_api`); the idle one is aiohttp's keep-alive timeout.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import asyncio
 import json
 import ssl
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestHandler
 
 log = structlog.get_logger(__name__)
@@ -83,7 +84,7 @@ class HeadGuard(asyncio.Protocol):
     def resume_writing(self) -> None:
         self.inner.resume_writing()
 
-    # -- told by the tap's middleware ------------------------------------------------
+    # -- told by the server's middleware ---------------------------------------------
 
     def head_received(self) -> None:
         """A request's head is complete and its handler runs."""
@@ -126,6 +127,19 @@ def guard_of(request: web.BaseRequest) -> HeadGuard | None:
     return protocol if isinstance(protocol, HeadGuard) else None
 
 
+@web.middleware
+async def guard_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Tell the connection's guard that a request's head is in, and when its handler ended."""
+    guard = guard_of(request)
+    if guard is not None:
+        guard.head_received()
+    try:
+        return await handler(request)
+    finally:
+        if guard is not None:
+            guard.request_done()
+
+
 @dataclass(frozen=True)
 class Deadlines:
     """How long a connection may take to send a request's head, and stay idle between requests."""
@@ -134,18 +148,17 @@ class Deadlines:
     idle_timeout_s: float
 
 
-class TapServer:
-    """A listening tap: `start` then `close`."""
+class GuardedServer:
+    """A listening server whose connections have `deadlines`: `start` then `close`.
+    `runner` are more of aiohttp's AppRunner arguments (its shutdown grace, say)."""
 
-    def __init__(self, app: web.Application, deadlines: Deadlines) -> None:
+    def __init__(self, app: web.Application, deadlines: Deadlines, **runner: Any) -> None:
         self._runner = web.AppRunner(
             app,
             handler_cancellation=True,
             access_log=None,
-            shutdown_timeout=2.0,
             keepalive_timeout=deadlines.idle_timeout_s,
-            auto_decompress=False,
-            lingering_time=LINGER_S,
+            **runner,
         )
         self._deadlines = deadlines
         self._server: asyncio.Server | None = None
