@@ -12,6 +12,7 @@ ratios come from this one run.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import functools
 import itertools
@@ -188,11 +189,48 @@ async def _raw_etcd(endpoint: str, phase_s: float, rows: Rows) -> float:
     return raw_p50
 
 
-async def _claims(clients: Clients, args: argparse.Namespace, raw_p50: float, rows: Rows) -> None:
+async def _floor(phase_s: float, rows: Rows) -> dict[int, float]:
+    """2b. The same offered lookups against bench.echo (a Leases/Stream server doing no
+    work, in its own process): the floor gRPC Python and this machine put under any
+    daemon's latency. -> its p99 (ms) per rate."""
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.echo", "--port", str(port), stdin=asyncio.subprocess.DEVNULL
+    )
+    p99s: dict[int, float] = {}
+    try:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        await asyncio.wait_for(channel.channel_ready(), 30)
+        stream = LeaseStream(channel)
+
+        async def echo(_: int) -> None:
+            await stream.lookup(lookup("echo"), 10)
+
+        for rate in RATES[-2:]:
+            lat, _, got = await open_loop(rate, phase_s, echo)
+            p99s[rate] = pct(lat, 99)
+            rows.append(
+                (
+                    f"floor: no-work stream (bench.echo) @ {rate}/s: p50 / p99",
+                    f"{pct(lat, 50):.2f} / {p99s[rate]:.2f} ms",
+                    f"achieved {got:,.0f}/s; the same client and messages, no daemon",
+                )
+            )
+        await stream.close()
+        await channel.close(None)
+    finally:
+        proc.terminate()
+        await proc.wait()
+    return p99s
+
+
+async def _claims(
+    clients: Clients, args: argparse.Namespace, raw_p50: float, rows: Rows, floor: dict[int, float]
+) -> None:
     """3. Lookup+claim under offered load (open loop), one at a time, and at the most
     (closed loop), on both paths."""
     for path, claim in (("stream", clients.claim_stream), ("unary", clients.claim_unary)):
-        await _offered_claims(path, claim, args.phase_s, raw_p50, rows, clients.failed)
+        await _offered_claims(path, claim, args.phase_s, raw_p50, rows, clients.failed, floor)
         await _sequential_claims(path, claim, raw_p50, rows)
         await _max_claims(path, claim, args.claims, rows)
 
@@ -204,13 +242,17 @@ async def _offered_claims(
     raw_p50: float,
     rows: Rows,
     failed: collections.Counter[str],
+    floor: dict[int, float],
 ) -> None:
-    """Lookup+claim offered at each of RATES for `phase_s` each."""
+    """Lookup+claim offered at each of RATES for `phase_s` each (with the p99's ratio to
+    the no-work floor's, on the stream, where it was measured)."""
     for rate in RATES:
         seconds = phase_s  # (1,000 samples at 100/s: a p99 of more than a handful)
         failed.clear()
         lat, lat_scheduled, got = await open_loop(rate, seconds, functools.partial(_ignore_index, claim))
         lost = "".join(f"; {n} {code}" for code, n in failed.items())
+        if path == "stream" and rate in floor:
+            lost += f"; p99 {pct(lat, 99) / floor[rate]:.1f}x the floor's"
         rows.append(
             (
                 f"Lookup+claim {path} @ {rate}/s: p50 / p99",
@@ -382,7 +424,8 @@ async def bench(args: argparse.Namespace) -> None:
     try:
         n, extra, grants_at = await _preload(d, clients, args, rows)
         raw_p50 = await _raw_etcd(etcd.endpoint, args.phase_s, rows)
-        await _claims(clients, args, raw_p50, rows)
+        floor = await _floor(args.phase_s, rows)
+        await _claims(clients, args, raw_p50, rows, floor)
         await _turns(d, clients, args.turns, rows)
         _grant_rows(grants_at, rows)
         left = n - next(clients.convs) + extra

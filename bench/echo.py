@@ -1,0 +1,71 @@
+"""The floor under bench.daemon's lookup latency: a Leases/Stream server that does no work.
+
+It answers every lookup op at once with the same PULL (no claim, no etcd, no policy),
+over the same gRPC stack, event loop and message shapes as the daemon, in a process of
+its own. bench.daemon offers it the rates it offers the daemon, from the same client: what
+the echo's p99 is at a rate, no daemon on this machine can beat (gRPC Python's per-message
+cost, the event loop's wake-ups, and the scheduler sharing the cores with the load
+generator and etcd).
+
+    python -m bench.echo --port N    (serves until SIGTERM)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from kvferry.tasks import run_main
+from kvferry.v1 import leases_pb2
+
+_PULL = leases_pb2.LookupResponse(decision=leases_pb2.PULL, reason="pull")
+
+
+async def _stream(
+    requests: AsyncIterator[leases_pb2.LeaseOpBatch], context: Any
+) -> AsyncIterator[leases_pb2.LeaseOpResultBatch]:
+    """Leases/Stream: each batch's ops answered at once (a lookup: PULL)."""
+    async for batch in requests:
+        out = leases_pb2.LeaseOpResultBatch()
+        for op in batch.ops:
+            res = out.results.add(id=op.id)
+            if op.WhichOneof("op") == "register":
+                res.register.SetInParent()
+            else:
+                res.lookup.CopyFrom(_PULL)
+        yield out
+
+
+async def serve(port: int) -> int:
+    server = grpc.aio.server()
+    stream = grpc.stream_stream_rpc_method_handler(
+        _stream,
+        request_deserializer=leases_pb2.LeaseOpBatch.FromString,
+        response_serializer=leases_pb2.LeaseOpResultBatch.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("kvferry.v1.Leases", {"Stream": stream}),)
+    )
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(1)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.echo", description=__doc__.split("\n")[0])
+    p.add_argument("--port", type=int, required=True)
+    return run_main(serve(p.parse_args(argv).port))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
