@@ -217,6 +217,9 @@ async def test_retentions_registered_through_another_replica_count_after_a_scan(
         assert a.control_plane.budgets.retained_blocks("d-1") == 60
         pulled = await cb.leases.Lookup(lookup_request("c-small", prompt_tokens=400), timeout=10)
         assert pulled.claimed
+        for replica in (a, b):  # the claim's writes, behind its answer, are in etcd
+            assert replica.control_plane is not None
+            await replica.control_plane.owners.writes.flush()
         await a.control_plane.gauges.scan()
         assert a.control_plane.budgets.retained_blocks("d-1") == 50
         releases = await _heartbeat(a, stream, 1, 80, 0.5)  # a budget of 40: c-low goes
