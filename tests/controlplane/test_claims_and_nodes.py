@@ -8,7 +8,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client import REGISTRY
 
 from controlplane.daemon import Daemon
 from controlplane.settings import EtcdSettings
@@ -232,10 +231,16 @@ async def test_a_lapsed_liveness_lease_is_renewed_once_not_per_heartbeat(
 
 
 async def test_an_older_attach_stream_ending_keeps_the_newer_ones_index(
-    daemon: Daemon, client: Client
+    daemon: Daemon, client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert daemon.control_plane is not None
-    index = daemon.control_plane.attachments.index
+    attachments = daemon.control_plane.attachments
+    index = attachments.index
+    detached: list[object] = []  # this daemon's streams that ended (the gauge is every daemon's)
+    detach = attachments.detach
+    monkeypatch.setattr(
+        attachments, "detach", lambda rec, stream: (detached.append(stream), detach(rec, stream))
+    )
     await client.nodes.Register(node_request("d-1"))
     old, new = AttachStream(client), AttachStream(client)
     try:
@@ -243,22 +248,21 @@ async def test_an_older_attach_stream_ending_keeps_the_newer_ones_index(
         await new.send(hello("d-1"))  # the sidecar reconnected before the old stream ended
         events = nodes_pb2.KvEventBatch(stored=[1, 2, 3], reset=True)
         await new.send(nodes_pb2.AttachRequest(kv_events=events), answered=False)
-        for _ in range(100):
-            if index.count("d-1") == 3:
-                break
-            await asyncio.sleep(0.01)
+
+        async def indexed() -> bool:
+            return index.count("d-1") == 3
+
+        await eventually(indexed, within=30)
         late = nodes_pb2.KvEventBatch(stored=[9])  # a late delta on the superseded stream: ignored
         await old.send(nodes_pb2.AttachRequest(kv_events=late), answered=False)
         assert await old.send(heartbeat(1)) is not None  # (answered in order: the delta was taken)
         assert index.count("d-1") == 3 and not index.contains("d-1", 9)
-        attached = REGISTRY.get_sample_value("kvferry_attached_streams")
-        assert attached is not None
         await old.close()
 
         async def old_ended() -> bool:
-            return REGISTRY.get_sample_value("kvferry_attached_streams") == attached - 1
+            return len(detached) == 1
 
-        await eventually(old_ended)
+        await eventually(old_ended, within=30)
         assert index.count("d-1") == 3
         # One stream speaks for one engine.
         await client.nodes.Register(node_request("d-2"))
@@ -268,11 +272,11 @@ async def test_an_older_attach_stream_ending_keeps_the_newer_ones_index(
     finally:
         await old.close()
         await new.close()
-    for _ in range(100):
-        if index.count("d-1") == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert index.count("d-1") == 0  # and when the newer one ends, the index goes with it
+
+    async def dropped() -> bool:  # and when the newer one ends, the index goes with it
+        return index.count("d-1") == 0
+
+    await eventually(dropped, within=30)
 
 
 async def test_a_replica_with_a_stale_node_cache_accepts_the_new_generations_leases(
