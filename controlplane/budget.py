@@ -30,6 +30,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvferry.retentionvalue import (
     DEFAULT_IDLE_FACTOR,
     IDLE_QUANTILE,
@@ -136,9 +138,10 @@ class IntervalSketch:
         return p_return(self._beyond, age_s, left_s)
 
 
-@dataclass(frozen=True)
-class Held:
-    """A live retention as the budget sees it."""
+class Held(msgspec.Struct, frozen=True, gc=False):
+    """A live retention as the budget sees it. (Untracked by the cyclic garbage collector:
+    a replica holds one per live retention of its attached nodes, and a gauge scan makes
+    one per retention in etcd; none holds a container.)"""
 
     tenant: str
     conversation_id: str

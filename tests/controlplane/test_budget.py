@@ -220,3 +220,11 @@ def test_quick_turns_still_leave_the_floor() -> None:
 def test_an_idle_factor_below_zero_is_refused(factor: float) -> None:
     with pytest.raises(ValueError, match="idle release factor must be 0 \\(off\\) or positive, not"):
         Budget(0.5, 0.9, factor).validate()
+
+
+def test_a_held_retention_is_no_work_for_the_garbage_collector() -> None:
+    """A replica holds one per live retention of its nodes, and a gauge scan makes one per
+    retention in etcd: untracked, no collection walks them."""
+    import gc
+
+    assert not gc.is_tracked(held(1))

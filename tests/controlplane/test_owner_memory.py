@@ -125,3 +125,17 @@ def test_a_late_put_back_does_not_bring_back_what_a_budget_release_replaced() ->
     assert m.revoke_exact(C, 7)[0] is y
     assert m.unclaim(C, x, marker=1, now=11.0) is None
     assert m.read(C, 11.0) == (None, None)
+
+
+def test_what_memory_holds_per_conversation_is_no_work_for_the_garbage_collector() -> None:
+    """An owner holds a Held per live conversation and a Marked per recent claim: 100,000s.
+    Tracked by the cyclic collector, a full collection walked them all (100+ ms with 120k
+    retentions, stalling every lookup); untracked, it walks none of them."""
+    import gc
+
+    m = ShardMemory(marker_s=600)
+    m.put(C, retention())
+    m.put(("t", "d"), retention("r2"))
+    m.claim(("t", "d"), 10.0, "x", marker=1)
+    assert not gc.is_tracked(m.retentions[C])
+    assert not gc.is_tracked(m.markers[("t", "d")])
