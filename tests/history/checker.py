@@ -95,6 +95,9 @@ class Op:
     """The lookup's reason, the error's code: for the report only."""
     expires: float = math.inf
     """REGISTER only: the retention's deadline, on the history's clock."""
+    late: bool = False
+    """LOOKUP only: the answer came after its caller gave up (nobody pulls what it hands
+    out: the router has D free it, `LeaseStream.lookup_with_prompt`'s `late`)."""
 
     def line(self) -> str:
         """The op, on one line, for a violation's excerpt."""
@@ -215,16 +218,20 @@ FAILOVER_GRACE_S = 5.0
 (controlplane.settings.OwnerSettings.grace_s), without knowing which ones the lost owner
 handed out from memory. A release of X at least this long after a lookup handed X out
 takes nothing from anyone: the pull is over, D freed X's blocks then, and a release of
-freed blocks is a no-op on D. One sooner could race the pull: that stays a violation."""
+freed blocks is a no-op on D. Nor does one after a lookup answered late (its caller had
+given up, and pulls nothing: a paused owner's answer, sent when it resumed). One sooner
+after an answer in time could race the pull: that stays a violation."""
 
 
 def _settled_failover(o: Op, handed: list[Op]) -> bool:
     """Whether `o` is a failover release of a retention a lookup handed out (and completed)
-    FAILOVER_GRACE_S or more before it."""
+    FAILOVER_GRACE_S or more before it, or handed out late (see FAILOVER_GRACE_S)."""
     return (
         o.kind is Kind.RELEASE
         and o.detail == "failover"
-        and any(h.kind is Kind.LOOKUP and h.completed + FAILOVER_GRACE_S <= o.invoked for h in handed)
+        and any(
+            h.kind is Kind.LOOKUP and (h.late or h.completed + FAILOVER_GRACE_S <= o.invoked) for h in handed
+        )
     )
 
 

@@ -120,13 +120,19 @@ class Recorder:
         return self.add(Op(process, kind, *key, t0, time.monotonic(), status, detail=code, **kw), via)
 
     def lookup(
-        self, process: str, key: tuple[str, str], t0: float, res: leases_pb2.LookupResponse, via: str = ""
+        self,
+        process: str,
+        key: tuple[str, str],
+        t0: float,
+        res: leases_pb2.LookupResponse,
+        via: str = "",
+        late: bool = False,
     ) -> Op:
         """Record a lookup's answer: PULL params or release params hand their retention
-        out (and the claim took it)."""
+        out (and the claim took it); `late`: after its caller gave up."""
         params = res.kv_transfer_params if res.decision == leases_pb2.PULL else res.release_params
         x = retention_of(params)
-        op = Op(process, Kind.LOOKUP, *key, t0, time.monotonic(), Status.OK, handed=x, retired=x)
+        op = Op(process, Kind.LOOKUP, *key, t0, time.monotonic(), Status.OK, handed=x, retired=x, late=late)
         return self.add(replace(op, detail=res.reason), via)
 
     def register(

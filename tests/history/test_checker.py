@@ -4,6 +4,7 @@ are passed."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -241,3 +242,14 @@ def test_a_failover_release_after_the_grace_is_no_second_taking_one_sooner_is() 
     assert rules(budget) == [(Rule.TWICE, "x1")]
     twice = [*late, pull("x1", (11, 12), process="b")]
     assert (Rule.TWICE, "x1") in rules(twice)
+
+
+def test_a_failover_release_after_a_late_answer_is_no_second_taking() -> None:
+    """A paused owner decided a claim, and sent its answer when it resumed, after its
+    caller's deadline and past its lease: the new owner's failover release came a moment
+    later. The caller had given up (the router has D free a late answer's blocks): nobody
+    pulls. The same release after an answer in time is a violation."""
+    late_answer = replace(pull("x1", (2, 14)), late=True)
+    released = op(Kind.RELEASE, (15, 15), handed="x1", retired="x1", detail="failover")
+    assert rules([reg("x1", (0, 1)), late_answer, released]) == []
+    assert rules([reg("x1", (0, 1)), pull("x1", (2, 14)), released]) == [(Rule.TWICE, "x1")]

@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvferry.leaseclient import LeaseStream
+from kvferry.structs import struct_to_dict
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
+from sidecar.releases import ReleasesSeen
 from tests.factories import d_params, lease_request, node_request
 from tests.history.checker import Kind, Op
 from tests.history.recorder import Recorder, on_this_clock
@@ -121,6 +123,7 @@ class FakeSidecar:
         self.n = n
         self.engine = engine_id(n)
         self.attached = asyncio.Event()
+        self.seen = ReleasesSeen()  # (the daemon tells a release at least once: as the real sidecar)
         self._streams = [LeaseStream(ch) for ch in shared.channels]
 
     async def close(self) -> None:
@@ -180,7 +183,9 @@ class FakeSidecar:
             kind = msg.WhichOneof("body")
             if kind == "attached":
                 self.attached.set()
-            elif kind == "release":
+            elif kind == "release" and self.seen.first(
+                msg.release.conversation_id, struct_to_dict(msg.release.kv_transfer_params)
+            ):
                 self.shared.recorder.release(self.engine, msg.release, via)
 
     async def register_forever(self, worker: int) -> None:
@@ -282,7 +287,7 @@ class Client:
         def late(res: leases_pb2.LookupResponse) -> None:
             if unknown:  # (it always is: a late answer comes after the caller gave up)
                 rec.supersede(unknown[0])
-            rec.lookup(self.name, key, t0, res, f"r{i} late")
+            rec.lookup(self.name, key, t0, res, f"r{i} late", late=True)
 
         try:
             res = await self._streams[i].lookup_with_prompt(req, prompt(), self._deadline(), late)
