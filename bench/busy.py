@@ -9,7 +9,7 @@ phase: the machine's CPU use (all cores, from /proc/stat), the share of those tu
 pulled and why the others did not (the router's X-Kvferry-Reuse answer), and TTFT p50 of
 the later turns. The target: >= 95% pulled in the BUSY phase, with the cores >= 90% busy.
 
-    python -m bench.busy [--quiet-rate 1] [--busy-rate 24] [--seconds 60]
+    python -m bench.busy [--quiet-rate 1] [--busy-rate 40] [--seconds 60]
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ async def main_async(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.busy", description=__doc__.split("\n")[0])
     p.add_argument("--quiet-rate", type=float, default=1.0, help="new conversations a second, quiet phase")
-    p.add_argument("--busy-rate", type=float, default=24.0, help="new conversations a second, busy phase")
+    p.add_argument("--busy-rate", type=float, default=40.0, help="new conversations a second, busy phase")
     p.add_argument("--seconds", type=float, default=60.0, help="how long new conversations arrive, per phase")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--seed", type=int, default=1)
