@@ -8,8 +8,9 @@ each connection's protocol is wrapped in a `HeadGuard`: a request's head must be
 complete within the head timeout of its first byte (of the connection's opening, for
 its first request), else the client gets a 408 and the connection is closed. The
 server's middleware tells the guard when a head is in and when its handler is done
-(`guard_middleware`, or the sidecar's gate). The body's own deadline is the handler's
-(`sidecar.bodies`, `router.http_api`); the idle one is aiohttp's keep-alive timeout.
+(`guard_middleware`, outermost in the router and in the sidecar's tap). The body's own
+deadline is the handler's (`sidecar.bodies`, `router.http_api`); the idle one is
+aiohttp's keep-alive timeout.
 """
 
 from __future__ import annotations

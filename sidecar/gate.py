@@ -4,9 +4,9 @@ It refuses, with a JSON error, a target not in origin form (400), a path the tap
 not serve (404), a method the path does not take (405) (the decisions are
 `sidecar.paths`'), a caller without an identity (401) or without the role the path needs
 (403), and a tenant its caller may not name (403) (`sidecar.access`'); each refusal of a
-caller is an audit line, as is each administrative call let through. It tells the
-connection's `HeadGuard` when a request's head is in and when its handler is done, and
-answers a `BodyRefused` raised by a handler with its status.
+caller is an audit line, as is each administrative call let through. It answers a
+`BodyRefused` raised by a handler with its status. (The connection's `HeadGuard` is told
+of each request by `kvferry.serving.guard_middleware`, before the gate, as in the router.)
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from kvferry.security import audit
 from kvferry.security.policy import Policy
 from kvferry.security.roles import Denial
 from kvferry.security.tls import bearer_token, peer_identity_from_transport
-from kvferry.serving import guard_of
 from sidecar.access import caller_of, path_denial, tenant_of
 from sidecar.bodies import BodyRefused
 from sidecar.paths import Access, Refusal, Route, route_of
@@ -55,22 +54,15 @@ def gate(policy: Policy | None, tenant_header: str) -> Middleware:
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        guard = guard_of(request)
-        if guard is not None:
-            guard.head_received()
+        refusal = _refusal(request, policy, tenant_header)
+        if refusal is not None:
+            return _closing(refusal)
         try:
-            refusal = _refusal(request, policy, tenant_header)
-            if refusal is not None:
-                return _closing(refusal)
-            try:
-                return await handler(request)
-            except BodyRefused as e:
-                log.info("tap.body.refused", status=e.status, path=request.path, reason=e.message)
-                retry = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s else None
-                return _closing(error_response(e.status, e.message, retry))
-        finally:
-            if guard is not None:
-                guard.request_done()
+            return await handler(request)
+        except BodyRefused as e:
+            log.info("tap.body.refused", status=e.status, path=request.path, reason=e.message)
+            retry = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s else None
+            return _closing(error_response(e.status, e.message, retry))
 
     return check
 

@@ -28,6 +28,7 @@ from multidict import CIMultiDict
 from kvferry.hops import never_delivered
 from kvferry.releases import notifiable
 from kvferry.security.policy import Policy
+from kvferry.serving import guard_middleware
 from kvferry.turnheaders import NO_RETENTION_HEADER, NOT_DELIVERED_HEADER
 from sidecar.bodies import BodyBudget, BodyLimits, request_body
 from sidecar.capture import RequestPlan, SseRewriter, TurnObserver, plan_request, rewrite_json
@@ -136,7 +137,7 @@ class Tap:
 
     def app(self, policy: Policy | None = None) -> web.Application:
         """The tap's application, its callers checked against `policy` (None: development mode)."""
-        middlewares = [gate(policy, self._s.tap.tenant_header)]
+        middlewares = [guard_middleware, gate(policy, self._s.tap.tenant_header)]
         app = web.Application(client_max_size=self._s.tap.max_body_bytes, middlewares=middlewares)
         app.router.add_route("*", "/{tail:.*}", self._serve)
         return app

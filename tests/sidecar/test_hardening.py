@@ -11,17 +11,15 @@ import asyncio
 import gzip
 import json
 import zlib
-from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 import pytest
 import structlog
 
-from kvferry.tasks import cancel_and_wait
 from sidecar.bodies import BodyBudget, BodyDecoder, BodyRefused
 from sidecar.paths import Access, Refusal, Route, route_of
 from tests.polling import eventually
+from tests.rawhttp import raw, read_answer, slow_clients_are_timed_out
 from tests.sidecar.conftest import EchoEngine, StartTap
 
 LIMIT = 64 * 1024
@@ -141,48 +139,16 @@ def test_the_budget_refuses_what_would_pass_it() -> None:
 # -- over HTTP ---------------------------------------------------------------------------
 
 
-@dataclass
-class Raw:
-    """An answer read off a raw socket."""
-
-    status: int
-    headers: dict[str, str]
-    body: Any
-    closed: bool
-
-
-async def _read_answer(reader: asyncio.StreamReader) -> Raw:
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.decode().split("\r\n")
-    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
-    body = await reader.readexactly(int(headers.get("content-length", "0")))
-    closed = headers.get("connection", "").lower() == "close"
-    return Raw(int(lines[0].split()[1]), headers, json.loads(body) if body else None, closed)
-
-
-async def _raw(url: str, data: bytes) -> Raw:
-    """Send `data` on a new connection, read one answer and see the connection end."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
-    try:
-        writer.write(data)
-        answer = await asyncio.wait_for(_read_answer(reader), 10)
-        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed after it
-        return answer
-    finally:
-        writer.close()
-
-
 async def test_absolute_form_and_unknown_targets_never_reach_the_engine(
     start_tap: StartTap, echo: EchoEngine, http: aiohttp.ClientSession
 ) -> None:
     sc = await start_tap()
     for target in ("http://evil/v1/completions", "http://127.0.0.1/v1/completions"):
-        raw = await _raw(
+        answer = await raw(
             sc.url, f"POST {target} HTTP/1.1\r\nHost: evil\r\nContent-Length: 2\r\n\r\n{{}}".encode()
         )
-        assert raw.status == 400 and raw.closed
-        assert raw.body["error"]["message"].endswith(
+        assert answer.status == 400 and answer.closed
+        assert answer.body["error"]["message"].endswith(
             "is not in origin form (/path?query): absolute-form targets are not served"
         )
     async with http.post(sc.url + "/start_profilex") as r:
@@ -218,7 +184,7 @@ async def test_administrative_paths_are_an_admins_and_development_callers_are(
 
 async def test_oversized_bodies_are_refused_with_413(start_tap: StartTap, echo: EchoEngine) -> None:
     sc = await start_tap(tap__max_body_bytes=LIMIT)
-    declared = await _raw(
+    declared = await raw(
         sc.url, f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {10**9}\r\n\r\n".encode()
     )
     assert declared.status == 413 and declared.closed
@@ -227,7 +193,7 @@ async def test_oversized_bodies_are_refused_with_413(start_tap: StartTap, echo: 
     )
     chunk = bytes(LIMIT // 2)
     chunked = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(3)) + b"0\r\n\r\n"
-    sent = await _raw(
+    sent = await raw(
         sc.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked
     )
     assert sent.status == 413 and "request body is more than" in sent.body["error"]["message"]
@@ -236,12 +202,12 @@ async def test_oversized_bodies_are_refused_with_413(start_tap: StartTap, echo: 
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\n"
         f"Content-Length: {len(bomb)}\r\n\r\n"
     )
-    inflated = await _raw(sc.url, head.encode() + bomb)
+    inflated = await raw(sc.url, head.encode() + bomb)
     assert (
         inflated.status == 413
         and "request body decompresses to more than" in inflated.body["error"]["message"]
     )
-    br = await _raw(
+    br = await raw(
         sc.url,
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Encoding: br\r\nContent-Length: 1\r\n\r\nx",
     )
@@ -271,7 +237,7 @@ async def test_bodies_beyond_the_budget_are_refused_with_503(
             "holds 40000 bytes of request bodies, its limit is 65536" in (await r.json())["error"]["message"]
         )
     writer.write(body[40_000:])
-    answer = await asyncio.wait_for(_read_answer(reader), 10)
+    answer = await asyncio.wait_for(read_answer(reader), 10)
     writer.close()
     assert answer.status == 200 and json.loads(answer.body["body"]) == json.loads(body)
     assert tap.bodies.held == 0
@@ -279,40 +245,4 @@ async def test_bodies_beyond_the_budget_are_refused_with_503(
 
 async def test_slow_heads_and_bodies_and_idle_connections_are_timed_out(start_tap: StartTap) -> None:
     sc = await start_tap(tap__head_timeout_s=0.5, tap__body_timeout_s=0.5, tap__idle_timeout_s=1.0)
-    host, port = sc.url.removeprefix("http://").rsplit(":", 1)
-    # A head sent a byte at a time, for ever: a 408 once the head timeout is over.
-    reader, writer = await asyncio.open_connection(host, int(port))
-    trickle = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 1000
-    loop = asyncio.get_running_loop()
-    began = loop.time()
-
-    async def drip() -> None:
-        for byte in trickle:
-            writer.write(bytes([byte]))
-            await asyncio.sleep(0.05)  # (the slow client: its pace, not a wait for the tap)
-
-    dripping = asyncio.create_task(drip())
-    answer = await asyncio.wait_for(_read_answer(reader), 10)
-    assert answer.status == 408 and answer.closed
-    assert answer.body["error"]["message"] == "request head not received within 0.5 s"
-    assert await asyncio.wait_for(reader.read(), 10) == b"" and loop.time() - began < 5
-    await cancel_and_wait([dripping])
-    writer.close()
-    # A body that never ends: a 408.
-    slow_body = await _raw(
-        sc.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
-    )
-    assert (
-        slow_body.status == 408
-        and slow_body.body["error"]["message"] == "request body not received within 0.5 s"
-    )
-    # A connection that sends nothing is closed; so is one idle after an answer.
-    reader, writer = await asyncio.open_connection(host, int(port))
-    assert await asyncio.wait_for(reader.read(), 10) == b""
-    writer.close()
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-    answer = await asyncio.wait_for(_read_answer(reader), 10)
-    assert answer.status == 200 and not answer.closed
-    assert await asyncio.wait_for(reader.read(), 10) == b""
-    writer.close()
+    await slow_clients_are_timed_out(sc.url, "/health")
