@@ -135,6 +135,7 @@ class Attachments:
             self._reports.pop(rec.engine_id, None)
             self.budgets.forget(rec.engine_id)
         if not self.stopping:
+            self._nodes.doubt(rec)
             self._background.spawn(self._suspend(rec), "suspend-node")
 
     async def _suspend(self, rec: NodeRecord) -> None:

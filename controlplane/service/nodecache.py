@@ -12,7 +12,7 @@ import structlog
 from controlplane import metrics
 from controlplane.errors import StoreUnavailable
 from controlplane.policy import Decision, Policy, Prompt, Reason, decide
-from controlplane.records import NodeState, Retention
+from controlplane.records import NodeRecord, NodeState, Retention
 from controlplane.store.nodes import NodeStore
 from kvferry.logs import Outage
 
@@ -42,6 +42,9 @@ class NodeCache:
         self.loaded_at = 0.0
         self._confirmed_at: dict[str, float] = {}  # engine -> monotonic start of its last read
         self._confirming: dict[str, asyncio.Future[NodeState | None]] = {}
+        self._doubted: dict[str, tuple[int, int]] = {}
+        """engine -> (generation, liveness lease) of a registration whose Attach stream
+        ended on this replica (`doubt`)."""
 
     async def refresh(self) -> dict[str, NodeState]:
         """Read every node from etcd into the view. -> the nodes."""
@@ -62,10 +65,11 @@ class NodeCache:
             for e, n in nodes.items()
             if not n.alive
         }
-        self._nodes, self.revisions = nodes, revisions
+        self._nodes = {e: self._vouched(n) for e, n in nodes.items()}
+        self.revisions = revisions
         self.loaded_at = now
-        metrics.NODES_ALIVE.set(sum(1 for n in nodes.values() if n.alive))
-        return nodes
+        metrics.NODES_ALIVE.set(sum(1 for n in self._nodes.values() if n.alive))
+        return dict(self._nodes)
 
     async def get(self, engine_id: str, fresh: bool = False, confirm: bool = False) -> NodeState | None:
         """A node as the view has it (read from etcd when it has none, when `fresh` is
@@ -119,13 +123,31 @@ class NodeCache:
             self._nodes.pop(engine_id, None)
         if serializable:  # (only a lookup's own check starts a window: the next one reads)
             self._confirmed_at[engine_id] = started
-        return state
+        return None if state is None else self._vouched(state)
 
     def put(self, state: NodeState, revision: int) -> None:
         """A node's state as of its record's mod `revision` (an older one is not taken)."""
         engine = state.record.engine_id
         if revision >= self.revisions.get(engine, 0):
-            self._nodes[engine], self.revisions[engine] = state, revision
+            self._nodes[engine], self.revisions[engine] = self._vouched(state), revision
+
+    def doubt(self, rec: NodeRecord) -> None:
+        """`rec`'s Attach stream ended on this replica: nobody vouches for its engine
+        process now, so this view has that registration not alive from this moment, not
+        from when its suspension is through etcd (an fsync away, seconds when etcd is in
+        trouble; meanwhile a lookup here would hand out a D in doubt). A registration
+        that replaced it (another liveness lease) is not affected."""
+        self._doubted[rec.engine_id] = (rec.generation, rec.lease_id)
+        state = self._nodes.get(rec.engine_id)
+        if state is not None:
+            self._nodes[rec.engine_id] = self._vouched(state)
+
+    def _vouched(self, state: NodeState) -> NodeState:
+        """`state` as this replica may vouch for it: not alive if its registration is doubted."""
+        rec = state.record
+        if state.alive and self._doubted.get(rec.engine_id) == (rec.generation, rec.lease_id):
+            return NodeState(rec, False)
+        return state
 
     def snapshot(self) -> dict[str, NodeState]:
         """Every node in the view, as a new dict."""
@@ -135,6 +157,7 @@ class NodeCache:
         """Forget a node (its record was deleted, or could not be read)."""
         self._nodes.pop(engine_id, None)
         self._confirmed_at.pop(engine_id, None)
+        self._doubted.pop(engine_id, None)
 
     async def decision(self, retention: Retention, prompt: Prompt, policy: Policy, now: float) -> Decision:
         """The lookup decision for `retention` on the view of its node. The view may be a

@@ -9,6 +9,7 @@ decided on a replica's cached view of the node.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import grpc
@@ -60,6 +61,50 @@ async def test_a_node_whose_stream_ended_is_suspended_and_keeps_its_generation(
     assert (await client.leases.Lookup(lookup_request("c"))).decision == leases_pb2.PULL
 
 
+async def test_a_stream_that_ended_hands_nothing_out_before_its_suspension_is_in_etcd(
+    daemon: Daemon, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The suspension is an etcd write, an fsync away (seconds when etcd is in trouble).
+    The replica whose stream ended knows at once that nobody vouches for the engine: it
+    handed the retention out until the write was through."""
+    cp = daemon.control_plane
+    assert cp is not None
+    store = cp.attachments._store
+    through = asyncio.Event()
+    real_suspend = store.suspend
+
+    async def held_suspend(rec, now):  # type: ignore[no-untyped-def]
+        await through.wait()
+        return await real_suspend(rec, now)
+
+    monkeypatch.setattr(store, "suspend", held_suspend)
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("c"))
+    stream = AttachStream(client)
+    await stream.send(hello("d-1"))
+    await stream.close()
+    try:
+        await eventually(lambda: _streams(daemon, 0))
+        peek = await client.leases.Lookup(lookup_request("c", peek=True))
+        assert (peek.decision, peek.reason) == (leases_pb2.RECOMPUTE, "node_gone")
+        assert not (await _node(client)).suspended  # (etcd has not heard of it yet)
+    finally:
+        through.set()  # (or the daemon's stop waits for the held suspension forever)
+
+    async def suspended() -> bool:
+        return (await _node(client)).suspended
+
+    await eventually(suspended)
+    # The same process registers again: a new liveness lease, which the doubt is not about.
+    await client.nodes.Register(node_request("d-1", generation=1))
+    assert (await client.leases.Lookup(lookup_request("c", peek=True))).decision == leases_pb2.PULL
+
+
+async def _streams(daemon: Daemon, n: int) -> bool:
+    assert daemon.control_plane is not None
+    return len(daemon.control_plane.attachments._streams) == n
+
+
 async def test_a_stream_ending_after_a_newer_registration_suspends_nothing(
     daemon: Daemon, client: Client
 ) -> None:
@@ -75,6 +120,8 @@ async def test_a_stream_ending_after_a_newer_registration_suspends_nothing(
     await daemon.control_plane.settle()
     node = await _node(client)
     assert node.alive and not node.suspended
+    await client.leases.Register(lease_request("c"))
+    assert (await client.leases.Lookup(lookup_request("c", peek=True))).decision == leases_pb2.PULL
 
 
 async def _stream_count(daemon: Daemon, n: int) -> bool:
