@@ -178,6 +178,7 @@ class Daemon:
         self._tasks.append(asyncio.create_task(store.follow_dns(s.etcd.dns_refresh_s), name="etcd-dns"))
         self._tasks.append(asyncio.create_task(store.follow_certs(CERT_CHECK_S), name="etcd-certs"))
         self._tasks.append(asyncio.create_task(cp.nodes.run(), name="node-cache"))
+        self._tasks.append(asyncio.create_task(cp.nodes.keep_confirmed(), name="node-confirm"))
         self._tasks.append(asyncio.create_task(cp.budgets.relay.run(), name="release-relay"))
         if s.nodes.gc_after_s > 0:
             interval = min(60.0, s.nodes.gc_after_s / 4)

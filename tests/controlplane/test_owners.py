@@ -204,6 +204,36 @@ def _forwarded() -> list[Any]:
     return [child._value for child in metrics.FORWARDED._metrics.values()]  # type: ignore[attr-defined]
 
 
+def _node_reads() -> float:
+    return sum(b.get() for b in metrics.ETCD_LATENCY.labels("get_node")._buckets)
+
+
+async def test_a_looked_up_node_is_kept_confirmed_between_lookups(
+    daemon: Daemon, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The confirming read a pull waits for (1-3 ms of etcd on a turn after a quiet moment)
+    is kept fresh in the background while the node is looked up, and no longer after."""
+    from controlplane.service import nodecache
+
+    monkeypatch.setattr(nodecache, "KEEP_S", 1.0)
+    cp = daemon.control_plane
+    assert cp is not None
+    await client.nodes.Register(node_request("d-1", liveness_ttl_seconds=60))
+    await client.leases.Register(lease_request("kept"))
+    assert (await client.leases.Lookup(lookup_request("kept"), timeout=10)).decision == leases_pb2.PULL
+    after_lookup = _node_reads()
+
+    async def read_meanwhile() -> bool:  # (two ranges a read)
+        return _node_reads() - after_lookup >= 2 * 3
+
+    await eventually(read_meanwhile)
+
+    async def let_go() -> bool:
+        return "d-1" not in cp.nodes._looked_up
+
+    await eventually(let_go)
+
+
 async def test_lookups_of_one_node_share_its_confirming_read(daemon: Daemon, client: Client) -> None:
     """A pull is confirmed on the node as etcd had it at most CONFIRM_S ago: concurrent
     lookups of one decode node share one read (they were two etcd requests each)."""
