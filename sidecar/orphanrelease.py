@@ -92,17 +92,8 @@ class OrphanReleases:
     def dropped(self, draft: RetentionDraft, reason: str) -> None:
         """D holds the draft's blocks with no retention naming them (dropped for `reason`):
         into the book, which says whether they are released or only counted."""
-        facts = self._instance.facts
         params = nothing_to_pull(draft.params)
-        pin = Pin(
-            conversation=(draft.tenant, draft.conversation_id),
-            params=params,
-            blocks=blocks_of(draft.num_tokens, facts.block_size if facts is not None else 0),
-            expires_at=draft.expires_at,
-            epoch=draft.epoch,
-            reason=reason,
-            notifiable=notifiable(params) and self._releaser is not None,
-        )
+        pin = self._pin(draft, params, reason, notifiable(params) and self._releaser is not None)
         decision = self._book.dropped(pin, time.time())
         if decision != "gone":
             self._metrics.orphans.labels(reason, "released" if decision == "release" else "counted").inc()
@@ -119,16 +110,21 @@ class OrphanReleases:
             return
         if not notifiable(params):
             return
+        pin = self._pin(draft, params, UNANSWERED)
+        self._book.registered.add(Registered(pin, draft.request_id, time.time()))
+
+    def _pin(self, draft: RetentionDraft, params: dict[str, Any], reason: str, notify: bool = True) -> Pin:
+        """The blocks `draft` has D hold, as the book keeps them (`params`: made unpullable)."""
         facts = self._instance.facts
-        pin = Pin(
+        return Pin(
             conversation=(draft.tenant, draft.conversation_id),
             params=params,
             blocks=blocks_of(draft.num_tokens, facts.block_size if facts is not None else 0),
             expires_at=draft.expires_at,
             epoch=draft.epoch,
-            reason=UNANSWERED,
+            reason=reason,
+            notifiable=notify,
         )
-        self._book.registered.add(Registered(pin, draft.request_id, time.time()))
 
     async def check_held(
         self, leases: leases_pb2_grpc.LeasesAsyncStub, node_id: str, timeout_s: float
