@@ -31,6 +31,7 @@ from aetcd import rpc
 
 from bench.daemon_workload import TOKENS, DaemonProcess, lookup, register_node, retention
 from bench.load import closed_loop, open_loop, pct
+from bench.lookup_tail import cpu_seconds
 from controlplane.embedded import EmbeddedEtcd
 from controlplane.etcd import Client as _Client
 from kvferry.leaseclient import LeaseOpError, LeaseStream
@@ -164,6 +165,28 @@ async def _preload(
     return n, extra, grants_at
 
 
+SETTLED_CORES = 0.1
+"""etcd and the daemon are settled once they use less than this many cores together."""
+
+
+async def _settle(pids: list[int], rows: Rows, most_s: float = 120.0) -> None:
+    """Wait until etcd and the daemon have digested the preload (etcd compacts, snapshots
+    and commits its backend for a while after 200,000 writes, on the cores the phases
+    share): the latency phases, and the floor they are compared with, then measure a
+    steady state, not the preload's wake. How long it took is a row of its own."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < most_s:
+        before = sum(cpu_seconds(p) for p in pids)
+        await asyncio.sleep(1.0)
+        if sum(cpu_seconds(p) for p in pids) - before < SETTLED_CORES:
+            break
+    waited = time.perf_counter() - t0
+    settled = "settled" if waited < most_s else "not settled, went on"
+    rows.append(
+        ("etcd + daemon idle after the preload", f"{waited:.0f} s", f"{settled} (< {SETTLED_CORES} cores)")
+    )
+
+
 async def _raw_etcd(endpoint: str, phase_s: float, rows: Rows) -> float:
     """2. Raw aetcd transaction latency, same shape as a claim, from this process straight
     to etcd: one at a time (the ratio's base), and at 1,000/s, one transaction each (what
@@ -193,12 +216,16 @@ async def _floor(phase_s: float, rows: Rows) -> dict[int, float]:
     """2b. The same offered lookups against bench.echo (a Leases/Stream server doing no
     work, in its own process): the floor gRPC Python and this machine put under any
     daemon's latency. -> its p99 (ms) per rate."""
-    port = free_port()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bench.echo", "--port", str(port), stdin=asyncio.subprocess.DEVNULL
-    )
+        sys.executable, "-m", "bench.echo", "--port", "0",
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
     p99s: dict[int, float] = {}
     try:
+        assert proc.stdout is not None
+        port = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
+        if not port.isdigit():
+            raise RuntimeError(f"bench.echo did not start (exit code {proc.returncode}; see its stderr)")
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         await asyncio.wait_for(channel.channel_ready(), 30)
         stream = LeaseStream(channel)
@@ -219,7 +246,8 @@ async def _floor(phase_s: float, rows: Rows) -> dict[int, float]:
         await stream.close()
         await channel.close(None)
     finally:
-        proc.terminate()
+        if proc.returncode is None:
+            proc.terminate()
         await proc.wait()
     return p99s
 
@@ -423,6 +451,8 @@ async def bench(args: argparse.Namespace) -> None:
     await register_node(clients.channel)
     try:
         n, extra, grants_at = await _preload(d, clients, args, rows)
+        assert d.proc is not None
+        await _settle([etcd.pid, d.proc.pid], rows)
         raw_p50 = await _raw_etcd(etcd.endpoint, args.phase_s, rows)
         floor = await _floor(args.phase_s, rows)
         await _claims(clients, args, raw_p50, rows, floor)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import sys
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -51,8 +52,12 @@ async def serve(port: int) -> int:
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("kvferry.v1.Leases", {"Stream": stream}),)
     )
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    if not bound:
+        print(f"bench.echo: cannot listen on 127.0.0.1:{port}", file=sys.stderr)
+        return 1
     await server.start()
+    print(bound, flush=True)  # (the port, for a parent that asked for any: --port 0)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -63,7 +68,7 @@ async def serve(port: int) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.echo", description=__doc__.split("\n")[0])
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=int, required=True, help="0: any free port, printed on stdout")
     return run_main(serve(p.parse_args(argv).port))
 
 
