@@ -176,17 +176,22 @@ class NodeCache:
         sidecar/identity.py): a read at most CONFIRM_S old, serializable (every node change
         is a daemon replica's etcd write, which an etcd member answers once applied; on
         another member than the writer's, a replication lag later: milliseconds)."""
-        self._looked_up.pop(retention.engine_id, None)
-        self._looked_up[retention.engine_id] = time.monotonic()
-        if len(self._looked_up) > MAX_KEPT:
-            del self._looked_up[next(iter(self._looked_up))]
-        self._lookups_came.set()
+        self._note_lookup(retention.engine_id)
         node = await self.get(retention.engine_id)
         decided = decide(retention, node, prompt, policy, now)
         if decided.pull or decided.reason in (Reason.NODE_GONE, Reason.NODE_RESTARTED):
             node = await self.get(retention.engine_id, confirm=True)
             decided = decide(retention, node, prompt, policy, now)
         return decided
+
+    def _note_lookup(self, engine_id: str) -> None:
+        """A lookup of `engine_id`: it is the latest for `keep_confirmed` (the oldest of
+        more than MAX_KEPT is let go)."""
+        self._looked_up.pop(engine_id, None)
+        self._looked_up[engine_id] = time.monotonic()
+        if len(self._looked_up) > MAX_KEPT:
+            del self._looked_up[next(iter(self._looked_up))]
+        self._lookups_came.set()
 
     async def keep_confirmed(self) -> None:
         """Keep the confirming read of the nodes looked up in the last KEEP_S (at most

@@ -125,9 +125,9 @@ async def test_a_stream_ending_after_a_newer_registration_suspends_nothing(
 
 
 async def _stream_count(daemon: Daemon, n: int) -> bool:
+    """`n` Attach streams, and what the ended ones started (suspensions) done."""
     assert daemon.control_plane is not None
-    cp = daemon.control_plane
-    return len(cp.attachments._streams) == n and cp.background.idle
+    return await _streams(daemon, n) and daemon.control_plane.background.idle
 
 
 async def test_a_stopping_replica_suspends_none_of_its_nodes(make_daemon: DaemonFactory, connect) -> None:  # type: ignore[no-untyped-def]
