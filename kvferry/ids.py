@@ -3,7 +3,11 @@ request ids): the daemon refuses what breaks it, so the others check it the same
 
 from __future__ import annotations
 
+import re
+
 MAX_ID_BYTES = 256
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+"""A control character (C0 or DEL): one C-speed search, on every lookup's ids."""
 
 
 def id_problem(name: str, value: str, max_bytes: int = MAX_ID_BYTES) -> str:
@@ -14,6 +18,6 @@ def id_problem(name: str, value: str, max_bytes: int = MAX_ID_BYTES) -> str:
         return f"{name} is not valid UTF-8"
     if size > max_bytes:
         return f"{name} is {size} bytes, at most {max_bytes} allowed"
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+    if _CONTROL.search(value):
         return f"{name} contains control characters"
     return ""

@@ -180,8 +180,9 @@ class NodeCache:
         node = await self.get(retention.engine_id)
         decided = decide(retention, node, prompt, policy, now)
         if decided.pull or decided.reason in (Reason.NODE_GONE, Reason.NODE_RESTARTED):
-            node = await self.get(retention.engine_id, confirm=True)
-            decided = decide(retention, node, prompt, policy, now)
+            confirmed = await self.get(retention.engine_id, confirm=True)
+            if confirmed is not node:  # (the same state, read within CONFIRM_S: decided already)
+                decided = decide(retention, confirmed, prompt, policy, now)
         return decided
 
     def _note_lookup(self, engine_id: str) -> None:
