@@ -13,41 +13,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
-import functools
-import itertools
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from aetcd import rpc
 
+from bench.daemon_claims import (
+    RATES,
+    TARGET_P99_MS,
+    Clients,
+    Rows,
+    claim_phases,
+    no_work_floor,
+    own_core_phases,
+)
 from bench.daemon_workload import TOKENS, DaemonProcess, lookup, register_node, retention
 from bench.load import closed_loop, open_loop, pct
 from bench.lookup_tail import cpu_seconds
 from controlplane.embedded import EmbeddedEtcd
 from controlplane.etcd import Client as _Client
-from kvferry.leaseclient import LeaseOpError, LeaseStream
 from kvferry.tasks import run_main
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
 from realvllm.process import free_port
-
-RATES = (100, 500, 1000, 2000)
-"""Lookup+claim rates offered (issue 23: p99 at most 5 ms at 1,000/s, 10 ms at 2,000/s)."""
-
-Rows = list[tuple[str, str, str]]
-"""The table the benchmark prints: (figure, value, note), in order."""
-
-
-async def _ignore_index(op: Callable[[], Awaitable[None]], _: int) -> None:
-    await op()
 
 
 def _du(path: Path) -> str:
@@ -90,58 +83,13 @@ async def _raw_claims(raw: _Client, name: str, n: int, rate: float = 0.0) -> lis
     return lat
 
 
-@dataclass
-class Clients:
-    """The benchmark's clients of one daemon: unary calls (grpcurl-style), the sidecar's
-    Leases/Stream, and the router's on a channel of its own; `convs` numbers the claims,
-    so that every lookup claims a different preloaded retention."""
-
-    channel: grpc.aio.Channel
-    unary: leases_pb2_grpc.LeasesAsyncStub
-    sidecar: LeaseStream
-    router: LeaseStream
-    convs: itertools.count[int]
-    failed: collections.Counter[str] = field(default_factory=collections.Counter)
-    """Lookups that got no answer, by status: past what the daemon serves, a call can be
-    cancelled (the ratio is the figure; one such call used to end the benchmark)."""
-
-    @classmethod
-    def connect(cls, port: int) -> Clients:
-        """Channels to the daemon on `port`; the router's stream has one of its own."""
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        unary, sidecar = leases_pb2_grpc.LeasesStub(channel), LeaseStream(channel)
-        router = LeaseStream(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
-        return cls(channel, unary, sidecar, router, itertools.count())
-
-    async def claim_unary(self) -> None:
-        try:
-            r = await self.unary.Lookup(lookup(f"c{next(self.convs)}"), timeout=10)
-        except grpc.aio.AioRpcError as e:
-            self.failed[e.code().name] += 1
-            return
-        assert r.decision == leases_pb2.PULL, r
-
-    async def claim_stream(self) -> None:
-        try:
-            r = await self.router.lookup(lookup(f"c{next(self.convs)}"), 10)
-        except LeaseOpError as e:
-            self.failed[e.code.name] += 1
-            return
-        assert r.decision == leases_pb2.PULL, r
-
-    async def close(self) -> None:
-        await self.sidecar.close()
-        await self.router.close()
-        await self.channel.close(None)
-
-
 async def _preload(
     d: DaemonProcess, clients: Clients, args: argparse.Namespace, rows: Rows
 ) -> tuple[int, int, list[float]]:
     """1. Preload over the sidecar stream, then some over unary calls; GC grants per 10k
     registrations early and late. -> (retentions preloaded over the stream, over unary
     calls, the GC grants counted at every 10,000th registration)."""
-    consumed = int(2 * sum(RATES) * args.phase_s) + 2000 + 2 * args.claims
+    consumed = int((2 * sum(RATES) + sum(TARGET_P99_MS)) * args.phase_s) + 2000 + 2 * args.claims
     n = args.leases + consumed  # so that >= --leases stay live throughout
     grants_at: list[float] = []
 
@@ -210,122 +158,6 @@ async def _raw_etcd(endpoint: str, phase_s: float, rows: Rows) -> float:
     )
     await raw.close()
     return raw_p50
-
-
-async def _floor(phase_s: float, rows: Rows) -> dict[int, float]:
-    """2b. The same offered lookups against bench.echo (a Leases/Stream server doing no
-    work, in its own process): the floor gRPC Python and this machine put under any
-    daemon's latency. -> its p99 (ms) per rate."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bench.echo", "--port", "0",
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    p99s: dict[int, float] = {}
-    try:
-        assert proc.stdout is not None
-        port = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
-        if not port.isdigit():
-            raise RuntimeError(f"bench.echo did not start (exit code {proc.returncode}; see its stderr)")
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        await asyncio.wait_for(channel.channel_ready(), 30)
-        stream = LeaseStream(channel)
-
-        async def echo(_: int) -> None:
-            await stream.lookup(lookup("echo"), 10)
-
-        for rate in RATES[-2:]:
-            lat, _, got = await open_loop(rate, phase_s, echo)
-            p99s[rate] = pct(lat, 99)
-            rows.append(
-                (
-                    f"floor: no-work stream (bench.echo) @ {rate}/s: p50 / p99",
-                    f"{pct(lat, 50):.2f} / {p99s[rate]:.2f} ms",
-                    f"achieved {got:,.0f}/s; the same client and messages, no daemon",
-                )
-            )
-        await stream.close()
-        await channel.close(None)
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-        await proc.wait()
-    return p99s
-
-
-async def _claims(
-    clients: Clients, args: argparse.Namespace, raw_p50: float, rows: Rows, floor: dict[int, float]
-) -> None:
-    """3. Lookup+claim under offered load (open loop), one at a time, and at the most
-    (closed loop), on both paths."""
-    for path, claim in (("stream", clients.claim_stream), ("unary", clients.claim_unary)):
-        await _offered_claims(path, claim, args.phase_s, raw_p50, rows, clients.failed, floor)
-        await _sequential_claims(path, claim, raw_p50, rows)
-        await _max_claims(path, claim, args.claims, rows)
-
-
-async def _offered_claims(
-    path: str,
-    claim: Callable[[], Awaitable[None]],
-    phase_s: float,
-    raw_p50: float,
-    rows: Rows,
-    failed: collections.Counter[str],
-    floor: dict[int, float],
-) -> None:
-    """Lookup+claim offered at each of RATES for `phase_s` each (with the p99's ratio to
-    the no-work floor's, on the stream, where it was measured)."""
-    for rate in RATES:
-        seconds = phase_s  # (1,000 samples at 100/s: a p99 of more than a handful)
-        failed.clear()
-        lat, lat_scheduled, got = await open_loop(rate, seconds, functools.partial(_ignore_index, claim))
-        lost = "".join(f"; {n} {code}" for code, n in failed.items())
-        if path == "stream" and rate in floor:
-            lost += f"; p99 {pct(lat, 99) / floor[rate]:.1f}x the floor's"
-        rows.append(
-            (
-                f"Lookup+claim {path} @ {rate}/s: p50 / p99",
-                f"{pct(lat, 50):.2f} / {pct(lat, 99):.2f} ms",
-                f"achieved {got:,.0f}/s; p50 {pct(lat, 50) / raw_p50:.2f}x raw txn; "
-                f"from schedule {pct(lat_scheduled, 50):.2f} / {pct(lat_scheduled, 99):.2f}{lost}",
-            )
-        )
-
-
-async def _sequential_claims(
-    path: str, claim: Callable[[], Awaitable[None]], raw_p50: float, rows: Rows
-) -> None:
-    """1,000 lookup+claims one at a time."""
-    lat_seq: list[float] = []
-    for _ in range(1000):
-        t = time.perf_counter()
-        await claim()
-        lat_seq.append(time.perf_counter() - t)
-    rows.append(
-        (
-            f"Lookup+claim {path}, one at a time: p50",
-            f"{pct(lat_seq, 50):.2f} ms",
-            f"{pct(lat_seq, 50) / raw_p50:.2f}x raw txn p50",
-        )
-    )
-
-
-async def _max_claims(path: str, claim: Callable[[], Awaitable[None]], claims: int, rows: Rows) -> None:
-    """`claims` lookup+claims, 64 in flight."""
-    lat_max: list[float] = []
-
-    async def timed_claim(_: int) -> None:
-        t = time.perf_counter()
-        await claim()
-        lat_max.append(time.perf_counter() - t)
-
-    secs = await closed_loop(claims, 64, timed_claim)
-    rows.append(
-        (
-            f"Lookup+claim {path}, max (64 in flight)",
-            f"{claims / secs:,.0f} /s",
-            f"p50 {pct(lat_max, 50):.2f} ms, p99 {pct(lat_max, 99):.2f} ms",
-        )
-    )
 
 
 async def _turns(d: DaemonProcess, clients: Clients, turns_on_stream: int, rows: Rows) -> None:
@@ -454,8 +286,9 @@ async def bench(args: argparse.Namespace) -> None:
         assert d.proc is not None
         await _settle([etcd.pid, d.proc.pid], rows)
         raw_p50 = await _raw_etcd(etcd.endpoint, args.phase_s, rows)
-        floor = await _floor(args.phase_s, rows)
-        await _claims(clients, args, raw_p50, rows, floor)
+        floor = await no_work_floor(args.phase_s, rows)
+        await claim_phases(clients, args, raw_p50, rows, floor)
+        await own_core_phases(clients, etcd.pid, args, raw_p50, rows)
         await _turns(d, clients, args.turns, rows)
         _grant_rows(grants_at, rows)
         left = n - next(clients.convs) + extra
