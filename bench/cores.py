@@ -3,13 +3,14 @@
 On this 2-core machine the daemon shares its cores with the load generator (which in
 a deployment is a fleet of routers on other machines) and etcd (its own nodes, see
 deploy/kubernetes). When the scheduler puts one of them next to the daemon's serving
-thread, that thread waits: in four runs of ``bench.lookup_tail --rate 2000`` with all
-three free, the stream's p99 was 10-190 ms for the same code; with that process and
-etcd confined to core 0 (the daemon free to use both), 4.8 and 5.4 ms in two runs, the
-daemon spending 0.30 ms of CPU per lookup against 0.34-0.41 (with the daemon confined
-to core 1 alone: 6.9 and 27 ms, its gRPC thread then shares the one core). `confined`
-sets up that layout: the daemon with a core nobody else runs on, as its CPU request
-gives it in deploy/.
+thread, that thread waits. In 15 runs of ``bench.lookup_tail --rate 2000`` with all
+three free to run anywhere, the stream's p99 was 10-169 ms for the same code (median
+about 37 ms), the daemon's thread at 0.7-0.8 of a core. With the load generator and etcd
+kept on core 0 while lookups were offered, and the daemon free to use both cores, it was
+4.8-22 ms in 7 runs (median 10 ms). `confined` sets up that layout: the daemon with a
+core nobody else runs on, as its CPU request gives it in deploy/. What is left of the
+tail then is the daemon's own work: about 0.35 ms of CPU per lookup against 0.16 ms for
+a server doing none (bench.echo).
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ prints what is needed to explain a tail: the CPU each process spent per lookup
 loop lag (a stall there is not the daemon's), etcd's WAL fsync / backend commit /
 snapshot / compaction counts over the run, and a timeline of slow lookups per 250 ms.
 
-    python -m bench.lookup_tail [--leases 20000] [--rate 1000] [--seconds 15] [--list]
+    python -m bench.lookup_tail [--leases 20000] [--rate 1000] [--seconds 15] [--list] [--own-core]
 
+``--own-core`` leaves the daemon a core nobody else runs on (see bench.cores).
 ``--list`` runs ``kvferry leases ls`` over every lease meanwhile, in a process of its
 own: an operator listing a large store under load.
 """
@@ -23,11 +24,13 @@ import sys
 import tempfile
 import time
 import urllib.request
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from bench.cores import OTHERS_CORE, confined
 from bench.daemon_workload import DaemonProcess, lookup, register_node, retention
 from bench.load import closed_loop, pct
 from controlplane.embedded import EmbeddedEtcd
@@ -148,9 +151,11 @@ async def _measure(d: DaemonProcess, etcd: EmbeddedEtcd, tmp: Path, args: argpar
     lag = LoopLag()
     listed_to = tmp / "leases.jsonl"
     listing = await _start_listing(d.port, listed_to) if args.list else None
-    t0 = time.perf_counter()
-    sent_lat = await _offer(router, args.rate, count)
-    elapsed = time.perf_counter() - t0
+    own_core = confined([os.getpid(), etcd._proc.pid], {OTHERS_CORE}) if args.own_core else nullcontext()
+    with own_core:
+        t0 = time.perf_counter()
+        sent_lat = await _offer(router, args.rate, count)
+        elapsed = time.perf_counter() - t0
     lags = await lag.stop()
     cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
     disk = {k: v - disk0.get(k, 0.0) for k, v in etcd_counters(etcd.endpoint).items()}
@@ -236,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=1000.0, help="lookups offered per second")
     p.add_argument("--seconds", type=float, default=15.0)
     p.add_argument("--list", action="store_true", help="run `kvferry leases ls` of everything meanwhile")
+    p.add_argument(
+        "--own-core",
+        action="store_true",
+        help="keep this process and etcd on core 0 while lookups are offered (bench.cores)",
+    )
     args = p.parse_args(argv)
 
     async def run() -> int:
