@@ -104,6 +104,17 @@ def identities_of(nodes: tuple[str, ...]) -> dict[str, str]:
     return parts
 
 
+TOKEN_PREFIX = "kvft_"
+"""What every bearer token `kvferry certs` makes starts with: a secret scanner can tell it,
+and it never starts with "-" (a bare token_urlsafe does, 1 time in 64, and then
+``--token TOKEN`` reads as a flag: argparse refused it, a CI run failed on it)."""
+
+
+def new_token() -> str:
+    """A bearer token: TOKEN_PREFIX and 256 random bits, URL-safe."""
+    return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
 def make_dev_ca(out: Path, hosts: tuple[str, ...] = (), nodes: tuple[str, ...] = ()) -> Issued:
     """Write ca.pem/ca.key, NAME.pem/NAME.key per identity, admin.token and policy.toml into `out`."""
     out.mkdir(parents=True, exist_ok=True)
@@ -116,7 +127,7 @@ def make_dev_ca(out: Path, hosts: tuple[str, ...] = (), nodes: tuple[str, ...] =
         key = ec.generate_private_key(ec.SECP256R1())
         serves = name in ("daemon", "etcd", "router") or name.startswith("sidecar-")
         _write(out, name, key, _certificate(name, key, ca_name, ca_key, server_hosts if serves else ()))
-    token = secrets.token_urlsafe(32)
+    token = new_token()
     token_path = out / "admin.token"
     token_path.touch(mode=0o600)
     token_path.write_text(token + "\n")

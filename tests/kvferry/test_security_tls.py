@@ -69,6 +69,20 @@ def test_the_dev_ca_issues_every_part_and_a_policy_naming_them(ca: Path) -> None
     assert policy.by_certificate("etcd") is None  # (etcd's certificate names no kvferry caller)
 
 
+def test_bearer_tokens_never_read_as_a_flag() -> None:
+    """`--token TOKEN` took a token starting with "-" for a flag (argparse: "expected one
+    argument"); the tokens `kvferry certs` makes start with their prefix."""
+    import argparse
+
+    from kvferry.security.devca import TOKEN_PREFIX, new_token
+
+    tokens = {new_token() for _ in range(2000)}
+    assert len(tokens) == 2000 and all(t.startswith(TOKEN_PREFIX) and len(t) > 40 for t in tokens)
+    p = argparse.ArgumentParser()
+    p.add_argument("--token")
+    assert all(p.parse_args(["--token", t]).token == t for t in list(tokens)[:200])
+
+
 def test_tls_flags_come_all_three_or_none(ca: Path, tmp_path: Path) -> None:
     assert TlsFiles.from_flags(None, None, None) is None
     with pytest.raises(ValueError, match="missing --tls-key"):
