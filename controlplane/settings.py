@@ -15,7 +15,7 @@ from controlplane.nodeurls import NodeNetworks
 from controlplane.policy import Policy
 from kvferry.flags import Flag, add_flags, bool_text, boolean, items, joined, settings_from
 from kvferry.ids import MAX_ID_BYTES
-from kvferry.limits import MAX_LIVENESS_TTL_S, MAX_PORT, MIN_LIVENESS_TTL_S
+from kvferry.limits import ANSWER_VALID_S, MAX_LIVENESS_TTL_S, MAX_PORT, MIN_LIVENESS_TTL_S
 from kvferry.security.policy import Policy as AccessPolicy
 from kvferry.security.policy import load_policy
 from kvferry.security.tls import TlsFiles, check_listen
@@ -165,7 +165,8 @@ class OwnerSettings:
     """Validity ends this long before the lease could lapse in etcd."""
     grace_s: float = 5.0
     """After an unclean takeover, how long the spent retentions' blocks are kept before
-    they are released (a pull the old owner answered may still be running)."""
+    they are released (a pull the old owner answered may still be running: clients use an
+    answer at most kvferry.limits.ANSWER_VALID_S after their lookup left)."""
     wait_s: float = 1.0
     """How long an operation waits for its shard (taken, loaded, valid) before it answers
     store_unavailable."""
@@ -230,6 +231,11 @@ class Settings:
             raise ValueError(f"claim shards must be 1..{MAX_SHARDS}, not {self.owners.shards}")
         if not 2 <= self.owners.ttl_s <= 60:
             raise ValueError(f"owner TTL must be 2..60 s, not {self.owners.ttl_s}")
+        if not self.owners.grace_s > ANSWER_VALID_S:
+            raise ValueError(
+                f"owner grace must exceed the {ANSWER_VALID_S:g} s a client may still use a "
+                f"lookup's answer (kvferry.limits.ANSWER_VALID_S), not {self.owners.grace_s}"
+            )
         if self.nodes.gc_after_s < 0:
             raise ValueError("node GC delay must be 0 (never) or positive")
         if self.gc.bucket_s < 1 or self.gc.max_keys_per_lease < 1:

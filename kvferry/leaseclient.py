@@ -16,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
 from kvferry.framing import by_size
+from kvferry.limits import ANSWER_VALID_S
 from kvferry.tasks import cancel_and_wait
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
 
@@ -83,7 +85,7 @@ class LeaseStream:
 
     async def lookup(self, req: leases_pb2.LookupRequest, deadline_s: float) -> leases_pb2.LookupResponse:
         """Look a retention up, its prompt known (LeaseOpError when it fails or `deadline_s` passes)."""
-        res = await self._op(leases_pb2.LeaseOp(lookup=req), deadline_s)
+        res = await self._op(leases_pb2.LeaseOp(lookup=req), deadline_s, valid_s=ANSWER_VALID_S)
         return res.lookup
 
     async def lookup_with_prompt(
@@ -117,7 +119,9 @@ class LeaseStream:
                 self._enqueue(leases_pb2.LeaseOp(id=op_id, prompt=later or leases_pb2.LookupPrompt()))
 
         late_result = (lambda res: late(res.lookup)) if late is not None else None
-        res = await self._op(leases_pb2.LeaseOp(lookup=req), deadline_s, then_prompt, late_result)
+        res = await self._op(
+            leases_pb2.LeaseOp(lookup=req), deadline_s, then_prompt, late_result, ANSWER_VALID_S
+        )
         return res.lookup
 
     async def _op(
@@ -126,10 +130,11 @@ class LeaseStream:
         deadline_s: float | Callable[[], float],
         before_deadline: Callable[[int], Awaitable[None]] | None = None,
         late: Callable[[leases_pb2.LeaseOpResult], None] | None = None,
+        valid_s: float | None = None,
     ) -> leases_pb2.LeaseOpResult:
         """Send `op`, run `before_deadline(op.id)` if given, then wait up to `deadline_s`
-        (asked then, when a callable) and, with `late`, hand it an answer that comes after
-        that."""
+        (asked then, when a callable), and no longer than `valid_s` from when the op was
+        handed to the stream; with `late`, hand it an answer that comes after that."""
         op.id = next(self._ids)
         fut: asyncio.Future[leases_pb2.LeaseOpResult] = asyncio.get_running_loop().create_future()
         self._pending[op.id] = fut
@@ -137,10 +142,13 @@ class LeaseStream:
         try:
             await self._open()  # creates the call when there is none; never waits on the network
             self._enqueue(op)
+            enqueued = time.monotonic()
             if before_deadline is not None:
                 await before_deadline(op.id)
             if callable(deadline_s):
                 deadline_s = deadline_s()
+            if valid_s is not None:
+                deadline_s = max(0.0, min(deadline_s, valid_s - (time.monotonic() - enqueued)))
             async with asyncio.timeout(deadline_s):
                 res = await (fut if late is None else asyncio.shield(fut))
         except asyncio.CancelledError:  # the caller went away

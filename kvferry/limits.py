@@ -1,5 +1,6 @@
 """The bounds the daemon holds what the other processes send it to, shared so that each
-process checks its settings against them at its start instead of being refused later."""
+process checks its settings against them at its start instead of being refused later;
+and the one time bound a client keeps for the daemon's sake (ANSWER_VALID_S)."""
 
 from __future__ import annotations
 
@@ -13,3 +14,14 @@ MAX_LIFETIME_S = 3600.0
 """Furthest ahead a retention's deadline may lie (the daemon's default policy)."""
 MAX_PORT = 65535
 """The largest TCP port number."""
+ANSWER_VALID_S = 3.0
+"""The longest after a lookup's op left that its answer may still be used: one that comes
+later is a late answer (given to the caller's `late` hook, which releases what it hands
+out), however long the caller would wait. The daemon's side of the contract
+(controlplane.owners, "Why a retention is never handed out twice"): the replica that
+answered decided the claim after the op left, and stopped deciding at the latest when its
+ownership lease could lapse; a replica that takes its shards over uncleanly releases the
+claimed blocks only `OwnerSettings.grace_s` + `margin_s` (6 s) after that. An answer used
+within this bound leaves the pull it starts 3 s or more before such a release. (A replica
+paused after deciding and resumed after a takeover would otherwise hand a slow caller a
+claim whose blocks were freed meanwhile.)"""

@@ -64,6 +64,15 @@ through the replica each node is attached to: service/relay.py;
 counted in kvferry_failover_retentions_total and kvferry_retention_releases_total).
 Its old writes, if they ever arrive, fail the fence.
 
+The grace covers a pull only if the pull starts soon after the old owner decided it: an
+owner paused after deciding (SIGSTOP, a VM stall) and resumed after the takeover still
+sends its answer. So clients use an answer at most `kvferry.limits.ANSWER_VALID_S` (3 s)
+after their lookup left (`kvferry.leaseclient`: a later one goes to the caller's late
+hook, which releases). The old owner decided after the lookup left, and stopped deciding
+at least `margin_s` before its lease could lapse. The release comes `grace_s` after the
+lapse or later, so at least 6 s after the decision, and any pull starts 3 s or more
+before it (settings refuse a grace that is not longer than ANSWER_VALID_S).
+
 What a failover costs
 ---------------------
 Every live retention of the shards the failed owner held is lost to reuse (those turns

@@ -211,3 +211,18 @@ def test_settings_that_would_fail_later_are_refused_at_start(flags: list[str], p
     3600 s failed every registration that did not name its own.)"""
     with pytest.raises(ValueError, match=re.escape(problem)):
         _daemon_settings(*flags)
+
+
+def test_an_owner_grace_no_longer_than_an_answers_validity_is_refused() -> None:
+    """The grace before a failover releases the spent claims' blocks is what keeps a pull
+    an old owner answered from racing the release (controlplane.owners): it must outlast
+    the time a client may still use an answer (kvferry.limits.ANSWER_VALID_S)."""
+    from dataclasses import replace
+
+    from controlplane.settings import OwnerSettings, Settings
+    from kvferry.limits import ANSWER_VALID_S
+
+    Settings().validate()  # (the defaults hold it)
+    short = replace(Settings(), owners=OwnerSettings(grace_s=ANSWER_VALID_S))
+    with pytest.raises(ValueError, match="owner grace must exceed the 3 s a client may still use"):
+        short.validate()

@@ -204,6 +204,53 @@ async def test_late_answers_reach_the_hook_only_when_they_are_answers() -> None:
     await channel.close(None)
 
 
+async def _now(value: bool) -> bool:
+    return value
+
+
+async def test_an_answer_is_not_used_past_its_validity_however_long_the_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lookup's answer is used at most ANSWER_VALID_S after its op left (an owner paused
+    after deciding may answer after its shards were taken over and the claim's blocks
+    freed: controlplane.owners). A prompt ready only after that: the lookup is given up at
+    once, not after the caller's 30 s, and the answer, when it comes, goes to the late hook
+    (which releases). Within the bound the caller's own wait holds (the second lookup)."""
+    import kvferry.leaseclient
+    from kvferry.leaseclient import LeaseOpError
+    from tests.polling import eventually
+
+    monkeypatch.setattr(kvferry.leaseclient, "ANSWER_VALID_S", 0.2)
+    call = _ScriptedCall()
+    stream, channel = _stream_on(call)
+    hooked: list[leases_pb2.LookupResponse] = []
+    ready = asyncio.Event()
+
+    async def prompt() -> leases_pb2.LookupPrompt:
+        await ready.wait()
+        return leases_pb2.LookupPrompt(prompt_tokens=100)
+
+    req = leases_pb2.LookupRequest(conversation_id="c")
+    looking = asyncio.ensure_future(stream.lookup_with_prompt(req, prompt(), 30.0, hooked.append))
+    await eventually(lambda: _now(bool(call.written)))  # (the lookup has left)
+    await asyncio.sleep(0.3)  # past the validity (time itself is the condition), no prompt yet
+    ready.set()
+    with pytest.raises(LeaseOpError) as late:
+        await asyncio.wait_for(looking, 10)  # (not the 30 s the caller would wait)
+    assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and late.value.sent
+    call.answer(leases_pb2.LeaseOpResult(id=1, lookup=leases_pb2.LookupResponse(reason="pull", claimed=True)))
+    await eventually(lambda: _now(bool(hooked)))
+    assert [h.reason for h in hooked] == ["pull"]
+
+    monkeypatch.setattr(kvferry.leaseclient, "ANSWER_VALID_S", 60.0)  # (room on a busy machine)
+    looking = asyncio.ensure_future(stream.lookup_with_prompt(req, prompt(), 30.0, hooked.append))
+    await eventually(lambda: _now(call.written.count(2) == 2))  # (the lookup, its prompt: one id)
+    call.answer(leases_pb2.LeaseOpResult(id=2, lookup=leases_pb2.LookupResponse(reason="pull", claimed=True)))
+    assert (await asyncio.wait_for(looking, 10)).reason == "pull"
+    await stream.close()
+    await channel.close(None)
+
+
 async def test_an_op_given_up_on_says_whether_it_left() -> None:
     """`sent` is what the sidecar goes by to send a registration again or not: an op in a
     write that never finished may still reach the daemon; one still waiting to leave when
