@@ -28,7 +28,7 @@ EVERY_CORE = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinit
 
 def can_confine() -> bool:
     """Whether this machine has a core to leave to the daemon alone."""
-    return hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2
+    return hasattr(os, "sched_setaffinity") and len(EVERY_CORE) >= 2
 
 
 def _threads(pid: int) -> list[int]:
@@ -49,7 +49,7 @@ def _set(tids: dict[int, set[int]]) -> None:
 def confined(pids: list[int], cpus: set[int]) -> Iterator[None]:
     """Every thread of each of `pids` runs on `cpus` only, until the block ends (threads
     started meanwhile inherit it from the thread that starts them); then each has the
-    cores it had back."""
+    cores it had back. No `pids`: nothing changes (the layout with every process free)."""
     before: dict[int, set[int]] = {}
     for tid in (tid for pid in pids for tid in _threads(pid)):
         with contextlib.suppress(ProcessLookupError):  # (a thread that ended meanwhile)

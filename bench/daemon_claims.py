@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import functools
 import itertools
 import os
@@ -28,6 +27,8 @@ RATES = (100, 500, 1000, 2000)
 """Lookup+claim rates offered."""
 TARGET_P99_MS = {1000: 5.0, 2000: 10.0}
 """Issue 23's targets for the stream's lookup+claim p99."""
+TARGET_RATES = tuple(TARGET_P99_MS)
+"""The rates with a target: the no-work floor's, and the daemon's own core's phases."""
 OWN_CORE = " (daemon's own core)"
 """The suffix of the rows measured with the load generator and etcd kept off a core (`own_core_phases`)."""
 
@@ -89,6 +90,7 @@ async def no_work_floor(phase_s: float, rows: Rows, confine: list[int] | None = 
     work, in its own process): the floor gRPC Python and this machine put under any
     daemon's latency. -> its p99 (ms) per rate. `confine`: the processes kept off the
     echo's core meanwhile (see `own_core_phases`; the echo is started before, as the daemon was)."""
+    confine = confine or []
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "bench.echo", "--port", "0",
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
@@ -110,8 +112,8 @@ async def no_work_floor(phase_s: float, rows: Rows, confine: list[int] | None = 
             await stream.lookup(lookup("echo"), 10)
 
         layout = OWN_CORE if confine else ""
-        for rate in RATES[-2:]:
-            with confined(confine, {OTHERS_CORE}) if confine else contextlib.nullcontext():
+        for rate in TARGET_RATES:
+            with confined(confine, {OTHERS_CORE}):
                 lat, _, got = await open_loop(rate, phase_s, echo)
             p99s[rate] = pct(lat, 99)
             rows.append(
@@ -187,7 +189,6 @@ async def own_core_phases(
     others = [os.getpid(), etcd_pid]
     floor = await no_work_floor(args.phase_s, rows, others)
     with confined(others, {OTHERS_CORE}):
-        rates = tuple(TARGET_P99_MS)
         await _offered_claims(
             "stream",
             clients.claim_stream,
@@ -196,8 +197,8 @@ async def own_core_phases(
             rows,
             clients.failed,
             floor,
-            rates,
-            OWN_CORE,
+            rates=TARGET_RATES,
+            layout=OWN_CORE,
         )
 
 

@@ -24,7 +24,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,8 +150,7 @@ async def _measure(d: DaemonProcess, etcd: EmbeddedEtcd, tmp: Path, args: argpar
     lag = LoopLag()
     listed_to = tmp / "leases.jsonl"
     listing = await _start_listing(d.port, listed_to) if args.list else None
-    own_core = confined([os.getpid(), etcd._proc.pid], {OTHERS_CORE}) if args.own_core else nullcontext()
-    with own_core:
+    with confined([os.getpid(), etcd.pid] if args.own_core else [], {OTHERS_CORE}):
         t0 = time.perf_counter()
         sent_lat = await _offer(router, args.rate, count)
         elapsed = time.perf_counter() - t0

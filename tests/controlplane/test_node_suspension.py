@@ -100,7 +100,7 @@ async def test_a_stream_that_ended_hands_nothing_out_before_its_suspension_is_in
     assert (await client.leases.Lookup(lookup_request("c", peek=True))).decision == leases_pb2.PULL
 
 
-async def _streams(daemon: Daemon, n: int) -> bool:
+def _streams(daemon: Daemon, n: int) -> bool:
     assert daemon.control_plane is not None
     return len(daemon.control_plane.attachments._streams) == n
 
@@ -124,10 +124,10 @@ async def test_a_stream_ending_after_a_newer_registration_suspends_nothing(
     assert (await client.leases.Lookup(lookup_request("c", peek=True))).decision == leases_pb2.PULL
 
 
-async def _stream_count(daemon: Daemon, n: int) -> bool:
+def _stream_count(daemon: Daemon, n: int) -> bool:
     """`n` Attach streams, and what the ended ones started (suspensions) done."""
     assert daemon.control_plane is not None
-    return await _streams(daemon, n) and daemon.control_plane.background.idle
+    return _streams(daemon, n) and daemon.control_plane.background.idle
 
 
 async def test_a_stopping_replica_suspends_none_of_its_nodes(make_daemon: DaemonFactory, connect) -> None:  # type: ignore[no-untyped-def]

@@ -204,10 +204,6 @@ async def test_late_answers_reach_the_hook_only_when_they_are_answers() -> None:
     await channel.close(None)
 
 
-async def _now(value: bool) -> bool:
-    return value
-
-
 async def test_an_answer_is_not_used_past_its_validity_however_long_the_wait(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -232,19 +228,19 @@ async def test_an_answer_is_not_used_past_its_validity_however_long_the_wait(
 
     req = leases_pb2.LookupRequest(conversation_id="c")
     looking = asyncio.ensure_future(stream.lookup_with_prompt(req, prompt(), 30.0, hooked.append))
-    await eventually(lambda: _now(bool(call.written)))  # (the lookup has left)
+    await eventually(lambda: bool(call.written))  # (the lookup has left)
     await asyncio.sleep(0.3)  # past the validity (time itself is the condition), no prompt yet
     ready.set()
     with pytest.raises(LeaseOpError) as late:
         await asyncio.wait_for(looking, 10)  # (not the 30 s the caller would wait)
     assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and late.value.sent
     call.answer(leases_pb2.LeaseOpResult(id=1, lookup=leases_pb2.LookupResponse(reason="pull", claimed=True)))
-    await eventually(lambda: _now(bool(hooked)))
+    await eventually(lambda: bool(hooked))
     assert [h.reason for h in hooked] == ["pull"]
 
     monkeypatch.setattr(kvferry.leaseclient, "ANSWER_VALID_S", 60.0)  # (room on a busy machine)
     looking = asyncio.ensure_future(stream.lookup_with_prompt(req, prompt(), 30.0, hooked.append))
-    await eventually(lambda: _now(call.written.count(2) == 2))  # (the lookup, its prompt: one id)
+    await eventually(lambda: call.written.count(2) == 2)  # (the lookup, its prompt: one id)
     call.answer(leases_pb2.LeaseOpResult(id=2, lookup=leases_pb2.LookupResponse(reason="pull", claimed=True)))
     assert (await asyncio.wait_for(looking, 10)).reason == "pull"
     await stream.close()
