@@ -8,6 +8,7 @@ NodeRecord.suspended_at), unless the replica is stopping.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -16,7 +17,7 @@ import structlog
 from controlplane import metrics
 from controlplane.attached import AttachedCounts, Beat
 from controlplane.blockindex import MAX_BLOCKS_PER_NODE, BlockIndex, IndexUpdate
-from controlplane.errors import FailedPrecondition, InvalidArgument, NotFound, StoreUnavailable
+from controlplane.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound, StoreUnavailable
 from controlplane.records import NodeRecord, NodeState, Role
 from controlplane.service.background import Background
 from controlplane.service.budgets import Budgets, Release
@@ -25,6 +26,11 @@ from controlplane.service.validation import check_id
 from controlplane.store.nodes import NodeStore
 
 log = structlog.get_logger(__name__)
+
+_SUSPEND_RETRY_S = 0.1
+"""The first pause before a suspension etcd did not take is tried again (doubling)."""
+_SUSPEND_RETRY_MAX_S = 1.0
+"""The longest pause between tries: a stop waits at most this (and an etcd request)."""
 
 
 class Attachments:
@@ -142,12 +148,20 @@ class Attachments:
         """Suspend the node an Attach stream spoke for, now that it ended: nobody vouches for
         its engine process until a sidecar registers it again (see NodeRecord.suspended_at;
         a stream a newer registration replaced suspends nothing). Not while this replica
-        stops: its sidecars re-register elsewhere. Failing, the liveness lapses at its TTL."""
-        try:
-            suspended = await self._store.suspend(rec, self._clock())
-        except StoreUnavailable as e:
-            log.warning("node.suspend.failed", engine_id=rec.engine_id, error=str(e))
-            return
+        stops: its sidecars re-register elsewhere. etcd out of reach, it tries again until
+        it is back (the liveness may lapse at its TTL meanwhile, which leaves the node dead
+        but not suspended: another replica would take a hello for it)."""
+        pause = _SUSPEND_RETRY_S
+        while True:
+            try:
+                suspended = await self._store.suspend(rec, self._clock())
+                break
+            except (StoreUnavailable, Conflict) as e:
+                log.warning("node.suspend.failed", engine_id=rec.engine_id, error=str(e), retry_s=pause)
+            await asyncio.sleep(pause)
+            if self.stopping:
+                return
+            pause = min(pause * 2, _SUSPEND_RETRY_MAX_S)
         if suspended is not None:
             held, revision = suspended
             self._nodes.put(NodeState(held, False), revision)

@@ -34,6 +34,11 @@ Liveness = tuple[int, float]
 (infinity for a key written before it said)."""
 
 
+_SUSPEND_TRIES = 5
+"""Reads of a node's record a suspension makes while the record keeps changing under it
+(each change still the same registration)."""
+
+
 def _liveness_value(generation: int, until: float) -> bytes:
     return b"%d %.3f" % (generation, until)
 
@@ -240,30 +245,32 @@ class NodeStore:
         """End the liveness of registration `rec` at once, keeping its generation (see
         NodeRecord.suspended_at): only while the node's record is still that registration
         (same generation, same liveness lease), so an Attach stream that ends late never
-        suspends the registration that replaced it. -> (the suspended record, its mod
-        revision), None when there was nothing to suspend."""
-        state, revision = await self.get(rec.engine_id)
-        if state is None:
-            return None
-        cur = state.record
-        if (
-            cur.removed_at
-            or cur.suspended_at
-            or (cur.generation, cur.lease_id) != (rec.generation, rec.lease_id)
-        ):
-            return None
-        k = self._keys
-        held = msgspec.structs.replace(cur, suspended_at=now, lease_id=0)
-        resp = await self._kv.txn(
-            "suspend_node",
-            [mod_is(k.node(rec.engine_id), revision)],
-            [put_op(k.node(rec.engine_id), encode(held)), delete_op(k.alive_key(rec.engine_id))],
-            [],
-        )
-        if not resp.succeeded:  # registered again meanwhile
-            return None
-        await self._kv.revoke_quietly(cur.lease_id)
-        return held, int(resp.header.revision)
+        suspends the registration that replaced it. A record written meanwhile that is
+        still that registration (a heartbeat's renewal in flight) is read again. -> (the
+        suspended record, its mod revision), None when there was nothing to suspend."""
+        for _ in range(_SUSPEND_TRIES):
+            state, revision = await self.get(rec.engine_id)
+            if state is None:
+                return None
+            cur = state.record
+            if (
+                cur.removed_at
+                or cur.suspended_at
+                or (cur.generation, cur.lease_id) != (rec.generation, rec.lease_id)
+            ):
+                return None
+            k = self._keys
+            held = msgspec.structs.replace(cur, suspended_at=now, lease_id=0)
+            resp = await self._kv.txn(
+                "suspend_node",
+                [mod_is(k.node(rec.engine_id), revision)],
+                [put_op(k.node(rec.engine_id), encode(held)), delete_op(k.alive_key(rec.engine_id))],
+                [],
+            )
+            if resp.succeeded:
+                await self._kv.revoke_quietly(cur.lease_id)
+                return held, int(resp.header.revision)
+        raise Conflict(f"node {rec.engine_id} kept changing: not suspended")
 
     async def collect(self, engine_id: str, expect_revision: int, generation: int) -> bool:
         """Delete a dead node's record, raising the generation floor to its generation in

@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from controlplane.daemon import Daemon
+from controlplane.errors import StoreUnavailable
 from kvferry.v1 import leases_pb2, nodes_pb2
 from tests.conftest import Client, DaemonFactory
 from tests.controlplane.test_claims_and_nodes import AttachStream, hello
@@ -98,6 +99,42 @@ async def test_a_stream_that_ended_hands_nothing_out_before_its_suspension_is_in
     # The same process registers again: a new liveness lease, which the doubt is not about.
     await client.nodes.Register(node_request("d-1", generation=1))
     assert (await client.leases.Lookup(lookup_request("c", peek=True))).decision == leases_pb2.PULL
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["applied", "not-applied"])
+async def test_a_suspension_etcd_did_not_take_is_tried_again(
+    daemon: Daemon, client: Client, monkeypatch: pytest.MonkeyPatch, applied: bool
+) -> None:
+    """The first try fails as it does when etcd is slow or its member is killed (the write
+    applied or not): the node still ends suspended, not merely dead once its liveness
+    lapses (a hello would then revive it without a registration)."""
+    cp = daemon.control_plane
+    assert cp is not None
+    store = cp.attachments._store
+    real_suspend = store.suspend
+    tries: list[str] = []
+
+    async def lost_answer(rec, now):  # type: ignore[no-untyped-def]
+        tries.append("suspend")
+        if len(tries) == 1:
+            if applied:
+                await real_suspend(rec, now)
+            raise StoreUnavailable("etcd suspend_node: DEADLINE_EXCEEDED")
+        return await real_suspend(rec, now)
+
+    monkeypatch.setattr(store, "suspend", lost_answer)
+    await client.nodes.Register(node_request("d-1"))
+    stream = AttachStream(client)
+    await stream.send(hello("d-1"))
+    await stream.close()
+
+    async def suspended() -> bool:
+        return (await _node(client)).suspended
+
+    await eventually(suspended)
+    await eventually(lambda: len(tries) == 2)
+    node = await _node(client)
+    assert not node.alive and node.generation == 1
 
 
 def _streams(daemon: Daemon, n: int) -> bool:
