@@ -168,6 +168,7 @@ def lookup_query_of(m: leases_pb2.LookupRequest) -> LookupQuery:
         prompt_digests=_digests_given(m),
         peek=m.peek,
         request_id=m.request_id,
+        caller_verifies=m.caller_verifies,
     )
 
 
@@ -197,3 +198,8 @@ def fill_lookup_response(result: LookupResult, peek: bool, out: leases_pb2.Looku
         apply_handout(result.params_blob, d.params, out.kv_transfer_params)
     if d.release is not None:
         apply_handout(result.params_blob, d.release, out.release_params)
+    if result.check is not None:
+        c = out.check
+        c.num_tokens, c.block_size = result.check.num_tokens, result.check.block_size
+        c.block_digests, c.whole_only = result.check.digests, result.check.whole_only
+        c.recompute_threshold = result.threshold

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from controlplane.records import Claim, NodeState, Retention
-from kvferry.digests import DIGEST_SIZE, common_prefix_blocks
+from kvferry.digests import DIGEST_SIZE
 from kvferry.limits import MAX_LIFETIME_S
+from kvferry.verification import Held, verdict
 
 # The keys P needs in order to pull (vLLM NixlConnector, P side).
 REQUIRED_PARAM_KEYS = (
@@ -106,6 +107,10 @@ class Prompt:
     digests: bytes | None = None
     """The digests of the prompt's full blocks. Given (even empty: a prompt shorter than
     one block), only what they verify is pulled; None: the caller vouches for the prompt."""
+    caller_verifies: bool = False
+    """The caller verifies the prompt itself, against D's digests handed back with the
+    answer (`kvferry.verification`, the same rule): everything of D's sequence is handed
+    out, as long as there are digests to verify it against."""
 
 
 @dataclass(frozen=True)
@@ -160,26 +165,22 @@ def decide(
         return _recompute(
             Reason.EXPIRED, f"expires in {left:.1f}s (margin {policy.safety_margin_s:g}s)", RELEASE, engine
         )
-    reusable, reason, detail = _reusable(retention, prompt)
-    if reason not in (Reason.PULL, Reason.PARTIAL_PULL):
-        return _recompute(reason, detail, RELEASE, engine)
-    if retention.whole_only and reusable < retention.num_tokens:
-        return _recompute(
-            Reason.WHOLE_ONLY,
-            f"{reusable} of D's {retention.num_tokens} tokens, and a KV-cache group of D's holds "
-            "freed (null) blocks: only a whole pull is safe",
-            RELEASE,
-            engine,
-        )
-    if reusable < max(policy.recompute_threshold, 1):
-        return _recompute(
-            Reason.BELOW_THRESHOLD,
-            f"{reusable} reusable tokens < threshold {policy.recompute_threshold}",
-            RELEASE,
-            engine,
-        )
-    handout = Handout(reusable, math.ceil(reusable / retention.block_size))
-    return Decision(True, reason, detail, handout, reusable, None, engine)
+    if prompt.caller_verifies:
+        if not retention.digests:
+            return _recompute(
+                Reason.UNVERIFIABLE, "D registered no block digests for the caller to verify", RELEASE, engine
+            )
+        found = verdict(_held(retention), retention.num_tokens, None, policy.recompute_threshold, engine)
+    else:
+        found = verdict(_held(retention), prompt.tokens, prompt.digests, policy.recompute_threshold, engine)
+    if not found.pull:
+        return _recompute(Reason(found.reason), found.detail, RELEASE, engine)
+    handout = Handout(found.tokens, found.keep_blocks(retention.block_size))
+    return Decision(True, Reason(found.reason), found.detail, handout, found.tokens, None, engine)
+
+
+def _held(retention: Retention) -> Held:
+    return Held(retention.num_tokens, retention.block_size, retention.digests, retention.whole_only)
 
 
 def _not_held(retention: Retention, node: NodeState | None, now: float) -> Decision | None:
@@ -206,27 +207,6 @@ def _not_held(retention: Retention, node: NodeState | None, now: float) -> Decis
     return None
 
 
-def _reusable(retention: Retention, prompt: Prompt) -> tuple[int, Reason, str]:
-    """-> (tokens P may take from D, PULL or PARTIAL_PULL, detail), or (0, why not, detail)
-    when the prompt's digests verify none of D's tokens."""
-    engine = retention.engine_id
-    reusable = min(retention.num_tokens, prompt.tokens)
-    if prompt.digests is not None:
-        verified = _verified_tokens(retention, prompt)
-        if isinstance(verified, tuple):
-            return 0, *verified
-        if verified < reusable:
-            return (
-                verified,
-                Reason.PARTIAL_PULL,
-                f"prompt matches D's sequence for {verified} of {reusable} tokens",
-            )
-    elif reusable < retention.num_tokens:
-        detail = f"prompt is shorter than D's {retention.num_tokens} tokens; {reusable} unverified"
-        return reusable, Reason.PARTIAL_PULL, detail
-    return reusable, Reason.PULL, f"{reusable} of {prompt.tokens} prompt tokens held by {engine}"
-
-
 def decide_claimed(claim: Claim, now: float) -> Decision:
     """RECOMPUTE for a conversation whose retention a claim took (its marker is what is
     left): expired once the retention's deadline, when the marker knows it, has passed
@@ -236,27 +216,6 @@ def decide_claimed(claim: Claim, now: float) -> Decision:
     if claim.expires_at and now >= claim.expires_at:
         return Decision(False, Reason.EXPIRED, f"expired {now - claim.expires_at:.1f}s ago ({taken})")
     return Decision(False, Reason.ALREADY_CLAIMED, f"handed out {now - claim.claimed_at:.1f}s ago")
-
-
-def _verified_tokens(retention: Retention, prompt: Prompt) -> int | tuple[Reason, str]:
-    """Tokens of D's sequence the prompt's digests verify: the leading full blocks both
-    sides digested alike, no more than the prompt's own full blocks (a caller may send
-    more digests than its tokens cover). -> (reason, detail) when nothing is verified."""
-    if not retention.digests:
-        return Reason.UNVERIFIABLE, "D registered no block digests to verify the prompt's against"
-    size = retention.block_size
-    digests = prompt.digests or b""
-    blocks = min(common_prefix_blocks(retention.digests, digests), prompt.tokens // size)
-    if blocks:
-        return blocks * size
-    if prompt.tokens < size:  # nothing of it could be pulled anyway
-        return (
-            Reason.BELOW_THRESHOLD,
-            f"prompt ({prompt.tokens} tokens) is shorter than one block ({size}): nothing to verify",
-        )
-    if not digests:
-        return Reason.PREFIX_MISMATCH, "no digests were given for the prompt's blocks"
-    return Reason.PREFIX_MISMATCH, "prompt differs from D's sequence in block 0"
 
 
 def _recompute(reason: Reason, detail: str, release: Handout, engine: str) -> Decision:

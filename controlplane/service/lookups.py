@@ -2,7 +2,10 @@
 
 The claim and everything that puts a claim back live in claims.py; the decision is
 policy.decide on this replica's view of D's node (nodecache.py); this module sequences
-them, and answers store_unavailable when etcd fails on the way.
+them, and answers store_unavailable when etcd fails on the way. A lookup sent with
+caller_verifies is decided on everything but the prompt, and its PULL hands D's sequence
+back (`LookupResult.check`) for the caller to verify its prompt against, by the same rule
+(kvferry.verification): the router's answer then waits on no prompt.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from controlplane.service.claims import Claimed, Claims
 from controlplane.service.nodecache import NodeCache
 from controlplane.service.validation import check_id, check_prompt, tenant_of
 from controlplane.settings import Settings
+from kvferry.verification import Held
 
 log = structlog.get_logger(__name__)
 
@@ -50,6 +54,8 @@ class LookupQuery:
     prompt_digests: bytes | None  # None: not given (an unverified pull; see policy.Prompt)
     peek: bool
     request_id: str = ""
+    caller_verifies: bool = False
+    """Answer without the prompt: the caller verifies it against D's sequence (`check`)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,10 @@ class LookupResult:
     claimed: bool
     params_blob: bytes = b""
     """The retention's stored params, to which decision.params / decision.release apply."""
+    check: Held | None = None
+    """For a pull a caller verifies itself: D's sequence, to verify the prompt against."""
+    threshold: int = 0
+    """With `check`: the recompute threshold the caller applies."""
 
 
 class Lookups:
@@ -95,7 +105,7 @@ class Lookups:
             return await self._peek(tenant, q)
         conversation = q.conversation_id
         now = claimed_at = self._clock()
-        prompt, missing = Prompt(q.prompt_tokens, q.prompt_digests), ""
+        prompt, missing = Prompt(q.prompt_tokens, q.prompt_digests, q.caller_verifies), ""
         got: Claimed | None = None
         try:
             if later is None:
@@ -146,7 +156,13 @@ class Lookups:
         check_id("conversation_id", q.conversation_id, self._limits.max_id_bytes)
         if later is not None and q.peek:
             raise InvalidArgument("prompt_follows is for claiming lookups, not peek")
-        if later is None:
+        if q.caller_verifies:
+            if later is not None or q.peek or q.prompt_tokens or q.prompt_digests is not None:
+                raise InvalidArgument(
+                    "caller_verifies is a claim without a prompt: no prompt_follows, peek, "
+                    "prompt_tokens or prompt_digests with it"
+                )
+        elif later is None:
             check_prompt(q.prompt_tokens, q.prompt_digests, self._limits.max_tokens, required=not q.peek)
         return tenant
 
@@ -217,6 +233,9 @@ class Lookups:
             reason=decision.reason.value,
             claimed=claimed,
         )
+        if q.caller_verifies and decision.pull and retention is not None:
+            held = Held(retention.num_tokens, retention.block_size, retention.digests, retention.whole_only)
+            return LookupResult(decision, claimed, retention.params, held, self._policy.recompute_threshold)
         return LookupResult(decision, claimed, retention.params if retention else b"")
 
 

@@ -26,17 +26,17 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvferry/v1/leases.proto\x12\nkvferry.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x92\x03\n\x05Lease\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x33\n\x12kv_transfer_params\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x12\n\nnum_tokens\x18\x06 \x01(\x03\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rblock_digests\x18\x08 \x01(\x0c\x12.\n\ncreated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x63laimed\x18\x0b \x01(\x08\x12.\n\nclaimed_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08revision\x18\r \x01(\x03\x12\x12\n\nrequest_id\x18\x0e \x01(\t\"\x9e\x02\n\x14RegisterLeaseRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x33\n\x12kv_transfer_params\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x12\n\nnum_tokens\x18\x05 \x01(\x03\x12.\n\nexpires_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rblock_digests\x18\x08 \x01(\x0c\x12\x12\n\ngeneration\x18\t \x01(\x04\x12\x12\n\nrequest_id\x18\n \x01(\t\"|\n\x15RegisterLeaseResponse\x12 \n\x05lease\x18\x01 \x01(\x0b\x32\x11.kvferry.v1.Lease\x12\x10\n\x08replaced\x18\x02 \x01(\x08\x12/\n\x0erelease_params\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xb9\x01\n\rLookupRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x03\x12\x1b\n\x0eprompt_digests\x18\x04 \x01(\x0cH\x00\x88\x01\x01\x12\x0c\n\x04peek\x18\x05 \x01(\x08\x12\x16\n\x0eprompt_follows\x18\x06 \x01(\x08\x12\x12\n\nrequest_id\x18\x07 \x01(\tB\x11\n\x0f_prompt_digests\"U\n\x0cLookupPrompt\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x1b\n\x0eprompt_digests\x18\x02 \x01(\x0cH\x00\x88\x01\x01\x42\x11\n\x0f_prompt_digests\"\xfb\x01\n\x0eLookupResponse\x12&\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\x14.kvferry.v1.Decision\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x33\n\x12kv_transfer_params\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x17\n\x0freusable_tokens\x18\x05 \x01(\x03\x12/\n\x0erelease_params\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x11\n\tengine_id\x18\x07 \x01(\t\x12\x0f\n\x07\x63laimed\x18\x08 \x01(\x08\":\n\x0fGetLeaseRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\"\x8c\x01\n\x11ListLeasesRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x13\n\x0b\x61ll_tenants\x18\x02 \x01(\x08\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x18\n\x10include_inactive\x18\x04 \x01(\x08\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x12\n\npage_token\x18\x06 \x01(\t\"P\n\x12ListLeasesResponse\x12!\n\x06leases\x18\x01 \x03(\x0b\x32\x11.kvferry.v1.Lease\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"W\n\x12RevokeLeaseRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x18\n\x10\x63onversation_end\x18\x03 \x01(\x08\"\x91\x01\n\x13RevokeLeaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12/\n\x0erelease_params\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12 \n\x05lease\x18\x03 \x01(\x0b\x32\x11.kvferry.v1.Lease\x12\x18\n\x10released_by_node\x18\x04 \x01(\x08\"\xaa\x01\n\x07LeaseOp\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x34\n\x08register\x18\x02 \x01(\x0b\x32 .kvferry.v1.RegisterLeaseRequestH\x00\x12+\n\x06lookup\x18\x03 \x01(\x0b\x32\x19.kvferry.v1.LookupRequestH\x00\x12*\n\x06prompt\x18\x04 \x01(\x0b\x32\x18.kvferry.v1.LookupPromptH\x00\x42\x04\n\x02op\"(\n\x07OpError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xb0\x01\n\rLeaseOpResult\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x35\n\x08register\x18\x02 \x01(\x0b\x32!.kvferry.v1.RegisterLeaseResponseH\x00\x12,\n\x06lookup\x18\x03 \x01(\x0b\x32\x1a.kvferry.v1.LookupResponseH\x00\x12$\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x13.kvferry.v1.OpErrorH\x00\x42\x08\n\x06result\"0\n\x0cLeaseOpBatch\x12 \n\x03ops\x18\x01 \x03(\x0b\x32\x13.kvferry.v1.LeaseOp\"@\n\x12LeaseOpResultBatch\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.kvferry.v1.LeaseOpResult\"a\n\x07HeldPin\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x19\n\x11remote_request_id\x18\x04 \x01(\t\"C\n\x0bHeldRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12!\n\x04pins\x18\x02 \x03(\x0b\x32\x13.kvferry.v1.HeldPin\"4\n\x0cHeldResponse\x12$\n\x06states\x18\x01 \x03(\x0e\x32\x14.kvferry.v1.PinState*=\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x08\n\x04PULL\x10\x01\x12\r\n\tRECOMPUTE\x10\x02*i\n\x08PinState\x12\x19\n\x15PIN_STATE_UNSPECIFIED\x10\x00\x12\x10\n\x0cPIN_RETAINED\x10\x01\x12\x0f\n\x0bPIN_CLAIMED\x10\x02\x12\x0f\n\x0bPIN_SETTLED\x10\x03\x12\x0e\n\nPIN_ORPHAN\x10\x04\x32\xe6\x03\n\x06Leases\x12O\n\x08Register\x12 .kvferry.v1.RegisterLeaseRequest\x1a!.kvferry.v1.RegisterLeaseResponse\x12?\n\x06Lookup\x12\x19.kvferry.v1.LookupRequest\x1a\x1a.kvferry.v1.LookupResponse\x12\x35\n\x03Get\x12\x1b.kvferry.v1.GetLeaseRequest\x1a\x11.kvferry.v1.Lease\x12\x45\n\x04List\x12\x1d.kvferry.v1.ListLeasesRequest\x1a\x1e.kvferry.v1.ListLeasesResponse\x12I\n\x06Revoke\x12\x1e.kvferry.v1.RevokeLeaseRequest\x1a\x1f.kvferry.v1.RevokeLeaseResponse\x12\x46\n\x06Stream\x12\x18.kvferry.v1.LeaseOpBatch\x1a\x1e.kvferry.v1.LeaseOpResultBatch(\x01\x30\x01\x12\x39\n\x04Held\x12\x17.kvferry.v1.HeldRequest\x1a\x18.kvferry.v1.HeldResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvferry/v1/leases.proto\x12\nkvferry.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x92\x03\n\x05Lease\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x33\n\x12kv_transfer_params\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x12\n\nnum_tokens\x18\x06 \x01(\x03\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rblock_digests\x18\x08 \x01(\x0c\x12.\n\ncreated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x63laimed\x18\x0b \x01(\x08\x12.\n\nclaimed_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08revision\x18\r \x01(\x03\x12\x12\n\nrequest_id\x18\x0e \x01(\t\"\x9e\x02\n\x14RegisterLeaseRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x33\n\x12kv_transfer_params\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x12\n\nnum_tokens\x18\x05 \x01(\x03\x12.\n\nexpires_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rblock_digests\x18\x08 \x01(\x0c\x12\x12\n\ngeneration\x18\t \x01(\x04\x12\x12\n\nrequest_id\x18\n \x01(\t\"|\n\x15RegisterLeaseResponse\x12 \n\x05lease\x18\x01 \x01(\x0b\x32\x11.kvferry.v1.Lease\x12\x10\n\x08replaced\x18\x02 \x01(\x08\x12/\n\x0erelease_params\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xd2\x01\n\rLookupRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x03\x12\x1b\n\x0eprompt_digests\x18\x04 \x01(\x0cH\x00\x88\x01\x01\x12\x0c\n\x04peek\x18\x05 \x01(\x08\x12\x16\n\x0eprompt_follows\x18\x06 \x01(\x08\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x17\n\x0f\x63\x61ller_verifies\x18\x08 \x01(\x08\x42\x11\n\x0f_prompt_digests\"}\n\x0b\x43\x61llerCheck\x12\x12\n\nnum_tokens\x18\x01 \x01(\x03\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x15\n\rblock_digests\x18\x03 \x01(\x0c\x12\x12\n\nwhole_only\x18\x04 \x01(\x08\x12\x1b\n\x13recompute_threshold\x18\x05 \x01(\x03\"U\n\x0cLookupPrompt\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x1b\n\x0eprompt_digests\x18\x02 \x01(\x0cH\x00\x88\x01\x01\x42\x11\n\x0f_prompt_digests\"\xa3\x02\n\x0eLookupResponse\x12&\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\x14.kvferry.v1.Decision\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x33\n\x12kv_transfer_params\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x17\n\x0freusable_tokens\x18\x05 \x01(\x03\x12/\n\x0erelease_params\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x11\n\tengine_id\x18\x07 \x01(\t\x12\x0f\n\x07\x63laimed\x18\x08 \x01(\x08\x12&\n\x05\x63heck\x18\t \x01(\x0b\x32\x17.kvferry.v1.CallerCheck\":\n\x0fGetLeaseRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\"\x8c\x01\n\x11ListLeasesRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x13\n\x0b\x61ll_tenants\x18\x02 \x01(\x08\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x18\n\x10include_inactive\x18\x04 \x01(\x08\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x12\n\npage_token\x18\x06 \x01(\t\"P\n\x12ListLeasesResponse\x12!\n\x06leases\x18\x01 \x03(\x0b\x32\x11.kvferry.v1.Lease\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"W\n\x12RevokeLeaseRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x18\n\x10\x63onversation_end\x18\x03 \x01(\x08\"\x91\x01\n\x13RevokeLeaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12/\n\x0erelease_params\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12 \n\x05lease\x18\x03 \x01(\x0b\x32\x11.kvferry.v1.Lease\x12\x18\n\x10released_by_node\x18\x04 \x01(\x08\"\xaa\x01\n\x07LeaseOp\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x34\n\x08register\x18\x02 \x01(\x0b\x32 .kvferry.v1.RegisterLeaseRequestH\x00\x12+\n\x06lookup\x18\x03 \x01(\x0b\x32\x19.kvferry.v1.LookupRequestH\x00\x12*\n\x06prompt\x18\x04 \x01(\x0b\x32\x18.kvferry.v1.LookupPromptH\x00\x42\x04\n\x02op\"(\n\x07OpError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xb0\x01\n\rLeaseOpResult\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x35\n\x08register\x18\x02 \x01(\x0b\x32!.kvferry.v1.RegisterLeaseResponseH\x00\x12,\n\x06lookup\x18\x03 \x01(\x0b\x32\x1a.kvferry.v1.LookupResponseH\x00\x12$\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x13.kvferry.v1.OpErrorH\x00\x42\x08\n\x06result\"0\n\x0cLeaseOpBatch\x12 \n\x03ops\x18\x01 \x03(\x0b\x32\x13.kvferry.v1.LeaseOp\"@\n\x12LeaseOpResultBatch\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.kvferry.v1.LeaseOpResult\"a\n\x07HeldPin\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x19\n\x11remote_request_id\x18\x04 \x01(\t\"C\n\x0bHeldRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12!\n\x04pins\x18\x02 \x03(\x0b\x32\x13.kvferry.v1.HeldPin\"4\n\x0cHeldResponse\x12$\n\x06states\x18\x01 \x03(\x0e\x32\x14.kvferry.v1.PinState*=\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x08\n\x04PULL\x10\x01\x12\r\n\tRECOMPUTE\x10\x02*i\n\x08PinState\x12\x19\n\x15PIN_STATE_UNSPECIFIED\x10\x00\x12\x10\n\x0cPIN_RETAINED\x10\x01\x12\x0f\n\x0bPIN_CLAIMED\x10\x02\x12\x0f\n\x0bPIN_SETTLED\x10\x03\x12\x0e\n\nPIN_ORPHAN\x10\x04\x32\xe6\x03\n\x06Leases\x12O\n\x08Register\x12 .kvferry.v1.RegisterLeaseRequest\x1a!.kvferry.v1.RegisterLeaseResponse\x12?\n\x06Lookup\x12\x19.kvferry.v1.LookupRequest\x1a\x1a.kvferry.v1.LookupResponse\x12\x35\n\x03Get\x12\x1b.kvferry.v1.GetLeaseRequest\x1a\x11.kvferry.v1.Lease\x12\x45\n\x04List\x12\x1d.kvferry.v1.ListLeasesRequest\x1a\x1e.kvferry.v1.ListLeasesResponse\x12I\n\x06Revoke\x12\x1e.kvferry.v1.RevokeLeaseRequest\x1a\x1f.kvferry.v1.RevokeLeaseResponse\x12\x46\n\x06Stream\x12\x18.kvferry.v1.LeaseOpBatch\x1a\x1e.kvferry.v1.LeaseOpResultBatch(\x01\x30\x01\x12\x39\n\x04Held\x12\x17.kvferry.v1.HeldRequest\x1a\x18.kvferry.v1.HeldResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvferry.v1.leases_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECISION']._serialized_start=2705
-  _globals['_DECISION']._serialized_end=2766
-  _globals['_PINSTATE']._serialized_start=2768
-  _globals['_PINSTATE']._serialized_end=2873
+  _globals['_DECISION']._serialized_start=2897
+  _globals['_DECISION']._serialized_end=2958
+  _globals['_PINSTATE']._serialized_start=2960
+  _globals['_PINSTATE']._serialized_end=3065
   _globals['_LEASE']._serialized_start=103
   _globals['_LEASE']._serialized_end=505
   _globals['_REGISTERLEASEREQUEST']._serialized_start=508
@@ -44,37 +44,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERLEASERESPONSE']._serialized_start=796
   _globals['_REGISTERLEASERESPONSE']._serialized_end=920
   _globals['_LOOKUPREQUEST']._serialized_start=923
-  _globals['_LOOKUPREQUEST']._serialized_end=1108
-  _globals['_LOOKUPPROMPT']._serialized_start=1110
-  _globals['_LOOKUPPROMPT']._serialized_end=1195
-  _globals['_LOOKUPRESPONSE']._serialized_start=1198
-  _globals['_LOOKUPRESPONSE']._serialized_end=1449
-  _globals['_GETLEASEREQUEST']._serialized_start=1451
-  _globals['_GETLEASEREQUEST']._serialized_end=1509
-  _globals['_LISTLEASESREQUEST']._serialized_start=1512
-  _globals['_LISTLEASESREQUEST']._serialized_end=1652
-  _globals['_LISTLEASESRESPONSE']._serialized_start=1654
-  _globals['_LISTLEASESRESPONSE']._serialized_end=1734
-  _globals['_REVOKELEASEREQUEST']._serialized_start=1736
-  _globals['_REVOKELEASEREQUEST']._serialized_end=1823
-  _globals['_REVOKELEASERESPONSE']._serialized_start=1826
-  _globals['_REVOKELEASERESPONSE']._serialized_end=1971
-  _globals['_LEASEOP']._serialized_start=1974
-  _globals['_LEASEOP']._serialized_end=2144
-  _globals['_OPERROR']._serialized_start=2146
-  _globals['_OPERROR']._serialized_end=2186
-  _globals['_LEASEOPRESULT']._serialized_start=2189
-  _globals['_LEASEOPRESULT']._serialized_end=2365
-  _globals['_LEASEOPBATCH']._serialized_start=2367
-  _globals['_LEASEOPBATCH']._serialized_end=2415
-  _globals['_LEASEOPRESULTBATCH']._serialized_start=2417
-  _globals['_LEASEOPRESULTBATCH']._serialized_end=2481
-  _globals['_HELDPIN']._serialized_start=2483
-  _globals['_HELDPIN']._serialized_end=2580
-  _globals['_HELDREQUEST']._serialized_start=2582
-  _globals['_HELDREQUEST']._serialized_end=2649
-  _globals['_HELDRESPONSE']._serialized_start=2651
-  _globals['_HELDRESPONSE']._serialized_end=2703
-  _globals['_LEASES']._serialized_start=2876
-  _globals['_LEASES']._serialized_end=3362
+  _globals['_LOOKUPREQUEST']._serialized_end=1133
+  _globals['_CALLERCHECK']._serialized_start=1135
+  _globals['_CALLERCHECK']._serialized_end=1260
+  _globals['_LOOKUPPROMPT']._serialized_start=1262
+  _globals['_LOOKUPPROMPT']._serialized_end=1347
+  _globals['_LOOKUPRESPONSE']._serialized_start=1350
+  _globals['_LOOKUPRESPONSE']._serialized_end=1641
+  _globals['_GETLEASEREQUEST']._serialized_start=1643
+  _globals['_GETLEASEREQUEST']._serialized_end=1701
+  _globals['_LISTLEASESREQUEST']._serialized_start=1704
+  _globals['_LISTLEASESREQUEST']._serialized_end=1844
+  _globals['_LISTLEASESRESPONSE']._serialized_start=1846
+  _globals['_LISTLEASESRESPONSE']._serialized_end=1926
+  _globals['_REVOKELEASEREQUEST']._serialized_start=1928
+  _globals['_REVOKELEASEREQUEST']._serialized_end=2015
+  _globals['_REVOKELEASERESPONSE']._serialized_start=2018
+  _globals['_REVOKELEASERESPONSE']._serialized_end=2163
+  _globals['_LEASEOP']._serialized_start=2166
+  _globals['_LEASEOP']._serialized_end=2336
+  _globals['_OPERROR']._serialized_start=2338
+  _globals['_OPERROR']._serialized_end=2378
+  _globals['_LEASEOPRESULT']._serialized_start=2381
+  _globals['_LEASEOPRESULT']._serialized_end=2557
+  _globals['_LEASEOPBATCH']._serialized_start=2559
+  _globals['_LEASEOPBATCH']._serialized_end=2607
+  _globals['_LEASEOPRESULTBATCH']._serialized_start=2609
+  _globals['_LEASEOPRESULTBATCH']._serialized_end=2673
+  _globals['_HELDPIN']._serialized_start=2675
+  _globals['_HELDPIN']._serialized_end=2772
+  _globals['_HELDREQUEST']._serialized_start=2774
+  _globals['_HELDREQUEST']._serialized_end=2841
+  _globals['_HELDRESPONSE']._serialized_start=2843
+  _globals['_HELDRESPONSE']._serialized_end=2895
+  _globals['_LEASES']._serialized_start=3068
+  _globals['_LEASES']._serialized_end=3554
 # @@protoc_insertion_point(module_scope)

@@ -272,6 +272,7 @@ class LookupRequest(_message.Message):
     PEEK_FIELD_NUMBER: _builtins.int
     PROMPT_FOLLOWS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    CALLER_VERIFIES_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     conversation_id: _builtins.str
     prompt_tokens: _builtins.int
@@ -303,6 +304,15 @@ class LookupRequest(_message.Message):
     reaches the daemon after its own turn's retention (sent late, on a stream still
     being set up) leaves that one to the next turn, and answers RECOMPUTE / own_turn.
     """
+    caller_verifies: _builtins.bool
+    """Claim now and answer without waiting for the prompt: the caller verifies it itself,
+    against D's sequence handed back in LookupResponse.check, by the daemon's own rule
+    (kvferry.verification), and hands P either the pull cut to what it verified or the
+    release (remote_num_tokens 0). A PULL answer then carries D's params whole, and
+    means "everything but the prompt allows it" (alive, unexpired, not below the
+    threshold, digests to verify against); the caller must not hand P more than it
+    verified. No prompt_tokens, prompt_digests, peek or prompt_follows with it.
+    """
     def __init__(
         self,
         *,
@@ -313,16 +323,53 @@ class LookupRequest(_message.Message):
         peek: _builtins.bool = ...,
         prompt_follows: _builtins.bool = ...,
         request_id: _builtins.str = ...,
+        caller_verifies: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_prompt_digests", b"_prompt_digests", "prompt_digests", b"prompt_digests"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt_digests", b"_prompt_digests", "conversation_id", b"conversation_id", "peek", b"peek", "prompt_digests", b"prompt_digests", "prompt_follows", b"prompt_follows", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt_digests", b"_prompt_digests", "caller_verifies", b"caller_verifies", "conversation_id", b"conversation_id", "peek", b"peek", "prompt_digests", b"prompt_digests", "prompt_follows", b"prompt_follows", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__prompt_digests: _TypeAlias = _typing.Literal["prompt_digests"]  # noqa: Y015
     _WhichOneofArgType__prompt_digests: _TypeAlias = _typing.Literal["_prompt_digests", b"_prompt_digests"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_digests) -> _WhichOneofReturnType__prompt_digests | None: ...
 
 Global___LookupRequest: _TypeAlias = LookupRequest  # noqa: Y015
+
+@_typing.final
+class CallerCheck(_message.Message):
+    """D's sequence, for a caller that verifies its prompt itself (LookupRequest.caller_verifies)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    BLOCK_DIGESTS_FIELD_NUMBER: _builtins.int
+    WHOLE_ONLY_FIELD_NUMBER: _builtins.int
+    RECOMPUTE_THRESHOLD_FIELD_NUMBER: _builtins.int
+    num_tokens: _builtins.int
+    block_size: _builtins.int
+    block_digests: _builtins.bytes
+    """The chained digests of D's full blocks."""
+    whole_only: _builtins.bool
+    """D's blocks can only be pulled whole (see the reason whole_only)."""
+    recompute_threshold: _builtins.int
+    """P recomputes fewer reusable tokens than this (the daemon's policy)."""
+    def __init__(
+        self,
+        *,
+        num_tokens: _builtins.int = ...,
+        block_size: _builtins.int = ...,
+        block_digests: _builtins.bytes = ...,
+        whole_only: _builtins.bool = ...,
+        recompute_threshold: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_digests", b"block_digests", "block_size", b"block_size", "num_tokens", b"num_tokens", "recompute_threshold", b"recompute_threshold", "whole_only", b"whole_only"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CallerCheck: _TypeAlias = CallerCheck  # noqa: Y015
 
 @_typing.final
 class LookupPrompt(_message.Message):
@@ -363,6 +410,7 @@ class LookupResponse(_message.Message):
     RELEASE_PARAMS_FIELD_NUMBER: _builtins.int
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     CLAIMED_FIELD_NUMBER: _builtins.int
+    CHECK_FIELD_NUMBER: _builtins.int
     decision: Global___Decision.ValueType
     reason: _builtins.str
     """Machine-readable, one of (the daemon's controlplane.policy.Reason; a test keeps
@@ -406,6 +454,10 @@ class LookupResponse(_message.Message):
         so P makes D free the blocks without pulling.
         """
 
+    @_builtins.property
+    def check(self) -> Global___CallerCheck:
+        """For a PULL answering LookupRequest.caller_verifies: what to verify the prompt against."""
+
     def __init__(
         self,
         *,
@@ -417,10 +469,11 @@ class LookupResponse(_message.Message):
         release_params: _struct_pb2.Struct | None = ...,
         engine_id: _builtins.str = ...,
         claimed: _builtins.bool = ...,
+        check: Global___CallerCheck | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_transfer_params", b"kv_transfer_params", "release_params", b"release_params"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["check", b"check", "kv_transfer_params", b"kv_transfer_params", "release_params", b"release_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["claimed", b"claimed", "decision", b"decision", "detail", b"detail", "engine_id", b"engine_id", "kv_transfer_params", b"kv_transfer_params", "reason", b"reason", "release_params", b"release_params", "reusable_tokens", b"reusable_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["check", b"check", "claimed", b"claimed", "decision", b"decision", "detail", b"detail", "engine_id", b"engine_id", "kv_transfer_params", b"kv_transfer_params", "reason", b"reason", "release_params", b"release_params", "reusable_tokens", b"reusable_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
