@@ -124,6 +124,30 @@ class LeaseStream:
         )
         return res.lookup
 
+    async def lookup_verifying(
+        self,
+        req: leases_pb2.LookupRequest,
+        ready: Awaitable[object],
+        deadline_s: float | Callable[[], float],
+        late: Callable[[leases_pb2.LookupResponse], None] | None = None,
+    ) -> leases_pb2.LookupResponse:
+        """A claiming Lookup sent with caller_verifies before the prompt is known: the
+        daemon answers without it (the caller verifies the prompt against the answer's
+        `check`). Waits for `ready` (the caller's prompt; whatever it gives or raises is
+        its owner's to see), then up to `deadline_s` from then, as `lookup_with_prompt`;
+        `late` gets an answer after that (what the daemon claimed for it)."""
+        req.caller_verifies = True
+
+        async def prompt_ready(op_id: int) -> None:
+            with contextlib.suppress(Exception):
+                await ready
+
+        late_result = (lambda res: late(res.lookup)) if late is not None else None
+        res = await self._op(
+            leases_pb2.LeaseOp(lookup=req), deadline_s, prompt_ready, late_result, ANSWER_VALID_S
+        )
+        return res.lookup
+
     async def _op(
         self,
         op: leases_pb2.LeaseOp,

@@ -29,8 +29,9 @@ from kvferry.security.tls import TlsFiles, client_ssl_context
 from kvferry.structs import struct_to_dict
 from kvferry.tasks import cancel_and_wait
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
+from kvferry.verification import Held
 from router.choice import Node
-from router.decisions import Breaker, LookupAnswer, Reuse, Skip, reuse_of, skipped
+from router.decisions import Breaker, LookupAnswer, Reuse, Skip, reuse_of, skipped, verified_reuse
 from router.settings import DaemonSettings
 from router.view import Listed
 
@@ -45,12 +46,18 @@ _STREAM_PROBE = "kvferry-router-stream-probe"
 
 def answer_of(res: leases_pb2.LookupResponse) -> LookupAnswer:
     """A LookupResponse as plain data."""
+    check = None
+    if res.HasField("check"):
+        c = res.check
+        check = Held(c.num_tokens, c.block_size, c.block_digests, c.whole_only)
     return LookupAnswer(
         pull=res.decision == leases_pb2.PULL,
         reason=res.reason,
         params=struct_to_dict(res.kv_transfer_params),
         release=struct_to_dict(res.release_params),
         reusable_tokens=res.reusable_tokens,
+        check=check,
+        threshold=res.check.recompute_threshold,
     )
 
 
@@ -209,35 +216,37 @@ class DaemonClient:
     ) -> Reuse:
         """Claim the conversation's retention for a prompt; any failure = serve without reuse.
 
-        Sent before the prompt is known: the daemon claims while `prompt` (the token ids
-        and their digests; None = none could be made) is still being computed, so the
-        claim's round trip overlaps tokenizing. The deadline counts from the prompt: what
-        `wait_s` says for its token count (default: the base lookup deadline). An answer
-        after the deadline goes to `answered_late` (the daemon claimed for it all the same).
+        Sent before the prompt is known (caller_verifies): the daemon claims and answers
+        while `prompt` (the token ids and their digests; None = none could be made) is
+        still being computed, and the prompt is verified here against D's sequence the
+        answer hands back, so neither the claim's round trip nor a second one for the
+        prompt waits on tokenizing. The deadline counts from the prompt: what `wait_s`
+        says for its token count (default: the base lookup deadline). An answer after the
+        deadline goes to `answered_late` (the daemon claimed for it all the same).
         `request_id` is the turn's, which D's sidecar registers: a retention registered for it is
         not this lookup's to claim."""
         req = leases_pb2.LookupRequest(tenant=tenant, conversation_id=conversation_id, request_id=request_id)
-        tokens = 0
 
-        async def message() -> leases_pb2.LookupPrompt | None:
-            nonlocal tokens
-            made = await prompt
-            if made is None:
+        def made() -> tuple[int, bytes] | None:
+            if not prompt.done() or prompt.cancelled() or prompt.exception() is not None:
                 return None
-            tokens = len(made[0])
-            return leases_pb2.LookupPrompt(prompt_tokens=tokens, prompt_digests=made[1])
+            got = prompt.result()
+            return None if got is None else (len(got[0]), got[1])
 
         def deadline_s() -> float:
-            return self._s.lookup_deadline_s if wait_s is None else wait_s(tokens)
+            if wait_s is None:
+                return self._s.lookup_deadline_s
+            known = made()
+            return wait_s(known[0] if known is not None else 0)
 
         now = time.monotonic()
         if not self.breaker.allows(now):
             return skipped(Skip.BACKOFF)
         replica = self._replica
         try:
-            res = await replica.stream.lookup_with_prompt(
+            res = await replica.stream.lookup_verifying(
                 req,
-                message(),
+                prompt,
                 deadline_s,
                 None if answered_late is None else lambda res: answered_late(reuse_of(answer_of(res))),
             )
@@ -249,7 +258,7 @@ class DaemonClient:
             return skipped(Skip.ERROR)
         self.breaker.record(True, time.monotonic())
         replica.late = 0
-        return reuse_of(answer_of(res))
+        return verified_reuse(answer_of(res), made())
 
     def _lookup_failed(
         self, replica: _Replica, e: LeaseOpError, sent_at: float, conversation_id: str

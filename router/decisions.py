@@ -1,7 +1,8 @@
 """What the router decides per turn, as pure functions over plain data.
 
 - `single_sequence`: whether a request can go through P/D at all.
-- `reuse_of`: the daemon's lookup answer -> what to hand the prefill node.
+- `reuse_of`: the daemon's lookup answer -> what to hand the prefill node;
+  `verified_reuse`, the same for an answer whose prompt the router verifies itself.
 - `prefill_kv_params`, `prefill_body`, `decode_body`: the two engine requests.
 - `retry_after`, `retry_decode_elsewhere`: what to do when an engine request failed.
 - `Breaker`: when to stop asking a daemon that keeps failing, and when to ask again.
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.releases import nothing_to_pull, notifiable
+from kvferry.verification import UNVERIFIABLE, Held, pull_params, verdict
 
 #: kv_transfer_params for a prefill node that computes everything and keeps the KV for D.
 FRESH: Mapping[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
@@ -53,6 +55,11 @@ class LookupAnswer:
     params: dict[str, Any]
     release: dict[str, Any]
     reusable_tokens: int
+    check: Held | None = None
+    """With a PULL answering a lookup sent with caller_verifies: D's sequence, to verify the
+    prompt against (`verified_reuse`); `params` are then D's whole."""
+    threshold: int = 0
+    """With `check`: the daemon's recompute threshold."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,25 @@ def reuse_of(answer: LookupAnswer) -> Reuse:
         return Reuse("RECOMPUTE", "unusable_params", nothing_to_pull(answer.params) if usable else None)
     release = answer.release if answer.release and _usable_pull(answer.release) else None
     return Reuse("RECOMPUTE", answer.reason, release)
+
+
+def verified_reuse(answer: LookupAnswer, prompt: tuple[int, bytes] | None) -> Reuse:
+    """The answer to a lookup sent with caller_verifies, the prompt (its token count and
+    block digests; None: none could be made) verified here by the daemon's own rule: a pull
+    cut to what the digests verify, else D's blocks released (the daemon claimed them)."""
+    reuse = reuse_of(answer)
+    if not reuse.pull or reuse.remote is None:
+        return reuse
+    release = nothing_to_pull(reuse.remote)
+    if answer.check is None:  # (a PULL with nothing to verify against is never handed over)
+        return Reuse("RECOMPUTE", UNVERIFIABLE, release)
+    if prompt is None:
+        return Reuse("RECOMPUTE", "no_prompt", release)
+    found = verdict(answer.check, prompt[0], prompt[1], answer.threshold)
+    if not found.pull:
+        return Reuse("RECOMPUTE", found.reason, release)
+    keep = found.keep_blocks(answer.check.block_size)
+    return Reuse("PULL", found.reason, pull_params(reuse.remote, found.tokens, keep), found.tokens)
 
 
 def prefill_kv_params(reuse: Reuse | None, prompt_token_ids: Sequence[int] | None) -> dict[str, Any]:

@@ -12,7 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvferry.digests import block_digests, seed
 from kvferry.releases import release_body, released, tick_body
+from kvferry.verification import Held
 from router.decisions import (
     LookupAnswer,
     decode_body,
@@ -21,6 +23,7 @@ from router.decisions import (
     reproducible,
     reuse_of,
     text_only,
+    verified_reuse,
 )
 from router.relay import SseScrubber, scrub_json
 from router.settings import Settings, add_arguments, from_args
@@ -93,6 +96,64 @@ def test_a_pull_missing_what_p_needs_is_not_handed_over() -> None:
     # Nothing to pull, but the claim took D's blocks: they are released (nothing pulled).
     empty = reuse_of(LookupAnswer(True, "pull", D_PARAMS, {}, 0))
     assert not empty.pull and empty.remote == {**D_PARAMS, "remote_num_tokens": 0}
+
+
+# -- an answer whose prompt the router verifies itself (caller_verifies) -----------------------
+
+_SEED = seed("m")
+_HELD = list(range(100))  # D's 100 tokens: 6 full blocks of 16 (digested), 4 more
+_WHOLE = {**D_PARAMS, "remote_block_ids": [list(range(1, 8)), list(range(11, 18))], "remote_num_tokens": 100}
+
+
+def _claimed(whole_only: bool = False, threshold: int = 16) -> LookupAnswer:
+    check = Held(100, 16, block_digests(_HELD, 16, _SEED), whole_only)
+    return LookupAnswer(True, "pull", _WHOLE, {}, 100, check, threshold)
+
+
+def _prompt(tokens: list[int]) -> tuple[int, bytes]:
+    return len(tokens), block_digests(tokens, 16, _SEED)
+
+
+def test_a_verified_prompt_pulls_what_its_digests_match_and_no_more() -> None:
+    """The prompt differs from D's sequence in its 4th block: 3 blocks are pulled, every
+    block list of D's cut to them (P takes D's blocks from each list's tail)."""
+    edited = _HELD[:50] + [7] * 60
+    reuse = verified_reuse(_claimed(), _prompt(edited))
+    assert (reuse.decision, reuse.reason, reuse.reusable_tokens) == ("PULL", "partial_pull", 48)
+    assert reuse.remote == {**_WHOLE, "remote_num_tokens": 48, "remote_block_ids": [[1, 2, 3], [11, 12, 13]]}
+    # D's whole sequence and more: the full blocks both digested (D's partial last block never is)
+    whole = verified_reuse(_claimed(), _prompt(_HELD + [5] * 40))
+    assert (whole.reason, whole.reusable_tokens) == ("partial_pull", 96)
+    assert whole.remote is not None and whole.remote["remote_block_ids"] == [
+        list(range(1, 7)),
+        list(range(11, 17)),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("answer", "prompt", "reason"),
+    [
+        (_claimed(), _prompt([9] * 120), "prefix_mismatch"),
+        (_claimed(threshold=64), _prompt(_HELD[:40] + [9] * 80), "below_threshold"),
+        (_claimed(whole_only=True), _prompt(_HELD[:50] + [9] * 60), "whole_only"),
+        (_claimed(), None, "no_prompt"),
+        (dataclasses.replace(_claimed(), check=None), _prompt(_HELD), "unverifiable"),
+    ],
+    ids=["mismatch", "threshold", "whole-only", "no-prompt", "nothing-to-verify-against"],
+)
+def test_a_prompt_that_does_not_verify_releases_ds_blocks(
+    answer: LookupAnswer, prompt: tuple[int, bytes] | None, reason: str
+) -> None:
+    """The daemon claimed them for this turn: P is handed them with nothing to pull."""
+    reuse = verified_reuse(answer, prompt)
+    assert (reuse.decision, reuse.reason) == ("RECOMPUTE", reason)
+    assert reuse.remote == {**_WHOLE, "remote_num_tokens": 0}
+
+
+def test_an_answer_that_is_no_pull_is_taken_as_the_daemon_gave_it() -> None:
+    release = {**D_PARAMS, "remote_num_tokens": 0}
+    reuse = verified_reuse(LookupAnswer(False, "already_claimed", {}, release, 0), _prompt(_HELD))
+    assert (reuse.decision, reuse.reason, reuse.remote) == ("RECOMPUTE", "already_claimed", release)
 
 
 def test_prefill_and_decode_bodies() -> None:

@@ -153,7 +153,8 @@ async def test_the_lookup_leaves_before_the_router_tokenizes(
     make_stack: MakeStack, http: aiohttp.ClientSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The claim's round trip overlaps tokenizing: the Lookup is handed to gRPC before the
-    local tokenizer (which waits on nothing) starts, not after the prompt is digested."""
+    local tokenizer (which waits on nothing) starts, not after the prompt is digested; and
+    no prompt follows it (the router verifies the prompt against the answer itself)."""
     stack = await make_stack()
     router = await stack.router(upstream__tokenizer=files(tmp_path))
     assert router.daemon is not None
@@ -176,7 +177,7 @@ async def test_the_lookup_leaves_before_the_router_tokenizes(
     monkeypatch.setattr(LocalTokenizer, "cut", recorded_cut)
     assert (await ask(http, router.url, {**body, "conversation_id": "d"})).status == 200
     assert tokenized(router) == {"compared": 1, "local": 1}
-    assert order == ["lookup", "tokenize", "prompt"]
+    assert order == ["lookup", "tokenize"]
 
 
 async def test_a_tokenizer_that_fails_leaves_the_turn_to_the_engine(
