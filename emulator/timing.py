@@ -14,10 +14,17 @@ async def modeled(ms: float) -> AsyncIterator[None]:
     extra while it fits in the modeled time). An exception ends it at once."""
     loop = asyncio.get_running_loop()
     done = loop.create_future()
-    timer = loop.call_later(ms / 1000, done.set_result, None)
+    # (not done.set_result itself: a timer already due when the body failed still runs
+    # after the cancel below, and would find the future cancelled)
+    timer = loop.call_later(ms / 1000, _finish, done)
     try:
         yield
         await done
     finally:
         timer.cancel()
         done.cancel()
+
+
+def _finish(done: asyncio.Future[None]) -> None:
+    if not done.done():
+        done.set_result(None)
