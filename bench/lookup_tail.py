@@ -130,7 +130,7 @@ async def probe(args: argparse.Namespace) -> None:
 async def _measure(d: DaemonProcess, etcd: EmbeddedEtcd, tmp: Path, args: argparse.Namespace) -> Measured:
     """Preload, then offer lookups at args.rate for args.seconds (with `kvferry leases ls`
     meanwhile if args.list), measuring CPU, loop lag and etcd's disk."""
-    assert d.proc is not None and etcd._proc is not None
+    assert d.proc is not None and etcd.pid
     ch = grpc.aio.insecure_channel(f"127.0.0.1:{d.port}")
     await register_node(ch)
     sidecar, router = LeaseStream(ch), LeaseStream(grpc.aio.insecure_channel(f"127.0.0.1:{d.port}"))
@@ -144,7 +144,7 @@ async def _measure(d: DaemonProcess, etcd: EmbeddedEtcd, tmp: Path, args: argpar
     print(f"preloaded {n:,} leases in {secs:.1f}s; offering {args.rate}/s for {args.seconds}s", flush=True)
     await asyncio.sleep(2)
 
-    pids = {"daemon": d.proc.pid, "etcd": etcd._proc.pid, "load generator": os.getpid()}
+    pids = {"daemon": d.proc.pid, "etcd": etcd.pid, "load generator": os.getpid()}
     cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
     disk0 = etcd_counters(etcd.endpoint)
     lag = LoopLag()

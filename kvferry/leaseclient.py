@@ -163,6 +163,7 @@ class LeaseStream:
         fut: asyncio.Future[leases_pb2.LeaseOpResult] = asyncio.get_running_loop().create_future()
         self._pending[op.id] = fut
         answer_late = False
+        why = ""
         try:
             await self._open()  # creates the call when there is none; never waits on the network
             self._enqueue(op)
@@ -172,7 +173,10 @@ class LeaseStream:
             if callable(deadline_s):
                 deadline_s = deadline_s()
             if valid_s is not None:
-                deadline_s = max(0.0, min(deadline_s, valid_s - (time.monotonic() - enqueued)))
+                left = valid_s - (time.monotonic() - enqueued)
+                if left < deadline_s:
+                    deadline_s = max(0.0, left)
+                    why = f" (an answer is valid {valid_s:g}s from when its op left)"
             async with asyncio.timeout(deadline_s):
                 res = await (fut if late is None else asyncio.shield(fut))
         except asyncio.CancelledError:  # the caller went away
@@ -182,7 +186,7 @@ class LeaseStream:
             answer_late = self._given_up(op.id, fut, late)
             raise LeaseOpError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"no answer within {deadline_s}s",
+                f"no answer within {deadline_s:.3g}s{why}",
                 sent=op.id in self._written,
             ) from None
         except LeaseOpError as e:  # the stream ended with this op in flight (`_read`)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvferry.flags import Flag, add_flags, bool_text, boolean, items, joined, seconds, settings_from
-from kvferry.limits import MAX_BLOCK_SIZE
+from kvferry.limits import ANSWER_VALID_S, MAX_BLOCK_SIZE
 from kvferry.security.tls import RELOAD_CHECK_S, TlsFiles, check_listen
 from kvferry.urls import is_http_url, listen_host_port
 
@@ -60,7 +60,9 @@ class DaemonSettings:
     lookup_max_wait_s: float = 1.0
     """Longest a lookup is waited for, however long the prompt (a daemon that answers at all
     answers in milliseconds; beyond a second it is in trouble, and waiting only costs);
-    never less than the base."""
+    never less than the base. Below `kvferry.limits.ANSWER_VALID_S`: an answer is never
+    used later than that after its lookup left (its claim may have been spent since), so a
+    longer wait could not be had."""
     prefill_s_per_token: float = 1e-4
     """Estimated prefill seconds per prompt token until the router has measured its own
     prefills (fresh ones of at least 256 computed tokens, per model): 100 us is a 7-8B
@@ -227,6 +229,11 @@ class Settings:
         for name in positive:
             if getattr(d, name) <= 0:
                 raise ValueError(f"daemon {name} must be positive")
+        if d.lookup_max_wait_s >= ANSWER_VALID_S or d.lookup_deadline_s >= ANSWER_VALID_S:
+            raise ValueError(
+                f"daemon lookup_max_wait_s and lookup_deadline_s must be below {ANSWER_VALID_S:g} s, "
+                "the longest an answer is valid after its lookup left"
+            )
         if not 0 <= d.lookup_recompute_share <= 1:
             raise ValueError("daemon lookup_recompute_share must be in 0..1")
         if d.prefill_s_per_token < 0 or d.late_answer_s < 0:

@@ -144,10 +144,12 @@ class _ScriptedCall:
 
     def __init__(self) -> None:
         self.written: list[int] = []
+        self.ops: list[leases_pb2.LeaseOp] = []
         self._results: asyncio.Queue[Any] = asyncio.Queue()
 
     async def write(self, batch: leases_pb2.LeaseOpBatch) -> None:
         self.written += [op.id for op in batch.ops]
+        self.ops += batch.ops
 
     async def read(self) -> Any:
         return await self._results.get()
@@ -234,6 +236,7 @@ async def test_an_answer_is_not_used_past_its_validity_however_long_the_wait(
     with pytest.raises(LeaseOpError) as late:
         await asyncio.wait_for(looking, 10)  # (not the 30 s the caller would wait)
     assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and late.value.sent
+    assert "an answer is valid 0.2s from when its op left" in late.value.message
     call.answer(leases_pb2.LeaseOpResult(id=1, lookup=leases_pb2.LookupResponse(reason="pull", claimed=True)))
     await eventually(lambda: bool(hooked))
     assert [h.reason for h in hooked] == ["pull"]
@@ -241,6 +244,44 @@ async def test_an_answer_is_not_used_past_its_validity_however_long_the_wait(
     monkeypatch.setattr(kvferry.leaseclient, "ANSWER_VALID_S", 60.0)  # (room on a busy machine)
     looking = asyncio.ensure_future(stream.lookup_with_prompt(req, prompt(), 30.0, hooked.append))
     await eventually(lambda: call.written.count(2) == 2)  # (the lookup, its prompt: one id)
+    call.answer(leases_pb2.LeaseOpResult(id=2, lookup=leases_pb2.LookupResponse(reason="pull", claimed=True)))
+    assert (await asyncio.wait_for(looking, 10)).reason == "pull"
+    await stream.close()
+    await channel.close(None)
+
+
+async def test_a_lookup_the_caller_verifies_sends_no_prompt_and_keeps_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """lookup_verifying: the lookup leaves with caller_verifies, the caller's prompt is
+    waited for but never sent, and the answer is used within ANSWER_VALID_S of the op's
+    leaving, else handed to the late hook."""
+    import kvferry.leaseclient
+    from kvferry.leaseclient import LeaseOpError
+    from tests.polling import eventually
+
+    monkeypatch.setattr(kvferry.leaseclient, "ANSWER_VALID_S", 0.2)
+    call = _ScriptedCall()
+    stream, channel = _stream_on(call)
+    hooked: list[leases_pb2.LookupResponse] = []
+    ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    req = leases_pb2.LookupRequest(conversation_id="c")
+    looking = asyncio.ensure_future(stream.lookup_verifying(req, ready, 30.0, hooked.append))
+    await eventually(lambda: bool(call.written))
+    await asyncio.sleep(0.3)  # past the validity (time itself is the condition)
+    ready.set_result(None)
+    with pytest.raises(LeaseOpError) as late:
+        await asyncio.wait_for(looking, 10)
+    assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    call.answer(leases_pb2.LeaseOpResult(id=1, lookup=leases_pb2.LookupResponse(reason="pull", claimed=True)))
+    await eventually(lambda: bool(hooked))
+
+    monkeypatch.setattr(kvferry.leaseclient, "ANSWER_VALID_S", 60.0)
+    failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    failed.set_exception(RuntimeError("the tokenizer failed"))  # (its owner's to see)
+    looking = asyncio.ensure_future(stream.lookup_verifying(req, failed, 30.0))
+    await eventually(lambda: call.written == [1, 2])  # (the lookups alone: no prompt ops)
+    assert all(op.lookup.caller_verifies for op in call.ops)
     call.answer(leases_pb2.LeaseOpResult(id=2, lookup=leases_pb2.LookupResponse(reason="pull", claimed=True)))
     assert (await asyncio.wait_for(looking, 10)).reason == "pull"
     await stream.close()

@@ -355,3 +355,14 @@ def test_flags_make_settings() -> None:
         dataclasses.replace(
             good, upstream=dataclasses.replace(good.upstream, max_releases_in_flight=0)
         ).validate()
+
+
+def test_a_lookup_wait_past_an_answers_validity_is_refused() -> None:
+    """An answer is used at most ANSWER_VALID_S after its lookup left (its claim may be
+    spent by a new owner after that): a longer wait was silently cut short."""
+    from kvferry.limits import ANSWER_VALID_S
+
+    assert _parse("--daemon", "a:1", "--lookup-max-wait", str(ANSWER_VALID_S - 0.5))
+    for flag in ("--lookup-max-wait", "--lookup-deadline"):
+        with pytest.raises(ValueError, match="the longest an answer is valid"):
+            _parse("--daemon", "a:1", flag, str(ANSWER_VALID_S))

@@ -51,7 +51,7 @@ async def test_a_slow_lookup_still_pulls_for_a_long_prompt_and_not_for_a_short_o
     stack = await make_stack(p_config={"prefill_ms_per_token": 2.0})
     # (a generous share and cap: on a loaded machine the daemon's own claim can take a second)
     router = await stack.router(
-        daemon__lookup_deadline_s=0.05, daemon__lookup_recompute_share=0.5, daemon__lookup_max_wait_s=5.0
+        daemon__lookup_deadline_s=0.05, daemon__lookup_recompute_share=0.5, daemon__lookup_max_wait_s=2.5
     )
     answers_late(stack.daemon, 0.6)
     long_body, long_turn = await two_turns(stack, http, router.url, "long", first_turn("long", size=80))
