@@ -131,11 +131,9 @@ class LeaseStream:
         deadline_s: float | Callable[[], float],
         late: Callable[[leases_pb2.LookupResponse], None] | None = None,
     ) -> leases_pb2.LookupResponse:
-        """A claiming Lookup sent with caller_verifies before the prompt is known: the
-        daemon answers without it (the caller verifies the prompt against the answer's
-        `check`). Waits for `ready` (the caller's prompt; whatever it gives or raises is
-        its owner's to see), then up to `deadline_s` from then, as `lookup_with_prompt`;
-        `late` gets an answer after that (what the daemon claimed for it)."""
+        """A Lookup sent with caller_verifies before the prompt is known (the caller then
+        verifies it against the answer's `check`): waits for `ready` (the prompt; what it
+        gives or raises is its owner's to see), then as `lookup_with_prompt` does."""
         req.caller_verifies = True
 
         async def prompt_ready(op_id: int) -> None:

@@ -72,10 +72,9 @@ async def prepare(turn: Turn, prefill: Node, scoring: bool, tiebreak: int) -> No
     t0 = time.perf_counter()
     score = _score(turn, prefill) if scoring and turn.tokens is not None else None
     try:
-        if score is None:  # (no gather: its tasks cost a turn of a busy loop or two)
-            reuse, cached = await _maybe(lookup), None
-        else:
-            reuse, cached = await asyncio.gather(_maybe(lookup), score)
+        # (no gather without a score: its tasks cost a turn of a busy loop or two)
+        pair = (await _maybe(lookup), None) if score is None else await asyncio.gather(_maybe(lookup), score)
+        reuse, cached = pair
     except asyncio.CancelledError:
         # The client left while the score was still out: a lookup answered by then has
         # claimed what no P request will carry (one still out answers its late hook).
