@@ -161,7 +161,7 @@ async def test_a_stop_waits_for_the_lookups_owed_an_answer_and_releases_their_cl
     claimed), and its release, before it closes the stream (which dropped the answer:
     D held the blocks to its TTL)."""
     async with fakes_with_a_lease(daemon) as (p, d, _):
-        router = Router(on_fakes(daemon, p, d, server__shutdown_grace_s=0.2, daemon__lookup_deadline_s=5.0))
+        router = Router(on_fakes(daemon, p, d, server__shutdown_grace_s=0.2, daemon__lookup_deadline_s=2.5))
         await router.start()
         assert router.daemon is not None
         leases = router.daemon._replica.stream
