@@ -65,9 +65,9 @@ class Ledger:
     releases: list[Released] = field(default_factory=list)
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        """Record through LeaseStream.register and .lookup_with_prompt, and
-        NodeSession._release (until the test ends)."""
-        register, lookup = LeaseStream.register, LeaseStream.lookup_with_prompt
+        """Record through LeaseStream.register, .lookup_with_prompt and .lookup_verifying,
+        and NodeSession._release (until the test ends)."""
+        register = LeaseStream.register
         release = NodeSession._release
         ledger = self
 
@@ -89,23 +89,26 @@ class Ledger:
             ledger.registrations.append(Registration(time.monotonic(), cid, retention, "ok", True, replaced))
             return res
 
-        async def tapped_lookup(
-            stream: LeaseStream,
-            req: leases_pb2.LookupRequest,
-            prompt: Awaitable[Any],
-            deadline_s: float | Callable[[], float],
-            late: Callable[[leases_pb2.LookupResponse], None] | None = None,
-        ) -> leases_pb2.LookupResponse:
-            cid = req.conversation_id
+        def tapped_lookup(lookup: Callable[..., Awaitable[leases_pb2.LookupResponse]]) -> Any:
+            async def tapped(
+                stream: LeaseStream,
+                req: leases_pb2.LookupRequest,
+                ready: Awaitable[Any],
+                deadline_s: float | Callable[[], float],
+                late: Callable[[leases_pb2.LookupResponse], None] | None = None,
+            ) -> leases_pb2.LookupResponse:
+                cid = req.conversation_id
 
-            def late_answer(res: leases_pb2.LookupResponse) -> None:
-                ledger.granted(cid, res, late=True)
-                if late is not None:
-                    late(res)
+                def late_answer(res: leases_pb2.LookupResponse) -> None:
+                    ledger.granted(cid, res, late=True)
+                    if late is not None:
+                        late(res)
 
-            res = await lookup(stream, req, prompt, deadline_s, late_answer)
-            ledger.granted(cid, res, late=False)
-            return res
+                res = await lookup(stream, req, ready, deadline_s, late_answer)
+                ledger.granted(cid, res, late=False)
+                return res
+
+            return tapped
 
         def tapped_release(session: NodeSession, msg: nodes_pb2.ReleaseRetention) -> None:
             retention = str(struct_to_dict(msg.kv_transfer_params).get("remote_request_id", ""))
@@ -114,7 +117,8 @@ class Ledger:
 
         monkeypatch.setattr(LeaseStream, "register", tapped_register)
         monkeypatch.setattr(NodeSession, "_release", tapped_release)
-        monkeypatch.setattr(LeaseStream, "lookup_with_prompt", tapped_lookup)
+        for name in ("lookup_with_prompt", "lookup_verifying"):  # (the router's two ways)
+            monkeypatch.setattr(LeaseStream, name, tapped_lookup(getattr(LeaseStream, name)))
 
     def granted(self, conversation_id: str, res: leases_pb2.LookupResponse, late: bool) -> None:
         """Note the retention a lookup answer hands out (to pull, or to release), if any."""
