@@ -94,11 +94,14 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
         except Exception as e:
             refuse(context, e, "Nodes/Attach")
         finally:
-            await inbox.close()
+            # What must happen comes before the first await: the stream's end can reach
+            # this handler twice (its requests end, then gRPC cancels it), and the second
+            # lands in whatever this awaits; a node left attached would never be suspended.
             metrics.ATTACHED.dec()
             if rec is not None:
                 attachments.detach(rec, stream)
                 log.info("node.detached", engine_id=rec.engine_id)
+            await inbox.close()
 
     async def _heartbeat(
         self, rec: NodeRecord, beat: nodes_pb2.Heartbeat, stream: object

@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from controlplane.daemon import Daemon
+from controlplane.server.inbox import Inbox
 from controlplane.settings import EtcdSettings
 from kvferry.v1 import leases_pb2, nodes_pb2
 from realvllm.process import free_port
@@ -277,6 +278,45 @@ async def test_an_older_attach_stream_ending_keeps_the_newer_ones_index(
         return index.count("d-1") == 0
 
     await eventually(dropped, within=30)
+
+
+async def test_an_attach_stream_cancelled_as_it_closes_still_detaches_its_node(
+    daemon: Daemon, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream's end reaches the handler twice: its requests end, then gRPC cancels it.
+    The cancellation used to land in the handler's close of its request reader, before the
+    node was detached: the node stayed attached (never suspended) until the daemon stopped.
+    Here closing the reader waits until the end of the test, so only a detach that does
+    not wait for it passes."""
+    assert daemon.control_plane is not None
+    attachments = daemon.control_plane.attachments
+    detached: list[object] = []
+    detach = attachments.detach
+    monkeypatch.setattr(
+        attachments, "detach", lambda rec, stream: (detached.append(stream), detach(rec, stream))
+    )
+
+    closed, close = asyncio.Event(), Inbox.close
+
+    async def close_held(self: Inbox[object]) -> None:
+        await closed.wait()
+        await close(self)
+
+    monkeypatch.setattr(Inbox, "close", close_held)
+    await client.nodes.Register(node_request("d-1"))
+    stream = AttachStream(client)
+    try:
+        await stream.send(hello("d-1"))
+        await stream.close()
+        await eventually(lambda: len(detached) == 1, within=30)
+
+        async def suspended() -> bool:
+            state, _ = await daemon.control_plane.store.nodes.get("d-1")  # type: ignore[union-attr]
+            return state is not None and bool(state.record.suspended_at)
+
+        await eventually(suspended, within=30)
+    finally:
+        closed.set()
 
 
 async def test_a_replica_with_a_stale_node_cache_accepts_the_new_generations_leases(
