@@ -280,8 +280,8 @@ class NodeSession:
             # The daemon forgets this node's blocks with the stream: the next attach sends
             # the whole mirror, and no delta needs keeping until then.
             self._mirror.request_reset()
+            call.cancel()  # (before the await: a second cancellation there would skip it)
             await cancel_and_wait([reader])
-            call.cancel()
 
     async def _read_acks(self, call: _AttachCall, acked: list[float]) -> None:
         loop = asyncio.get_running_loop()
