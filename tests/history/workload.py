@@ -273,8 +273,9 @@ class Client:
         self._answered(rec.lookup(self.name, key, t0, res, f"r{i}"))
 
     async def _streamed(self, i: int, key: tuple[str, str], req: leases_pb2.LookupRequest) -> None:
-        """A lookup whose prompt follows a moment later; an answer after its deadline is
-        recorded when it comes (the daemon claimed for it: the router releases it)."""
+        """A lookup whose prompt follows a moment later (half of them with caller_verifies,
+        as the router sends them: the claim leaves with no prompt); an answer after its
+        deadline is recorded when it comes (the daemon claimed for it: the router releases it)."""
         rec, rng = self.shared.recorder, self.rng
         tokens = req.prompt_tokens
         t0 = rec.start()
@@ -289,8 +290,13 @@ class Client:
                 rec.supersede(unknown[0])
             rec.lookup(self.name, key, t0, res, f"r{i} late", late=True)
 
+        stream = self._streams[i]
         try:
-            res = await self._streams[i].lookup_with_prompt(req, prompt(), self._deadline(), late)
+            if rng.random() < 0.5:  # the router's way: the answer's check is verified here
+                req.ClearField("prompt_tokens")
+                res = await stream.lookup_verifying(req, prompt(), self._deadline(), late)
+            else:
+                res = await stream.lookup_with_prompt(req, prompt(), self._deadline(), late)
         except Exception as e:  # recorded: its outcome is the history's
             unknown.append(rec.failed(Kind.LOOKUP, self.name, key, t0, e, f"r{i}"))
             return
