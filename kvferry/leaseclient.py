@@ -175,6 +175,8 @@ class LeaseStream:
                 if left < deadline_s:
                     deadline_s = max(0.0, left)
                     why = f" (an answer is valid {valid_s:g}s from when its op left)"
+                if left <= 0:  # (an answer already in would be taken: a timeout fires only in a wait)
+                    raise TimeoutError
             async with asyncio.timeout(deadline_s):
                 res = await (fut if late is None else asyncio.shield(fut))
         except asyncio.CancelledError:  # the caller went away

@@ -288,6 +288,40 @@ async def test_a_lookup_the_caller_verifies_sends_no_prompt_and_keeps_the_bound(
     await channel.close(None)
 
 
+async def test_an_answer_already_in_is_not_used_past_its_validity(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With caller_verifies the daemon answers at once, usually before the prompt is
+    tokenized: an answer that came while the prompt took longer than ANSWER_VALID_S is
+    not used either (a timeout never fires on a future already done); it goes to the late
+    hook, which releases."""
+    import kvferry.leaseclient
+    from kvferry.leaseclient import LeaseOpError
+    from tests.polling import eventually
+
+    monkeypatch.setattr(kvferry.leaseclient, "ANSWER_VALID_S", 0.2)
+    call = _ScriptedCall()
+    stream, channel = _stream_on(call)
+    hooked: list[leases_pb2.LookupResponse] = []
+    ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    req = leases_pb2.LookupRequest(conversation_id="c")
+    looking = asyncio.ensure_future(stream.lookup_verifying(req, ready, 30.0, hooked.append))
+    await eventually(lambda: bool(call.written))
+    call.answer(leases_pb2.LeaseOpResult(id=1, lookup=leases_pb2.LookupResponse(reason="pull", claimed=True)))
+    await eventually(lambda: stream._pending[1].done())  # (the answer is in)
+    await asyncio.sleep(0.3)  # past the validity (time itself is the condition)
+    ready.set_result(None)
+    with pytest.raises(LeaseOpError) as late:
+        await asyncio.wait_for(looking, 10)
+    assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and late.value.sent
+    assert "an answer is valid 0.2s from when its op left" in late.value.message
+    await eventually(lambda: bool(hooked))
+    assert [h.reason for h in hooked] == ["pull"]
+    assert not stream._pending and not stream._written
+    await stream.close()
+    await channel.close(None)
+
+
 async def test_an_op_given_up_on_says_whether_it_left() -> None:
     """`sent` is what the sidecar goes by to send a registration again or not: an op in a
     write that never finished may still reach the daemon; one still waiting to leave when
