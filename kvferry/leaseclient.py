@@ -160,8 +160,7 @@ class LeaseStream:
         op.id = next(self._ids)
         fut: asyncio.Future[leases_pb2.LeaseOpResult] = asyncio.get_running_loop().create_future()
         self._pending[op.id] = fut
-        answer_late = False
-        why = ""
+        answer_late, why = False, ""
         try:
             await self._open()  # creates the call when there is none; never waits on the network
             self._enqueue(op)

@@ -61,7 +61,7 @@ async def prepare(turn: Turn, prefill: Node, scoring: bool, tiebreak: int) -> No
                 wait_s=functools.partial(_lookup_wait_s, turn, prefill, scoring),
             )
         )
-        made = await prompt
+        made = await _prompt_or_abandon(prompt, lookup, turn, prefill)
         turn.tokens = made[0] if made is not None else None
     elif scoring:
         turn.tokens = await _tokens(turn, prefill)
@@ -77,9 +77,9 @@ async def prepare(turn: Turn, prefill: Node, scoring: bool, tiebreak: int) -> No
         reuse, cached = pair
     except asyncio.CancelledError:
         # The client left while the score was still out: a lookup answered by then has
-        # claimed what no P request will carry (one still out answers its late hook).
-        if lookup is not None and lookup.done() and not lookup.cancelled() and not lookup.exception():
-            release_claim(turn, prefill, lookup.result().remote)
+        # claimed what no P request will carry.
+        if lookup is not None:
+            _abandon(lookup, turn, prefill)
         raise
     if lookup is not None:
         s.metrics.stage.labels("lookup").observe(time.perf_counter() - t0)
@@ -95,6 +95,28 @@ async def prepare(turn: Turn, prefill: Node, scoring: bool, tiebreak: int) -> No
     if turn.reuse is not None:
         s.metrics.lookup(turn.reuse)
     return prefill
+
+
+async def _prompt_or_abandon(
+    prompt: asyncio.Future[Made | None], lookup: asyncio.Future[Reuse], turn: Turn, prefill: Node
+) -> Made | None:
+    """The prompt; when the client leaves meanwhile (or making it breaks), the lookup
+    out for it is abandoned (`_abandon`)."""
+    try:
+        return await prompt
+    except BaseException:
+        _abandon(lookup, turn, prefill)
+        raise
+
+
+def _abandon(lookup: asyncio.Future[Reuse], turn: Turn, prefill: Node) -> None:
+    """No P request will carry what `lookup` claims: an answer already in is released now;
+    one still out is cancelled, and its answer goes to the late hook, which releases it
+    (cancelling the prompt alone leaves it be when the prompt had already come)."""
+    if not lookup.done():
+        lookup.cancel()
+    elif not lookup.cancelled() and lookup.exception() is None:
+        release_claim(turn, prefill, lookup.result().remote)
 
 
 def _lookup_wait_s(turn: Turn, prefill: Node, scoring: bool, prompt_tokens: int) -> float:

@@ -176,3 +176,37 @@ async def test_a_stop_waits_for_the_lookups_owed_an_answer_and_releases_their_cl
         assert router.metrics.value("kvferry_router_claim_releases_total", outcome="released") == 1
     [(_, _, release)] = [(path, h, body) for path, h, body in p.requests if path == COMPLETIONS]
     assert release["kv_transfer_params"]["remote_request_id"] == "req-1"
+
+
+async def test_a_prompt_that_breaks_with_the_lookup_out_has_its_claim_released(
+    make_stack: MakeStack, http: aiohttp.ClientSession, monkeypatch: Any
+) -> None:
+    """Making the prompt fails in a way nobody planned for while the lookup is out: the
+    turn fails, and what the daemon claimed for it is released through P. The lookup went
+    on without a reader: its release was never sent, D held the blocks to its TTL. (The
+    same path serves a client gone just as the prompt was made.)"""
+    import router.prepare
+
+    stack = await make_stack()
+    router_ = await stack.router()
+    [d] = stack.decodes
+    body = {"messages": first_turn("breakage", size=30), "max_tokens": 8, "conversation_id": "broke"}
+    one = await ask(http, router_.url, body)
+    assert one.status == 200
+    await stack.registrations_idle()
+    [held] = d.engine.snapshot()["held_requests"]
+
+    async def broken_prompt(*args: Any) -> Any:
+        await asyncio.sleep(0.05)  # (the lookup leaves meanwhile)
+        raise RuntimeError("the tokenizer broke")
+
+    monkeypatch.setattr(router.prepare, "_prompt", broken_prompt)
+    second = {**body, "messages": next_turn(body["messages"], one.text)}
+    two = await ask(http, router_.url, second)
+    assert two.status >= 500
+
+    async def freed() -> bool:
+        return held not in d.engine.snapshot()["held_requests"]
+
+    await eventually(freed, within=30)
+    assert router_.metrics.value("kvferry_router_claim_releases_total", outcome="released") == 1
