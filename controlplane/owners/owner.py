@@ -99,6 +99,14 @@ class ShardOwners:
             log.warning("owners.validity_lapsed", shards=len(self.shards), lease=self._lease)
         return False
 
+    def local_now(self, shard: int) -> OwnedShard | None:
+        """The shard when `local` would return it without waiting: owned here, loaded,
+        valid and staying. None otherwise (then ask `local`)."""
+        owned = self.shards.get(shard)
+        if owned is None or owned.leaving or not owned.ready.is_set() or not self.valid():
+            return None
+        return owned
+
     async def local(self, shard: int) -> OwnedShard | None:
         """The shard, when this replica owns it, loaded and valid (within wait_s; else
         StoreUnavailable). Nothing awaits after its checks: the caller decides at once."""

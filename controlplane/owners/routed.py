@@ -69,6 +69,20 @@ class OwnedRetentions:
         a = await self.apply(OwnerOp(Kind.CLAIM, tenant, conversation_id, now, claimed_by=claimed_by))
         return ClaimOutcome(a.retention, earlier=a.claim, marker_revision=a.number)
 
+    def claim_now(
+        self, tenant: str, conversation_id: str, now: float, claimed_by: str = ""
+    ) -> ClaimOutcome | None:
+        """`claim` decided without awaiting anything, when this replica owns the shard and
+        has the conversation in memory (the usual case); None when it cannot be (nothing
+        was claimed: then `claim`). No task, no await: nothing can cut it short."""
+        op = OwnerOp(Kind.CLAIM, tenant, conversation_id, now, claimed_by=claimed_by)
+        owned = self.owners.local_now(shard_of(tenant, conversation_id, self.owners.settings.shards))
+        if owned is None or owned.memory.needs((tenant, conversation_id)):
+            return None
+        answer, writes = decide(owned.memory, op, self.owners.marker())
+        self.owners.writes.add(owned.shard, owned.fence, owned.memory, writes, False)
+        return ClaimOutcome(answer.retention, earlier=answer.claim, marker_revision=answer.number)
+
     async def put(
         self, tenant: str, conversation_id: str, r: Retention, now: float
     ) -> tuple[int, Retention | None]:

@@ -24,6 +24,7 @@ from controlplane.owners import OwnedRetentions
 from controlplane.records import Claim, Retention
 from controlplane.service.background import Background
 from controlplane.service.budgets import Budgets
+from controlplane.store.retentions import ClaimOutcome
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -69,17 +70,23 @@ class Claims:
         self._background = background
         self._clock = clock
 
-    async def claim(self, tenant: str, conversation_id: str, request_id: str, now: float) -> Claimed:
-        """Claim the conversation's retention for the lookup of request `request_id`.
+    async def claim(
+        self, tenant: str, conversation_id: str, request_id: str, now: float, made: ClaimOutcome | None = None
+    ) -> Claimed:
+        """Claim the conversation's retention for the lookup of request `request_id`
+        (`made`: the claim is made already, by `claim_now`).
 
         A lookup can reach the daemon after the turn it is for went on without it (it came
         late) and registered: that retention is the next turn's to pull, not this one's,
         and goes straight back (`Claimed.own`)."""
-        outcome = await self._store.claim(tenant, conversation_id, now, request_id)
+        outcome = (
+            made if made is not None else await self._store.claim(tenant, conversation_id, now, request_id)
+        )
         taken = outcome.taken
         claimed = Claimed(taken, outcome.earlier, False, outcome.marker_revision)
-        if taken is None or not request_id or taken.request_id != request_id:
+        if not _own_turn(outcome, request_id):
             return claimed
+        assert taken is not None
         try:
             back = await self._store.unclaim(tenant, conversation_id, taken, outcome.marker_revision, now)
         except StoreUnavailable as e:
@@ -95,8 +102,14 @@ class Claims:
     async def claim_guarded(self, tenant: str, conversation_id: str, request_id: str, now: float) -> Claimed:
         """`claim`, in a task of its own. Cancelled (the caller's deadline, its stream), the
         claim runs on, for one cancelled at etcd may have been written all the same, and
-        what it takes goes back once it is done: never spent with no answer to anyone."""
-        claiming = self._claiming(tenant, conversation_id, request_id, now)
+        what it takes goes back once it is done: never spent with no answer to anyone.
+
+        Decided at once when its shard's owner is this replica, with the conversation in
+        memory (the usual case): then there is no task, and nothing to cut short."""
+        made = self._store.claim_now(tenant, conversation_id, now, request_id)
+        if made is not None and not _own_turn(made, request_id):
+            return Claimed(made.taken, made.earlier, False, made.marker_revision)
+        claiming = self._claiming(tenant, conversation_id, request_id, now, made)
         try:
             return await asyncio.shield(claiming)
         except asyncio.CancelledError:
@@ -126,10 +139,10 @@ class Claims:
             raise
 
     def _claiming(
-        self, tenant: str, conversation_id: str, request_id: str, now: float
+        self, tenant: str, conversation_id: str, request_id: str, now: float, made: ClaimOutcome | None = None
     ) -> asyncio.Task[Claimed]:
         """`claim` started in a task a stop waits for (Background.settle)."""
-        claiming = asyncio.ensure_future(self.claim(tenant, conversation_id, request_id, now))
+        claiming = asyncio.ensure_future(self.claim(tenant, conversation_id, request_id, now, made))
         self._background.track(claiming)
         return claiming
 
@@ -211,6 +224,12 @@ class Claims:
             await self._store.note_claim_deadline(tenant, conversation_id, claimed.marker_revision, claim)
         except StoreUnavailable as e:
             log.warning("lookup.claim_deadline.failed", conversation_id=conversation_id, error=str(e))
+
+
+def _own_turn(outcome: ClaimOutcome, request_id: str) -> bool:
+    """Whether a claim took the asking request's own retention (it came late: see `claim`)."""
+    taken = outcome.taken
+    return taken is not None and bool(request_id) and taken.request_id == request_id
 
 
 def _tell(claimed: Callable[[Claimed], None], done: asyncio.Future[Claimed]) -> None:

@@ -54,10 +54,13 @@ def slow_claims(
     daemon: Daemon, monkeypatch: pytest.MonkeyPatch, after_write: Callable[[], Awaitable[None]]
 ) -> None:
     """Make every claim's answer come back from etcd only once `after_write()` returns
-    (the transaction itself is written at once)."""
+    (the transaction itself is written at once). Every claim takes the awaited path, as
+    one does when its shard is owned elsewhere or not yet in memory: the one a caller's
+    cancellation can cut into."""
     assert daemon.control_plane is not None
     retentions = daemon.control_plane.owned
     claim = retentions.claim
+    monkeypatch.setattr(retentions, "claim_now", lambda *args, **kwargs: None)
 
     async def slow(*args: Any, **kwargs: Any) -> ClaimOutcome:
         outcome = await claim(*args, **kwargs)

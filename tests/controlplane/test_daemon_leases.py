@@ -346,6 +346,7 @@ async def test_a_slow_claim_is_decided_on_the_time_it_ended(daemon: Daemon, clie
         return await claim(*args, **kwargs)
 
     store.claim = slow_claim  # type: ignore[method-assign]
+    store.claim_now = lambda *args, **kwargs: None  # type: ignore[method-assign]  # (the awaited path)
     res = await client.leases.Lookup(lookup_request("conv-slow"))
     assert (res.decision, res.reason) == (leases_pb2.RECOMPUTE, "expired"), res
     assert res.release_params.fields  # still held by D: released

@@ -58,11 +58,16 @@ async def test_the_owner_claims_from_memory_while_etcd_is_paused_then_stops_past
         assert got.taken is not None and time.monotonic() - started < 1.0  # (no etcd round trip)
         again = await owned.claim("default", "p0", time.time(), "turn-2b")
         assert again.taken is None and again.earlier is not None and again.earlier.claimed_by == "turn-2"
+        at_once = owned.claim_now("default", "p0", time.time(), "turn-2c")  # (the lookups' way)
+        assert at_once is not None and at_once.taken is None and at_once.earlier == again.earlier
 
         async def lapsed() -> bool:
             return not owners.valid()
 
         await eventually(lapsed, within=10)
+        # the claim decided at once (no task) is not made past the validity either: it
+        # takes nothing and leaves the claim to the path that waits for etcd
+        assert owned.claim_now("default", "p1", time.time(), "turn-3") is None
         with pytest.raises(StoreUnavailable, match="ownership not confirmed by etcd"):
             await owned.claim("default", "p1", time.time(), "turn-3")
     finally:
