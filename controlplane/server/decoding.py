@@ -55,6 +55,16 @@ class DecodeGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         return known[1]
 
 
+def _passing_bytes(serialize: Any) -> Any:
+    """`serialize`, but a response that is bytes already (encoded by its handler: see
+    controlplane.server.stream) goes as it is."""
+
+    def serialized(message: Any) -> bytes:
+        return message if type(message) is bytes else serialize(message)
+
+    return serialized
+
+
 def _guard(handler: Any, method: str) -> Any:
     """`handler` (a grpc.RpcMethodHandler) with the tolerant deserializer."""
     deserialize = _tolerant(handler.request_deserializer)
@@ -86,5 +96,5 @@ def _guard(handler: Any, method: str) -> Any:
             async for response in streaming(checked(requests), context):
                 yield response
 
-        return grpc.stream_stream_rpc_method_handler(stream_stream, deserialize, serialize)
+        return grpc.stream_stream_rpc_method_handler(stream_stream, deserialize, _passing_bytes(serialize))
     return handler  # (kvferry.v1 has no other kind)

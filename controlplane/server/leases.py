@@ -108,12 +108,13 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         """PULL or RECOMPUTE for a prompt; claims the retention unless peek."""
         return await self._lookup(request)
 
-    def Stream(
+    def Stream(  # type: ignore[override]  # (yields the batches encoded: see its docstring)
         self,
         request_iterator: AsyncIterator[leases_pb2.LeaseOpBatch],
         context: grpc.aio.ServicerContext[Any, Any],
-    ) -> AsyncIterator[leases_pb2.LeaseOpResultBatch]:
-        """Register and Lookup ops on one stream, answered in completion order (stream.py)."""
+    ) -> AsyncIterator[bytes]:
+        """Register and Lookup ops on one stream, answered in completion order (stream.py):
+        LeaseOpResultBatch messages, encoded already (the DecodeGuard passes them on)."""
         return OpStream(self._register, self._lookup).serve(request_iterator, context)
 
     @rpc("Leases/Get")

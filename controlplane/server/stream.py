@@ -2,7 +2,8 @@
 
 Each op runs as it arrives (up to STREAM_WINDOW at once: then the stream stops reading,
 and gRPC flow control holds the client back); results go out in completion order, those
-that are ready together in one message (`kvferry.framing.by_size`). A lookup sent with
+that are ready together in one message (`kvferry.framing.encoded_runs`: each result is
+encoded once, when it is made; the handler's serializer passes bytes through). A lookup sent with
 prompt_follows waits for its LookupPrompt op (same id) outside the window: the reader
 must never wait for a slot only a later prompt on the same stream could free.
 """
@@ -19,7 +20,7 @@ import grpc
 from controlplane import metrics
 from controlplane.errors import InvalidArgument, KvferryError, ResourceExhausted
 from controlplane.server.status import abort, fill_op_error
-from kvferry.framing import by_size
+from kvferry.framing import encoded_runs
 from kvferry.v1 import leases_pb2
 
 #: Operations one Leases/Stream may have in flight at once (backpressure beyond it).
@@ -29,6 +30,7 @@ _LATENCY = {
     True: metrics.RPC_LATENCY.labels("Leases/Stream.lookup"),
 }
 
+_RESULTS_FIELD = leases_pb2.LeaseOpResultBatch.RESULTS_FIELD_NUMBER
 Later = asyncio.Future[leases_pb2.LookupPrompt]
 Register = Callable[[leases_pb2.RegisterLeaseRequest], Awaitable[leases_pb2.RegisterLeaseResponse]]
 Lookup = Callable[[leases_pb2.LookupRequest, leases_pb2.LookupResponse, Later | None], Awaitable[Any]]
@@ -42,7 +44,7 @@ class OpStream:
         fills the response it is given, its prompt coming from the future it gets)."""
         self._register = register
         self._lookup = lookup
-        self._ready: list[leases_pb2.LeaseOpResult] = []
+        self._ready: list[bytes] = []  # results, encoded
         self._wake = asyncio.Event()
         self._taken = asyncio.Event()  # results were taken out to be sent
         self._window = asyncio.Semaphore(STREAM_WINDOW)
@@ -55,8 +57,9 @@ class OpStream:
 
     async def serve(
         self, requests: AsyncIterator[leases_pb2.LeaseOpBatch], context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[leases_pb2.LeaseOpResultBatch]:
-        """The result batches, until the request stream ends and every op is answered."""
+    ) -> AsyncIterator[bytes]:
+        """The result batches (LeaseOpResultBatch, encoded), until the request stream ends
+        and every op is answered."""
         reader = asyncio.create_task(self._read(requests))
         try:
             while True:
@@ -65,8 +68,8 @@ class OpStream:
                 if self._ready:
                     out, self._ready = self._ready, []
                     self._taken.set()
-                    for results in by_size(out):
-                        yield leases_pb2.LeaseOpResultBatch(results=results)
+                    for batch in encoded_runs(out, _RESULTS_FIELD):
+                        yield batch
                     continue
                 if not self._reading:
                     break
@@ -111,7 +114,7 @@ class OpStream:
         self._answer(res)
 
     def _answer(self, res: leases_pb2.LeaseOpResult) -> None:
-        self._ready.append(res)
+        self._ready.append(res.SerializeToString())
         self._wake.set()
 
     def _refuse(self, op_id: int, error: KvferryError) -> None:

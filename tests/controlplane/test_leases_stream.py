@@ -63,13 +63,14 @@ async def test_a_stream_whose_results_are_not_read_stops_reading_its_ops(
 
     servicer = LeasesServicer(None, None)  # type: ignore[arg-type]
     results = servicer.Stream(ops(), None)  # type: ignore[arg-type]
-    first = await results.__anext__()  # the client reads once, then stops
+    batch_of = leases_pb2.LeaseOpResultBatch.FromString  # (the handler yields them encoded)
+    first = batch_of(await results.__anext__())  # the client reads once, then stops
     await asyncio.sleep(0.2)
     # (a window sent, a window waiting to be, and the batch the reader holds)
     assert 1 <= len(first.results) <= 4 and pulled <= 2 * 4 + 2, (len(first.results), pulled)
     got = len(first.results)
     async for batch in results:  # reading again lets the rest through
-        got += len(batch.results)
+        got += len(batch_of(batch).results)
     assert got == 50 and pulled == 50
 
 

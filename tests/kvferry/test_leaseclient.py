@@ -59,6 +59,24 @@ def test_batches_are_cut_by_encoded_size_in_order() -> None:
     assert list(by_size(ops[3:4], budget=1)) == [ops[3:4]]
 
 
+def test_encoded_runs_are_the_batches_protobuf_would_encode_cut_as_by_size_cuts() -> None:
+    from kvferry.framing import by_size, encoded_runs
+
+    results = [
+        leases_pb2.LeaseOpResult(id=i, lookup=leases_pb2.LookupResponse(detail="x" * size))
+        for i, size in enumerate((0, 40, 100, 300, 20_000, 5, 70_000))
+    ]
+    field = leases_pb2.LeaseOpResultBatch.RESULTS_FIELD_NUMBER
+    for budget in (1, 150, 30_000, 1 << 20):
+        runs = list(encoded_runs([r.SerializeToString() for r in results], field, budget))
+        expected = [leases_pb2.LeaseOpResultBatch(results=run) for run in by_size(results, budget)]
+        assert runs == [b.SerializeToString() for b in expected]  # (byte for byte)
+        assert [list(leases_pb2.LeaseOpResultBatch.FromString(m).results) for m in runs] == [
+            list(b.results) for b in expected
+        ]
+    assert list(encoded_runs([], field)) == []
+
+
 async def test_long_conversations_ops_and_answers_stay_under_the_message_limit(client: Client) -> None:
     """100 registrations of 64k-token conversations at once (~11 MB) and their 100 PULL
     answers (~4.5 MB): in one message each, over the daemon's 4 MiB limit and this client's,
