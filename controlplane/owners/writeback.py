@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -92,7 +93,8 @@ class WriteBehind:
         loop = asyncio.get_running_loop()
         done = loop.create_future() if wait else None
         self._queue.append(_Entry(shard, fence, memory, writes, done, loop.time()))
-        metrics.OWNER_WRITES_QUEUED.set(len(self._queue))
+        # (the queued-writes gauge is set as transactions end, not here: on every claim,
+        # its lock cost more than the rest of queueing it)
         self._queued_ops += len(writes)
         if wait or self._queued_ops >= MAX_OPS:
             self._urgent.set()
@@ -201,9 +203,14 @@ class WriteBehind:
             e.sending = False
 
     def _written(self, batch: list[_Entry], revision: int) -> None:
-        sent = set(map(id, batch))
-        self._queue = [e for e in self._queue if id(e) not in sent]
-        self._queued_ops = sum(len(e.writes) for e in self._queue)
+        n = len(batch)
+        if all(map(operator.is_, self._queue[:n], batch)):  # (the usual case: the oldest)
+            del self._queue[:n]
+            self._queued_ops -= sum(len(e.writes) for e in batch)
+        else:  # (some dropped meanwhile, or taken past a busy shard's)
+            sent = set(map(id, batch))
+            self._queue = [e for e in self._queue if id(e) not in sent]
+            self._queued_ops = sum(len(e.writes) for e in self._queue)
         for e in batch:
             e.memory.written(e.writes, revision)
             if e.done is not None and not e.done.done():
