@@ -67,7 +67,7 @@ class OwnedRetentions:
     ) -> ClaimOutcome:
         """As RetentionStore.claim: decided by the owner, answered before it is durable."""
         a = await self.apply(OwnerOp(Kind.CLAIM, tenant, conversation_id, now, claimed_by=claimed_by))
-        return ClaimOutcome(a.retention, earlier=a.claim, marker_revision=a.number)
+        return _claim_outcome(a)
 
     def claim_now(
         self, tenant: str, conversation_id: str, now: float, claimed_by: str = ""
@@ -75,13 +75,11 @@ class OwnedRetentions:
         """`claim` decided without awaiting anything, when this replica owns the shard and
         has the conversation in memory (the usual case); None when it cannot be (nothing
         was claimed: then `claim`). No task, no await: nothing can cut it short."""
-        op = OwnerOp(Kind.CLAIM, tenant, conversation_id, now, claimed_by=claimed_by)
         owned = self.owners.local_now(shard_of(tenant, conversation_id, self.owners.settings.shards))
         if owned is None or owned.memory.needs((tenant, conversation_id)):
             return None
-        answer, writes = decide(owned.memory, op, self.owners.marker())
-        self.owners.writes.add(owned.shard, owned.fence, owned.memory, writes, False)
-        return ClaimOutcome(answer.retention, earlier=answer.claim, marker_revision=answer.number)
+        op = OwnerOp(Kind.CLAIM, tenant, conversation_id, now, claimed_by=claimed_by)
+        return _claim_outcome(self._decided(owned, op)[0])
 
     async def put(
         self, tenant: str, conversation_id: str, r: Retention, now: float
@@ -179,12 +177,19 @@ class OwnedRetentions:
         owned.memory.learn(c, held, claim)
         return False
 
+    def _decided(self, owned: OwnedShard, op: OwnerOp) -> tuple[OwnerAnswer, asyncio.Future[int] | None]:
+        """Decide `op` in the owned shard's memory and queue its writes. -> the answer, and
+        the future of its writes' revision when the kind of op waits for them (WAITS)."""
+        marker = self.owners.marker() if op.kind is Kind.CLAIM else 0
+        answer, writes = decide(owned.memory, op, marker)
+        return answer, self.owners.writes.add(
+            owned.shard, owned.fence, owned.memory, writes, op.kind in WAITS
+        )
+
     async def _run(self, owned: OwnedShard, op: OwnerOp) -> OwnerAnswer:
         """Decide in memory now (nothing awaited since `local` checked), then wait for the
         writes unless it is a claim."""
-        marker = self.owners.marker() if op.kind is Kind.CLAIM else 0
-        answer, writes = decide(owned.memory, op, marker)
-        waited = self.owners.writes.add(owned.shard, owned.fence, owned.memory, writes, op.kind in WAITS)
+        answer, waited = self._decided(owned, op)
         if waited is None:
             return answer
         try:
@@ -205,3 +210,8 @@ class OwnedRetentions:
         if owner is not None and owner.replica != self.owners.me.replica:
             self._remote[shard] = (owner, time.monotonic() + OWNER_CACHE_S)
         return owner
+
+
+def _claim_outcome(a: OwnerAnswer) -> ClaimOutcome:
+    """A CLAIM's answer as RetentionStore.claim gives it."""
+    return ClaimOutcome(a.retention, earlier=a.claim, marker_revision=a.number)
