@@ -5,7 +5,7 @@ answers reach the hook?), against a real daemon or a scripted call."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import pytest
@@ -268,6 +268,32 @@ async def test_an_answer_is_not_used_past_its_validity_however_long_the_wait(
     await channel.close(None)
 
 
+class _VerifyingLookup(NamedTuple):
+    """A lookup_verifying call out on a scripted stream, its prompt not yet made."""
+
+    call: _ScriptedCall
+    stream: Any
+    channel: grpc.aio.Channel
+    hooked: list[leases_pb2.LookupResponse]
+    ready: asyncio.Future[None]
+    looking: asyncio.Future[leases_pb2.LookupResponse]
+
+
+async def _verifying_lookup_out() -> _VerifyingLookup:
+    """Op 1, a lookup_verifying of conversation "c" (30 s deadline, late answers to
+    `hooked`), written to the stream; the caller sets `ready` when its prompt is made."""
+    from tests.polling import eventually
+
+    call = _ScriptedCall()
+    stream, channel = _stream_on(call)
+    hooked: list[leases_pb2.LookupResponse] = []
+    ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    req = leases_pb2.LookupRequest(conversation_id="c")
+    looking = asyncio.ensure_future(stream.lookup_verifying(req, ready, 30.0, hooked.append))
+    await eventually(lambda: bool(call.written))
+    return _VerifyingLookup(call, stream, channel, hooked, ready, looking)
+
+
 async def test_a_lookup_the_caller_verifies_sends_no_prompt_and_keeps_the_bound(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -279,13 +305,7 @@ async def test_a_lookup_the_caller_verifies_sends_no_prompt_and_keeps_the_bound(
     from tests.polling import eventually
 
     monkeypatch.setattr(kvferry.leaseclient, "ANSWER_VALID_S", 0.2)
-    call = _ScriptedCall()
-    stream, channel = _stream_on(call)
-    hooked: list[leases_pb2.LookupResponse] = []
-    ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    req = leases_pb2.LookupRequest(conversation_id="c")
-    looking = asyncio.ensure_future(stream.lookup_verifying(req, ready, 30.0, hooked.append))
-    await eventually(lambda: bool(call.written))
+    call, stream, channel, hooked, ready, looking = await _verifying_lookup_out()
     await asyncio.sleep(0.3)  # past the validity (time itself is the condition)
     ready.set_result(None)
     with pytest.raises(LeaseOpError) as late:
@@ -295,6 +315,7 @@ async def test_a_lookup_the_caller_verifies_sends_no_prompt_and_keeps_the_bound(
     await eventually(lambda: bool(hooked))
 
     monkeypatch.setattr(kvferry.leaseclient, "ANSWER_VALID_S", 60.0)
+    req = leases_pb2.LookupRequest(conversation_id="c")
     failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     failed.set_exception(RuntimeError("the tokenizer failed"))  # (its owner's to see)
     looking = asyncio.ensure_future(stream.lookup_verifying(req, failed, 30.0))
@@ -318,13 +339,7 @@ async def test_an_answer_already_in_is_not_used_past_its_validity(
     from tests.polling import eventually
 
     monkeypatch.setattr(kvferry.leaseclient, "ANSWER_VALID_S", 0.2)
-    call = _ScriptedCall()
-    stream, channel = _stream_on(call)
-    hooked: list[leases_pb2.LookupResponse] = []
-    ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    req = leases_pb2.LookupRequest(conversation_id="c")
-    looking = asyncio.ensure_future(stream.lookup_verifying(req, ready, 30.0, hooked.append))
-    await eventually(lambda: bool(call.written))
+    call, stream, channel, hooked, ready, looking = await _verifying_lookup_out()
     call.answer(leases_pb2.LeaseOpResult(id=1, lookup=leases_pb2.LookupResponse(reason="pull", claimed=True)))
     await eventually(lambda: stream._pending[1].done())  # (the answer is in)
     await asyncio.sleep(0.3)  # past the validity (time itself is the condition)

@@ -14,9 +14,29 @@ from controlplane.daemon import Daemon
 from router import Router
 from router.choice import worth_scoring
 from tests.polling import eventually
-from tests.router.conftest import MakeStack
+from tests.router.conftest import MakeStack, Stack
 from tests.router.fakes import HI_C, fakes_with_a_lease, on_fakes
 from tests.router.helpers import CHAT, COMPLETIONS, ask, first_turn, next_turn
+
+
+async def _first_turn_held(
+    stack: Stack, router: Router, http: aiohttp.ClientSession, topic: str, conversation: str
+) -> tuple[dict[str, Any], str]:
+    """A first turn of `conversation` through `router`, answered and registered. -> the
+    body of its second turn, and the request D holds the first turn's blocks for."""
+    [d] = stack.decodes
+    body = {"messages": first_turn(topic, size=30), "max_tokens": 8, "conversation_id": conversation}
+    one = await ask(http, router.url, body)
+    assert one.status == 200
+    await stack.registrations_idle()
+    [held] = d.engine.snapshot()["held_requests"]
+    return {**body, "messages": next_turn(body["messages"], one.text)}, held
+
+
+def _freed(stack: Stack, held: str) -> bool:
+    """Whether the decode node has freed the blocks it held for request `held`."""
+    [d] = stack.decodes
+    return held not in d.engine.snapshot()["held_requests"]
 
 
 async def test_a_client_gone_after_its_lookup_answered_has_ds_blocks_freed(
@@ -29,12 +49,7 @@ async def test_a_client_gone_after_its_lookup_answered_has_ds_blocks_freed(
 
     stack = await make_stack(prefill=2, p_config={"enable_prefix_caching": True, "kv_events_port": 0})
     router = await stack.router()
-    [d] = stack.decodes
-    body = {"messages": first_turn("departures", size=30), "max_tokens": 8, "conversation_id": "gone"}
-    one = await ask(http, router.url, body)
-    assert one.status == 200
-    await stack.registrations_idle()
-    [held] = d.engine.snapshot()["held_requests"]
+    second, held = await _first_turn_held(stack, router, http, "departures", "gone")
     for p in stack.prefills:
         if p.engine.metrics.total("vllm:prompt_tokens"):
             await indexed(stack, p, 0)
@@ -61,7 +76,6 @@ async def test_a_client_gone_after_its_lookup_answered_has_ds_blocks_freed(
             answered.set()
 
     control.score, control.lookup_early = slow_score, lookup  # type: ignore[method-assign]
-    second = {**body, "messages": next_turn(body["messages"], one.text)}
     request = asyncio.create_task(http.post(router.url + CHAT, json=second))
     async with asyncio.timeout(10):
         await scoring.wait()
@@ -71,10 +85,7 @@ async def test_a_client_gone_after_its_lookup_answered_has_ds_blocks_freed(
     with contextlib.suppress(asyncio.CancelledError):
         await request
 
-    async def freed() -> bool:
-        return held not in d.engine.snapshot()["held_requests"]
-
-    await eventually(freed)
+    await eventually(lambda: _freed(stack, held))
     assert router.metrics.value("kvferry_router_claim_releases_total", outcome="released") == 1
 
 
@@ -189,24 +200,15 @@ async def test_a_prompt_that_breaks_with_the_lookup_out_has_its_claim_released(
 
     stack = await make_stack()
     router_ = await stack.router()
-    [d] = stack.decodes
-    body = {"messages": first_turn("breakage", size=30), "max_tokens": 8, "conversation_id": "broke"}
-    one = await ask(http, router_.url, body)
-    assert one.status == 200
-    await stack.registrations_idle()
-    [held] = d.engine.snapshot()["held_requests"]
+    second, held = await _first_turn_held(stack, router_, http, "breakage", "broke")
 
     async def broken_prompt(*args: Any) -> Any:
         await asyncio.sleep(0.05)  # (the lookup leaves meanwhile)
         raise RuntimeError("the tokenizer broke")
 
     monkeypatch.setattr(router.prepare, "_prompt", broken_prompt)
-    second = {**body, "messages": next_turn(body["messages"], one.text)}
     two = await ask(http, router_.url, second)
     assert two.status >= 500
 
-    async def freed() -> bool:
-        return held not in d.engine.snapshot()["held_requests"]
-
-    await eventually(freed, within=30)
+    await eventually(lambda: _freed(stack, held), within=30)
     assert router_.metrics.value("kvferry_router_claim_releases_total", outcome="released") == 1
