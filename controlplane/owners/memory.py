@@ -84,6 +84,15 @@ class ShardMemory:
         if claim is not None:
             self.markers[c] = Marked(claim, 0)
 
+    def claimable(self, c: Conversation, now: float) -> tuple[Retention | None, Claim | None]:
+        """What `claim` would take (the retention) or find (an earlier claim's marker),
+        taking nothing."""
+        held = self.retentions.get(c)
+        if held is not None:
+            return held.retention, None
+        earlier = self.marker(c, now)
+        return None, earlier.claim if earlier else None
+
     def claim(
         self, c: Conversation, now: float, claimed_by: str, marker: int
     ) -> tuple[ClaimOutcome, list[Write]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import structlog
@@ -70,13 +71,23 @@ class OwnedRetentions:
         return _claim_outcome(a)
 
     def claim_now(
-        self, tenant: str, conversation_id: str, now: float, claimed_by: str = ""
+        self,
+        tenant: str,
+        conversation_id: str,
+        now: float,
+        claimed_by: str = "",
+        accept: Callable[[Retention | None, Claim | None], bool] | None = None,
     ) -> ClaimOutcome | None:
         """`claim` decided without awaiting anything, when this replica owns the shard and
         has the conversation in memory (the usual case); None when it cannot be (nothing
-        was claimed: then `claim`). No task, no await: nothing can cut it short."""
+        was claimed: then `claim`). No task, no await: nothing can cut it short.
+
+        `accept` is shown what the claim would take (the retention) or find (an earlier
+        claim's marker) first: False, and nothing is claimed (None)."""
         owned = self.owners.local_now(shard_of(tenant, conversation_id, self.owners.settings.shards))
         if owned is None or owned.memory.needs((tenant, conversation_id)):
+            return None
+        if accept is not None and not accept(*owned.memory.claimable((tenant, conversation_id), now)):
             return None
         op = OwnerOp(Kind.CLAIM, tenant, conversation_id, now, claimed_by=claimed_by)
         return _claim_outcome(self._decided(owned, op)[0])

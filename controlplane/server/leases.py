@@ -94,6 +94,19 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         fill_lookup_response(result, request.peek, resp)
         return resp
 
+    def _lookup_now(self, request: leases_pb2.LookupRequest, resp: leases_pb2.LookupResponse) -> bool:
+        """Answer a lookup into `resp` without awaiting anything (Lookups.lookup_now), or
+        return False having done nothing (then `_lookup`)."""
+        require(stream_op_denial(caller(), "lookup"), _LEASES + "Lookup")
+        _check_tenant(request.tenant, "Lookup")
+        if request.prompt_follows:
+            return False
+        result = self._lookups.lookup_now(lookup_query_of(request))
+        if result is None:
+            return False
+        fill_lookup_response(result, request.peek, resp)
+        return True
+
     @rpc("Leases/Register")
     async def Register(
         self, request: leases_pb2.RegisterLeaseRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -115,7 +128,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
     ) -> AsyncIterator[bytes]:
         """Register and Lookup ops on one stream, answered in completion order (stream.py):
         LeaseOpResultBatch messages, encoded already (the DecodeGuard passes them on)."""
-        return OpStream(self._register, self._lookup).serve(request_iterator, context)
+        return OpStream(self._register, self._lookup, self._lookup_now).serve(request_iterator, context)
 
     @rpc("Leases/Get")
     async def Get(

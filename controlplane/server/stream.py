@@ -1,7 +1,8 @@
 """Leases/Stream: Register and Lookup ops multiplexed on one long-lived stream.
 
 Each op runs as it arrives (up to STREAM_WINDOW at once: then the stream stops reading,
-and gRPC flow control holds the client back); results go out in completion order, those
+and gRPC flow control holds the client back; a lookup that needs no await is answered
+by the reader itself, with no task); results go out in completion order, those
 that are ready together in one message (`kvferry.framing.encoded_runs`: each result is
 encoded once, when it is made; the handler's serializer passes bytes through). A lookup sent with
 prompt_follows waits for its LookupPrompt op (same id) outside the window: the reader
@@ -34,16 +35,20 @@ _RESULTS_FIELD = leases_pb2.LeaseOpResultBatch.RESULTS_FIELD_NUMBER
 Later = asyncio.Future[leases_pb2.LookupPrompt]
 Register = Callable[[leases_pb2.RegisterLeaseRequest], Awaitable[leases_pb2.RegisterLeaseResponse]]
 Lookup = Callable[[leases_pb2.LookupRequest, leases_pb2.LookupResponse, Later | None], Awaitable[Any]]
+LookupNow = Callable[[leases_pb2.LookupRequest, leases_pb2.LookupResponse], bool]
+"""Fills the response and says True when it answered without awaiting; False: did nothing."""
 
 
 class OpStream:
     """One Leases/Stream call: its ops as they run, and its results until they are sent."""
 
-    def __init__(self, register: Register, lookup: Lookup) -> None:
+    def __init__(self, register: Register, lookup: Lookup, lookup_now: LookupNow | None = None) -> None:
         """`register` and `lookup` answer one op each (as the unary calls do: `lookup`
-        fills the response it is given, its prompt coming from the future it gets)."""
+        fills the response it is given, its prompt coming from the future it gets);
+        `lookup_now` answers a lookup at once when it can (see `_answered_now`)."""
         self._register = register
         self._lookup = lookup
+        self._lookup_now = lookup_now
         self._ready: list[bytes] = []  # results, encoded
         self._wake = asyncio.Event()
         self._taken = asyncio.Event()  # results were taken out to be sent
@@ -113,6 +118,23 @@ class OpStream:
             _LATENCY[kind == "lookup"].observe(time.perf_counter() - start)
         self._answer(res)
 
+    def _answered_now(self, op: leases_pb2.LeaseOp) -> bool:
+        """Answer a lookup op in the reader, with no task, when nothing about it needs
+        awaiting (`lookup_now`: the usual turn, its claim decided in its owner's memory).
+        Nothing awaits, so nothing can cut it short. -> whether it was answered."""
+        if self._lookup_now is None:
+            return False
+        res = leases_pb2.LeaseOpResult(id=op.id)
+        start = time.perf_counter()
+        try:
+            if not self._lookup_now(op.lookup, res.lookup):
+                return False
+        except Exception as e:
+            fill_op_error(res.error, e, "Leases/Stream.lookup")
+        _LATENCY[True].observe(time.perf_counter() - start)
+        self._answer(res)
+        return True
+
     def _answer(self, res: leases_pb2.LeaseOpResult) -> None:
         self._ready.append(res.SerializeToString())
         self._wake.set()
@@ -163,7 +185,7 @@ class OpStream:
                     self._prompt_arrived(op)
                 elif kind == "lookup" and op.lookup.prompt_follows:
                     self._await_prompt(op)
-                else:
+                elif not (kind == "lookup" and self._answered_now(op)):
                     await self._window.acquire()
                     self._start(self._run(op, None))
 

@@ -84,7 +84,7 @@ class Claims:
         )
         taken = outcome.taken
         claimed = Claimed(taken, outcome.earlier, False, outcome.marker_revision)
-        if not _own_turn(outcome, request_id):
+        if not _own_turn(taken, request_id):
             return claimed
         assert taken is not None
         try:
@@ -107,7 +107,7 @@ class Claims:
         Decided at once when its shard's owner is this replica, with the conversation in
         memory (the usual case): then there is no task, and nothing to cut short."""
         made = self._store.claim_now(tenant, conversation_id, now, request_id)
-        if made is not None and not _own_turn(made, request_id):
+        if made is not None and not _own_turn(made.taken, request_id):
             return Claimed(made.taken, made.earlier, False, made.marker_revision)
         claiming = self._claiming(tenant, conversation_id, request_id, now, made)
         try:
@@ -115,6 +115,25 @@ class Claims:
         except asyncio.CancelledError:
             claiming.add_done_callback(functools.partial(self._put_back_when_done, tenant, conversation_id))
             raise
+
+    def claim_now(
+        self,
+        tenant: str,
+        conversation_id: str,
+        request_id: str,
+        now: float,
+        accept: Callable[[Retention | None, Claim | None], bool],
+    ) -> Claimed | None:
+        """`claim`, made at once, when nothing about it needs awaiting: its shard's owner is
+        this replica, with the conversation in memory, and `accept` is content with what it
+        would take or find (OwnedRetentions.claim_now). Never the asking request's own
+        retention (that one goes straight back: an etcd write). None: nothing was claimed."""
+
+        def taking(retention: Retention | None, earlier: Claim | None) -> bool:
+            return not _own_turn(retention, request_id) and accept(retention, earlier)
+
+        made = self._store.claim_now(tenant, conversation_id, now, request_id, taking)
+        return None if made is None else Claimed(made.taken, made.earlier, False, made.marker_revision)
 
     async def claim_while(
         self,
@@ -226,9 +245,9 @@ class Claims:
             log.warning("lookup.claim_deadline.failed", conversation_id=conversation_id, error=str(e))
 
 
-def _own_turn(outcome: ClaimOutcome, request_id: str) -> bool:
-    """Whether a claim took the asking request's own retention (it came late: see `claim`)."""
-    taken = outcome.taken
+def _own_turn(taken: Retention | None, request_id: str) -> bool:
+    """Whether a claim took (or would take) the asking request's own retention (it came
+    late: see `claim`)."""
     return taken is not None and bool(request_id) and taken.request_id == request_id
 
 

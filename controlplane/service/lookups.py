@@ -6,6 +6,12 @@ them, and answers store_unavailable when etcd fails on the way. A lookup sent wi
 caller_verifies is decided on everything but the prompt, and its PULL hands D's sequence
 back (`LookupResult.check`) for the caller to verify its prompt against, by the same rule
 (kvferry.verification): the router's answer then waits on no prompt.
+
+The usual turn awaits nothing at all: its shard's owner is this replica, with the
+conversation in memory, and its node was read for lookups less than CONFIRM_S ago.
+`lookup_now` decides it first and claims only then, so that Leases/Stream's reader answers
+it with no task; anything else (a read to make, a put-back, a deadline to note) finds
+nothing claimed and goes the awaited way (`lookup`).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import structlog
 from controlplane import metrics
 from controlplane.errors import InvalidArgument, StoreUnavailable
 from controlplane.owners import OwnedRetentions
-from controlplane.policy import Decision, Prompt, Reason, decide, decide_claimed
+from controlplane.policy import Decision, Policy, Prompt, Reason, decide, decide_claimed
 from controlplane.records import Claim, Retention
 from controlplane.service.budgets import Budgets
 from controlplane.service.claims import Claimed, Claims
@@ -41,6 +47,8 @@ PUT_BACK_WAIT_S = 0.5
 answer in time: it goes on being put back behind the answer)."""
 _PUT_BACK = frozenset({Reason.NODE_GONE, Reason.STORE_UNAVAILABLE})
 """Answers whose claimed retention goes back: nobody can pull it now."""
+_AWAITED = _PUT_BACK | {Reason.EXPIRED}
+"""Answers after which a claim awaits something (its put-back, a deadline into its marker)."""
 _OWN_TURN = Decision(False, Reason.OWN_TURN, "registered for this same request: left to the next turn")
 
 
@@ -143,6 +151,34 @@ class Lookups:
             await self._claims.note_deadline(got, tenant, conversation, claimed_at, q.request_id)
         return self._answered(tenant, q, decision, taken, claimed=taken is not None)
 
+    def lookup_now(self, q: LookupQuery) -> LookupResult | None:
+        """`lookup` of a query sent with its prompt (or caller_verifies), answered without
+        awaiting anything: when the conversation's shard is owned here with it in memory,
+        the decision needs no read of D's node, and nothing goes back or into the marker
+        after it (the usual turn: no task, no await). None: nothing was done (then
+        `lookup`)."""
+        if q.peek:
+            return None
+        tenant = self._checked(q, None)
+        now = self._clock()
+        prompt = Prompt(q.prompt_tokens, q.prompt_digests, q.caller_verifies)
+        decided: list[Decision] = []
+
+        def accept(retention: Retention | None, earlier: Claim | None) -> bool:
+            if retention is None:
+                decision: Decision | None = _without_retention(earlier, prompt, self._policy, now)
+            else:
+                decision = self._nodes.decision_now(retention, prompt, self._policy, now)
+            if decision is None or (retention is not None and decision.reason in _AWAITED):
+                return False
+            decided.append(decision)
+            return True
+
+        got = self._claims.claim_now(tenant, q.conversation_id, q.request_id, now, accept)
+        if got is None:
+            return None
+        return self._answered(tenant, q, decided[0], got.taken, claimed=got.taken is not None)
+
     def _confirm_early(self, got: Claimed) -> None:
         """A claim made while its prompt is still on its way: start the read of its node
         that a pull is confirmed on (NodeCache.decision), so that it overlaps the wait for
@@ -193,9 +229,7 @@ class Lookups:
     ) -> Decision:
         if retention is not None:
             return await self._nodes.decision(retention, prompt, self._policy, now)
-        if claim is not None:
-            return decide_claimed(claim, now)
-        return decide(None, None, prompt, self._policy, now)
+        return _without_retention(claim, prompt, self._policy, now)
 
     async def _late_prompt(self, later: LatePrompt, conversation_id: str) -> tuple[Prompt, str]:
         """The prompt of a prompt_follows lookup -> (prompt, "") or (an empty prompt, why
@@ -237,6 +271,14 @@ class Lookups:
             held = Held(retention.num_tokens, retention.block_size, retention.digests, retention.whole_only)
             return LookupResult(decision, claimed, retention.params, held, self._policy.recompute_threshold)
         return LookupResult(decision, claimed, retention.params if retention else b"")
+
+
+def _without_retention(claim: Claim | None, prompt: Prompt, policy: Policy, now: float) -> Decision:
+    """The decision when there is no retention: what the marker of the claim that took it
+    says (`claim`), else no_lease."""
+    if claim is not None:
+        return decide_claimed(claim, now)
+    return decide(None, None, prompt, policy, now)
 
 
 def _unavailable(e: StoreUnavailable) -> Decision:

@@ -179,10 +179,29 @@ class NodeCache:
         self._note_lookup(retention.engine_id)
         node = await self.get(retention.engine_id)
         decided = decide(retention, node, prompt, policy, now)
-        if decided.pull or decided.reason in (Reason.NODE_GONE, Reason.NODE_RESTARTED):
+        if _confirmed_first(decided):
             confirmed = await self.get(retention.engine_id, confirm=True)
             if confirmed is not node:  # (the same state, read within CONFIRM_S: decided already)
                 decided = decide(retention, confirmed, prompt, policy, now)
+        return decided
+
+    def decision_now(
+        self, retention: Retention, prompt: Prompt, policy: Policy, now: float
+    ) -> Decision | None:
+        """`decision` when it needs no etcd read: the node in a view that is not stale, and
+        a pull (or giving the reuse up) confirmed by a read less than CONFIRM_S old. None
+        otherwise (then `decision`, which reads)."""
+        engine = retention.engine_id
+        node = self._nodes.get(engine)
+        at = time.monotonic()
+        if node is None or at - self.loaded_at > 4 * self._refresh_s:
+            return None
+        decided = decide(retention, node, prompt, policy, now)
+        if _confirmed_first(decided):
+            confirmed = self._confirmed_at.get(engine)
+            if confirmed is None or at - confirmed >= CONFIRM_S:
+                return None
+        self._note_lookup(engine)
         return decided
 
     def _note_lookup(self, engine_id: str) -> None:
@@ -228,3 +247,9 @@ class NodeCache:
             else:
                 outage.report(log, True, "nodes.refresh.failed", "nodes.refresh.recovered")
             await asyncio.sleep(self._refresh_s)
+
+
+def _confirmed_first(decided: Decision) -> bool:
+    """Whether a decision is confirmed on a fresh read of the node before it is answered: a
+    pull, or giving the reuse up because the node is gone or restarted (`decision`)."""
+    return decided.pull or decided.reason in (Reason.NODE_GONE, Reason.NODE_RESTARTED)

@@ -48,6 +48,15 @@ class Answers:
             return result
 
         monkeypatch.setattr(lookups, "lookup", recorded)
+        lookup_now = lookups.lookup_now
+
+        def recorded_now(q: Any) -> LookupResult | None:  # (answered at once: nothing to cancel)
+            result = lookup_now(q)
+            if result is not None and result.claimed:
+                self.claimed.append(q.conversation_id)
+            return result
+
+        monkeypatch.setattr(lookups, "lookup_now", recorded_now)
 
 
 def slow_claims(

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from kvferry.v1 import leases_pb2, nodes_pb2, nodes_pb2_grpc
-from tests.conftest import Client
+from tests.conftest import Client, Daemon
 from tests.factories import lease_request, lookup_request, node_request
 
 
@@ -42,6 +42,57 @@ async def test_stream_multiplexes_register_and_lookup_with_per_op_errors(client:
     pulls = [r for r in answers if r.lookup.decision == leases_pb2.PULL]
     assert len(answers) == 100 and len(pulls) == 50, "each lease handed out exactly once"
     assert {r.id % 50 for r in pulls} == set(range(50))
+
+
+async def _stream_lookup(client: Client, conversation_id: str) -> leases_pb2.LookupResponse:
+    call = client.leases.Stream()
+    await call.write(
+        leases_pb2.LeaseOpBatch(ops=[leases_pb2.LeaseOp(id=1, lookup=lookup_request(conversation_id))])
+    )
+    await call.done_writing()
+    (result,) = [r async for batch in call for r in batch.results]
+    return result.lookup
+
+
+async def test_a_turn_decided_in_memory_is_answered_by_the_reader_with_no_task(
+    daemon: Daemon, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lookup whose claim is in its owner's memory and whose node was confirmed by a read
+    less than CONFIRM_S old is answered by the stream's reader (Lookups.lookup_now); one
+    whose node must be read first is left to the awaited path, having claimed nothing.
+    Either way the retention is handed out exactly once, with its params."""
+    cp = daemon.control_plane
+    awaited: list[str] = []
+    lookup = cp.lookups.lookup
+
+    async def counted(q, later=None):  # type: ignore[no-untyped-def]
+        awaited.append(q.conversation_id)
+        return await lookup(q, later)
+
+    monkeypatch.setattr(cp.lookups, "lookup", counted)
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("first"))
+    # Nothing has read d-1 for a lookup yet: the pull waits for that read, in a task.
+    first = await _stream_lookup(client, "first")
+    assert (first.decision, first.claimed) == (leases_pb2.PULL, True)
+    assert first.kv_transfer_params.fields["remote_engine_id"].string_value == "d-1"
+    assert awaited == ["first"]
+    # Its read is now fresh (kept so while lookups come): the next turns need no await. On
+    # a busy machine a read can be older than CONFIRM_S when a lookup comes: that one
+    # awaits, and the next is tried.
+    for i in range(20):
+        conversation = f"turn-{i}"
+        await client.leases.Register(lease_request(conversation))
+        await cp.nodes.get("d-1", confirm=True)
+        res = await _stream_lookup(client, conversation)
+        assert (res.decision, res.claimed) == (leases_pb2.PULL, True), res
+        assert res.kv_transfer_params.fields["remote_engine_id"].string_value == "d-1"
+        if conversation not in awaited:
+            break
+    else:
+        pytest.fail(f"every lookup awaited: {awaited}")
+    again = await _stream_lookup(client, conversation)
+    assert (again.decision, again.reason, again.claimed) == (leases_pb2.RECOMPUTE, "already_claimed", False)
 
 
 async def test_a_stream_whose_results_are_not_read_stops_reading_its_ops(

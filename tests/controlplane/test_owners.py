@@ -251,3 +251,30 @@ async def test_lookups_of_one_node_share_its_confirming_read(daemon: Daemon, cli
     assert [a.decision for a in answers] == [leases_pb2.PULL] * len(names)
     counted = _node_reads() - before
     assert 1 <= counted <= 2 * 10, counted  # (two ranges a read: 40 unshared; one, or a few if slow)
+
+
+async def test_a_claim_made_at_once_shows_what_it_would_take_and_takes_nothing_when_refused(
+    daemon: Daemon, client: Client
+) -> None:
+    """OwnedRetentions.claim_now's `accept` (the lookups decide on it before claiming): it is
+    shown the retention the claim would take, or the marker it would find; refused, nothing
+    is taken and nothing is written."""
+    await client.nodes.Register(node_request("d-1"))
+    await client.leases.Register(lease_request("p"))
+    assert daemon.control_plane is not None
+    owned = daemon.control_plane.owned
+    shown: list[tuple[object, object]] = []
+
+    def refuse(retention: object, earlier: object) -> bool:
+        shown.append((retention, earlier))
+        return False
+
+    assert owned.claim_now("default", "p", time.time(), "turn-2", refuse) is None
+    ((retention, earlier),) = shown
+    assert getattr(retention, "engine_id", None) == "d-1" and earlier is None
+    stored, marker = await owned.read("default", "p")
+    assert stored is not None and stored.retention == retention and marker is None  # (still there)
+    taken = owned.claim_now("default", "p", time.time(), "turn-2", lambda r, c: True)
+    assert taken is not None and taken.taken == retention
+    assert owned.claim_now("default", "p", time.time(), "turn-3", refuse) is None
+    assert shown[-1][0] is None and getattr(shown[-1][1], "claimed_by", None) == "turn-2"
