@@ -8,7 +8,9 @@ effect is measured in one sitting on this noisy machine (the raw etcd transactio
 Each side is TREE:MODULE, the module that runs ``kvferry`` in that tree (``kvferry.cli``
 before the command line got its own package). Per round and side: a fresh daemon on its
 own embedded etcd, N retentions preloaded over a Leases/Stream, then stream lookups one
-at a time (p50), stream and unary lookups 64 in flight, stream turns (register + lookup)
+at a time (p50), stream lookups 64 in flight (and the daemon's CPU time per lookup
+meanwhile, from /proc: less swayed by this machine's neighbours than a rate), unary
+lookups 64 in flight, stream turns (register + lookup)
 128 in flight. Prints each round and the medians with the ratio B/A.
 """
 
@@ -28,6 +30,7 @@ import grpc
 
 from bench.daemon_workload import DaemonProcess, lookup, register_node, retention
 from bench.load import closed_loop, pct
+from bench.lookup_tail import cpu_seconds
 from kvferry.leaseclient import LeaseStream
 from kvferry.tasks import run_main
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
@@ -35,6 +38,7 @@ from kvferry.v1 import leases_pb2, leases_pb2_grpc
 FIGURES = (
     "stream lookup one at a time, p50 ms",
     "stream lookups 64 in flight, /s",
+    "daemon CPU per stream lookup, ms",
     "unary lookups 64 in flight, /s",
     "stream turns 128 in flight, /s",
 )
@@ -43,13 +47,13 @@ CLAIMS_PER_ROUND = 8000
 
 
 @asynccontextmanager
-async def daemon(side: str) -> AsyncIterator[str]:
-    """A daemon of `side` (TREE:MODULE) on its own embedded etcd, serving; -> its address."""
+async def daemon(side: str) -> AsyncIterator[DaemonProcess]:
+    """A daemon of `side` (TREE:MODULE) on its own embedded etcd, serving."""
     tree, _, module = side.partition(":")
     d = DaemonProcess(Path(tempfile.mkdtemp()) / "etcd", None, Path(tree), module)
     await d.start()
     try:
-        yield f"127.0.0.1:{d.port}"
+        yield d
     finally:
         await d.stop()
 
@@ -57,8 +61,8 @@ async def daemon(side: str) -> AsyncIterator[str]:
 async def measure(side: str, retentions: int) -> tuple[float, ...]:
     """One round of one side: the FIGURES, in order."""
     async with (
-        daemon(side) as address,
-        grpc.aio.insecure_channel(address) as channel,
+        daemon(side) as d,
+        grpc.aio.insecure_channel(address := f"127.0.0.1:{d.port}") as channel,
         grpc.aio.insecure_channel(address) as router_channel,  # (the router's stream: its own)
     ):
         await register_node(channel)
@@ -87,9 +91,14 @@ async def measure(side: str, retentions: int) -> tuple[float, ...]:
             t = time.perf_counter()
             await stream_claim(i)
             lat.append(time.perf_counter() - t)
+        assert d.proc is not None
+        cpu = cpu_seconds(d.proc.pid)
+        in_flight = 4000 / await closed_loop(4000, 64, stream_claim)
+        cpu = cpu_seconds(d.proc.pid) - cpu
         figures = (
             pct(lat, 50),
-            4000 / await closed_loop(4000, 64, stream_claim),
+            in_flight,
+            cpu / 4000 * 1e3,
             3000 / await closed_loop(3000, 64, unary_claim),
             5000 / await closed_loop(5000, 128, turn),
         )
