@@ -25,9 +25,10 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/kvferry daemon
 
-## make test: the whole suite against real etcd, gRPC, grpcurl
+## make test: the whole suite against real etcd, gRPC, grpcurl (two test files at a time:
+## most of its time is spent waiting on etcd, daemons and engines, not on a core)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 ## make test-faults: a 3-member etcd cluster, two daemons, P/D and the router under load while etcd
 ## members are killed, quorum is lost for 25 s and a daemon hangs; prints the figures (a few minutes)

@@ -27,6 +27,7 @@ from emulator import EmulatorServer
 from kvferry.v1 import leases_pb2_grpc, nodes_pb2_grpc
 from realvllm.process import free_port
 from tests.emulator.helpers import config as emulator_config
+from tests.history.harness import SUMMARIES
 
 # No per-example deadline: one example stalled by a full GC or a lost CPU on a loaded 2-core
 # machine, then fast when replayed, is reported as a flaky failure, never a finding.
@@ -277,3 +278,31 @@ async def serve_app(app: Any) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
+
+
+# -- the single-use history checks' lines in the terminal summary -------------------------------
+# A checked history's line (tests.history.harness.SUMMARIES) goes with its test's report, so
+# that it reaches the summary from a pytest-xdist worker too (`make test` runs two): the
+# summary is printed by the process that reports, which collects no test of its own.
+
+_HISTORY = "single-use history check"
+_HISTORY_LINES: list[str] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    if call.when == "call" and SUMMARIES:
+        outcome.get_result().user_properties.extend((_HISTORY, line) for line in SUMMARIES)
+        SUMMARIES.clear()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _HISTORY_LINES.extend(str(v) for k, v in report.user_properties if k == _HISTORY)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _HISTORY_LINES:
+        terminalreporter.section(_HISTORY)
+        for line in _HISTORY_LINES:
+            terminalreporter.write_line(line)

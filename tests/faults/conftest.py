@@ -14,7 +14,6 @@ as one table (``make test-faults`` shows it; so does ``pytest -s`` or not)."""
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,7 +22,6 @@ import pytest
 from tests.faults.deployment import Deployment, deployment
 from tests.faults.figures import Figures, table
 from tests.faults.ledger import Ledger
-from tests.history.harness import SUMMARIES
 
 ENABLED = os.environ.get("KVFERRY_FAULTS") == "1"
 collect_ignore_glob = [] if ENABLED else ["test_*.py"]
@@ -49,7 +47,3 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if FIGURES:
         terminalreporter.section("fault suite figures")
         terminalreporter.write_line(table(FIGURES))
-    if SUMMARIES and "tests.history.conftest" not in sys.modules:  # (else it shows them)
-        terminalreporter.section("single-use history check")
-        for line in SUMMARIES:
-            terminalreporter.write_line(line)
