@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from controlplane.service import nodecache
 from kvferry.v1 import leases_pb2, nodes_pb2, nodes_pb2_grpc
 from tests.conftest import Client, Daemon
 from tests.factories import lease_request, lookup_request, node_request
@@ -77,20 +78,15 @@ async def test_a_turn_decided_in_memory_is_answered_by_the_reader_with_no_task(
     assert (first.decision, first.claimed) == (leases_pb2.PULL, True)
     assert first.kv_transfer_params.fields["remote_engine_id"].string_value == "d-1"
     assert awaited == ["first"]
-    # Its read is now fresh (kept so while lookups come): the next turns need no await. On
-    # a busy machine a read can be older than CONFIRM_S when a lookup comes: that one
-    # awaits, and the next is tried.
-    for i in range(20):
-        conversation = f"turn-{i}"
-        await client.leases.Register(lease_request(conversation))
-        await cp.nodes.get("d-1", confirm=True)
-        res = await _stream_lookup(client, conversation)
-        assert (res.decision, res.claimed) == (leases_pb2.PULL, True), res
-        assert res.kv_transfer_params.fields["remote_engine_id"].string_value == "d-1"
-        if conversation not in awaited:
-            break
-    else:
-        pytest.fail(f"every lookup awaited: {awaited}")
+    # Its read is now fresh: the next turn needs no await. (CONFIRM_S made long: on a busy
+    # machine the next lookup could come after a 50 ms window, and rightly await a read.)
+    monkeypatch.setattr(nodecache, "CONFIRM_S", 60.0)
+    conversation = "second"
+    await client.leases.Register(lease_request(conversation))
+    res = await _stream_lookup(client, conversation)
+    assert (res.decision, res.claimed) == (leases_pb2.PULL, True), res
+    assert res.kv_transfer_params.fields["remote_engine_id"].string_value == "d-1"
+    assert awaited == ["first"]  # (answered by the reader)
     again = await _stream_lookup(client, conversation)
     assert (again.decision, again.reason, again.claimed) == (leases_pb2.RECOMPUTE, "already_claimed", False)
 
