@@ -15,7 +15,7 @@ the batch again (about a tenth of a busy daemon's CPU went there).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, TypeVar
 
 MESSAGE_BUDGET = 1024 * 1024
@@ -27,18 +27,34 @@ class _Sized(Protocol):
 
 
 M = TypeVar("M", bound=_Sized)
+T = TypeVar("T")
 
 
 def by_size(items: Sequence[M], budget: int = MESSAGE_BUDGET) -> Iterator[list[M]]:
     """`items` in order, in runs whose encoded sizes add up to at most `budget` (an item
     larger than that goes alone: the receiver's own limit decides about it)."""
+    return _runs(items, _byte_size, budget)
+
+
+def encoded_runs(encoded: Sequence[bytes], field: int, budget: int = MESSAGE_BUDGET) -> Iterator[bytes]:
+    """Messages whose repeated message field number `field` holds `encoded` (each one
+    message, encoded), in order, cut as `by_size` cuts them: each the bytes of a message
+    with only that field (e.g. a LeaseOpResultBatch of LeaseOpResults, field 1)."""
+    key = _varint(field << 3 | 2)  # (wire type 2: length-delimited)
+    for run in _runs(encoded, len, budget):
+        yield b"".join(part for item in run for part in (key, _varint(len(item)), item))
+
+
+def _runs(items: Sequence[T], size_of: Callable[[T], int], budget: int) -> Iterator[list[T]]:
+    """`items` in order, in runs whose sizes (`size_of`) add up to at most `budget`, an
+    item larger than that alone."""
     if len(items) == 1:
         yield list(items)
         return
-    run: list[M] = []
+    run: list[T] = []
     size = 0
     for item in items:
-        n = item.ByteSize()
+        n = size_of(item)
         if run and size + n > budget:
             yield run
             run, size = [], 0
@@ -48,6 +64,10 @@ def by_size(items: Sequence[M], budget: int = MESSAGE_BUDGET) -> Iterator[list[M
         yield run
 
 
+def _byte_size(message: _Sized) -> int:
+    return message.ByteSize()
+
+
 def _varint(n: int) -> bytes:
     out = bytearray()
     while n > 0x7F:
@@ -55,20 +75,3 @@ def _varint(n: int) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
-
-
-def encoded_runs(encoded: Sequence[bytes], field: int, budget: int = MESSAGE_BUDGET) -> Iterator[bytes]:
-    """Messages whose repeated message field number `field` holds `encoded` (each one
-    message, encoded), in order, cut as `by_size` cuts them: each the bytes of a message
-    with only that field (e.g. a LeaseOpResultBatch of LeaseOpResults, field 1)."""
-    key = _varint(field << 3 | 2)  # (wire type 2: length-delimited)
-    run: list[bytes] = []
-    size = 0
-    for item in encoded:
-        if run and size + len(item) > budget:
-            yield b"".join(run)
-            run, size = [], 0
-        run += (key, _varint(len(item)), item)
-        size += len(item)
-    if run:
-        yield b"".join(run)

@@ -98,17 +98,17 @@ class ShardMemory:
     ) -> tuple[ClaimOutcome, list[Write]]:
         """Take the conversation's retention, leaving marker number `marker`; or say which
         earlier claim took it."""
-        held = self.retentions.pop(c, None)
-        if held is None:
-            earlier = self.marker(c, now)
-            return ClaimOutcome(None, earlier=earlier.claim if earlier else None), []
+        retention, earlier = self.claimable(c, now)
+        if retention is None:
+            return ClaimOutcome(None, earlier=earlier), []
+        del self.retentions[c]
         claim = Claim(claimed_at=now, claimed_by=claimed_by)
         self.markers[c] = Marked(claim, marker)
         writes = [
             Write(Target.RETENTION, c, None),
             Write(Target.MARKER, c, claim, now + self.marker_s),
         ]
-        return ClaimOutcome(held.retention, marker_revision=marker), writes
+        return ClaimOutcome(retention, marker_revision=marker), writes
 
     def put(self, c: Conversation, r: Retention) -> tuple[Retention | None, list[Write]]:
         """Store a retention in place of the conversation's previous one. -> (the one it

@@ -50,6 +50,12 @@ def _check_tenant(tenant: str, method: str) -> None:
     require(tenant_denial(caller(), tenant or DEFAULT_TENANT), _LEASES + method)
 
 
+def _may_look_up(request: leases_pb2.LookupRequest) -> None:
+    """The caller may send lookups, for the request's tenant (else PermissionDenied)."""
+    require(stream_op_denial(caller(), "lookup"), _LEASES + "Lookup")
+    _check_tenant(request.tenant, "Lookup")
+
+
 class LeasesServicer(leases_pb2_grpc.LeasesServicer):
     """kvferry.v1.Leases."""
 
@@ -81,9 +87,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
     ) -> leases_pb2.LookupResponse:
         """Answer a lookup into `resp` (a new message if None); `later` brings the prompt
         of a lookup sent with prompt_follows."""
-        who = caller()
-        require(stream_op_denial(who, "lookup"), _LEASES + "Lookup")
-        _check_tenant(request.tenant, "Lookup")
+        _may_look_up(request)
         if request.prompt_follows and later is None:
             raise InvalidArgument("prompt_follows needs Leases/Stream (the prompt comes in a later op)")
         result = await self._lookups.lookup(
@@ -97,8 +101,7 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
     def _lookup_now(self, request: leases_pb2.LookupRequest, resp: leases_pb2.LookupResponse) -> bool:
         """Answer a lookup into `resp` without awaiting anything (Lookups.lookup_now), or
         return False having done nothing (then `_lookup`)."""
-        require(stream_op_denial(caller(), "lookup"), _LEASES + "Lookup")
-        _check_tenant(request.tenant, "Lookup")
+        _may_look_up(request)
         if request.prompt_follows:
             return False
         result = self._lookups.lookup_now(lookup_query_of(request))

@@ -85,7 +85,7 @@ class NodeCache:
         if confirm and not fresh:
             return await self._confirmed(engine_id)
         state = self._nodes.get(engine_id)
-        if state is None or fresh or time.monotonic() - self.loaded_at > 4 * self._refresh_s:
+        if state is None or fresh or self._stale(time.monotonic()):
             state = await self._read(engine_id, serializable=False)
         return state
 
@@ -108,8 +108,7 @@ class NodeCache:
         """The shared confirming read of `engine_id`, started if none is under way (None:
         the last one is less than `fresh_s` old). A failed read's error goes to whoever
         awaits it, and is not left unretrieved when nobody does."""
-        at = self._confirmed_at.get(engine_id)
-        if at is not None and time.monotonic() - at < fresh_s:
+        if self._confirmed_within(engine_id, fresh_s, time.monotonic()):
             return None
         reading = self._confirming.get(engine_id)
         if reading is None:
@@ -194,15 +193,23 @@ class NodeCache:
         engine = retention.engine_id
         node = self._nodes.get(engine)
         at = time.monotonic()
-        if node is None or at - self.loaded_at > 4 * self._refresh_s:
+        if node is None or self._stale(at):
             return None
         decided = decide(retention, node, prompt, policy, now)
-        if _confirmed_first(decided):
-            confirmed = self._confirmed_at.get(engine)
-            if confirmed is None or at - confirmed >= CONFIRM_S:
-                return None
+        if _confirmed_first(decided) and not self._confirmed_within(engine, CONFIRM_S, at):
+            return None
         self._note_lookup(engine)
         return decided
+
+    def _stale(self, at: float) -> bool:
+        """Whether the view is too old at monotonic time `at` to decide on without a read
+        (four refreshes: the refresh loop has been held up)."""
+        return at - self.loaded_at > 4 * self._refresh_s
+
+    def _confirmed_within(self, engine_id: str, fresh_s: float, at: float) -> bool:
+        """Whether a confirming read of `engine_id` started less than `fresh_s` before `at`."""
+        confirmed = self._confirmed_at.get(engine_id)
+        return confirmed is not None and at - confirmed < fresh_s
 
     def _note_lookup(self, engine_id: str) -> None:
         """A lookup of `engine_id`: it is the latest for `keep_confirmed` (the oldest of
