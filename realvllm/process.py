@@ -33,6 +33,9 @@ class PortTaken(EngineFailed):
 _PORT_FLOOR = 10000
 _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()
+_pick = random.SystemRandom()
+"""Its own source of ports: the global `random` is seeded alike in every process by some
+callers (Hypothesis, inside its tests), and two test processes would then pick alike."""
 
 
 def _ephemeral_floor() -> int:
@@ -63,7 +66,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         for _ in range(500):
             if ceiling <= _PORT_FLOOR:
                 break
-            port = random.randrange(_PORT_FLOOR, ceiling)
+            port = _pick.randrange(_PORT_FLOOR, ceiling)
             if port not in _handed_out and _bindable(host, port):
                 _handed_out.add(port)
                 return port
