@@ -172,7 +172,9 @@ class Claims:
         retention is not yet past its deadline. (unclaim compares the marker's revision:
         a try that was written after all makes the next one find nothing to put back.)
         One the conversation's next registration or a revoke overtook has its blocks
-        freed (`_overtaken`). -> the put-back's task (None: nothing to put back)."""
+        freed (`_overtaken`), when its first try found it so: after a try whose answer was
+        lost, it may have gone back and out again to a pull. -> the put-back's task
+        (None: nothing to put back)."""
         taken, marker = claimed.taken, claimed.marker_revision
         if claimed.own or taken is None:
             return None
@@ -190,8 +192,13 @@ class Claims:
                     await asyncio.sleep(pause)
                     continue
                 log.info("lookup.put_back", conversation_id=conversation_id, back=back, attempt=attempt)
-                if not back:
+                if not back and attempt == 1:
                     await self._overtaken(taken, tenant, conversation_id)
+                elif not back:
+                    # An earlier try may have put it back after all (its answer lost, not
+                    # its write), and a claim since handed it out again: freeing it now
+                    # could race that pull. D keeps the blocks to its TTL instead.
+                    log.info("lookup.put_back.unknown", conversation_id=conversation_id, attempt=attempt)
                 return
 
         return self._background.spawn(put_back(), "put-back")

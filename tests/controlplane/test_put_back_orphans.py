@@ -46,6 +46,8 @@ class HeldPutBack:
         self.results: list[bool | str] = []
         self.lost_answers = 0
         """The first tries whose write goes through but whose answer etcd loses."""
+        self.hold_again = False
+        """After a lost answer, hold the next try until `go` is set again."""
 
         async def held(*args: Any, **kwargs: Any) -> bool:
             self.waiting.set()
@@ -54,6 +56,9 @@ class HeldPutBack:
             if self.lost_answers > 0:
                 self.lost_answers -= 1
                 self.results.append("lost")
+                if self.hold_again:  # (the next try waits for `go` again)
+                    self.go.clear()
+                    self.waiting.clear()
                 raise StoreUnavailable("etcd: the answer was lost")
             self.results.append(back)
             return back
@@ -177,6 +182,39 @@ async def test_a_put_back_written_after_all_is_not_released(
         answer = await client.leases.Lookup(lookup_request("c"), timeout=10)
         assert answer.claimed and answer.decision == leases_pb2.PULL
         assert struct_to_dict(answer.kv_transfer_params)["remote_request_id"] == "turn-1"
+    finally:
+        await stream.close()
+
+
+async def test_a_put_back_whose_answer_was_lost_frees_nothing_the_next_turn_pulled(
+    daemon: Daemon, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A try whose answer etcd lost was written: the retention is back, a lookup pulls it,
+    and that turn registers its own. The next try then finds another retention there, as
+    if the registration had overtaken the put-back; releasing the pulled one then could
+    free blocks under its pull (the fault suite's history check found it, 2 s after the
+    pull). After a lost answer, nothing is released: D keeps the blocks to its TTL."""
+    stream = await _attached(client)
+    try:
+        await client.leases.Register(_turn("c", "turn-1"), timeout=10)
+        putting = HeldPutBack(daemon, monkeypatch)
+        putting.lost_answers, putting.hold_again = 1, True
+        before = _orphans()
+        await _cancelled_claim(daemon, client, monkeypatch)
+        await asyncio.wait_for(putting.waiting.wait(), 10)  # (the first try)
+        putting.waiting.clear()
+        putting.go.set()
+        await asyncio.wait_for(putting.waiting.wait(), 10)  # (the second try, held)
+        assert putting.results == ["lost"]
+        pulled = await client.leases.Lookup(lookup_request("c"), timeout=10)
+        assert pulled.claimed and pulled.decision == leases_pb2.PULL
+        assert struct_to_dict(pulled.kv_transfer_params)["remote_request_id"] == "turn-1"
+        await client.leases.Register(_turn("c", "turn-2"), timeout=10)
+        putting.go.set()
+        await _settled(daemon)
+        assert putting.results == ["lost", False]
+        assert await _releases_before_ack(stream) == []
+        assert _orphans() == before
     finally:
         await stream.close()
 
