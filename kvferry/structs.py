@@ -15,11 +15,14 @@ import array
 import struct
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 from google.protobuf import struct_pb2
 
 _MAX_EXACT = 2**53
+_EXACT_INTS = list[Annotated[int, msgspec.Meta(gt=-_MAX_EXACT, lt=_MAX_EXACT)]]
+"""Numbers `json_number` makes ints of (msgspec's lax mode takes an integral float as an int)."""
 
 
 def json_number(n: float) -> int | float:
@@ -133,6 +136,8 @@ def _numbers(lv: struct_pb2.ListValue) -> list[Any] | None:
     doubles = array.array("d", packed)
     if sys.byteorder != "little":
         doubles.byteswap()
-    if all(map(float.is_integer, doubles)) and min(doubles) > -_MAX_EXACT and max(doubles) < _MAX_EXACT:
-        return list(map(int, doubles))
-    return list(map(json_number, doubles))
+    floats = doubles.tolist()
+    try:  # (all integral and exact, checked and converted in one C pass: 4x a Python pass)
+        return msgspec.convert(floats, _EXACT_INTS, strict=False)
+    except msgspec.ValidationError:
+        return list(map(json_number, floats))

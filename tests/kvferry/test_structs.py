@@ -81,3 +81,25 @@ def test_dict_to_struct_block_id_shapes() -> None:
         dict_to_struct({"remote_block_ids": ids, "remote_port": 5600}, got)
         assert got == expected, ids
         assert struct_to_dict(got)["remote_block_ids"] == ids
+
+
+def test_number_lists_turn_int_only_where_exact() -> None:
+    """A number list's fast read (ints converted and range-checked in one C pass) at the
+    edges: the largest exact doubles become ints; 2**53, fractions, NaN and inf, which a
+    JSON client would not read as exact ints, stay floats, and the rest of the list ints."""
+    edge = 2**53 - 1
+    for numbers, expected in (
+        ([edge, -edge, 0], [edge, -edge, 0]),
+        ([1, float(2**53)], [1, float(2**53)]),
+        ([1, 1.5], [1, 1.5]),
+        ([1, float("inf"), -float("inf")], [1, float("inf"), -float("inf")]),
+    ):
+        s = struct_pb2.Struct()
+        s.update({"ids": numbers})
+        got = struct_to_dict(s)["ids"]
+        assert got == expected
+        assert [type(x) for x in got] == [type(x) for x in expected]
+    s = struct_pb2.Struct()
+    s.update({"ids": [1, float("nan")]})
+    one, nan = struct_to_dict(s)["ids"]
+    assert type(one) is int and nan != nan
