@@ -209,7 +209,7 @@ class DaemonClient:
         self,
         tenant: str,
         conversation_id: str,
-        prompt: asyncio.Future[tuple[list[int], bytes] | None],
+        prompt: asyncio.Future[tuple[Sequence[int], bytes] | None],
         answered_late: Callable[[Reuse], None] | None = None,
         request_id: str = "",
         wait_s: Callable[[int], float] | None = None,

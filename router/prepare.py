@@ -12,10 +12,11 @@ to prefill on.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvferry.blockhash import block_hashes, external_block_hash
@@ -31,8 +32,9 @@ if TYPE_CHECKING:
     from router.turn import Turn
 
 _T = TypeVar("_T")
-Made = tuple[list[int], bytes]
-"""A prompt's token ids and their block digests."""
+Made = tuple[Sequence[int], bytes]
+"""A prompt's token ids (the local tokenizer's: an array, `LocalTokenizer.finish`) and
+their block digests."""
 
 
 async def prepare(turn: Turn, prefill: Node, scoring: bool, tiebreak: int) -> Node:
@@ -164,7 +166,7 @@ _THREAD_CHARS = 16384
 """Text above which the local tokenizer runs in a thread: the lookup's I/O goes on meanwhile."""
 
 
-async def _tokens(turn: Turn, node: Node) -> list[int] | None:
+async def _tokens(turn: Turn, node: Node) -> Sequence[int] | None:
     """The prompt's token ids: the local tokenizer's (``--tokenizer``) when it renders the
     request as the engine does and `node`'s /tokenize gave the same ids when compared
     (`router.tokenizer`), else `node`'s /tokenize's."""
@@ -203,7 +205,7 @@ def _guarded(turn: Turn, work: Callable[..., _T], *args: Any) -> _T | None:
         return None
 
 
-async def _tokenize_locally(turn: Turn, local: LocalTokenizer, pieces: Pieces) -> list[int] | None:
+async def _tokenize_locally(turn: Turn, local: LocalTokenizer, pieces: Pieces) -> array.array[int] | None:
     if pieces.missing_chars <= _THREAD_CHARS:
         return _guarded(turn, local.finish, pieces)
     missing = await asyncio.to_thread(_guarded, turn, local.tokenize_missing, pieces)
@@ -224,16 +226,17 @@ async def _compare(
     if theirs is None or mine is None or later is None:
         return theirs  # (nothing compared: one side did not tokenize it)
     asked = turn.tokenized_by or node
-    agreed = mine == theirs and later[0] == later[1]
+    turn_agreed = list(mine) == theirs  # (an array never equals a list)
+    agreed = turn_agreed and later[0] == later[1]
     s.tokenizer_checks.record(asked.engine_id, kind, agreed, time.monotonic())
     s.metrics.tokenized.labels("compared" if agreed else "differed").inc()
     if not agreed:
-        a, b = (mine, theirs) if mine != theirs else later
+        a, b = later if turn_agreed else (mine, theirs)
         turn.log.warning(
             "router.tokenizer.differs",
             node=asked.engine_id,
             kind=kind,
-            on="turn" if mine != theirs else "next_turn",
+            on="next_turn" if turn_agreed else "turn",
             files=local.fingerprint,
             local_tokens=len(a),
             engine_tokens=len(b),
@@ -263,10 +266,10 @@ async def _next_turn_ids(turn: Turn, node: Node, local: LocalTokenizer) -> tuple
     except UpstreamError:
         return None
     theirs = tokens_of(reply.body) if reply.status == 200 else None
-    return None if mine is None or theirs is None else (mine, theirs)
+    return None if mine is None or theirs is None else (list(mine), theirs)
 
 
-def _first_difference(a: list[int], b: list[int]) -> int:
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
     """The index of the first id two token lists differ at (the shorter's length: a prefix)."""
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 

@@ -273,17 +273,22 @@ class LocalTokenizer:
             return [self.encode(pieces.missing[0], pieces.whole)]
         return _encode_batch(self._tok, pieces.missing)
 
-    def finish(self, pieces: Pieces, missing: list[list[int]] | None = None) -> list[int]:
+    def finish(self, pieces: Pieces, missing: list[list[int]] | None = None) -> array.array[int]:
         """The ids of `pieces`, with `missing` (`tokenize_missing`'s; None: tokenized here);
-        the new pieces are cached."""
+        the new pieces are cached.
+
+        As uint32 (``array("I")``), the form `kvferry.digests` hashes: the cached pieces'
+        ids are copied, never made into a Python int each (at 32k tokens: 0.4 ms of the
+        turn's critical path for the list, 0.7 ms more to turn it back into bytes). An
+        array never equals a list: compare ``list(...)`` with an engine's ids."""
         got = self.tokenize_missing(pieces) if missing is None else missing
         if pieces.whole is not None:
-            return got[0]
+            return array.array("I", got[0])
         found = dict(zip(pieces.missing, got, strict=True))
         for piece, ids in found.items():
             self.cache.put(piece, ids)
         head, tail = pieces.ends
-        out = list(head)
+        out = array.array("I", head)
         for part in pieces.parts:
             out.extend(found[part] if isinstance(part, str) else part)
         out.extend(tail)
@@ -317,7 +322,7 @@ class LocalTokenizer:
         ]
         try:
             return all(
-                self.finish(self.cut(p, special)) == self.encode(p, special)
+                list(self.finish(self.cut(p, special))) == self.encode(p, special)
                 for p in probes
                 for special in (False, True)
             )

@@ -137,7 +137,8 @@ class Turn:
         (its X-Request-Id, else its body's request_id), as vLLM takes it, else the turn's."""
         self.identity: Identity = identify(request.headers, body, tenant)
         """Its tenant (`tenant`: as the client's API key names it) and conversation."""
-        self.tokens: list[int] | None = None
+        self.tokens: Sequence[int] | None = None
+        """The prompt's token ids: an engine's (a list), or the router's own (an array)."""
         self.tokenized_locally = False
         """`tokens` are the router's own tokenizer's (`router.tokenizer`), not an engine's."""
         self.tokenized_by: Node | None = None
@@ -332,7 +333,9 @@ class Turn:
         forwarded ids are the engines' prompt (a wrong one would change the answer, where
         wrong digests only cost the reuse)."""
         forward = self.s.settings.upstream.forward_prompt_token_ids and not self.tokenized_locally
-        return self.tokens if forward and self.path.endswith("/chat/completions") else None
+        if not forward or self.tokens is None or not self.path.endswith("/chat/completions"):
+            return None
+        return list(self.tokens)  # (an engine's: a list already, copied for the type's sake)
 
     def engine_headers(self, turn_id: str, extra: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
         """The headers of a request to an engine for this turn (`turn_id`: the turn's id on it,

@@ -38,7 +38,7 @@ def emulated(tmp_path_factory: pytest.TempPathFactory) -> LocalTokenizer:
 def ids(tok: LocalTokenizer, path: str, body: dict[str, Any]) -> list[int]:
     pieces = tok.pieces(path, body)
     assert not isinstance(pieces, str), pieces
-    return tok.finish(pieces)
+    return list(tok.finish(pieces))
 
 
 def _text(rng: random.Random, n: int) -> str:
