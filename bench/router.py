@@ -28,7 +28,9 @@
    metrics around each request) with reuse off and with the fullest correct reuse
    of the turn (kvferry's, or another path's if it pulled more); efficiency =
    measured / ideal. The same turn sent by the client itself, P then D's sidecar with D's
-   last params and no front door at all, bounds what any router can reach here.
+   last params and no front door at all, bounds what any router can reach here. Each
+   front door (kvferry's routers, reuse off's, the stand-in) runs in a process of its
+   own, as in a deployment; the engines, sidecars and client share the bench's.
 
     python -m bench.router [--requests 300] [--repeats 9] [--only overhead|speedup]
 """

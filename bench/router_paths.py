@@ -98,13 +98,15 @@ class MultiturnProxyStandIn:
         await resp.write_eof()
         return resp
 
-    async def start(self) -> None:
+    async def start(self, port: int = 0) -> None:
+        """Serve on 127.0.0.1:`port` (0: a free one)."""
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         app = web.Application()
         app.router.add_post(CHAT, self.handle)
+        app.router.add_get("/health", _healthy)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
-        port = free_port()
+        port = port or free_port()
         await web.TCPSite(self.runner, "127.0.0.1", port).start()
         self.url = f"http://127.0.0.1:{port}"
 
@@ -113,6 +115,10 @@ class MultiturnProxyStandIn:
             await self.runner.cleanup()
         if self.http is not None:
             await self.http.close()
+
+
+async def _healthy(_: web.Request) -> web.Response:
+    return web.Response()
 
 
 STAGES = ("tokenize", "digests", "lookup")

@@ -2,18 +2,21 @@
 at long contexts, through kvferry, the multi-turn proxy stand-in and the client alone,
 against reuse off and against the timing model's ideal. kvferry is given the engines'
 tokenizer files (as `emulator.tokenizer_files` writes them) and tokenizes itself;
-"kvferry /tokenize" is the same router without them, asking P's /tokenize."""
+"kvferry /tokenize" is the same router without them, asking P's /tokenize. Every front
+door (the routers, reuse off's too, and the stand-in) runs in a process of its own
+(`bench.apart`), as a deployment runs it."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import random
 import statistics
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +24,12 @@ import aiohttp
 import grpc
 import msgspec
 
-from bench.demo import TIMING, Deployment, deployment, router_settings, timing_text
-from bench.router_paths import (
-    CHAT,
-    FRESH,
-    JSON,
-    STAGES,
-    MultiturnProxyStandIn,
-    filler,
-    first_token,
-    stage_totals,
-)
+from bench import apart
+from bench.apart import Apart
+from bench.demo import TIMING, Deployment, deployment, timing_text
+from bench.router_paths import CHAT, FRESH, JSON, STAGES, filler, first_token
 from emulator.tokenizer_files import write_tokenizer_files
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
-from router import Router
 from router.decisions import decode_body, prefill_body
 from router.upstream import encode, tokenize_request, tokens_of
 
@@ -51,10 +46,6 @@ class Sample:
     wait for the lookup's answer once the prompt is known (the rest of its round trip)."""
     stage_ms: dict[str, float] = field(default_factory=dict)
     """`router_ms` by stage (`bench.router_paths.STAGES`)."""
-
-
-def _stage_sums(router: Router) -> dict[str, float]:
-    return {stage: seconds for stage, (seconds, _) in stage_totals(router).items()}
 
 
 Sent = tuple[float, int, str, int]
@@ -107,9 +98,13 @@ class ClientDirect:
         return ttft, prompt, answer, 0
 
 
-async def measured_turn(dep: Deployment, send: Awaitable[Sent], router: Router | None = None) -> Sample:
+Stages = Callable[[], Awaitable[dict[str, float]]]
+"""Seconds each reuse stage took so far in the router a turn goes through (`apart.stage_seconds`)."""
+
+
+async def measured_turn(dep: Deployment, send: Awaitable[Sent], stages_of: Stages | None = None) -> Sample:
     """One streamed turn, sent by ``send``; its TTFT and the timing model's cost of what the
-    engines did for it (and the stages of `router`, the one it went through)."""
+    engines did for it (and the router's stages, read by `stages_of`, when it went through one)."""
     p, d = dep.prefill, dep.decode
 
     def engine_counts() -> list[float]:
@@ -121,7 +116,7 @@ async def measured_turn(dep: Deployment, send: Awaitable[Sent], router: Router |
             d.engine.metrics.total("vllm:prefix_cache_hits"),
         ]
 
-    before, stages = engine_counts(), _stage_sums(router) if router is not None else {}
+    before, stages = engine_counts(), await stages_of() if stages_of is not None else {}
     ttft, prompt, answer, reused = await send
     p_tokens, p_blocks, d_tokens, d_blocks, d_hits = (
         a - b for a, b in zip(engine_counts(), before, strict=True)
@@ -131,7 +126,7 @@ async def measured_turn(dep: Deployment, send: Awaitable[Sent], router: Router |
     model_ms = TIMING["prefill_ms_per_token"] * (p_computed + d_computed) + TIMING[
         "transfer_ms_per_block"
     ] * (p_blocks + d_blocks)
-    after = _stage_sums(router) if router is not None else {}
+    after = await stages_of() if stages_of is not None else {}
     stage_ms = {stage: (after[stage] - stages[stage]) * 1e3 for stage in after}
     return Sample(ttft, prompt, model_ms, reused, answer, sum(stage_ms.values()), stage_ms)
 
@@ -164,19 +159,28 @@ Paths = dict[str, Callable[[str, dict[str, Any]], Awaitable[Sent]]]
 """How a turn is sent, by name: (conversation id, body) -> the turn as the client saw it."""
 KVFERRY = ("kvferry", "kvferry /tokenize")
 """kvferry's paths: given the model's tokenizer files (as the emulator writes them), and
-tokenizing through P's /tokenize (`dep.kvferry`, no files)."""
+tokenizing through P's /tokenize (no files)."""
 
 
 @contextlib.asynccontextmanager
-async def local_tokenizer_router(dep: Deployment) -> AsyncIterator[Router]:
-    """A router with reuse, like `dep.kvferry`, given the engines' tokenizer files."""
+async def front_doors(dep: Deployment) -> AsyncIterator[dict[str, Apart]]:
+    """Each front door in its own process (`bench.apart`), by path: kvferry given the
+    engines' tokenizer files, kvferry tokenizing through P's /tokenize, reuse off, and the
+    multi-turn proxy stand-in."""
     config = dep.prefill.engine.config
+    daemon, p_url, d_url = dep.daemon.address, dep.prefill.http_url, dep.sidecars[1].url
     with tempfile.TemporaryDirectory(prefix="kvferry-tokenizer-") as tmp:
         files = write_tokenizer_files(Path(tmp), config.model, config.max_model_len)
-        base = router_settings(dep.daemon.address)
-        settings = replace(base, upstream=replace(base.upstream, tokenizer=str(files)))
-        async with Router(settings) as router:
-            yield router
+        doors = {
+            "kvferry": apart.router(daemon, tokenizer=str(files)),
+            "kvferry /tokenize": apart.router(daemon),
+            "off": apart.router(daemon, reuse=False),
+            "stand-in": apart.stand_in(p_url, d_url),
+        }
+        async with contextlib.AsyncExitStack() as stack:
+            for door in doors.values():
+                await stack.enter_async_context(door)
+            yield doors
 
 
 async def speedup(lengths: Sequence[int], repeats: int) -> None:
@@ -190,34 +194,32 @@ async def speedup(lengths: Sequence[int], repeats: int) -> None:
             {**TIMING, "num_blocks": d_blocks, "decoder_kv_blocks_ttl": 600.0},
         ) as dep,
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http,
-        local_tokenizer_router(dep) as local,
+        front_doors(dep) as doors,
     ):
-        proxy = MultiturnProxyStandIn(dep.prefill.http_url, dep.sidecars[1].url)
-        await proxy.start()
         direct = ClientDirect(http, dep.prefill.http_url, dep.sidecars[1].url)
         rng = random.Random(5)
         probe = grpc.aio.insecure_channel(dep.daemon.address)
         daemon = leases_pb2_grpc.LeasesStub(probe)
-        paths: Paths = {
-            "off": lambda cid, b: through_front_door(http, dep.plain.url, {**b, "conversation_id": cid}),
-            "kvferry": lambda cid, b: through_front_door(http, local.url, {**b, "conversation_id": cid}),
-            "kvferry /tokenize": lambda cid, b: through_front_door(
-                http, dep.kvferry.url, {**b, "conversation_id": cid}
-            ),
-            "stand-in": lambda cid, b: through_front_door(http, proxy.url, {**b, "conversation_id": cid}),
-            "no router": direct.turn,
+        paths: Paths = {name: _through(http, door.url) for name, door in doors.items()}
+        paths["no router"] = direct.turn
+        stages: dict[str, Stages] = {
+            name: functools.partial(apart.stage_seconds, http, doors[name].url) for name in KVFERRY
         }
         try:
             for length in lengths:
                 runs: dict[str, list[Sample]] = {name: [] for name in paths}
                 for i in range(repeats):
-                    await _conversation(dep, paths, runs, rng, length, i, [local, dep.kvferry])
+                    await _conversation(dep, paths, runs, rng, length, i, stages)
                 rows.append(runs)
             warm_ms, cold_ms = await idle_cost(daemon)
         finally:
-            await proxy.stop()
             await probe.close(None)
     _print_speedup(rows, repeats, warm_ms, cold_ms)
+
+
+def _through(http: aiohttp.ClientSession, url: str) -> Callable[[str, dict[str, Any]], Awaitable[Sent]]:
+    """A path through the front door at `url`: the turn's body with its conversation id."""
+    return lambda cid, body: through_front_door(http, url, {**body, "conversation_id": cid})
 
 
 async def _conversation(
@@ -227,10 +229,11 @@ async def _conversation(
     rng: random.Random,
     length: int,
     i: int,
-    routers: Sequence[Router],
+    stages: dict[str, Stages],
 ) -> None:
     """Conversation `i` of `length` characters on every path: turn 1 leaves D's blocks,
-    turn 2 is measured, a Sample added to `runs` for each path."""
+    turn 2 is measured, a Sample added to `runs` for each path (with the router's stages,
+    read by `stages[path]`, for kvferry's paths)."""
     messages = [
         {"role": "system", "content": filler(rng, length - 600)},
         {"role": "user", "content": f"Question {i}: " + filler(rng, 200)},
@@ -250,8 +253,7 @@ async def _conversation(
     rng.shuffle(order)  # none always meets a warmer engine
     for name in order:
         send = paths[name](f"{name}-{length}-{i}", turn2)
-        router = dict(zip(KVFERRY, routers, strict=True)).get(name)
-        runs[name].append(await measured_turn(dep, send, router))
+        runs[name].append(await measured_turn(dep, send, stages.get(name)))
     assert len({runs[n][-1].answer for n in paths}) == 1, "answers differ"
 
 
