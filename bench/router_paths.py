@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from realvllm.process import free_port
 from router import Router
@@ -98,15 +99,13 @@ class MultiturnProxyStandIn:
         await resp.write_eof()
         return resp
 
-    async def start(self, port: int = 0) -> None:
-        """Serve on 127.0.0.1:`port` (0: a free one)."""
+    async def start(self) -> None:
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         app = web.Application()
         app.router.add_post(CHAT, self.handle)
-        app.router.add_get("/health", _healthy)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
-        port = port or free_port()
+        port = free_port()
         await web.TCPSite(self.runner, "127.0.0.1", port).start()
         self.url = f"http://127.0.0.1:{port}"
 
@@ -115,10 +114,6 @@ class MultiturnProxyStandIn:
             await self.runner.cleanup()
         if self.http is not None:
             await self.http.close()
-
-
-async def _healthy(_: web.Request) -> web.Response:
-    return web.Response()
 
 
 STAGES = ("tokenize", "digests", "lookup")
@@ -135,6 +130,21 @@ def stage_totals(router: Router) -> dict[str, tuple[float, float]]:
         )
         for stage in STAGES
     }
+
+
+async def stage_seconds(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Seconds each stage (`STAGES`) took so far in the router at `url` (one in a process of
+    its own: `bench.parts`), from its /metrics."""
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    out = dict.fromkeys(STAGES, 0.0)
+    for family in text_string_to_metric_families(text):
+        if family.name == "kvferry_router_stage_seconds":
+            for sample in family.samples:
+                stage = sample.labels.get("stage", "")
+                if sample.name.endswith("_sum") and stage in out:
+                    out[stage] = sample.value
+    return out
 
 
 def filler(rng: random.Random, chars: int) -> str:

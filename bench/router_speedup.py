@@ -4,7 +4,7 @@ against reuse off and against the timing model's ideal. kvferry is given the eng
 tokenizer files (as `emulator.tokenizer_files` writes them) and tokenizes itself;
 "kvferry /tokenize" is the same router without them, asking P's /tokenize. Every front
 door (the routers, reuse off's too, and the stand-in) runs in a process of its own
-(`bench.apart`), as a deployment runs it."""
+(`bench.parts`), as a deployment runs it."""
 
 from __future__ import annotations
 
@@ -24,10 +24,9 @@ import aiohttp
 import grpc
 import msgspec
 
-from bench import apart
-from bench.apart import Apart
+from bench import parts
 from bench.demo import TIMING, Deployment, deployment, timing_text
-from bench.router_paths import CHAT, FRESH, JSON, STAGES, filler, first_token
+from bench.router_paths import CHAT, FRESH, JSON, STAGES, filler, first_token, stage_seconds
 from emulator.tokenizer_files import write_tokenizer_files
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
 from router.decisions import decode_body, prefill_body
@@ -99,7 +98,7 @@ class ClientDirect:
 
 
 Stages = Callable[[], Awaitable[dict[str, float]]]
-"""Seconds each reuse stage took so far in the router a turn goes through (`apart.stage_seconds`)."""
+"""Seconds each reuse stage took so far in the router a turn goes through (`stage_seconds`)."""
 
 
 async def measured_turn(dep: Deployment, send: Awaitable[Sent], stages_of: Stages | None = None) -> Sample:
@@ -163,24 +162,25 @@ tokenizing through P's /tokenize (no files)."""
 
 
 @contextlib.asynccontextmanager
-async def front_doors(dep: Deployment) -> AsyncIterator[dict[str, Apart]]:
-    """Each front door in its own process (`bench.apart`), by path: kvferry given the
-    engines' tokenizer files, kvferry tokenizing through P's /tokenize, reuse off, and the
-    multi-turn proxy stand-in."""
+async def front_doors(dep: Deployment) -> AsyncIterator[dict[str, str]]:
+    """Each front door in its own process (`bench.parts`) -> its URL, by path: kvferry given
+    the engines' tokenizer files, kvferry tokenizing through P's /tokenize, reuse off, and
+    the multi-turn proxy stand-in."""
     config = dep.prefill.engine.config
-    daemon, p_url, d_url = dep.daemon.address, dep.prefill.http_url, dep.sidecars[1].url
+    at = ("--daemon", dep.daemon.address)
     with tempfile.TemporaryDirectory(prefix="kvferry-tokenizer-") as tmp:
         files = write_tokenizer_files(Path(tmp), config.model, config.max_model_len)
         doors = {
-            "kvferry": apart.router(daemon, tokenizer=str(files)),
-            "kvferry /tokenize": apart.router(daemon),
-            "off": apart.router(daemon, reuse=False),
-            "stand-in": apart.stand_in(p_url, d_url),
+            "kvferry": ("router", *at, "--tokenizer", str(files)),
+            "kvferry /tokenize": ("router", *at),
+            "off": ("router", *at, "--reuse", "false"),
+            "stand-in": ("stand-in", "--prefill", dep.prefill.http_url, "--decode", dep.sidecars[1].url),
         }
         async with contextlib.AsyncExitStack() as stack:
-            for door in doors.values():
-                await stack.enter_async_context(door)
-            yield doors
+            urls = {}
+            for name, args in doors.items():
+                urls[name] = (await stack.enter_async_context(parts.started(*args))).url
+            yield urls
 
 
 async def speedup(lengths: Sequence[int], repeats: int) -> None:
@@ -200,10 +200,10 @@ async def speedup(lengths: Sequence[int], repeats: int) -> None:
         rng = random.Random(5)
         probe = grpc.aio.insecure_channel(dep.daemon.address)
         daemon = leases_pb2_grpc.LeasesStub(probe)
-        paths: Paths = {name: _through(http, door.url) for name, door in doors.items()}
+        paths: Paths = {name: _through(http, url) for name, url in doors.items()}
         paths["no router"] = direct.turn
         stages: dict[str, Stages] = {
-            name: functools.partial(apart.stage_seconds, http, doors[name].url) for name in KVFERRY
+            name: functools.partial(stage_seconds, http, doors[name]) for name in KVFERRY
         }
         try:
             for length in lengths:

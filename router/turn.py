@@ -335,7 +335,8 @@ class Turn:
         forward = self.s.settings.upstream.forward_prompt_token_ids and not self.tokenized_locally
         if not forward or self.tokens is None or not self.path.endswith("/chat/completions"):
             return None
-        return list(self.tokens)  # (an engine's: a list already, copied for the type's sake)
+        tokens = self.tokens  # (an engine's: a list, as JSON takes it; never copied on this path)
+        return tokens if isinstance(tokens, list) else list(tokens)
 
     def engine_headers(self, turn_id: str, extra: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
         """The headers of a request to an engine for this turn (`turn_id`: the turn's id on it,
