@@ -22,6 +22,7 @@ from bench.daemon_workload import lookup
 from bench.load import closed_loop, open_loop, pct
 from kvferry.leaseclient import LeaseOpError, LeaseStream
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
+from realvllm.process import stop_child
 
 RATES = (100, 500, 1000, 2000)
 """Lookup+claim rates offered."""
@@ -126,9 +127,7 @@ async def no_work_floor(phase_s: float, rows: Rows, confine: list[int] | None = 
         await stream.close()
         await channel.close(None)
     finally:
-        if proc.returncode is None:
-            proc.terminate()
-        await proc.wait()
+        await stop_child(proc)
     return p99s
 
 

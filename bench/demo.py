@@ -39,7 +39,7 @@ from emulator import EmulatorConfig, EmulatorServer
 from kvferry import logs
 from kvferry.tasks import run_main
 from kvferry.v1 import nodes_pb2, nodes_pb2_grpc
-from realvllm.process import free_port
+from realvllm.process import free_port, stop_child
 from router import Router
 from router import Settings as RouterSettings
 from router.settings import DaemonSettings, ReuseSettings, ServerSettings
@@ -106,12 +106,8 @@ class DaemonProcess:
                     await asyncio.sleep(0.1)
 
     async def stop(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.terminate()
-            try:
-                await asyncio.wait_for(self.proc.wait(), 15)
-            except TimeoutError:
-                await self.kill()
+        if self.proc is not None:
+            await stop_child(self.proc)
 
     async def kill(self) -> None:
         """SIGKILL: no graceful stop, no claims settled, connections reset."""

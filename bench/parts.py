@@ -29,6 +29,7 @@ from bench.router_paths import MultiturnProxyStandIn
 from emulator import EmulatorServer
 from kvferry import logs
 from kvferry.tasks import run_main
+from realvllm.process import stop_child
 from router import Router
 from sidecar import Sidecar
 
@@ -44,13 +45,7 @@ class Part:
     url: str
 
     async def stop(self) -> None:
-        if self.proc.returncode is None:
-            self.proc.terminate()
-            try:
-                await asyncio.wait_for(self.proc.wait(), 15)
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
+        await stop_child(self.proc)
 
 
 async def start(*args: str) -> Part:

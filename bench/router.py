@@ -59,7 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.router", description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=300, help="requests per path in the overhead test")
     p.add_argument("--prompt-chars", type=int, default=2000, help="prompt size in the overhead test")
-    p.add_argument("--repeats", type=int, default=9, help="conversations per context length")
+    p.add_argument(
+        "--repeats", type=int, default=9, help="conversations per context length (up to 3x at shorter ones)"
+    )
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[8192, 32768, 65536])
     p.add_argument("--only", choices=("overhead", "speedup"), default="", help="run one section")
     p.add_argument("--no-uvloop", dest="uvloop", action="store_false")

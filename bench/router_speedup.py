@@ -183,10 +183,22 @@ async def front_doors(dep: Deployment) -> AsyncIterator[dict[str, str]]:
             yield urls
 
 
+MORE_AT_SHORT = 3
+"""At most this many times `repeats` conversations at a context length shorter than the
+longest (as many times as it is shorter): a short turn is cheap to measure and its ratio
+swings most, since the same few milliseconds of noise are a larger share of it."""
+
+
+def conversations_at(length: int, lengths: Sequence[int], repeats: int) -> int:
+    """How many conversations `speedup` measures at `length` (see MORE_AT_SHORT)."""
+    return repeats * max(1, min(MORE_AT_SHORT, max(lengths) // length))
+
+
 async def speedup(lengths: Sequence[int], repeats: int) -> None:
-    """Section 2: `repeats` two-turn conversations per context length, turn 2 measured on
-    every path in a random order; print the table."""
-    d_blocks = sum(lengths) * repeats * 6 // 16 + 16384
+    """Section 2: `repeats` two-turn conversations per context length (more at the shorter
+    ones: `conversations_at`), turn 2 measured on every path in a random order; print the
+    table."""
+    d_blocks = sum(n * conversations_at(n, lengths, repeats) for n in lengths) * 6 // 16 + 16384
     rows = []
     async with (
         deployment(
@@ -208,13 +220,13 @@ async def speedup(lengths: Sequence[int], repeats: int) -> None:
         try:
             for length in lengths:
                 runs: dict[str, list[Sample]] = {name: [] for name in paths}
-                for i in range(repeats):
+                for i in range(conversations_at(length, lengths, repeats)):
                     await _conversation(dep, paths, runs, rng, length, i, stages)
                 rows.append(runs)
             warm_ms, cold_ms = await idle_cost(daemon)
         finally:
             await probe.close(None)
-    _print_speedup(rows, repeats, warm_ms, cold_ms)
+    _print_speedup(rows, warm_ms, cold_ms)
 
 
 def _through(http: aiohttp.ClientSession, url: str) -> Callable[[str, dict[str, Any]], Awaitable[Sent]]:
@@ -261,8 +273,9 @@ def _p50(xs: list[Sample], key: Callable[[Sample], float]) -> float:
     return statistics.median(key(x) for x in xs)
 
 
-def _print_speedup(rows: list[dict[str, list[Sample]]], repeats: int, warm_ms: float, cold_ms: float) -> None:
-    print(f"\n2. Emulated TTFT speedup, turn 2 vs reuse off ({timing_text()}), {repeats} conversations each")
+def _print_speedup(rows: list[dict[str, list[Sample]]], warm_ms: float, cold_ms: float) -> None:
+    counts = "/".join(str(len(runs["kvferry"])) for runs in rows)
+    print(f"\n2. Emulated TTFT speedup, turn 2 vs reuse off ({timing_text()}), {counts} conversations")
     print(
         f"   {'context':>8} {'reused':>6} | {'TTFT off':>8} {'kvferry':>8} {'speedup':>7} | "
         f"{'model off':>9} {'model on':>8} {'ideal':>6} | {'of ideal':>8} | {'router':>6} | "

@@ -6,6 +6,7 @@ that a test or a benchmark drives both through one interface.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import os
@@ -75,6 +76,22 @@ def free_port(host: str = "127.0.0.1") -> int:
             port = int(s.getsockname()[1])
         _handed_out.add(port)
         return port
+
+
+async def stop_child(proc: asyncio.subprocess.Process, grace_s: float = 15.0) -> None:
+    """SIGTERM an asyncio child process (SIGCONT first: a stopped one could not act on it),
+    SIGKILL it if it has not exited within `grace_s`; returns once it has. Idempotent."""
+    if proc.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGCONT)
+        proc.terminate()
+    try:
+        await asyncio.wait_for(proc.wait(), grace_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
 
 
 def log_tail(path: Path, lines: int = 40) -> str:

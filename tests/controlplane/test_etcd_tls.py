@@ -26,7 +26,7 @@ from controlplane.settings import Settings
 from controlplane.store import EtcdStore
 from kvferry.security.devca import make_dev_ca
 from kvferry.v1 import nodes_pb2
-from realvllm.process import free_port
+from realvllm.process import free_port, stop_child
 from tests.conftest import Client, DaemonFactory, daemon_settings, wait_port
 from tests.factories import node_request
 from tests.polling import eventually
@@ -72,8 +72,7 @@ async def tls_etcd(tmp_path: Path, certs: Path) -> AsyncIterator[TlsEtcd]:
         await wait_port(client)
         yield TlsEtcd(f"127.0.0.1:{client}", certs)
     finally:
-        proc.terminate()
-        await asyncio.wait_for(proc.wait(), 10)
+        await stop_child(proc, 10)
 
 
 def _settings(etcd: TlsEtcd, name: str = "daemon", ca: str = "ca") -> Settings:

@@ -17,7 +17,7 @@ import grpc
 
 from controlplane.embedded import etcd_binary
 from kvferry.v1 import nodes_pb2, nodes_pb2_grpc
-from realvllm.process import free_port
+from realvllm.process import free_port, stop_child
 
 
 @dataclass
@@ -204,13 +204,5 @@ class DaemonProcess:
 
     async def stop(self) -> None:
         """SIGTERM (a stopped process gets SIGCONT first), then SIGKILL after 15 s."""
-        proc = self.proc
-        if proc is None or proc.returncode is not None:
-            return
-        proc.send_signal(signal.SIGCONT)
-        proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), 15)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+        if self.proc is not None:
+            await stop_child(self.proc)

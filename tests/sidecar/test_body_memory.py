@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from realvllm.process import free_port
+from realvllm.process import free_port, stop_child
 from tests.polling import eventually
 
 MIB = 1024 * 1024
@@ -78,8 +78,7 @@ async def sidecar_process() -> AsyncIterator[tuple[int, str]]:
             await eventually(serving, within=20)
         yield proc.pid, url
     finally:
-        proc.terminate()
-        await asyncio.wait_for(proc.wait(), 10)
+        await stop_child(proc, 10)
 
 
 async def _post(http: aiohttp.ClientSession, url: str, data: object, headers: dict[str, str]) -> int:
