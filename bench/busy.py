@@ -110,7 +110,8 @@ async def deployment() -> AsyncIterator[str]:
                 parts.started("engine", "--role", "decode", "--num-blocks", str(REFERENCE_BLOCKS), *at)
             )
             await wait_nodes(daemon.address, 2)
-            yield (await stack.enter_async_context(parts.started("router", *at))).url
+            router = parts.started("router", *at, "--daemon-stream", daemon.stream_address)
+            yield (await stack.enter_async_context(router)).url
 
 
 async def one_phase(name: str, rate: float, args: argparse.Namespace) -> Phase:

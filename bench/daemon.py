@@ -30,7 +30,7 @@ from bench.daemon_claims import (
     Clients,
     Rows,
     claim_phases,
-    no_work_floor,
+    no_work_floors,
     own_core_phases,
 )
 from bench.daemon_workload import TOKENS, DaemonProcess, lookup, register_node, retention
@@ -279,15 +279,16 @@ async def bench(args: argparse.Namespace) -> None:
     d = DaemonProcess(tmp / "unused", etcd.endpoint, tree)
     start_s = await d.start()
     rows: Rows = []
-    clients = Clients.connect(d.port)  # (the sidecar's and the router's path: one Leases/Stream each)
+    # (the sidecar's and the router's path: one Leases/Stream each; the router's framed too)
+    clients = Clients.connect(d.port, d.stream_port if tree is None else 0)
     await register_node(clients.channel)
     try:
         n, extra, grants_at = await _preload(d, clients, args, rows)
         assert d.proc is not None
         await _settle([etcd.pid, d.proc.pid], rows)
         raw_p50 = await _raw_etcd(etcd.endpoint, args.phase_s, rows)
-        floor = await no_work_floor(args.phase_s, rows)
-        await claim_phases(clients, args, raw_p50, rows, floor)
+        floors = await no_work_floors(clients, args.phase_s, rows)
+        await claim_phases(clients, args, raw_p50, rows, floors)
         await own_core_phases(clients, etcd.pid, args, raw_p50, rows)
         await _turns(d, clients, args.turns, rows)
         _grant_rows(grants_at, rows)

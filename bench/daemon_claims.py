@@ -1,6 +1,7 @@
-"""The lookup+claim phases of bench.daemon: offered load on the stream and on unary
-calls (open loop), one at a time, at the most (closed loop), the no-work floor they are
-compared with, and the same on the stream with the daemon on a core of its own."""
+"""The lookup+claim phases of bench.daemon: offered load on the stream (gRPC's, and the
+framed one of --stream-listen) and on unary calls (open loop), one at a time, at the most
+(closed loop), the no-work floors they are compared with, and the same on the streams
+with the daemon on a core of its own."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import grpc
 from bench.cores import OTHERS_CORE, can_confine, confined
 from bench.daemon_workload import lookup
 from bench.load import closed_loop, open_loop, pct
+from kvferry.framedstream import opener
 from kvferry.leaseclient import LeaseOpError, LeaseStream
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
 from realvllm.process import stop_child
@@ -52,17 +54,26 @@ class Clients:
     sidecar: LeaseStream
     router: LeaseStream
     convs: itertools.count[int]
+    framed: LeaseStream | None = None
+    """The router's path over the daemon's framed stream (--stream-listen; None: not served)."""
     failed: collections.Counter[str] = field(default_factory=collections.Counter)
     """Lookups that got no answer, by status: past what the daemon serves, a call can be
     cancelled (the ratio is the figure; one such call used to end the benchmark)."""
 
     @classmethod
-    def connect(cls, port: int) -> Clients:
-        """Channels to the daemon on `port`; the router's stream has one of its own."""
+    def connect(cls, port: int, stream_port: int = 0) -> Clients:
+        """Channels to the daemon on `port`; the router's stream has one of its own (and a
+        framed one to `stream_port`, when given)."""
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         unary, sidecar = leases_pb2_grpc.LeasesStub(channel), LeaseStream(channel)
         router = LeaseStream(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
-        return cls(channel, unary, sidecar, router, itertools.count())
+        framed = LeaseStream(None, opener=opener(f"127.0.0.1:{stream_port}")) if stream_port else None
+        return cls(channel, unary, sidecar, router, itertools.count(), framed)
+
+    def streams(self) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
+        """The stream paths measured: gRPC's, and the framed one when the daemon serves it."""
+        framed = [("framed", self.claim_framed)] if self.framed is not None else []
+        return [("stream", self.claim_stream), *framed]
 
     async def claim_unary(self) -> None:
         try:
@@ -72,28 +83,48 @@ class Clients:
             return
         assert r.decision == leases_pb2.PULL, r
 
-    async def claim_stream(self) -> None:
+    async def claim_stream(self, stream: LeaseStream | None = None) -> None:
         try:
-            r = await self.router.lookup(lookup(f"c{next(self.convs)}"), 10)
+            r = await (stream or self.router).lookup(lookup(f"c{next(self.convs)}"), 10)
         except LeaseOpError as e:
             self.failed[e.code.name] += 1
             return
         assert r.decision == leases_pb2.PULL, r
 
+    async def claim_framed(self) -> None:
+        await self.claim_stream(self.framed)
+
     async def close(self) -> None:
         await self.sidecar.close()
         await self.router.close()
+        if self.framed is not None:
+            await self.framed.close()
         await self.channel.close(None)
 
 
-async def no_work_floor(phase_s: float, rows: Rows, confine: list[int] | None = None) -> dict[int, float]:
-    """2b. The same offered lookups against bench.echo (a Leases/Stream server doing no
-    work, in its own process): the floor gRPC Python and this machine put under any
-    daemon's latency. -> its p99 (ms) per rate. `confine`: the processes kept off the
-    echo's core meanwhile (see `own_core_phases`; the echo is started before, as the daemon was)."""
+Floors = dict[str, dict[int, float]]
+"""The no-work floor's p99 (ms) per stream path ("stream", "framed") and rate."""
+
+
+async def no_work_floors(
+    clients: Clients, phase_s: float, rows: Rows, confine: list[int] | None = None
+) -> Floors:
+    """2b. The floor of each stream path `clients` measures (`no_work_floor`)."""
+    return {path: await no_work_floor(phase_s, rows, confine, path) for path, _ in clients.streams()}
+
+
+async def no_work_floor(
+    phase_s: float, rows: Rows, confine: list[int] | None = None, path: str = "stream"
+) -> dict[int, float]:
+    """The same offered lookups against bench.echo (a Leases/Stream server doing no work, in
+    its own process; framed, for the "framed" path): the floor gRPC Python (or the framing)
+    and this machine put under any daemon's latency. -> its p99 (ms) per rate. `confine`:
+    the processes kept off the echo's core meanwhile (see `own_core_phases`; the echo is
+    started before, as the daemon was)."""
     confine = confine or []
+    framed = path == "framed"
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bench.echo", "--port", "0",
+        sys.executable, "-m", "bench.echo", "--port", "0", *(["--framed"] if framed else []),
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     p99s: dict[int, float] = {}
@@ -106,20 +137,23 @@ async def no_work_floor(phase_s: float, rows: Rows, confine: list[int] | None = 
                 f"bench.echo did not start: it said {port!r} (exit code {code}; see its stderr)"
             )
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        await asyncio.wait_for(channel.channel_ready(), 30)
-        stream = LeaseStream(channel)
+        if framed:
+            stream = LeaseStream(None, opener=opener(f"127.0.0.1:{port}"))
+        else:
+            await asyncio.wait_for(channel.channel_ready(), 30)
+            stream = LeaseStream(channel)
 
         async def echo(_: int) -> None:
             await stream.lookup(lookup("echo"), 10)
 
-        layout = OWN_CORE if confine else ""
+        layout, echo_flag = OWN_CORE if confine else "", " --framed" if framed else ""
         for rate in TARGET_RATES:
             with confined(confine, {OTHERS_CORE}):
                 lat, _, got = await open_loop(rate, phase_s, echo)
             p99s[rate] = pct(lat, 99)
             rows.append(
                 (
-                    f"floor: no-work stream (bench.echo) @ {rate}/s{layout}: p50 / p99",
+                    f"floor: no-work {path} (bench.echo{echo_flag}) @ {rate}/s{layout}: p50 / p99",
                     f"{pct(lat, 50):.2f} / {p99s[rate]:.2f} ms",
                     f"achieved {got:,.0f}/s; the same client and messages, no daemon",
                 )
@@ -132,11 +166,12 @@ async def no_work_floor(phase_s: float, rows: Rows, confine: list[int] | None = 
 
 
 async def claim_phases(
-    clients: Clients, args: argparse.Namespace, raw_p50: float, rows: Rows, floor: dict[int, float]
+    clients: Clients, args: argparse.Namespace, raw_p50: float, rows: Rows, floors: Floors
 ) -> None:
     """3. Lookup+claim under offered load (open loop), one at a time, and at the most
-    (closed loop), on both paths."""
-    for path, claim in (("stream", clients.claim_stream), ("unary", clients.claim_unary)):
+    (closed loop), on every path."""
+    for path, claim in (*clients.streams(), ("unary", clients.claim_unary)):
+        floor = floors.get(path, {})
         await _offered_claims(path, claim, args.phase_s, raw_p50, rows, clients.failed, floor)
         await _sequential_claims(path, claim, raw_p50, rows)
         await _max_claims(path, claim, args.claims, rows)
@@ -161,9 +196,9 @@ async def _offered_claims(
         failed.clear()
         lat, lat_scheduled, got = await open_loop(rate, seconds, functools.partial(_ignore_index, claim))
         lost = "".join(f"; {n} {code}" for code, n in failed.items())
-        if path == "stream" and rate in floor:
+        if rate in floor:
             lost += f"; p99 {pct(lat, 99) / floor[rate]:.1f}x the floor's"
-        if path == "stream" and rate in TARGET_P99_MS:
+        if path != "unary" and rate in TARGET_P99_MS:
             lost += f", {pct(lat, 99) / TARGET_P99_MS[rate]:.2f}x the target's ({TARGET_P99_MS[rate]:g} ms)"
         rows.append(
             (
@@ -186,19 +221,20 @@ async def own_core_phases(
         rows.append(("daemon on a core of its own", "skipped", "this machine has one core"))
         return
     others = [os.getpid(), etcd_pid]
-    floor = await no_work_floor(args.phase_s, rows, others)
+    floors = await no_work_floors(clients, args.phase_s, rows, others)
     with confined(others, {OTHERS_CORE}):
-        await _offered_claims(
-            "stream",
-            clients.claim_stream,
-            args.phase_s,
-            raw_p50,
-            rows,
-            clients.failed,
-            floor,
-            rates=TARGET_RATES,
-            layout=OWN_CORE,
-        )
+        for path, claim in clients.streams():
+            await _offered_claims(
+                path,
+                claim,
+                args.phase_s,
+                raw_p50,
+                rows,
+                clients.failed,
+                floors[path],
+                rates=TARGET_RATES,
+                layout=OWN_CORE,
+            )
 
 
 async def _sequential_claims(

@@ -16,6 +16,8 @@ from pathlib import Path
 import grpc
 
 from kvferry.digests import block_digests, seed
+from kvferry.framedstream import FramedCall
+from kvferry.leaseclient import LeaseStream
 from kvferry.structs import dict_to_struct
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 from realvllm.process import free_port
@@ -81,6 +83,8 @@ class DaemonProcess:
         self, data_dir: Path, etcd: str | None, tree: Path | None = None, module: str = "kvferry_cli"
     ) -> None:
         self.port = free_port()
+        self.stream_port = free_port()
+        """Its --stream-listen port (the framed Leases/Stream: kvferry.framedstream)."""
         self.metrics_port = free_port()
         self.etcd_port = free_port()
         self.data_dir = data_dir
@@ -100,6 +104,7 @@ class DaemonProcess:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", self.module, "--log-level", "warning", "daemon",
             "--listen", f"127.0.0.1:{self.port}", "--metrics-port", str(self.metrics_port), *store,
+            *(["--stream-listen", f"127.0.0.1:{self.stream_port}"] if self.tree is None else []),
             stdin=asyncio.subprocess.DEVNULL, cwd=self.tree,
         )  # fmt: skip
         fast_retry = [
@@ -117,6 +122,12 @@ class DaemonProcess:
                 except grpc.aio.AioRpcError:
                     pass
                 await asyncio.sleep(0.01)
+
+    def lease_stream(self, framed: bool) -> LeaseStream:
+        """A LeaseStream to this daemon: over gRPC, or framed (--stream-listen)."""
+        if framed:
+            return LeaseStream(None, opener=lambda: FramedCall("127.0.0.1", self.stream_port))
+        return LeaseStream(grpc.aio.insecure_channel(f"127.0.0.1:{self.port}"))
 
     async def restart(self) -> float:
         """Stop (SIGTERM, if running) and start again. -> seconds from SIGTERM to serving."""

@@ -77,11 +77,17 @@ class DaemonProcess:
         self.etcd = etcd
         self.prefix = prefix
         self.port = port or free_port()
+        self.stream_port = free_port()
         self.proc: asyncio.subprocess.Process | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def stream_address(self) -> str:
+        """Its --stream-listen address: Leases/Stream framed, without gRPC (routers look up there)."""
+        return f"127.0.0.1:{self.stream_port}"
 
     async def start(self) -> None:
         if self.etcd:
@@ -91,7 +97,8 @@ class DaemonProcess:
             store = ["--data-dir", str(self.data_dir / "etcd"), "--embedded-port", str(free_port())]
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvferry_cli", "--log-level", "warning", "daemon",
-            "--listen", self.address, "--metrics-port", "-1", *store, *self.args,
+            "--listen", self.address, "--stream-listen", self.stream_address, "--metrics-port", "-1",
+            *store, *self.args,
             stdin=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         async with grpc.aio.insecure_channel(self.address) as channel, asyncio.timeout(60):
@@ -151,10 +158,14 @@ def sidecar_settings(
     )
 
 
-def router_settings(daemon: str, reuse: bool = True) -> RouterSettings:
+def router_settings(daemon: str, reuse: bool = True, stream: str = "") -> RouterSettings:
+    """A router of the daemon at `daemon`, looking up over its framed stream at `stream`
+    ("": over gRPC)."""
     return RouterSettings(
         server=ServerSettings(listen="127.0.0.1:0"),
-        daemon=DaemonSettings(addresses=(daemon,), nodes_refresh_s=0.5),
+        daemon=DaemonSettings(
+            addresses=(daemon,), stream_addresses=(stream,) if stream else (), nodes_refresh_s=0.5
+        ),
         reuse=ReuseSettings(enabled=reuse),
     )
 
@@ -192,7 +203,9 @@ async def deployment(
                     await stack.enter_async_context(Sidecar(sidecar_settings(emu, daemon.address, role)))
                 )
             await wait_nodes(daemon.address, 2)
-            kvferry = await stack.enter_async_context(Router(router_settings(daemon.address)))
+            kvferry = await stack.enter_async_context(
+                Router(router_settings(daemon.address, stream=daemon.stream_address))
+            )
             plain = await stack.enter_async_context(Router(router_settings(daemon.address, reuse=False)))
             yield Deployment(daemon, p, d, sidecars, kvferry, plain)
 

@@ -7,13 +7,16 @@ the echo's p99 is at a rate, no daemon on this machine can beat (gRPC Python's p
 cost, the event loop's wake-ups, and the scheduler sharing the cores with the load
 generator and etcd).
 
-    python -m bench.echo --port N    (serves until SIGTERM)
+    python -m bench.echo --port N [--framed]    (serves until SIGTERM)
+
+``--framed``: the same on the framed stream (the daemon's --stream-listen) instead of gRPC.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -21,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from kvferry.framedstream import DEFAULT_MAX_FRAME, WELCOME, FrameError, frame, read_frame
 from kvferry.tasks import run_main
 from kvferry.v1 import leases_pb2
 
@@ -32,14 +36,19 @@ async def _stream(
 ) -> AsyncIterator[leases_pb2.LeaseOpResultBatch]:
     """Leases/Stream: each batch's ops answered at once (a lookup: PULL)."""
     async for batch in requests:
-        out = leases_pb2.LeaseOpResultBatch()
-        for op in batch.ops:
-            res = out.results.add(id=op.id)
-            if op.WhichOneof("op") == "register":
-                res.register.SetInParent()
-            else:
-                res.lookup.CopyFrom(_PULL)
-        yield out
+        yield _answers(batch.ops)
+
+
+def _answers(ops: Sequence[leases_pb2.LeaseOp]) -> leases_pb2.LeaseOpResultBatch:
+    """Each op answered at once (a lookup: PULL)."""
+    out = leases_pb2.LeaseOpResultBatch()
+    for op in ops:
+        res = out.results.add(id=op.id)
+        if op.WhichOneof("op") == "register":
+            res.register.SetInParent()
+        else:
+            res.lookup.CopyFrom(_PULL)
+    return out
 
 
 async def serve(port: int) -> int:
@@ -58,18 +67,45 @@ async def serve(port: int) -> int:
         return 1
     await server.start()
     print(bound, flush=True)  # (the port, for a parent that asked for any: --port 0)
+    await _until_stopped()
+    await server.stop(1)
+    return 0
+
+
+async def serve_framed(port: int) -> int:
+    """The same, on the framed stream the daemon's --stream-listen serves (kvferry.framedstream)."""
+
+    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(FrameError, OSError):
+            if await read_frame(reader, DEFAULT_MAX_FRAME) is None:  # (the hello: anyone is let in)
+                return
+            writer.write(WELCOME)
+            while payload := await read_frame(reader, DEFAULT_MAX_FRAME):
+                batch = leases_pb2.LeaseOpBatch.FromString(payload)
+                writer.write(frame(_answers(batch.ops).SerializeToString()))
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(connection, "127.0.0.1", port)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await _until_stopped()
+    server.close()
+    return 0
+
+
+async def _until_stopped() -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
-    await server.stop(1)
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.echo", description=__doc__.split("\n")[0])
     p.add_argument("--port", type=int, required=True, help="0: any free port, printed on stdout")
-    return run_main(serve(p.parse_args(argv).port))
+    p.add_argument("--framed", action="store_true", help="serve the framed stream, not gRPC")
+    args = p.parse_args(argv)
+    return run_main(serve_framed(args.port) if args.framed else serve(args.port))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ prints what is needed to explain a tail: the CPU each process spent per lookup
 loop lag (a stall there is not the daemon's), etcd's WAL fsync / backend commit /
 snapshot / compaction counts over the run, and a timeline of slow lookups per 250 ms.
 
-    python -m bench.lookup_tail [--leases 20000] [--rate 1000] [--seconds 15] [--list] [--own-core]
+    python -m bench.lookup_tail [--leases 20000] [--rate 1000] [--seconds 15] [--list] [--own-core] [--framed]
 
+``--framed`` sends the lookups over the daemon's framed stream (--stream-listen), not gRPC.
 ``--own-core`` leaves the daemon a core nobody else runs on (see bench.cores).
 ``--list`` runs ``kvferry leases ls`` over every lease meanwhile, in a process of its
 own: an operator listing a large store under load.
@@ -133,7 +134,7 @@ async def _measure(d: DaemonProcess, etcd: EmbeddedEtcd, tmp: Path, args: argpar
     assert d.proc is not None and etcd.pid
     ch = grpc.aio.insecure_channel(f"127.0.0.1:{d.port}")
     await register_node(ch)
-    sidecar, router = LeaseStream(ch), LeaseStream(grpc.aio.insecure_channel(f"127.0.0.1:{d.port}"))
+    sidecar, router = LeaseStream(ch), d.lease_stream(args.framed)
     count = int(args.rate * args.seconds)
     n = args.leases + count
 
@@ -239,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=1000.0, help="lookups offered per second")
     p.add_argument("--seconds", type=float, default=15.0)
     p.add_argument("--list", action="store_true", help="run `kvferry leases ls` of everything meanwhile")
+    p.add_argument("--framed", action="store_true", help="look up over --stream-listen, not gRPC")
     p.add_argument(
         "--own-core",
         action="store_true",

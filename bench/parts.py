@@ -9,7 +9,8 @@ A part prints one JSON line on stdout once it serves (``{"url": ...}``; a router
 knows the daemon's nodes), and runs until SIGTERM or SIGINT:
 
     python -m bench.parts engine --role decode --daemon 127.0.0.1:50051 [--num-blocks N]
-    python -m bench.parts router --daemon 127.0.0.1:50051 [--tokenizer DIR] [--reuse false]
+    python -m bench.parts router --daemon 127.0.0.1:50051 [--daemon-stream ADDR] [--tokenizer DIR]
+        [--reuse false]
     python -m bench.parts stand-in --prefill http://p:8100 --decode http://d-sidecar:8200
 """
 
@@ -83,7 +84,7 @@ async def _serve(args: argparse.Namespace) -> int:
             await stack.enter_async_context(Sidecar(sidecar_settings(emu, args.daemon, args.role)))
             url = emu.http_url
         elif args.part == "router":
-            settings = router_settings(args.daemon, reuse=args.reuse == "true")
+            settings = router_settings(args.daemon, reuse=args.reuse == "true", stream=args.daemon_stream)
             settings = replace(settings, upstream=replace(settings.upstream, tokenizer=args.tokenizer))
             url = (await stack.enter_async_context(Router(settings))).url
         else:
@@ -104,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.parts", description=__doc__.split("\n")[0])
     p.add_argument("part", choices=("engine", "router", "stand-in"))
     p.add_argument("--daemon", default="", help="the daemon's address (an engine's, a router's)")
+    p.add_argument("--daemon-stream", default="", help="a router's: the daemon's --stream-listen address")
     p.add_argument("--role", choices=("prefill", "decode"), default="decode", help="an engine's role")
     p.add_argument("--num-blocks", type=int, default=0, help="an engine's KV blocks (0: the default)")
     p.add_argument("--no-prefix-caching", action="store_true", help="an engine's local prefix cache off")

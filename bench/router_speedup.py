@@ -167,7 +167,7 @@ async def front_doors(dep: Deployment) -> AsyncIterator[dict[str, str]]:
     the engines' tokenizer files, kvferry tokenizing through P's /tokenize, reuse off, and
     the multi-turn proxy stand-in."""
     config = dep.prefill.engine.config
-    at = ("--daemon", dep.daemon.address)
+    at = ("--daemon", dep.daemon.address, "--daemon-stream", dep.daemon.stream_address)
     with tempfile.TemporaryDirectory(prefix="kvferry-tokenizer-") as tmp:
         files = write_tokenizer_files(Path(tmp), config.model, config.max_model_len)
         doors = {

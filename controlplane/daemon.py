@@ -27,11 +27,13 @@ from controlplane.forward import OwnerClient
 from controlplane.peers import Peers
 from controlplane.records import Keys, OwnerRecord
 from controlplane.server import Access, start_server
+from controlplane.server.framed import FramedStreams
+from controlplane.server.leases import LeasesServicer
 from controlplane.service import ControlPlane
 from controlplane.service.budgets import Release
 from controlplane.settings import Settings
 from controlplane.store import EtcdStore
-from kvferry.security.tls import CertReloader, TlsFiles, is_loopback
+from kvferry.security.tls import CertReloader, TlsFiles, is_loopback, server_ssl_context
 from kvferry.tasks import cancel_and_wait
 from kvferry.urls import join_host_port, listen_host_port, local_address, split_host_port
 
@@ -62,6 +64,9 @@ class Daemon:
     peers: Peers | None = None
     _forwarder: OwnerClient | None = None
     _stopped: bool = False
+    _framed: FramedStreams | None = None
+    stream_port: int = 0
+    """The bound port of --stream-listen (0: not served)."""
 
     @property
     def address(self) -> str:
@@ -87,6 +92,8 @@ class Daemon:
         serving = await start_server(cp, s.server.listen, s.server.max_message_bytes, self.peers, access)
         self._server, self.port, self._health = serving.server, serving.port, serving.health
         self.token_port = serving.token_port
+        if s.server.stream_listen:
+            await self._serve_framed(serving.leases, access)
         announced = advertised(s.server.listen, self.port, s.server.advertise)
         await self._own(cp, self.peers, announced, tls)
         if announced:
@@ -107,6 +114,19 @@ class Daemon:
             embedded=self.embedded is not None,
             startup_s=round(time.perf_counter() - t0, 3),
         )
+
+    async def _serve_framed(self, leases: LeasesServicer, access: Access) -> None:
+        """Leases/Stream's ops on --stream-listen, framed (server/framed.py); TLS as on the
+        main port (client certificates required)."""
+        host, port = listen_host_port(self.settings.server.stream_listen)
+        ctx = None if access.tls is None else server_ssl_context(access.tls, require_client_cert=True)
+        self._framed = FramedStreams(leases, access.policy, self.settings.server.max_message_bytes)
+        try:
+            self.stream_port = await self._framed.start(host, port, ctx)
+        except OSError as e:
+            raise OSError(
+                f"cannot listen on --stream-listen {self.settings.server.stream_listen}: {e}"
+            ) from e
 
     async def _own(self, cp: ControlPlane, peers: Peers, announced: str, tls: TlsFiles | None) -> None:
         """Own claim shards (controlplane.owners): under this replica's id and address, the
@@ -203,6 +223,8 @@ class Daemon:
             self.control_plane.begin_stop()
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        if self._framed is not None:
+            await self._framed.stop()
         if self._server is not None:
             await self._server.stop(grace)
         if self.control_plane is not None:

@@ -75,6 +75,9 @@ class ServerSettings:
     """Largest gRPC message accepted, bytes (a 128k-token retention's digests are ~128 KiB)."""
     grace_s: float = 5.0
     """Seconds in-flight RPCs get to finish on SIGTERM."""
+    stream_listen: str = ""
+    """Also serve Leases/Stream's ops framed, without gRPC, on this host:port ("" = off;
+    kvferry.framedstream): TLS and who may call as on `listen`."""
 
 
 @dataclass(frozen=True)
@@ -104,11 +107,16 @@ class SecuritySettings:
         """The policy, loaded (None: development mode); PolicyError naming the bad entry."""
         return None if self.policy is None else load_policy(self.policy)
 
+    def tls_files_given(self) -> TlsFiles | None:
+        """The TLS files as named, not read (None: not all three given)."""
+        ca, cert, key = self.tls_ca, self.tls_cert, self.tls_key
+        return TlsFiles(ca, cert, key) if ca and cert and key else None
+
     def validate(self, listen: str) -> None:
         """Raise ValueError on flags that do not go together (the files are not read here:
         see `Settings.load_files`)."""
         ca, cert, key = self.tls_ca, self.tls_cert, self.tls_key
-        tls = TlsFiles(ca, cert, key) if ca and cert and key else None
+        tls = self.tls_files_given()
         if tls is None and (ca or cert or key):
             TlsFiles.from_flags(ca, cert, key)  # (raises, naming the missing flags)
         problem = check_listen(listen, tls, self.insecure)
@@ -211,6 +219,15 @@ class Settings:
         self.policy.validate()
         self.budget.validate()
         self.security.validate(self.server.listen)
+        if self.server.stream_listen:
+            problem = check_listen(
+                self.server.stream_listen,
+                self.security.tls_files_given(),
+                self.security.insecure,
+                "--stream-listen",
+            )
+            if problem:
+                raise ValueError(problem)
         if not MIN_LIVENESS_TTL_S <= self.nodes.liveness_ttl_s <= MAX_LIVENESS_TTL_S:
             bounds = f"{MIN_LIVENESS_TTL_S}..{MAX_LIVENESS_TTL_S}"
             raise ValueError(f"liveness TTL must be {bounds} s, not {self.nodes.liveness_ttl_s}")
@@ -287,6 +304,11 @@ def _path_text(value: Path | None) -> str:
 
 FLAGS = (
     Flag("listen", "server.listen", "gRPC address (host:port)"),
+    Flag(
+        "stream-listen",
+        "server.stream_listen",
+        'also serve Leases/Stream framed, without gRPC, on host:port ("" = off): faster per op',
+    ),
     Flag(
         "tls-ca",
         "security.tls_ca",

@@ -57,13 +57,62 @@ CLOSE_WRITING_S = 1.0
 """Longest a close waits for the stream to take its end of writing."""
 
 
+Answer = asyncio.Future[leases_pb2.LeaseOpResult]
+
+
+def _await_late(
+    fut: Answer,
+    late: Callable[[leases_pb2.LeaseOpResult], None],
+    wait_s: float,
+    owed: set[Answer],
+    forget: Callable[[], None],
+) -> None:
+    """Wait up to `wait_s` more for `fut`, the answer to an op whose caller gave up (in
+    `owed` meanwhile); `late` gets it unless it is an error, and `forget` drops the op."""
+
+    def give_up() -> None:
+        forget()
+        fut.cancel()
+
+    def answered(f: Answer) -> None:
+        timer.cancel()
+        owed.discard(f)
+        forget()
+        if f.cancelled() or f.exception() is not None:
+            return
+        res = f.result()
+        if res.WhichOneof("result") != "error":
+            late(res)
+
+    timer = asyncio.get_running_loop().call_later(wait_s, give_up)
+    owed.add(fut)
+    fut.add_done_callback(answered)
+
+
+Opener = Callable[[], Any]
+"""Opens one Leases/Stream call (written to, read from: not iterated)."""
+
+
+def _grpc_stream(channel: grpc.aio.Channel | None) -> Opener:
+    assert channel is not None, "a LeaseStream needs a channel or an opener"
+    stub = leases_pb2_grpc.LeasesStub(channel)
+    return lambda: stub.Stream()  # type: ignore[call-arg]
+
+
 class LeaseStream:
     """One Leases/Stream to one daemon replica, opened on the first call and again after
     it broke; its calls are coroutines any number of tasks may await at once."""
 
-    def __init__(self, channel: grpc.aio.Channel, late_answer_s: float = LATE_ANSWER_S) -> None:
+    def __init__(
+        self,
+        channel: grpc.aio.Channel | None,
+        late_answer_s: float = LATE_ANSWER_S,
+        opener: Opener | None = None,
+    ) -> None:
+        """Streams open on `channel` (gRPC), or with `opener` (a call with the same methods:
+        a framed one to the daemon's --stream-listen, `kvferry.framedstream.opener`)."""
         self._late_answer_s = late_answer_s
-        self._stub = leases_pb2_grpc.LeasesStub(channel)
+        self._opener = opener or _grpc_stream(channel)
         self._call: Any = None
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[leases_pb2.LeaseOpResult]] = {}
@@ -230,25 +279,11 @@ class LeaseStream:
         """Keep waiting, up to `late_answer_s`, for the answer to an op whose caller gave up;
         `late` gets it unless it is an error (or the stream broke meanwhile)."""
 
-        def give_up() -> None:
+        def forget() -> None:
             if self._pending.get(op_id) is fut:
                 self._forget(op_id)
-            fut.cancel()
 
-        def answered(f: asyncio.Future[leases_pb2.LeaseOpResult]) -> None:
-            timer.cancel()
-            self._owed.discard(f)
-            if self._pending.get(op_id) is f:
-                self._forget(op_id)
-            if f.cancelled() or f.exception() is not None:
-                return
-            res = f.result()
-            if res.WhichOneof("result") != "error":
-                late(res)
-
-        timer = asyncio.get_running_loop().call_later(self._late_answer_s, give_up)
-        self._owed.add(fut)
-        fut.add_done_callback(answered)
+        _await_late(fut, late, self._late_answer_s, self._owed, forget)
 
     async def owed_answers(self, timeout_s: float) -> None:
         """Until the answers still awaited for callers that gave up have come (their `late`
@@ -309,7 +344,7 @@ class LeaseStream:
             return self._call
         async with self._open_lock:
             if self._call is None:
-                self._call = self._stub.Stream()  # type: ignore[call-arg]  # written to, not iterated
+                self._call = self._opener()  # (written to, not iterated)
                 self._writer = asyncio.create_task(self._write(self._call))
                 self._reader = asyncio.create_task(self._read(self._call, self._writer))
             return self._call

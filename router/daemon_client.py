@@ -24,6 +24,7 @@ import grpc
 import structlog
 
 from kvferry.channels import daemon_channel, daemon_channel_options
+from kvferry.framedstream import opener
 from kvferry.leaseclient import LeaseOpError, LeaseStream
 from kvferry.security.tls import TlsFiles, client_ssl_context
 from kvferry.structs import struct_to_dict
@@ -103,11 +104,15 @@ class Ended:
 class _Replica:
     """One daemon replica: its channel, its lookup stream and its Nodes stub."""
 
-    def __init__(self, address: str, late_answer_s: float, tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self, address: str, late_answer_s: float, tls: TlsFiles | None = None, stream_address: str = ""
+    ) -> None:
         self.address = address
+        self.stream_address = stream_address
         self.channel = daemon_channel(address, tls, _CHANNEL_OPTIONS)
-        self.stream = LeaseStream(self.channel, late_answer_s)
-        """Its ``Leases/Stream``, which the lookups go over."""
+        framed = opener(stream_address, tls) if stream_address else None
+        self.stream = LeaseStream(self.channel, late_answer_s, framed)
+        """Its ``Leases/Stream``, which the lookups go over (framed, at `stream_address`)."""
         self.nodes = nodes_pb2_grpc.NodesStub(self.channel)
         self.leases = leases_pb2_grpc.LeasesStub(self.channel)
         self.late = 0
@@ -132,7 +137,10 @@ class DaemonClient:
         self._tls = None if tls is None else TlsFiles(tls.ca, tls.cert, tls.key)
         if self._tls is not None:
             self._tls.changed()
-        self._replicas = [_Replica(a, settings.late_answer_s, self._tls) for a in addresses]
+        streams = settings.stream_addresses or ("",) * len(addresses)
+        self._replicas = [
+            _Replica(a, settings.late_answer_s, self._tls, f) for a, f in zip(addresses, streams, strict=True)
+        ]
         self._current = 0
         self.breaker = Breaker(settings.breaker_base_s, settings.breaker_max_s)
         self._reopening: asyncio.Task[None] | None = None
@@ -181,7 +189,9 @@ class DaemonClient:
             log.warning("router.daemon.tls_reload_failed", cert=str(self._tls.cert), error=str(e))
             return False
         old = self._replicas
-        self._replicas = [_Replica(r.address, self._s.late_answer_s, self._tls) for r in old]
+        self._replicas = [
+            _Replica(r.address, self._s.late_answer_s, self._tls, r.stream_address) for r in old
+        ]
         for replica in old:
             self._retired.append(replica)
             task = asyncio.get_running_loop().create_task(self._retire(replica))

@@ -51,6 +51,9 @@ class DaemonSettings:
 
     addresses: tuple[str, ...] = ()
     """Daemon replicas (host:port); empty = no daemon: static nodes, no reuse."""
+    stream_addresses: tuple[str, ...] = ()
+    """The same replicas' --stream-listen addresses, in the same order: lookups then go over
+    the framed stream, without gRPC (kvferry.framedstream); empty = over gRPC."""
     lookup_deadline_s: float = 0.05
     """The base of a lookup's wait, from when the prompt is known: a lookup slower than its
     wait is given up and the turn served without reuse (see `router.patience`)."""
@@ -81,6 +84,38 @@ class DaemonSettings:
     """After a failed lookup, skip lookups this long (doubling per failure)."""
     breaker_max_s: float = 1.0
     """Longest time lookups are skipped after failures."""
+
+    def validate(self) -> None:
+        """Raise ValueError on an address that is not host:port, stream addresses that do not
+        pair with the replicas, or a timing out of range."""
+        if any(":" not in a for a in (*self.addresses, *self.stream_addresses)):
+            raise ValueError("daemon addresses must be host:port")
+        if self.stream_addresses and len(self.stream_addresses) != len(self.addresses):
+            raise ValueError(
+                f"--daemon-stream names {len(self.stream_addresses)} address(es) for {len(self.addresses)} "
+                "daemon replica(s): give one per --daemon address, in the same order"
+            )
+        positive = (
+            "lookup_deadline_s",
+            "lookup_max_wait_s",
+            "score_deadline_s",
+            "rpc_timeout_s",
+            "nodes_refresh_s",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"daemon {name} must be positive")
+        if self.lookup_max_wait_s >= ANSWER_VALID_S or self.lookup_deadline_s >= ANSWER_VALID_S:
+            raise ValueError(
+                f"daemon lookup_max_wait_s and lookup_deadline_s must be below {ANSWER_VALID_S:g} s, "
+                "the longest an answer is valid after its lookup left"
+            )
+        if not 0 <= self.lookup_recompute_share <= 1:
+            raise ValueError("daemon lookup_recompute_share must be in 0..1")
+        if self.prefill_s_per_token < 0 or self.late_answer_s < 0:
+            raise ValueError("daemon prefill_s_per_token and late_answer_s must be >= 0")
+        if not 0 < self.breaker_base_s <= self.breaker_max_s:
+            raise ValueError("breaker base must be positive and at most the breaker maximum")
 
 
 @dataclass(frozen=True)
@@ -217,29 +252,7 @@ class Settings:
         if min(self.server.head_timeout_s, self.server.body_timeout_s, self.server.idle_timeout_s) <= 0:
             raise ValueError("head, body and idle timeouts must be positive")
         d = self.daemon
-        if any(":" not in a for a in d.addresses):
-            raise ValueError("daemon addresses must be host:port")
-        positive = (
-            "lookup_deadline_s",
-            "lookup_max_wait_s",
-            "score_deadline_s",
-            "rpc_timeout_s",
-            "nodes_refresh_s",
-        )
-        for name in positive:
-            if getattr(d, name) <= 0:
-                raise ValueError(f"daemon {name} must be positive")
-        if d.lookup_max_wait_s >= ANSWER_VALID_S or d.lookup_deadline_s >= ANSWER_VALID_S:
-            raise ValueError(
-                f"daemon lookup_max_wait_s and lookup_deadline_s must be below {ANSWER_VALID_S:g} s, "
-                "the longest an answer is valid after its lookup left"
-            )
-        if not 0 <= d.lookup_recompute_share <= 1:
-            raise ValueError("daemon lookup_recompute_share must be in 0..1")
-        if d.prefill_s_per_token < 0 or d.late_answer_s < 0:
-            raise ValueError("daemon prefill_s_per_token and late_answer_s must be >= 0")
-        if not 0 < d.breaker_base_s <= d.breaker_max_s:
-            raise ValueError("breaker base must be positive and at most the breaker maximum")
+        d.validate()
         n = self.nodes
         for url in (*n.prefill_urls, *n.decode_urls):
             if not is_http_url(url):
@@ -277,6 +290,13 @@ FLAGS = (
         "daemon",
         "daemon.addresses",
         "daemon address(es) host:port[,...]; empty = none",
+        to_field=_urls,
+        to_text=joined,
+    ),
+    Flag(
+        "daemon-stream",
+        "daemon.stream_addresses",
+        "the daemon replicas' --stream-listen address(es), as --daemon's: lookups go framed, not gRPC",
         to_field=_urls,
         to_text=joined,
     ),

@@ -5,6 +5,7 @@ operation and build the reply. Nothing else lives here.
 - owners.py: kvferry.v1.Owners, the daemon-only forwarding to a shard's owner;
 - auth.py: who calls, and whether its role may (one interceptor; per-request checks);
 - stream.py: Leases/Stream's ops multiplexed on one stream;
+- framed.py: the same ops on --stream-listen, framed without gRPC (kvferry.framedstream);
 - status.py: the one map from domain errors to gRPC status codes;
 - decoding.py: INVALID_ARGUMENT for a request that does not decode.
 
@@ -60,6 +61,7 @@ class Serving:
     server: grpc.aio.Server
     port: int
     health: HealthServicer
+    leases: LeasesServicer
     token_port: int = 0
 
 
@@ -90,7 +92,8 @@ async def start_server(
     )
     cluster = Cluster(cp.registry, cp.attachments, peers)
     nodes_pb2_grpc.add_NodesServicer_to_server(NodesServicer(cp.registry, cp.attachments, cluster), server)
-    leases_pb2_grpc.add_LeasesServicer_to_server(LeasesServicer(cp.retentions, cp.lookups, cp.held), server)
+    leases = LeasesServicer(cp.retentions, cp.lookups, cp.held)
+    leases_pb2_grpc.add_LeasesServicer_to_server(leases, server)
     owners_pb2_grpc.add_OwnersServicer_to_server(OwnersServicer(cp.owned, cp.budgets), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -101,7 +104,7 @@ async def start_server(
     await server.start()
     for name in ("", *SERVICE_NAMES[:2]):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return Serving(server, port, health, token_port)
+    return Serving(server, port, health, leases, token_port)
 
 
 def _bind(server: grpc.aio.Server, listen: str, tls: TlsFiles | None, require_client_cert: bool) -> int:

@@ -95,15 +95,32 @@ class Authenticator(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         return _wrapped(handler, lambda context: self._admit(method, token, context))
 
     async def _admit(self, method: str, token: str, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        who = identify(self._policy, token, peer_identity_from_grpc(context))
-        known = who if isinstance(who, Caller) else None
-        denial = method_denial(known, method)
+        denial = admission(self._policy, method, token, peer_identity_from_grpc(context), context.peer())
         if denial is not None:
-            if isinstance(who, Denial):  # (says what the identity lacked, not just "none")
-                denial = who
-            audit.denied(known, method, denial, context.peer())
-            await context.abort(_STATUS[denial.code], denial.message)
-        _ADMITTED.set(Admitted(known or Caller.DEVELOPMENT, context.peer()))
+            await context.abort(status_code(denial), denial.message)
+
+
+def admission(
+    policy: Policy | None, method: str, token: str, common_name: str | None, peer: str
+) -> Denial | None:
+    """Identify a caller (its bearer `token`, else its certificate's `common_name`) and allow
+    its role `method`: None, the caller then set for the current context and the tasks it
+    starts (`caller()`); or the Denial, its audit line written."""
+    who = identify(policy, token, common_name)
+    known = who if isinstance(who, Caller) else None
+    denial = method_denial(known, method)
+    if denial is not None:
+        if isinstance(who, Denial):  # (says what the identity lacked, not just "none")
+            denial = who
+        audit.denied(known, method, denial, peer)
+        return denial
+    _ADMITTED.set(Admitted(known or Caller.DEVELOPMENT, peer))
+    return None
+
+
+def status_code(denial: Denial) -> grpc.StatusCode:
+    """The gRPC status a refused call ends with."""
+    return _STATUS[denial.code]
 
 
 Admit = Callable[[grpc.aio.ServicerContext[Any, Any]], Awaitable[None]]

@@ -131,7 +131,11 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
     ) -> AsyncIterator[bytes]:
         """Register and Lookup ops on one stream, answered in completion order (stream.py):
         LeaseOpResultBatch messages, encoded already (the DecodeGuard passes them on)."""
-        return OpStream(self._register, self._lookup, self._lookup_now).serve(request_iterator, context)
+        return self.op_stream().serve(request_iterator, context)
+
+    def op_stream(self) -> OpStream:
+        """A new Leases/Stream's ops and results (gRPC's, or a framed one's: server/framed.py)."""
+        return OpStream(self._register, self._lookup, self._lookup_now)
 
     @rpc("Leases/Get")
     async def Get(

@@ -61,10 +61,13 @@ class OpStream:
         self._broken: list[InvalidArgument] = []  # a request message that did not decode
 
     async def serve(
-        self, requests: AsyncIterator[leases_pb2.LeaseOpBatch], context: grpc.aio.ServicerContext[Any, Any]
+        self,
+        requests: AsyncIterator[leases_pb2.LeaseOpBatch],
+        context: grpc.aio.ServicerContext[Any, Any] | None = None,
     ) -> AsyncIterator[bytes]:
         """The result batches (LeaseOpResultBatch, encoded), until the request stream ends
-        and every op is answered."""
+        and every op is answered. A request that did not decode then aborts `context`'s
+        call (without one: raises the InvalidArgument)."""
         reader = asyncio.create_task(self._read(requests))
         try:
             while True:
@@ -82,6 +85,8 @@ class OpStream:
                 self._wake.clear()
             await reader  # surfaces a broken request stream
             if self._broken:
+                if context is None:
+                    raise self._broken[0]
                 await abort(context, self._broken[0], "Leases/Stream")
         finally:
             reader.cancel()

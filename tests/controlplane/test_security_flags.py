@@ -1,6 +1,7 @@
 """The daemon's security flags are checked at start (issue 21): plaintext stays on
 loopback unless --insecure, TLS files come all three, a policy must load, the token port
-needs TLS and a policy. Each refusal says which flag to give."""
+needs TLS and a policy, the framed stream's port (--stream-listen) TLS off loopback. Each
+refusal says which flag to give."""
 
 from __future__ import annotations
 
@@ -71,6 +72,10 @@ def test_development_mode_needs_nothing() -> None:
             "--token-listen needs TLS (--tls-ca, --tls-cert, --tls-key) and --policy",
         ),
         (["--node-networks", "10.0.0.0/8,nonsense"], "node network 'nonsense' is not a CIDR"),
+        (
+            ["--stream-listen", "0.0.0.0:50053"],
+            "--stream-listen 0.0.0.0:50053 is not a loopback address and no TLS is configured",
+        ),
     ],
 )
 def test_refusals_say_what_to_give(certs: Path, flags: list[str], error: str) -> None:

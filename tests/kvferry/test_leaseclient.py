@@ -130,8 +130,7 @@ def _stream_on(call: Any, late_answer_s: float = 10.0) -> tuple[Any, grpc.aio.Ch
     from kvferry.leaseclient import LeaseStream
 
     channel = grpc.aio.insecure_channel("127.0.0.1:9")
-    stream = LeaseStream(channel, late_answer_s)
-    stream._stub = type("Stub", (), {"Stream": lambda self: call})()
+    stream = LeaseStream(channel, late_answer_s, opener=lambda: call)
     return stream, channel
 
 

@@ -112,9 +112,9 @@ async def test_a_claim_reaching_the_daemon_after_its_own_turn_registered_leaves_
     assert slow.daemon is not None
     leases = slow.daemon._replica.stream
     await leases.close()  # (the stream opened at start) the next one is slow to send
-    real = leases._stub
+    real = leases._opener
     gate = asyncio.Event()
-    leases._stub = type("Stub", (), {"Stream": lambda self: _SlowWrites(real.Stream(), gate)})()
+    leases._opener = lambda: _SlowWrites(real(), gate)
     second = {**body, "messages": next_turn(messages, one.text)}
     two = await ask(http, slow.url, second)
     assert two.status == 200 and (two.decision, two.reason) == ("SKIPPED", "daemon_timeout")

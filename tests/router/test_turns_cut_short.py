@@ -177,8 +177,8 @@ async def test_a_stop_waits_for_the_lookups_owed_an_answer_and_releases_their_cl
         assert router.daemon is not None
         leases = router.daemon._replica.stream
         await leases.close()  # (the stream opened at start) the next one answers slowly
-        real = leases._stub
-        leases._stub = type("Stub", (), {"Stream": lambda self: _SlowReads(real.Stream(), 0.6)})()
+        real = leases._opener
+        leases._opener = lambda: _SlowReads(real(), 0.6)
 
         async def lookup_left() -> bool:
             return bool(leases._written)
