@@ -59,6 +59,7 @@ class Daemon:
     _health: Any = None
     _metrics_httpd: Any = None
     _metrics_reloader: CertReloader | None = None
+    _framed_reloader: CertReloader | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _store: EtcdStore | None = None
     peers: Peers | None = None
@@ -119,7 +120,11 @@ class Daemon:
         """Leases/Stream's ops on --stream-listen, framed (server/framed.py); TLS as on the
         main port (client certificates required)."""
         host, port = listen_host_port(self.settings.server.stream_listen)
-        ctx = None if access.tls is None else server_ssl_context(access.tls, require_client_cert=True)
+        ctx = None
+        if access.tls is not None:  # (rotated files load into it, as into the other listeners')
+            ctx = server_ssl_context(access.tls, require_client_cert=True)
+            self._framed_reloader = CertReloader(access.tls.watch(), [ctx], CERT_CHECK_S)
+            self._framed_reloader.start()
         self._framed = FramedStreams(leases, access.policy, self.settings.server.max_message_bytes)
         try:
             self.stream_port = await self._framed.start(host, port, ctx)
@@ -217,8 +222,9 @@ class Daemon:
             # of the stop, not before the process may exit (a restart is that much quicker).
             httpd = self._metrics_httpd
             threading.Thread(target=lambda: (httpd.shutdown(), httpd.server_close()), daemon=True).start()
-        if self._metrics_reloader is not None:
-            await self._metrics_reloader.stop()
+        for reloader in (self._metrics_reloader, self._framed_reloader):
+            if reloader is not None:
+                await reloader.stop()
         if self.control_plane is not None:
             self.control_plane.begin_stop()
         if self._health is not None:

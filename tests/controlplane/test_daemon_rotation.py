@@ -1,6 +1,6 @@
 """A daemon's certificate rotated under it (cert-manager rewrites the mounted files) is
 taken up by every one of its TLS ends without a restart: the mTLS port, the bearer-token
-port, the channels to the other replicas, and the metrics port."""
+port, the framed stream's port, the channels to the other replicas, and the metrics port."""
 
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ async def rotating(make_daemon: DaemonFactory, etcd_endpoint: str, certs: Path, 
         token_listen="127.0.0.1:0",
     )
     base = daemon_settings(etcd_endpoint)
-    return await make_daemon(replace(base, security=security, server=replace(base.server, metrics_port=0)))
+    server = replace(base.server, metrics_port=0, stream_listen="127.0.0.1:0")
+    return await make_daemon(replace(base, security=security, server=server))
 
 
 async def test_both_grpc_ports_and_the_peer_channels_take_up_a_rotation(
@@ -94,6 +95,19 @@ async def test_the_metrics_port_takes_up_a_rotation(rotating: Daemon, certs: Pat
         return await _served(rotating.metrics_port, certs, None) == rotated
 
     await eventually(metrics_rotated, within=30, interval=0.5)
+
+
+async def test_the_framed_stream_port_takes_up_a_rotation(
+    rotating: Daemon, certs: Path, tmp_path: Path
+) -> None:
+    first, rotated = _serial(certs / "sidecar-d0.pem"), _serial(certs / "daemon.pem")
+    assert await _served(rotating.stream_port, certs, None) == first
+    _install(certs, "daemon", tmp_path / "live")
+
+    async def stream_port_rotated() -> bool:
+        return await _served(rotating.stream_port, certs, None) == rotated
+
+    await eventually(stream_port_rotated, within=30, interval=0.5)
 
 
 async def test_a_silent_connection_does_not_stop_the_metrics_port(rotating: Daemon, certs: Path) -> None:
