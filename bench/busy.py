@@ -102,7 +102,7 @@ async def deployment() -> AsyncIterator[str]:
             daemon = DaemonProcess(Path(tmp))
             stack.push_async_callback(daemon.stop)
             await daemon.start()
-            at = ("--daemon", daemon.address)
+            at = ("--daemon", daemon.address, "--daemon-stream", daemon.stream_address)
             await stack.enter_async_context(
                 parts.started("engine", "--role", "prefill", "--no-prefix-caching", *at)
             )
@@ -110,8 +110,7 @@ async def deployment() -> AsyncIterator[str]:
                 parts.started("engine", "--role", "decode", "--num-blocks", str(REFERENCE_BLOCKS), *at)
             )
             await wait_nodes(daemon.address, 2)
-            router = parts.started("router", *at, "--daemon-stream", daemon.stream_address)
-            yield (await stack.enter_async_context(router)).url
+            yield (await stack.enter_async_context(parts.started("router", *at))).url
 
 
 async def one_phase(name: str, rate: float, args: argparse.Namespace) -> Phase:

@@ -139,10 +139,11 @@ def engine_config(role: str, **changes: Any) -> EmulatorConfig:
 
 
 def sidecar_settings(
-    emu: EmulatorServer, daemon: str | tuple[str, ...], role: str, **engine: Any
+    emu: EmulatorServer, daemon: str | tuple[str, ...], role: str, stream: str = "", **engine: Any
 ) -> SidecarSettings:
-    """The sidecar of `emu` on loopback, reaching the daemon replica(s) `daemon`; `engine`
-    changes its EngineSettings (the engine's blocks TTL, say)."""
+    """The sidecar of `emu` on loopback, reaching the daemon replica(s) `daemon` (registering
+    over the framed stream at `stream`, when given); `engine` changes its EngineSettings
+    (the engine's blocks TTL, say)."""
     return SidecarSettings(
         engine=EngineSettings(
             url=emu.http_url,
@@ -153,7 +154,10 @@ def sidecar_settings(
             health_interval_s=0.5,
             **engine,
         ),
-        daemon=SidecarDaemonSettings(addresses=(daemon,) if isinstance(daemon, str) else daemon),
+        daemon=SidecarDaemonSettings(
+            addresses=(daemon,) if isinstance(daemon, str) else daemon,
+            stream_addresses=(stream,) if stream else (),
+        ),
         tap=TapSettings(listen="127.0.0.1:0"),
     )
 
@@ -200,7 +204,9 @@ async def deployment(
             for emu, role in ((p, "prefill"), (d, "decode")):
                 await stack.enter_async_context(emu)
                 sidecars.append(
-                    await stack.enter_async_context(Sidecar(sidecar_settings(emu, daemon.address, role)))
+                    await stack.enter_async_context(
+                        Sidecar(sidecar_settings(emu, daemon.address, role, daemon.stream_address))
+                    )
                 )
             await wait_nodes(daemon.address, 2)
             kvferry = await stack.enter_async_context(

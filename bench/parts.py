@@ -81,7 +81,9 @@ async def _serve(args: argparse.Namespace) -> int:
             if args.no_prefix_caching:
                 changes["enable_prefix_caching"] = False
             emu = await stack.enter_async_context(EmulatorServer(engine_config(args.role, **changes)))
-            await stack.enter_async_context(Sidecar(sidecar_settings(emu, args.daemon, args.role)))
+            await stack.enter_async_context(
+                Sidecar(sidecar_settings(emu, args.daemon, args.role, args.daemon_stream))
+            )
             url = emu.http_url
         elif args.part == "router":
             settings = router_settings(args.daemon, reuse=args.reuse == "true", stream=args.daemon_stream)
@@ -105,7 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.parts", description=__doc__.split("\n")[0])
     p.add_argument("part", choices=("engine", "router", "stand-in"))
     p.add_argument("--daemon", default="", help="the daemon's address (an engine's, a router's)")
-    p.add_argument("--daemon-stream", default="", help="a router's: the daemon's --stream-listen address")
+    p.add_argument(
+        "--daemon-stream", default="", help="the daemon's --stream-listen address (a router's, a sidecar's)"
+    )
     p.add_argument("--role", choices=("prefill", "decode"), default="decode", help="an engine's role")
     p.add_argument("--num-blocks", type=int, default=0, help="an engine's KV blocks (0: the default)")
     p.add_argument("--no-prefix-caching", action="store_true", help="an engine's local prefix cache off")

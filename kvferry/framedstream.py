@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -191,6 +191,18 @@ class FramedCall:
         self._connected.cancel()
         self._end(grpc.StatusCode.CANCELLED, "framed stream cancelled")
         return True
+
+
+def check_stream_addresses(addresses: Sequence[str], stream_addresses: Sequence[str]) -> None:
+    """ValueError unless `stream_addresses` (a client's --daemon-stream) are none, or one
+    host:port per daemon replica of `addresses` (its --daemon), in the same order."""
+    if any(":" not in a for a in stream_addresses):
+        raise ValueError("daemon stream addresses must be host:port")
+    if stream_addresses and len(stream_addresses) != len(addresses):
+        raise ValueError(
+            f"--daemon-stream names {len(stream_addresses)} address(es) for {len(addresses)} "
+            "daemon replica(s): give one per --daemon address, in the same order"
+        )
 
 
 def opener(address: str, tls: TlsFiles | None = None, authorization: str = "") -> Callable[[], FramedCall]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvferry.flags import Flag, add_flags, bool_text, boolean, items, joined, seconds, settings_from
+from kvferry.framedstream import check_stream_addresses
 from kvferry.limits import ANSWER_VALID_S, MAX_BLOCK_SIZE
 from kvferry.security.tls import RELOAD_CHECK_S, TlsFiles, check_listen
 from kvferry.urls import is_http_url, listen_host_port
@@ -88,13 +89,9 @@ class DaemonSettings:
     def validate(self) -> None:
         """Raise ValueError on an address that is not host:port, stream addresses that do not
         pair with the replicas, or a timing out of range."""
-        if any(":" not in a for a in (*self.addresses, *self.stream_addresses)):
+        if any(":" not in a for a in self.addresses):
             raise ValueError("daemon addresses must be host:port")
-        if self.stream_addresses and len(self.stream_addresses) != len(self.addresses):
-            raise ValueError(
-                f"--daemon-stream names {len(self.stream_addresses)} address(es) for {len(self.addresses)} "
-                "daemon replica(s): give one per --daemon address, in the same order"
-            )
+        check_stream_addresses(self.addresses, self.stream_addresses)
         positive = (
             "lookup_deadline_s",
             "lookup_max_wait_s",

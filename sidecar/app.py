@@ -96,7 +96,8 @@ class Sidecar:
         self.metrics.unretained_blocks.set_function(lambda: self.unretained.blocks(time.monotonic()))
         self.port = 0
         self.security = load_security(settings)
-        self._link = DaemonLink(settings.daemon.addresses, self.security.tls)
+        d = settings.daemon
+        self._link = DaemonLink(d.addresses, self.security.tls, d.stream_addresses)
         self.reloader: CertReloader | None = None
         """Loads rotated TLS files into the tap's and the client's contexts (None: no TLS)."""
         self._http: aiohttp.ClientSession | None = None

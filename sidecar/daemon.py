@@ -15,6 +15,8 @@ import grpc
 import structlog
 
 from kvferry.channels import daemon_channel, daemon_channel_options
+from kvferry.framedstream import opener
+from kvferry.leaseclient import Opener
 from kvferry.security.tls import TlsFiles
 from kvferry.v1 import leases_pb2_grpc, nodes_pb2_grpc
 
@@ -57,8 +59,12 @@ class Backoff:
 class DaemonLink:
     """The channel to the current daemon replica; `failover` moves to the next one."""
 
-    def __init__(self, addresses: Sequence[str], tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self, addresses: Sequence[str], tls: TlsFiles | None = None, stream_addresses: Sequence[str] = ()
+    ) -> None:
         self._addresses = list(addresses)
+        self._streams = list(stream_addresses)
+        """The replicas' --stream-listen addresses, as `addresses` (none: Leases/Stream over gRPC)."""
         self._index = 0
         self._channel: grpc.aio.Channel | None = None
         # (a TlsFiles of its own: `changed()` answers each asker once)
@@ -88,6 +94,10 @@ class DaemonLink:
                 self._tls.forget()
                 self._channel = self._retired.pop()
         return self._channel
+
+    def stream_opener(self) -> Opener | None:
+        """What opens a framed Leases/Stream to the current replica (None: use its channel)."""
+        return opener(self._streams[self._index], self._tls) if self._streams else None
 
     def nodes(self, channel: grpc.aio.Channel) -> nodes_pb2_grpc.NodesAsyncStub:
         return nodes_pb2_grpc.NodesStub(channel)

@@ -345,7 +345,7 @@ class RetentionSender:
 
     async def run(self) -> None:
         channel = self._link.channel()
-        stream = LeaseStream(channel)
+        stream = LeaseStream(channel, opener=self._link.stream_opener())
         reconcile = asyncio.create_task(
             self.orphans.run(self._link, self._s.node_id, self._s.daemon.rpc_timeout_s),
             name="sidecar-orphans",
@@ -356,7 +356,7 @@ class RetentionSender:
                 if self._link.channel() is not channel:  # failed over
                     await stream.close()
                     channel = self._link.channel()
-                    stream = LeaseStream(channel)
+                    stream = LeaseStream(channel, opener=self._link.stream_opener())
                     continue  # (ready again: the engine may have restarted meanwhile)
                 draft = self._next()
                 if draft is None:  # (the ones queued wait for their conversation's in flight)

@@ -14,6 +14,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from kvferry.flags import Flag, add_flags, bool_text, boolean, items, joined, seconds, settings_from
+from kvferry.framedstream import check_stream_addresses
 from kvferry.ids import id_problem
 from kvferry.limits import MAX_BLOCK_SIZE, MAX_LIFETIME_S, MAX_LIVENESS_TTL_S, MAX_PORT, MIN_LIVENESS_TTL_S
 from kvferry.security.tls import TlsFiles, check_listen
@@ -110,6 +111,9 @@ class DaemonSettings:
 
     addresses: tuple[str, ...] = ("127.0.0.1:50051",)
     """Daemon replicas (host:port); the sidecar fails over between them."""
+    stream_addresses: tuple[str, ...] = ()
+    """The same replicas' --stream-listen addresses, in the same order: registrations then
+    go over the framed stream, without gRPC (kvferry.framedstream); empty = over gRPC."""
     liveness_ttl_s: int = 10
     """Seconds the node stays alive without a heartbeat (2..3600)."""
     rpc_timeout_s: float = 5.0
@@ -250,6 +254,7 @@ class Settings:
         d = self.daemon
         if not d.addresses or any(":" not in a for a in d.addresses):
             raise ValueError("daemon addresses must be host:port")
+        check_stream_addresses(d.addresses, d.stream_addresses)
         if not MIN_LIVENESS_TTL_S <= d.liveness_ttl_s <= MAX_LIVENESS_TTL_S:
             raise ValueError(f"liveness TTL must be in {MIN_LIVENESS_TTL_S}..{MAX_LIVENESS_TTL_S} s")
         if d.rpc_timeout_s <= 0 or not 0 < d.backoff_initial_s <= d.backoff_max_s:
@@ -364,6 +369,13 @@ FLAGS = (
         "daemon",
         "daemon.addresses",
         "daemon address(es), host:port[,host:port...]",
+        to_field=items,
+        to_text=joined,
+    ),
+    Flag(
+        "daemon-stream",
+        "daemon.stream_addresses",
+        "the daemon replicas' --stream-listen address(es), as --daemon's: registrations go framed",
         to_field=items,
         to_text=joined,
     ),

@@ -388,7 +388,7 @@ EXPECTED = {
         "kvferry-daemon",
         "kvferry-admin",
     },
-    ("kvferry-daemon", 50053): {"kvferry-router"},  # (the framed Leases/Stream: lookups)
+    ("kvferry-daemon", 50053): {"vllm-decode", "vllm-prefill", "kvferry-router"},  # (framed Leases/Stream)
     ("kvferry-daemon", 9464): {"prometheus"},
     ("vllm-decode", 8100): {"kvferry-router", "vllm-decode", "vllm-prefill", "kvferry-admin", "prometheus"},
     ("vllm-decode", 5600): {"vllm-decode", "vllm-prefill"},

@@ -47,7 +47,9 @@ def emulator_config(**changes: Any) -> EmulatorConfig:
 def sidecar_for(
     emu: EmulatorServer, daemon: Daemon, role: str, advertise_engine_url: str = "", daemon_address: str = ""
 ) -> SidecarSettings:
-    """A sidecar's settings for `emu`, on `daemon` (at `daemon_address` when given: a proxy)."""
+    """A sidecar's settings for `emu`, on `daemon` (at `daemon_address` when given: a proxy;
+    registering over its framed stream when it serves one)."""
+    framed = (f"127.0.0.1:{daemon.stream_port}",) if daemon.stream_port and not daemon_address else ()
     return SidecarSettings(
         engine=EngineSettings(
             url=emu.http_url,
@@ -64,7 +66,10 @@ def sidecar_for(
             replay_endpoint=emu.kv_events_replay_endpoint or "",
         ),
         daemon=SidecarDaemonSettings(
-            addresses=(daemon_address or daemon.address,), liveness_ttl_s=10, backoff_max_s=0.3
+            addresses=(daemon_address or daemon.address,),
+            stream_addresses=framed,
+            liveness_ttl_s=10,
+            backoff_max_s=0.3,
         ),
         tap=TapSettings(listen="127.0.0.1:0", advertise_engine_url=advertise_engine_url),
     )

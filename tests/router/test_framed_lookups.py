@@ -1,5 +1,6 @@
-"""A router given the daemon's --stream-listen address (--daemon-stream) looks up over the
-framed stream (kvferry.framedstream), not gRPC: the turn pulls as it would over gRPC."""
+"""A router and sidecars given the daemon's --stream-listen address (--daemon-stream) look
+up and register over the framed stream (kvferry.framedstream), not gRPC: the turn pulls as
+it would over gRPC."""
 
 from __future__ import annotations
 
@@ -35,12 +36,18 @@ async def test_a_turn_pulls_through_a_framed_lookup(
     assert (two.status, two.decision) == (200, "PULL") and two.reused > 0
     assert pulled_tokens(p) > before
     assert two.text == await reference(CHAT, second)
-    assert daemon._framed is not None and daemon._framed._connections, "the lookups went framed"
+    # (the router's lookups and D's sidecar's registrations: one framed stream each)
+    assert daemon._framed is not None and len(daemon._framed._connections) == 2
 
 
 def test_one_stream_address_per_daemon_replica() -> None:
     from router.settings import DaemonSettings, Settings
+    from sidecar.settings import DaemonSettings as SidecarDaemon
+    from sidecar.settings import Settings as SidecarSettings
 
     s = Settings(daemon=DaemonSettings(addresses=("a:1", "b:1"), stream_addresses=("a:2",)))
     with pytest.raises(ValueError, match="give one per --daemon address"):
         s.validate()
+    sc = SidecarSettings(daemon=SidecarDaemon(addresses=("a:1",), stream_addresses=("a:2", "b:2")))
+    with pytest.raises(ValueError, match="give one per --daemon address"):
+        sc.validate()
