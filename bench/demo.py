@@ -69,15 +69,23 @@ class DaemonProcess:
     on the external etcd at `etcd` under `prefix`."""
 
     def __init__(
-        self, data_dir: Path | None, etcd: str = "", prefix: str = "", port: int = 0, args: Sequence[str] = ()
+        self,
+        data_dir: Path | None,
+        etcd: str = "",
+        prefix: str = "",
+        port: int = 0,
+        args: Sequence[str] = (),
+        stream_port: int = 0,
     ) -> None:
+        """`port` and `stream_port` (0: free ones) are its --listen's and --stream-listen's: a
+        daemon that replaces another one takes both of its ports, as a restart does."""
         self.data_dir = data_dir
         self.args = tuple(args)
         """More flags for `kvferry daemon` (a policy's, say)."""
         self.etcd = etcd
         self.prefix = prefix
         self.port = port or free_port()
-        self.stream_port = free_port()
+        self.stream_port = stream_port or free_port()
         self.proc: asyncio.subprocess.Process | None = None
 
     @property

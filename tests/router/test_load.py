@@ -86,7 +86,9 @@ async def test_200_concurrent_conversations_survive_a_daemon_killed_mid_run(
     prefix = f"/t-{uuid.uuid4().hex[:10]}"
     daemon = DaemonProcess(None, etcd=etcd_endpoint, prefix=prefix)
     await daemon.start()
-    back = DaemonProcess(None, etcd=etcd_endpoint, prefix=prefix, port=daemon.port)
+    back = DaemonProcess(
+        None, etcd=etcd_endpoint, prefix=prefix, port=daemon.port, stream_port=daemon.stream_port
+    )
     try:
         await _survive_a_kill(daemon, back, make_stack, http, reference)
     finally:
