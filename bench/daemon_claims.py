@@ -136,8 +136,8 @@ async def no_work_floor(
             raise RuntimeError(
                 f"bench.echo did not start: it said {port!r} (exit code {code}; see its stderr)"
             )
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        if framed:
+        channel = None if framed else grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        if channel is None:
             stream = LeaseStream(None, opener=opener(f"127.0.0.1:{port}"))
         else:
             await asyncio.wait_for(channel.channel_ready(), 30)
@@ -159,7 +159,8 @@ async def no_work_floor(
                 )
             )
         await stream.close()
-        await channel.close(None)
+        if channel is not None:
+            await channel.close(None)
     finally:
         await stop_child(proc)
     return p99s

@@ -107,7 +107,7 @@ class SecuritySettings:
         """The policy, loaded (None: development mode); PolicyError naming the bad entry."""
         return None if self.policy is None else load_policy(self.policy)
 
-    def tls_files_given(self) -> TlsFiles | None:
+    def named_tls_files(self) -> TlsFiles | None:
         """The TLS files as named, not read (None: not all three given)."""
         ca, cert, key = self.tls_ca, self.tls_cert, self.tls_key
         return TlsFiles(ca, cert, key) if ca and cert and key else None
@@ -116,7 +116,7 @@ class SecuritySettings:
         """Raise ValueError on flags that do not go together (the files are not read here:
         see `Settings.load_files`)."""
         ca, cert, key = self.tls_ca, self.tls_cert, self.tls_key
-        tls = self.tls_files_given()
+        tls = self.named_tls_files()
         if tls is None and (ca or cert or key):
             TlsFiles.from_flags(ca, cert, key)  # (raises, naming the missing flags)
         problem = check_listen(listen, tls, self.insecure)
@@ -222,7 +222,7 @@ class Settings:
         if self.server.stream_listen:
             problem = check_listen(
                 self.server.stream_listen,
-                self.security.tls_files_given(),
+                self.security.named_tls_files(),
                 self.security.insecure,
                 "--stream-listen",
             )

@@ -48,6 +48,11 @@ DONE_WRITING = HEADER.pack(0)
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
+def status_code(number: int) -> grpc.StatusCode:
+    """The gRPC status an OpError's code number names (UNKNOWN: none)."""
+    return _CODES.get(number, grpc.StatusCode.UNKNOWN)
+
+
 class FrameError(Exception):
     """A frame that breaks the framing: longer than the limit, or cut short."""
 
@@ -87,7 +92,7 @@ def end_status(batch: leases_pb2.LeaseOpResultBatch) -> tuple[grpc.StatusCode, s
     """The end status a batch carries (`end_frame`), if it is one."""
     if len(batch.results) == 1 and batch.results[0].id == END_ID:
         err = batch.results[0].error
-        return _CODES.get(err.code, grpc.StatusCode.UNKNOWN), err.message
+        return status_code(err.code), err.message
     return None
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from kvferry.framedstream import status_code
 from kvferry.framing import by_size
 from kvferry.limits import ANSWER_VALID_S
 from kvferry.tasks import cancel_and_wait
@@ -49,7 +50,6 @@ class LeaseOpError(Exception):
         self.sent = sent
 
 
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
 LATE_ANSWER_S = 10.0
 """How long an answer given up on is still waited for when its caller wants it late."""
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # missing from the stubs
@@ -248,7 +248,7 @@ class LeaseStream:
             if not answer_late:  # (else `_answer_late` does)
                 self._forget(op.id)
         if res.WhichOneof("result") == "error":
-            raise LeaseOpError(_CODES.get(res.error.code, grpc.StatusCode.UNKNOWN), res.error.message)
+            raise LeaseOpError(status_code(res.error.code), res.error.message)
         return res
 
     def _given_up(

@@ -31,6 +31,7 @@ from kvferry.framedstream import WELCOME, FrameError, end_frame, frame, read_fra
 from kvferry.security.policy import Policy
 from kvferry.security.tls import bearer_token, peer_identity_from_transport
 from kvferry.tasks import cancel_and_wait
+from kvferry.urls import join_host_port
 from kvferry.v1 import leases_pb2
 
 log = structlog.get_logger(__name__)
@@ -142,6 +143,9 @@ class FramedStreams:
 
 
 def _peer(writer: asyncio.StreamWriter) -> str:
-    """The caller's address, as gRPC writes a peer ("ipv4:host:port")."""
+    """The caller's address, as gRPC writes a peer ("ipv4:host:port", "ipv6:[host]:port")."""
     address = writer.get_extra_info("peername")
-    return f"ipv4:{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
+    if not isinstance(address, tuple):
+        return str(address)
+    host, port = address[0], address[1]
+    return f"{'ipv6' if ':' in host else 'ipv4'}:{join_host_port(host, port)}"

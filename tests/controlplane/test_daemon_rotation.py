@@ -86,28 +86,18 @@ async def test_both_grpc_ports_and_the_peer_channels_take_up_a_rotation(
     await eventually(peers_rotated, within=20)
 
 
-async def test_the_metrics_port_takes_up_a_rotation(rotating: Daemon, certs: Path, tmp_path: Path) -> None:
-    first, rotated = _serial(certs / "sidecar-d0.pem"), _serial(certs / "daemon.pem")
-    assert await _served(rotating.metrics_port, certs, None) == first
-    _install(certs, "daemon", tmp_path / "live")
-
-    async def metrics_rotated() -> bool:
-        return await _served(rotating.metrics_port, certs, None) == rotated
-
-    await eventually(metrics_rotated, within=30, interval=0.5)
-
-
-async def test_the_framed_stream_port_takes_up_a_rotation(
-    rotating: Daemon, certs: Path, tmp_path: Path
+@pytest.mark.parametrize("port", ["metrics_port", "stream_port"])
+async def test_the_metrics_and_framed_stream_ports_take_up_a_rotation(
+    rotating: Daemon, certs: Path, tmp_path: Path, port: str
 ) -> None:
     first, rotated = _serial(certs / "sidecar-d0.pem"), _serial(certs / "daemon.pem")
-    assert await _served(rotating.stream_port, certs, None) == first
+    assert await _served(getattr(rotating, port), certs, None) == first
     _install(certs, "daemon", tmp_path / "live")
 
-    async def stream_port_rotated() -> bool:
-        return await _served(rotating.stream_port, certs, None) == rotated
+    async def port_rotated() -> bool:
+        return await _served(getattr(rotating, port), certs, None) == rotated
 
-    await eventually(stream_port_rotated, within=30, interval=0.5)
+    await eventually(port_rotated, within=30, interval=0.5)
 
 
 async def test_a_silent_connection_does_not_stop_the_metrics_port(rotating: Daemon, certs: Path) -> None:

@@ -22,7 +22,7 @@ from kvferry.framedstream import FramedCall
 from kvferry.leaseclient import LeaseOpError, LeaseStream
 from kvferry.security.tls import TlsFiles, client_ssl_context
 from tests.conftest import DaemonFactory, daemon_settings
-from tests.controlplane.test_auth import READER_TOKEN, As, certs  # noqa: F401 - (a fixture)
+from tests.controlplane.test_auth import READER_TOKEN, As, _denials, certs  # noqa: F401 - (a fixture)
 from tests.factories import lease_request, lookup_request, node_request
 
 Open = Callable[..., LeaseStream]
@@ -70,10 +70,6 @@ async def _refused(call: Any, code: grpc.StatusCode) -> str:
         await call
     assert info.value.code == code, info.value.message
     return info.value.message
-
-
-def _denials(logs: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
-    return [(e["identity"], e["action"], e["code"]) for e in logs if e["event"] == "audit.denied"]
 
 
 async def test_strangers_get_no_stream(as_: Open, certs: Path) -> None:  # noqa: F811
