@@ -172,14 +172,14 @@ class OwnerStore:
         """The retentions and markers of `shards`, read in pages (one pass over each prefix)."""
         out = {s: Loaded() for s in shards}
         async for key, kv in self._pages(self.keys.retentions):
-            c = self.keys.split_retention(key)
-            target = out.get(shard_of(*c, self.shards))
+            c = Conversation(*self.keys.split_retention(key))
+            target = out.get(shard_of(c.tenant, c.conversation_id, self.shards))
             r = decoded(decode_retention, kv) if target is not None else None
             if target is not None and r is not None:
                 target.retentions[c] = Held(r, int(kv.mod_revision))
         async for key, kv in self._pages(self.keys.claimed):
-            c = self.keys.split_retention(key)
-            target = out.get(shard_of(*c, self.shards))
+            c = Conversation(*self.keys.split_retention(key))
+            target = out.get(shard_of(c.tenant, c.conversation_id, self.shards))
             claim = decoded(decode_claim, kv) if target is not None else None
             if target is not None and claim is not None:
                 target.markers[c] = claim
@@ -191,8 +191,8 @@ class OwnerStore:
         out: dict[int, set[Conversation]] = {s: set() for s in shards}
         for prefix in (self.keys.retentions, self.keys.claimed):
             async for key, _ in self._pages(prefix, keys_only=True):
-                c = self.keys.split_retention(key)
-                target = out.get(shard_of(*c, self.shards))
+                c = Conversation(*self.keys.split_retention(key))
+                target = out.get(shard_of(c.tenant, c.conversation_id, self.shards))
                 if target is not None:
                     target.add(c)
         return out

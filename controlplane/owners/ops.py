@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from controlplane.owners.memory import ShardMemory, Write
+from controlplane.owners.memory import Conversation, ShardMemory, Write
 from controlplane.records import Claim, Retention
 from controlplane.store.retentions import Stored
 
@@ -62,7 +62,7 @@ WAITS = frozenset(Kind) - {Kind.CLAIM, Kind.READ}
 def decide(memory: ShardMemory, op: OwnerOp, marker: int) -> tuple[OwnerAnswer, list[Write]]:
     """Run `op` on the shard's memory (`marker`: the identity a claim's marker gets).
     -> (the answer, the writes that make it durable)."""
-    c = (op.tenant, op.conversation_id)
+    c = Conversation(op.tenant, op.conversation_id)
     if op.kind is Kind.CLAIM:
         outcome, writes = memory.claim(c, op.now, op.claimed_by, marker)
         return OwnerAnswer(outcome.taken, outcome.earlier, outcome.marker_revision), writes

@@ -85,9 +85,11 @@ class OwnedRetentions:
         `accept` is shown what the claim would take (the retention) or find (an earlier
         claim's marker) first: False, and nothing is claimed (None)."""
         owned = self.owners.local_now(shard_of(tenant, conversation_id, self.owners.settings.shards))
-        if owned is None or owned.memory.needs((tenant, conversation_id)):
+        if owned is None or owned.memory.needs(Conversation(tenant, conversation_id)):
             return None
-        if accept is not None and not accept(*owned.memory.claimable((tenant, conversation_id), now)):
+        if accept is not None and not accept(
+            *owned.memory.claimable(Conversation(tenant, conversation_id), now)
+        ):
             return None
         op = OwnerOp(Kind.CLAIM, tenant, conversation_id, now, claimed_by=claimed_by)
         return _claim_outcome(self._decided(owned, op)[0])
@@ -175,7 +177,7 @@ class OwnedRetentions:
         """Whether the operation's conversation is in memory: read from etcd first when the
         shard is loaded lazily (once per conversation: concurrent first touches share the
         read). -> False when it had to be read (the caller checks ownership again)."""
-        c = (op.tenant, op.conversation_id)
+        c = Conversation(op.tenant, op.conversation_id)
         if not owned.memory.needs(c):
             return True
         key = (owned.shard, owned.fence, c)

@@ -23,7 +23,7 @@ from controlplane import metrics
 from controlplane.errors import StoreUnavailable
 from controlplane.etcd import LeaseGone
 from controlplane.owners.durable import Deposed, OwnerStore
-from controlplane.owners.memory import ShardMemory, Target, Write
+from controlplane.owners.memory import Conversation, ShardMemory, Target, Write
 from controlplane.records import Retention
 
 log = structlog.get_logger(__name__)
@@ -231,7 +231,7 @@ def _size(w: Write) -> int:
 def _coalesced(batch: list[_Entry]) -> list[Write]:
     """The batch's writes, the last one to each key only (etcd refuses a key written twice
     in one transaction; the last decision is the state memory holds)."""
-    last: dict[tuple[Target, tuple[str, str]], Write] = {}
+    last: dict[tuple[Target, Conversation], Write] = {}
     for e in batch:
         for w in e.writes:
             key = (w.target, w.conversation)

@@ -34,12 +34,12 @@ from controlplane import metrics
 from controlplane.budget import Budget, Held, IntervalSketch, Pool, Reason, idle, releases
 from controlplane.errors import StoreUnavailable
 from controlplane.owners import OwnedRetentions
+from controlplane.owners.memory import Conversation
 from controlplane.records import Retention
 from controlplane.service.relay import ReleaseRelay
 
 log = structlog.get_logger(__name__)
 
-_Key = tuple[str, str]  # (tenant, conversation id)
 #: Seconds a release's blocks are taken as free already, whatever D's pool use says.
 RELEASE_SETTLE_S = 5.0
 
@@ -74,9 +74,9 @@ class Budgets:
         self._clock = clock
         self.sketch = IntervalSketch()
         """The turn intervals seen by this replica's lookups."""
-        self._held: dict[str, dict[_Key, Held]] = {}
+        self._held: dict[str, dict[Conversation, Held]] = {}
         self._blocks: dict[str, int] = {}  # engine -> the blocks of its `_held`
-        self._engine_of: dict[_Key, str] = {}
+        self._engine_of: dict[Conversation, str] = {}
         self._pools: dict[str, Pool] = {}
         self._pending: dict[str, list[Release]] = {}
         self._ticked: dict[str, float] = {}
@@ -94,10 +94,11 @@ class Budgets:
 
     def registered(self, tenant: str, conversation_id: str, r: Retention, revision: int) -> None:
         """A retention was stored (replacing the conversation's previous one)."""
-        self._drop((tenant, conversation_id))
+        key = Conversation(tenant, conversation_id)
+        self._drop(key)
         held = Held(tenant, conversation_id, r.num_tokens, r.block_size, r.created_at, r.expires_at, revision)
-        self._held.setdefault(r.engine_id, {})[(tenant, conversation_id)] = held
-        self._engine_of[(tenant, conversation_id)] = r.engine_id
+        self._held.setdefault(r.engine_id, {})[key] = held
+        self._engine_of[key] = r.engine_id
         self._blocks[r.engine_id] = self._blocks.get(r.engine_id, 0) + held.blocks
         self._over_budget(r.engine_id)
 
@@ -120,7 +121,7 @@ class Budgets:
             fresh = {k: h for k, h in now_held.items() if h.created_at >= since}
             for key in now_held:
                 self._engine_of.pop(key, None)
-            scanned = {(h.tenant, h.conversation_id): h for h in held.get(engine, [])}
+            scanned = {Conversation(h.tenant, h.conversation_id): h for h in held.get(engine, [])}
             self._held[engine] = {**scanned, **fresh}
             self._blocks[engine] = sum(h.blocks for h in self._held[engine].values())
             for key in self._held[engine]:
@@ -129,13 +130,13 @@ class Budgets:
     def claimed(self, tenant: str, conversation_id: str, r: Retention, now: float) -> None:
         """A lookup took the retention: its conversation came back after `now - created_at`."""
         self.sketch.observe(now - r.created_at)
-        self._drop((tenant, conversation_id))
+        self._drop(Conversation(tenant, conversation_id))
 
     def revoked(self, tenant: str, conversation_id: str) -> None:
         """The retention is out of etcd (revoked, released)."""
-        self._drop((tenant, conversation_id))
+        self._drop(Conversation(tenant, conversation_id))
 
-    def _drop(self, key: _Key) -> None:
+    def _drop(self, key: Conversation) -> None:
         engine = self._engine_of.pop(key, None)
         if engine is not None:
             h = self._held.get(engine, {}).pop(key, None)
@@ -254,7 +255,7 @@ class Budgets:
         except StoreUnavailable as e:
             log.warning("retention.budget.revoke_failed", conversation_id=h.conversation_id, error=str(e))
             return False
-        self._drop((h.tenant, h.conversation_id))
+        self._drop(Conversation(h.tenant, h.conversation_id))
         if taken is None:  # claimed, replaced or revoked meanwhile: not ours to free
             log.info("retention.budget.gone", conversation_id=h.conversation_id, reason=reason.value)
             return False
@@ -273,7 +274,7 @@ class Budgets:
         """A conversation's end revoked its retention: have D's sidecar free the blocks when
         it is attached here. -> whether it will be told (else the caller frees them: at
         once, sooner than through the replica the node is attached to)."""
-        self._drop((tenant, conversation_id))
+        self._drop(Conversation(tenant, conversation_id))
         self.sketch.never()
         if r.engine_id not in self._attached:
             return False
