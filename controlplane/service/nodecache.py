@@ -29,6 +29,13 @@ kept node costs the daemon and etcd together about 0.5% of a core."""
 MAX_KEPT = 4
 """At most this many nodes (the latest looked up) are kept confirmed; others are read when a
 lookup needs it, as before."""
+KEEP_PACE_S = CONFIRM_S / 5
+"""How often a kept node's next confirming read starts while the last one is not back (else
+every CONFIRM_S/2): reads overlap, so the window lapses only when etcd takes longer than
+CONFIRM_S - KEEP_PACE_S to answer one. One at a time, it lapsed whenever a read took over
+~15-25 ms: under load, every few seconds, and every lookup meanwhile waited on etcd."""
+MAX_IN_FLIGHT = 8
+"""Confirming reads of one node on their way at once, at most (etcd hung: no pile-up)."""
 
 
 class NodeCache:
@@ -48,8 +55,9 @@ class NodeCache:
         self.dead_since: dict[str, float] = {}
         """time.monotonic() when this replica first saw each (still) dead node dead."""
         self.loaded_at = 0.0
-        self._confirmed_at: dict[str, float] = {}  # engine -> monotonic start of its last read
-        self._confirming: dict[str, asyncio.Future[NodeState | None]] = {}
+        self._confirmed_at: dict[str, float] = {}  # engine -> monotonic start of its newest read back
+        self._confirming: dict[str, list[tuple[float, asyncio.Future[None]]]] = {}
+        """engine -> its confirming reads on their way: (monotonic start, the read), oldest first."""
         self._looked_up: dict[str, float] = {}  # engine -> monotonic time of its last lookup, latest last
         self._lookups_came = asyncio.Event()
         self._doubted: dict[str, tuple[int, int]] = {}
@@ -89,7 +97,7 @@ class NodeCache:
             return await self._confirmed(engine_id)
         state = self._nodes.get(engine_id)
         if state is None or fresh or self._stale(time.monotonic()):
-            state = await self._read(engine_id, serializable=False)
+            state = await self._read(engine_id)
         return state
 
     async def _confirmed(self, engine_id: str) -> NodeState | None:
@@ -98,43 +106,64 @@ class NodeCache:
         of the same node meanwhile (at 1,000/s on one decode node: 20 reads a second, not
         2,000: the reads were most of a lookup's cost once claims left etcd)."""
         reading = self._confirming_read(engine_id)
-        return self._nodes.get(engine_id) if reading is None else await asyncio.shield(reading)
+        if reading is not None:
+            await asyncio.shield(reading)
+        return self._nodes.get(engine_id)
 
     def confirm_soon(self, engine_id: str) -> None:
         """Start the read that confirms a lookup's pull on `engine_id`, not waiting for it:
         the lookup's decision then finds it done or under way (`_confirmed`)."""
         self._confirming_read(engine_id)
 
-    def _confirming_read(
-        self, engine_id: str, fresh_s: float = CONFIRM_S
-    ) -> asyncio.Future[NodeState | None] | None:
-        """The shared confirming read of `engine_id`, started if none is under way (None:
-        the last one is less than `fresh_s` old). A failed read's error goes to whoever
-        awaits it, and is not left unretrieved when nobody does."""
-        if self._confirmed_within(engine_id, fresh_s, time.monotonic()):
+    def _confirming_read(self, engine_id: str) -> asyncio.Future[None] | None:
+        """A confirming read of `engine_id` that started less than CONFIRM_S ago (the
+        oldest of those on their way: the first back), started if there is none. None: a
+        read that recent is back already. A failed read's error goes to whoever awaits it,
+        and is not left unretrieved when nobody does."""
+        at = time.monotonic()
+        if self._confirmed_within(engine_id, CONFIRM_S, at):
             return None
-        reading = self._confirming.get(engine_id)
-        if reading is None:
-            reading = asyncio.ensure_future(self._read(engine_id, serializable=True))
-            self._confirming[engine_id] = reading
-            reading.add_done_callback(functools.partial(self._read_done, engine_id))
+        for started, reading in self._confirming.get(engine_id, ()):
+            if at - started < CONFIRM_S:
+                return reading
+        return self._start_read(engine_id, at)
+
+    def _start_read(self, engine_id: str, at: float) -> asyncio.Future[None]:
+        reading = asyncio.ensure_future(self._read_confirming(engine_id, at))
+        self._confirming.setdefault(engine_id, []).append((at, reading))
+        reading.add_done_callback(functools.partial(self._read_done, engine_id))
         return reading
 
-    def _read_done(self, engine_id: str, done: asyncio.Future[NodeState | None]) -> None:
-        self._confirming.pop(engine_id, None)
+    def _read_done(self, engine_id: str, done: asyncio.Future[None]) -> None:
+        left = [(t, r) for t, r in self._confirming.get(engine_id, ()) if r is not done]
+        if left:
+            self._confirming[engine_id] = left
+        else:
+            self._confirming.pop(engine_id, None)
         if not done.cancelled():
             done.exception()  # (retrieved: its awaiters, if any, still get it)
 
-    async def _read(self, engine_id: str, serializable: bool) -> NodeState | None:
-        started = time.monotonic()
-        state, revision = await self._store.get(engine_id, serializable=serializable)
+    async def _read_confirming(self, engine_id: str, started: float) -> None:
+        """One confirming read, begun at monotonic `started`. Reads overlap and may come
+        back out of order: one that began before the newest read back is dropped (a node
+        that read found gone must not come back from an older one)."""
+        state, revision = await self._store.get(engine_id, serializable=True)
+        if started < self._confirmed_at.get(engine_id, 0.0):
+            return
+        self._apply(engine_id, state, revision)
+        self._confirmed_at[engine_id] = started
+
+    async def _read(self, engine_id: str) -> NodeState | None:
+        """The node read from etcd, linearizably, into the view."""
+        state, revision = await self._store.get(engine_id, serializable=False)
+        self._apply(engine_id, state, revision)
+        return None if state is None else self._vouched(state)
+
+    def _apply(self, engine_id: str, state: NodeState | None, revision: int) -> None:
         if state is not None:
             self.put(state, revision)
         else:
             self._nodes.pop(engine_id, None)
-        if serializable:  # (only a lookup's own check starts a window: the next one reads)
-            self._confirmed_at[engine_id] = started
-        return None if state is None else self._vouched(state)
 
     def put(self, state: NodeState, revision: int) -> None:
         """A node's state as of its record's mod `revision` (an older one is not taken)."""
@@ -224,13 +253,15 @@ class NodeCache:
         self._lookups_came.set()
 
     async def keep_confirmed(self) -> None:
-        """Keep the confirming read of the nodes looked up in the last KEEP_S (at most
-        MAX_KEPT of them) younger than CONFIRM_S, so that a lookup finds it done instead of
+        """Keep the nodes looked up in the last KEEP_S (at most MAX_KEPT of them) confirmed
+        by a read less than CONFIRM_S old, so that a lookup finds one back instead of
         waiting for it: 1-3 ms of etcd round trip on a turn that comes after a quiet
-        moment, its whole claim's latency on a daemon otherwise deciding in memory. The
-        guarantee is the same (a pull decided on a read at most CONFIRM_S old); the cost is
-        a read of each such node every CONFIRM_S/2 to CONFIRM_S*3/4 while lookups come.
-        A failed read is the next lookup's to see (it reads again)."""
+        moment, its whole claim's latency on a daemon otherwise deciding in memory, and
+        under load, whenever one read was slow, every lookup's. The guarantee is the same
+        (a pull decided on a read at most CONFIRM_S old); the cost is a serializable read
+        of each such node every 20-30 ms while lookups come, every KEEP_PACE_S while one
+        is slow to come back (at most MAX_IN_FLIGHT on their way). A failed read is the
+        next lookup's to see."""
         while True:
             if not self._looked_up:
                 self._lookups_came.clear()
@@ -239,9 +270,14 @@ class NodeCache:
             for engine, at in list(self._looked_up.items()):
                 if now - at > KEEP_S:
                     del self._looked_up[engine]
-                else:
-                    self._confirming_read(engine, fresh_s=CONFIRM_S / 2)
-            await asyncio.sleep(CONFIRM_S / 4)
+                    continue
+                on_way = self._confirming.get(engine, [])
+                newest = max([self._confirmed_at.get(engine, 0.0), *(t for t, _ in on_way)])
+                # Every CONFIRM_S/2 while reads come back at once; every pace while one is out.
+                due = KEEP_PACE_S if on_way else CONFIRM_S / 2
+                if now - newest >= due - KEEP_PACE_S / 2 and len(on_way) < MAX_IN_FLIGHT:
+                    self._start_read(engine, now)
+            await asyncio.sleep(KEEP_PACE_S)
 
     async def run(self) -> None:
         """Refresh every `refresh_s`; an etcd outage is logged when it starts (then once a
