@@ -158,11 +158,10 @@ class OwnerStore:
     async def fetch(self, c: Conversation) -> tuple[Held | None, Claim | None]:
         """One conversation's retention and marker, linearizably (a shard's owner reads it
         when first touched: nobody else writes it since the owner took the shard)."""
-        tenant, conversation = c
         ret, marker = await self._kv.read(
             "owner_fetch",
-            get(self.keys.retention(tenant, conversation)),
-            get(self.keys.claim(tenant, conversation)),
+            get(self.keys.retention(c.tenant, c.conversation_id)),
+            get(self.keys.claim(c.tenant, c.conversation_id)),
         )
         r = decoded(decode_retention, ret.kvs[0]) if ret.kvs else None
         claim = decoded(decode_claim, marker.kvs[0]) if marker.kvs else None
@@ -172,14 +171,14 @@ class OwnerStore:
         """The retentions and markers of `shards`, read in pages (one pass over each prefix)."""
         out = {s: Loaded() for s in shards}
         async for key, kv in self._pages(self.keys.retentions):
-            c = Conversation(*self.keys.split_retention(key))
-            target = out.get(shard_of(c.tenant, c.conversation_id, self.shards))
+            c, shard = self._conversation(key)
+            target = out.get(shard)
             r = decoded(decode_retention, kv) if target is not None else None
             if target is not None and r is not None:
                 target.retentions[c] = Held(r, int(kv.mod_revision))
         async for key, kv in self._pages(self.keys.claimed):
-            c = Conversation(*self.keys.split_retention(key))
-            target = out.get(shard_of(c.tenant, c.conversation_id, self.shards))
+            c, shard = self._conversation(key)
+            target = out.get(shard)
             claim = decoded(decode_claim, kv) if target is not None else None
             if target is not None and claim is not None:
                 target.markers[c] = claim
@@ -191,11 +190,16 @@ class OwnerStore:
         out: dict[int, set[Conversation]] = {s: set() for s in shards}
         for prefix in (self.keys.retentions, self.keys.claimed):
             async for key, _ in self._pages(prefix, keys_only=True):
-                c = Conversation(*self.keys.split_retention(key))
-                target = out.get(shard_of(c.tenant, c.conversation_id, self.shards))
+                c, shard = self._conversation(key)
+                target = out.get(shard)
                 if target is not None:
                     target.add(c)
         return out
+
+    def _conversation(self, key: bytes) -> tuple[Conversation, int]:
+        """The conversation of a retention or claim key, and its shard."""
+        tenant, conversation_id = self.keys.split_retention(key)
+        return Conversation(tenant, conversation_id), shard_of(tenant, conversation_id, self.shards)
 
     async def _pages(self, prefix: bytes, keys_only: bool = False) -> AsyncIterator[tuple[bytes, Any]]:
         end, start, revision = prefix_end(prefix), prefix, 0
@@ -242,7 +246,7 @@ class OwnerStore:
         return gone
 
     def _key(self, w: Write) -> bytes:
-        tenant, conversation = w.conversation
+        c = w.conversation
         if w.target is Target.RETENTION:
-            return self.keys.retention(tenant, conversation)
-        return self.keys.claim(tenant, conversation)
+            return self.keys.retention(c.tenant, c.conversation_id)
+        return self.keys.claim(c.tenant, c.conversation_id)

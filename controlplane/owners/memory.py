@@ -10,7 +10,6 @@ order the decisions were made, so that etcd ends where memory is.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -26,13 +25,10 @@ class Conversation(msgspec.Struct, frozen=True, gc=False):
     into a map the collector had untracked tracks the map again, in the youngest
     generation. The next collections then walked the whole map, 100,000s of entries, and
     stalled every lookup for 20-100 ms. With this key and untracked values (Held, Marked)
-    a map stays untracked. It unpacks as the tuple did: `tenant, conversation_id = c`."""
+    a map stays untracked."""
 
     tenant: str
     conversation_id: str
-
-    def __iter__(self) -> Iterator[str]:
-        return iter((self.tenant, self.conversation_id))
 
 
 class Target(enum.Enum):

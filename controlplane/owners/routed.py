@@ -85,11 +85,10 @@ class OwnedRetentions:
         `accept` is shown what the claim would take (the retention) or find (an earlier
         claim's marker) first: False, and nothing is claimed (None)."""
         owned = self.owners.local_now(shard_of(tenant, conversation_id, self.owners.settings.shards))
-        if owned is None or owned.memory.needs(Conversation(tenant, conversation_id)):
+        c = Conversation(tenant, conversation_id)
+        if owned is None or owned.memory.needs(c):
             return None
-        if accept is not None and not accept(
-            *owned.memory.claimable(Conversation(tenant, conversation_id), now)
-        ):
+        if accept is not None and not accept(*owned.memory.claimable(c, now)):
             return None
         op = OwnerOp(Kind.CLAIM, tenant, conversation_id, now, claimed_by=claimed_by)
         return _claim_outcome(self._decided(owned, op)[0])

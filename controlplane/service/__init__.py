@@ -77,9 +77,9 @@ class ControlPlane:
         """Release the blocks of retentions an unclean takeover found (reason failover):
         those of a live engine, before their deadline."""
         now = self._clock()
-        for (tenant, conversation_id), r in spent:
+        for c, r in spent:
             if r.expires_at > now:
-                release = Release(tenant, conversation_id, r.params, Reason.FAILOVER, r.expires_at)
+                release = Release(c.tenant, c.conversation_id, r.params, Reason.FAILOVER, r.expires_at)
                 self.budgets.queue(r.engine_id, release)
 
     def begin_stop(self) -> None:

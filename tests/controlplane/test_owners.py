@@ -21,7 +21,7 @@ from controlplane.daemon import Daemon
 from controlplane.errors import StoreUnavailable
 from controlplane.owners import OwnerStore
 from controlplane.owners.durable import Deposed
-from controlplane.owners.memory import Target, Write
+from controlplane.owners.memory import Conversation, Target, Write
 from controlplane.owners.shards import shard_of
 from controlplane.records import OwnerRecord, ShardState
 from controlplane.settings import OwnerSettings, Settings
@@ -98,7 +98,7 @@ async def test_a_deposed_owners_writes_are_refused_by_the_fence(store: EtcdStore
     await owners.revoke_lease(lease_a)  # a's lease lapsed: its owner key went with it
     b = await owners.take(0, lease_b, OwnerRecord("b"))
     assert b is not None and b.previous == ShardState(clean=False, replica="a")
-    write = [Write(Target.RETENTION, ("t", "c"), None)]
+    write = [Write(Target.RETENTION, Conversation("t", "c"), None)]
     with pytest.raises(Deposed) as e:
         await owners.write({0: a.fence}, write, time.time())
     assert e.value.shards == {0}

@@ -16,6 +16,7 @@ from google.protobuf import struct_pb2
 from controlplane.budget import Reason
 from controlplane.daemon import Daemon
 from controlplane.forward import RELEASE_TIMEOUT_S, OwnerClient
+from controlplane.owners.memory import Conversation
 from controlplane.records import Retention
 from controlplane.service.budgets import Release
 from kvferry.structs import struct_to_dict
@@ -75,7 +76,7 @@ def _spend_at(d: Daemon, conversation_id: str, request_id: str) -> None:
     """`d` took over a shard uncleanly and found the conversation's retention: spent,
     its blocks released (reason failover), decided at `d`."""
     assert d.control_plane is not None
-    d.control_plane._spent([(("default", conversation_id), _retention(request_id))])
+    d.control_plane._spent([(Conversation("default", conversation_id), _retention(request_id))])
 
 
 async def _release(stream: AttachStream) -> nodes_pb2.ReleaseRetention:

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from controlplane.owners import writeback
-from controlplane.owners.memory import ShardMemory, Target, Write
+from controlplane.owners.memory import Conversation, ShardMemory, Target, Write
 from controlplane.owners.writeback import WriteBehind
 
 
@@ -29,7 +29,7 @@ class RecordingStore:
 
 def _claim(n: int) -> list[Write]:
     """A claim's writes: the retention deleted (its marker is a put; one write is enough here)."""
-    return [Write(Target.RETENTION, ("t", f"c{n}"), None)]
+    return [Write(Target.RETENTION, Conversation("t", f"c{n}"), None)]
 
 
 @pytest.fixture
