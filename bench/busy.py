@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import parts
-from bench.demo import DaemonProcess, TurnRecord, wait_nodes
+from bench.daemon_workload import DaemonProcess
+from bench.demo import TurnRecord, wait_nodes
 from bench.sustained import REFERENCE_BLOCKS, Shape, run_load
 from kvferry import logs
 from kvferry.tasks import run_main
@@ -99,7 +100,7 @@ async def deployment() -> AsyncIterator[str]:
     only sends the load. -> the router's URL."""
     with tempfile.TemporaryDirectory(prefix="kvferry-busy-") as tmp:
         async with contextlib.AsyncExitStack() as stack:
-            daemon = DaemonProcess(Path(tmp))
+            daemon = DaemonProcess(Path(tmp) / "etcd")
             stack.push_async_callback(daemon.stop)
             await daemon.start()
             at = ("--daemon", daemon.address, "--daemon-stream", daemon.stream_address)

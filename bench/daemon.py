@@ -32,9 +32,10 @@ from bench.daemon_claims import (
     claim_phases,
     no_work_floors,
     own_core_phases,
+    raw_claims,
 )
 from bench.daemon_workload import TOKENS, DaemonProcess, lookup, register_node, retention
-from bench.load import closed_loop, open_loop, pct
+from bench.load import closed_loop, pct
 from bench.lookup_tail import cpu_seconds
 from controlplane.embedded import EmbeddedEtcd
 from controlplane.etcd import Client as _Client
@@ -45,42 +46,6 @@ from realvllm.process import free_port
 
 def _du(path: Path) -> str:
     return f"{sum(f.stat().st_size for f in path.rglob('*') if f.is_file()) / 2**20:,.0f} MiB"
-
-
-async def _raw_claims(raw: _Client, name: str, n: int, rate: float = 0.0) -> list[float]:
-    """Latencies of `n` claim-shaped etcd transactions (exists -> range, delete, put) on
-    keys of a claim record's size: one at a time, or offered at `rate`/s (open loop)."""
-    keys = [f"/bench-raw/{name}/{i}".encode() for i in range(n)]
-
-    async def put(i: int) -> None:
-        await raw.kvstub.Put(rpc.PutRequest(key=keys[i], value=b"x" * 3700))
-
-    await closed_loop(n, 64, put)
-
-    async def claim(i: int) -> None:
-        k = keys[i]
-        await raw.kvstub.Txn(
-            rpc.TxnRequest(
-                compare=[
-                    rpc.Compare(key=k, target=rpc.Compare.VERSION, result=rpc.Compare.GREATER, version=0)
-                ],
-                success=[
-                    rpc.RequestOp(request_range=rpc.RangeRequest(key=k)),
-                    rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=k)),
-                    rpc.RequestOp(request_put=rpc.PutRequest(key=k + b"/c", value=b"{}")),
-                ],
-            ),
-            timeout=5,
-        )
-
-    if rate:
-        return (await open_loop(rate, n / rate, claim))[0]
-    lat = []
-    for i in range(n):
-        t = time.perf_counter()
-        await claim(i)
-        lat.append(time.perf_counter() - t)
-    return lat
 
 
 async def _preload(
@@ -142,12 +107,12 @@ async def _raw_etcd(endpoint: str, phase_s: float, rows: Rows) -> float:
     adds its gRPC hop and may group claims into fewer transactions). -> the sequential p50."""
     raw = _Client((endpoint,), 5.0)
     await raw.connect()
-    raw_lat = await _raw_claims(raw, "seq", 2000)
+    raw_lat = await raw_claims(raw, "seq", 2000)
     raw_p50 = pct(raw_lat, 50)
     rows.append(
         ("raw aetcd claim txn p50 / p99 (sequential)", f"{raw_p50:.2f} / {pct(raw_lat, 99):.2f} ms", "")
     )
-    raw_lat = await _raw_claims(raw, "rate", int(1000 * phase_s), rate=1000)
+    raw_lat = await raw_claims(raw, "rate", int(1000 * phase_s), rate=1000)
     await raw.kvstub.DeleteRange(rpc.DeleteRangeRequest(key=b"/bench-raw/", range_end=b"/bench-raw0"))
     rows.append(
         (
@@ -276,7 +241,7 @@ async def bench(args: argparse.Namespace) -> None:
     etcd = EmbeddedEtcd(tmp / "etcd", free_port(), free_port())
     await etcd.start()
     tree = Path(args.tree) if args.tree else None
-    d = DaemonProcess(tmp / "unused", etcd.endpoint, tree)
+    d = DaemonProcess(etcd=etcd.endpoint, tree=tree)
     start_s = await d.start()
     rows: Rows = []
     # (the sidecar's and the router's path: one Leases/Stream each; the router's framed too)
@@ -297,7 +262,7 @@ async def bench(args: argparse.Namespace) -> None:
         await _restart_external(d, clients, start_s, n, left, rows)
         await d.stop()
         await etcd.stop()
-        d = DaemonProcess(etcd.data_dir, None, tree)
+        d = DaemonProcess(etcd.data_dir, tree=tree)
         await _restart_embedded(d, etcd.data_dir, left, rows)
     finally:
         await d.stop()

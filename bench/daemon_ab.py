@@ -50,7 +50,7 @@ CLAIMS_PER_ROUND = 8000
 async def daemon(side: str) -> AsyncIterator[DaemonProcess]:
     """A daemon of `side` (TREE:MODULE) on its own embedded etcd, serving."""
     tree, _, module = side.partition(":")
-    d = DaemonProcess(Path(tempfile.mkdtemp()) / "etcd", None, Path(tree), module)
+    d = DaemonProcess(Path(tempfile.mkdtemp()) / "etcd", tree=Path(tree), module=module)
     await d.start()
     try:
         yield d

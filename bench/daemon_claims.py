@@ -17,10 +17,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
+from aetcd import rpc
 
 from bench.cores import OTHERS_CORE, can_confine, confined
 from bench.daemon_workload import lookup
 from bench.load import closed_loop, open_loop, pct
+from controlplane.etcd import Client as EtcdClient
 from kvferry.framedstream import opener
 from kvferry.leaseclient import LeaseOpError, LeaseStream
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
@@ -273,3 +275,39 @@ async def _max_claims(path: str, claim: Callable[[], Awaitable[None]], claims: i
             f"p50 {pct(lat_max, 50):.2f} ms, p99 {pct(lat_max, 99):.2f} ms",
         )
     )
+
+
+async def raw_claims(raw: EtcdClient, name: str, n: int, rate: float = 0.0) -> list[float]:
+    """Latencies of `n` claim-shaped etcd transactions (exists -> range, delete, put) on
+    keys of a claim record's size: one at a time, or offered at `rate`/s (open loop)."""
+    keys = [f"/bench-raw/{name}/{i}".encode() for i in range(n)]
+
+    async def put(i: int) -> None:
+        await raw.kvstub.Put(rpc.PutRequest(key=keys[i], value=b"x" * 3700))
+
+    await closed_loop(n, 64, put)
+
+    async def claim(i: int) -> None:
+        k = keys[i]
+        await raw.kvstub.Txn(
+            rpc.TxnRequest(
+                compare=[
+                    rpc.Compare(key=k, target=rpc.Compare.VERSION, result=rpc.Compare.GREATER, version=0)
+                ],
+                success=[
+                    rpc.RequestOp(request_range=rpc.RangeRequest(key=k)),
+                    rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=k)),
+                    rpc.RequestOp(request_put=rpc.PutRequest(key=k + b"/c", value=b"{}")),
+                ],
+            ),
+            timeout=5,
+        )
+
+    if rate:
+        return (await open_loop(rate, n / rate, claim))[0]
+    lat = []
+    for i in range(n):
+        t = time.perf_counter()
+        await claim(i)
+        lat.append(time.perf_counter() - t)
+    return lat

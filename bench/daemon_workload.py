@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import re
-import signal
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -20,7 +20,7 @@ from kvferry.framedstream import FramedCall
 from kvferry.leaseclient import LeaseStream
 from kvferry.structs import dict_to_struct
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
-from realvllm.process import free_port
+from realvllm.process import free_port, stop_child
 
 BLOCK = 16
 TOKENS = 2048  # per conversation: 128 blocks of ids and digests (~3.7 KB per record)
@@ -75,36 +75,60 @@ def lookup(conv: str) -> leases_pb2.LookupRequest:
 
 
 class DaemonProcess:
-    """`kvferry daemon` in its own process: on an external etcd, or embedded (etcd=None).
-    `tree` and `module` name another checkout's daemon (bench.daemon_ab: the module that
-    runs ``kvferry`` there, ``kvferry.cli`` before the command line got its own package)."""
+    """`kvferry daemon` in its own process: on its embedded etcd (kept in `data_dir`), or on
+    the external etcd at `etcd` under `prefix`. `tree` and `module` name another checkout's
+    daemon (bench.daemon_ab: the module that runs ``kvferry`` there, ``kvferry.cli`` before
+    the command line got its own package; such a daemon serves no framed stream)."""
 
     def __init__(
-        self, data_dir: Path, etcd: str | None, tree: Path | None = None, module: str = "kvferry_cli"
+        self,
+        data_dir: Path | None = None,
+        etcd: str = "",
+        *,
+        prefix: str = "",
+        port: int = 0,
+        stream_port: int = 0,
+        args: Sequence[str] = (),
+        tree: Path | None = None,
+        module: str = "kvferry_cli",
     ) -> None:
-        self.port = free_port()
-        self.stream_port = free_port()
-        """Its --stream-listen port (the framed Leases/Stream: kvferry.framedstream)."""
-        self.metrics_port = free_port()
-        self.etcd_port = free_port()
+        """`port` and `stream_port` (0: free ones) are its --listen's and --stream-listen's: a
+        daemon that replaces another one takes both of its ports, as a restart does. `args`:
+        more flags for `kvferry daemon` (a policy's, say)."""
         self.data_dir = data_dir
         self.etcd = etcd
+        self.prefix = prefix
+        self.port = port or free_port()
+        self.stream_port = stream_port or free_port()
+        """Its --stream-listen port (the framed Leases/Stream: kvferry.framedstream)."""
+        self.metrics_port = free_port()
+        self.args = tuple(args)
         self.tree = tree
         self.module = module
         self.proc: asyncio.subprocess.Process | None = None
 
-    async def start(self) -> float:
-        """Start and wait until a Lookup is answered. -> seconds from exec to serving."""
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def stream_address(self) -> str:
+        """Its --stream-listen address: Leases/Stream framed, without gRPC (routers look up there)."""
+        return f"127.0.0.1:{self.stream_port}"
+
+    def _store_flags(self) -> list[str]:
+        if self.etcd:
+            return ["--etcd", self.etcd, *(["--etcd-prefix", self.prefix] if self.prefix else [])]
+        assert self.data_dir is not None, "an embedded etcd needs a data directory"
+        return ["--data-dir", str(self.data_dir), "--embedded-port", str(free_port())]
+
+    async def start(self, timeout_s: float = 60.0) -> float:
+        """Start and wait until a Lookup is answered from the store. -> seconds from exec to serving."""
         t0 = time.perf_counter()
-        store = (
-            ["--etcd", self.etcd]
-            if self.etcd
-            else ["--data-dir", str(self.data_dir), "--embedded-port", str(self.etcd_port)]
-        )
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", self.module, "--log-level", "warning", "daemon",
-            "--listen", f"127.0.0.1:{self.port}", "--metrics-port", str(self.metrics_port), *store,
-            *(["--stream-listen", f"127.0.0.1:{self.stream_port}"] if self.tree is None else []),
+            "--listen", self.address, "--metrics-port", str(self.metrics_port), *self._store_flags(),
+            *(["--stream-listen", self.stream_address] if self.tree is None else []), *self.args,
             stdin=asyncio.subprocess.DEVNULL, cwd=self.tree,
         )  # fmt: skip
         fast_retry = [
@@ -112,7 +136,10 @@ class DaemonProcess:
             ("grpc.min_reconnect_backoff_ms", 20),
             ("grpc.max_reconnect_backoff_ms", 50),
         ]
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{self.port}", options=fast_retry) as ch:
+        async with (
+            grpc.aio.insecure_channel(self.address, options=fast_retry) as ch,
+            asyncio.timeout(timeout_s),
+        ):
             stub = leases_pb2_grpc.LeasesStub(ch)
             while True:
                 try:
@@ -120,14 +147,17 @@ class DaemonProcess:
                     if r.reason != "store_unavailable":
                         return time.perf_counter() - t0
                 except grpc.aio.AioRpcError:
-                    pass
+                    if self.proc.returncode is not None:
+                        raise RuntimeError(
+                            f"kvferry daemon exited at start ({self.proc.returncode})"
+                        ) from None
                 await asyncio.sleep(0.01)
 
     def lease_stream(self, framed: bool) -> LeaseStream:
         """A LeaseStream to this daemon: over gRPC, or framed (--stream-listen)."""
         if framed:
             return LeaseStream(None, opener=lambda: FramedCall("127.0.0.1", self.stream_port))
-        return LeaseStream(grpc.aio.insecure_channel(f"127.0.0.1:{self.port}"))
+        return LeaseStream(grpc.aio.insecure_channel(self.address))
 
     async def restart(self) -> float:
         """Stop (SIGTERM, if running) and start again. -> seconds from SIGTERM to serving."""
@@ -137,8 +167,14 @@ class DaemonProcess:
         return time.perf_counter() - t0
 
     async def stop(self) -> None:
-        if self.proc and self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
+        """SIGTERM (SIGKILL if it lingers); returns once it has exited."""
+        if self.proc is not None:
+            await stop_child(self.proc)
+
+    async def kill(self) -> None:
+        """SIGKILL: no graceful stop, no claims settled, connections reset."""
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
             await self.proc.wait()
 
     def metrics(self) -> dict[str, float]:

@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import random
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -35,11 +34,11 @@ from typing import Any
 import aiohttp
 import grpc
 
+from bench.daemon_workload import DaemonProcess
 from emulator import EmulatorConfig, EmulatorServer
 from kvferry import logs
 from kvferry.tasks import run_main
 from kvferry.v1 import nodes_pb2, nodes_pb2_grpc
-from realvllm.process import free_port, stop_child
 from router import Router
 from router import Settings as RouterSettings
 from router.settings import DaemonSettings, ReuseSettings, ServerSettings
@@ -62,73 +61,6 @@ def timing_text() -> str:
 
 
 # -- the deployment ---------------------------------------------------------------------------
-
-
-class DaemonProcess:
-    """``kvferry daemon`` in its own process: on its embedded etcd (kept in `data_dir`), or
-    on the external etcd at `etcd` under `prefix`."""
-
-    def __init__(
-        self,
-        data_dir: Path | None,
-        etcd: str = "",
-        prefix: str = "",
-        port: int = 0,
-        args: Sequence[str] = (),
-        stream_port: int = 0,
-    ) -> None:
-        """`port` and `stream_port` (0: free ones) are its --listen's and --stream-listen's: a
-        daemon that replaces another one takes both of its ports, as a restart does."""
-        self.data_dir = data_dir
-        self.args = tuple(args)
-        """More flags for `kvferry daemon` (a policy's, say)."""
-        self.etcd = etcd
-        self.prefix = prefix
-        self.port = port or free_port()
-        self.stream_port = stream_port or free_port()
-        self.proc: asyncio.subprocess.Process | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def stream_address(self) -> str:
-        """Its --stream-listen address: Leases/Stream framed, without gRPC (routers look up there)."""
-        return f"127.0.0.1:{self.stream_port}"
-
-    async def start(self) -> None:
-        if self.etcd:
-            store = ["--etcd", self.etcd, *(["--etcd-prefix", self.prefix] if self.prefix else [])]
-        else:
-            assert self.data_dir is not None
-            store = ["--data-dir", str(self.data_dir / "etcd"), "--embedded-port", str(free_port())]
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvferry_cli", "--log-level", "warning", "daemon",
-            "--listen", self.address, "--stream-listen", self.stream_address, "--metrics-port", "-1",
-            *store, *self.args,
-            stdin=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
-        async with grpc.aio.insecure_channel(self.address) as channel, asyncio.timeout(60):
-            stub = nodes_pb2_grpc.NodesStub(channel)
-            while True:
-                try:
-                    await stub.List(nodes_pb2.ListNodesRequest(), timeout=1)
-                    return
-                except grpc.aio.AioRpcError:
-                    if self.proc.returncode is not None:
-                        raise RuntimeError("kvferry daemon exited at start") from None
-                    await asyncio.sleep(0.1)
-
-    async def stop(self) -> None:
-        if self.proc is not None:
-            await stop_child(self.proc)
-
-    async def kill(self) -> None:
-        """SIGKILL: no graceful stop, no claims settled, connections reset."""
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.kill()
-            await self.proc.wait()
 
 
 def engine_config(role: str, **changes: Any) -> EmulatorConfig:
@@ -203,7 +135,7 @@ async def deployment(
     one without."""
     with tempfile.TemporaryDirectory(prefix="kvferry-demo-") as tmp:
         async with contextlib.AsyncExitStack() as stack:
-            daemon = DaemonProcess(Path(tmp), args=daemon_args)
+            daemon = DaemonProcess(Path(tmp) / "etcd", args=daemon_args)
             stack.push_async_callback(daemon.stop)
             await daemon.start()
             p = EmulatorServer(engine_config("prefill", enable_prefix_caching=False, **(p_changes or {})))

@@ -117,7 +117,7 @@ async def probe(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="kvferry-tail-"))
     etcd = EmbeddedEtcd(tmp / "etcd", free_port(), free_port())
     await etcd.start()
-    d = DaemonProcess(tmp / "unused", etcd.endpoint)
+    d = DaemonProcess(etcd=etcd.endpoint)
     try:
         await d.start()
         measured = await _measure(d, etcd, tmp, args)

@@ -39,7 +39,8 @@ from typing import Any
 
 import aiohttp
 
-from bench.demo import DaemonProcess, router_settings, wait_nodes
+from bench.daemon_workload import DaemonProcess
+from bench.demo import router_settings, wait_nodes
 from bench.router_paths import CHAT, MultiturnProxyStandIn, first_token
 from kvferry import logs
 from kvferry.tasks import run_main
@@ -152,7 +153,7 @@ class Doors:
 @contextlib.asynccontextmanager
 async def front_doors(engines: Engines, tmp: Path) -> AsyncIterator[Doors]:
     async with contextlib.AsyncExitStack() as stack:
-        daemon = DaemonProcess(tmp)
+        daemon = DaemonProcess(tmp / "etcd")
         stack.push_async_callback(daemon.stop)
         await daemon.start()
         d_sidecar = None

@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.demo import DaemonProcess
+from bench.daemon_workload import DaemonProcess
 from router import Router
 from tests.polling import eventually
 from tests.router.conftest import MakeStack, Reference
