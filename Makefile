@@ -60,6 +60,7 @@ proto: $(STAMP)
 ## make bench: the benchmarks (each prints its figures)
 bench: $(STAMP)
 	$(BIN)/python -m bench.daemon
+	$(BIN)/python -m bench.fsync_tail
 	$(BIN)/python -m bench.sidecar
 	test ! -f bench/router.py || $(BIN)/python -m bench.router
 	$(BIN)/python -m bench.sustained

@@ -29,8 +29,10 @@ another replica forwards it over the daemon-only Owners RPC, kvferry.v1.Owners):
   rescans read etcd, which may be a write-behind (milliseconds) behind.
 
 So a lookup waits for no etcd write. What it still asks etcd is its decode node's state
-before a pull (service/nodecache.py): one serializable read (never behind etcd's WAL
-fsync) shared by that node's lookups for 50 ms.
+before a pull (service/nodecache.py): one serializable read shared by that node's lookups
+for 50 ms. Such a read is not behind etcd's WAL fsync, but it is behind the fsync of a
+backend commit: etcd holds its read lock while bbolt commits (every 100 ms by default), so
+a slow commit holds every read, serializable or not. bench.fsync_tail measures that tail.
 
 A single replica owns every shard, and nothing is forwarded. Several replicas share them:
 each takes free shards up to its fair share (ceil(S / live replicas)) and hands the rest

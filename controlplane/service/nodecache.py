@@ -102,7 +102,8 @@ class NodeCache:
 
     async def _confirmed(self, engine_id: str) -> NodeState | None:
         """The node as etcd had it at most CONFIRM_S ago: read as the etcd member has it
-        applied (serializable: never behind etcd's fsync), one read shared by the lookups
+        applied (serializable: not behind etcd's WAL fsync, but behind a backend commit's,
+        see controlplane.owners), one read shared by the lookups
         of the same node meanwhile (at 1,000/s on one decode node: 20 reads a second, not
         2,000: the reads were most of a lookup's cost once claims left etcd)."""
         reading = self._confirming_read(engine_id)
