@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 
+from controlplane.embedded import with_parent_death_signal
 from kvferry.digests import block_digests, seed
 from kvferry.framedstream import FramedCall
 from kvferry.leaseclient import LeaseStream
@@ -125,12 +126,15 @@ class DaemonProcess:
     async def start(self, timeout_s: float = 60.0) -> float:
         """Start and wait until a Lookup is answered from the store. -> seconds from exec to serving."""
         t0 = time.perf_counter()
-        self.proc = await asyncio.create_subprocess_exec(
+        command = [
             sys.executable, "-m", self.module, "--log-level", "warning", "daemon",
             "--listen", self.address, "--metrics-port", str(self.metrics_port), *self._store_flags(),
             *(["--stream-listen", self.stream_address] if self.tree is None else []), *self.args,
-            stdin=asyncio.subprocess.DEVNULL, cwd=self.tree,
-        )  # fmt: skip
+        ]  # fmt: skip
+        # (a benchmark killed leaves no daemon behind)
+        self.proc = await asyncio.create_subprocess_exec(
+            *with_parent_death_signal(command), stdin=asyncio.subprocess.DEVNULL, cwd=self.tree
+        )
         fast_retry = [
             ("grpc.initial_reconnect_backoff_ms", 20),
             ("grpc.min_reconnect_backoff_ms", 20),

@@ -21,6 +21,7 @@ speed) and shows the same tail.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import shutil
@@ -35,12 +36,11 @@ from aetcd import rpc
 from bench.daemon_claims import TARGET_P99_MS, Clients, Rows, raw_claims
 from bench.daemon_workload import DaemonProcess, register_node, retention
 from bench.load import closed_loop, open_loop, pct
-from controlplane.embedded import EmbeddedEtcd
+from controlplane.embedded import EmbeddedEtcd, with_parent_death_signal
 from controlplane.etcd import Client as EtcdClient
 from kvferry.tasks import run_main
 from realvllm.process import free_port
 
-WAL_FSYNC = "etcd_disk_wal_fsync_duration_seconds"
 SLOW_S = 0.016
 """An fsync slower than this is in the tail (a bound of etcd's histogram: 1 ms doubling)."""
 READS = "kvferry_etcd_seconds"
@@ -62,7 +62,9 @@ class SlowFsyncEtcd(EmbeddedEtcd):
 
     @property
     def pid(self) -> int:
-        """etcd's process id (not strace's; 0: not running)."""
+        """etcd's process id (not strace's; 0: not running). strace runs with -I1, so that a
+        SIGTERM ends it (by default it ignores one), and etcd with a parent-death signal, so
+        that it ends with strace: a benchmark killed leaves neither behind."""
         tracer = super().pid
         try:
             children = Path(f"/proc/{tracer}/task/{tracer}/children").read_text().split()
@@ -71,10 +73,12 @@ class SlowFsyncEtcd(EmbeddedEtcd):
         return int(children[0]) if tracer and children else 0
 
     async def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop etcd, then strace: a SIGTERM to strace would let etcd go on, untraced."""
+        """Stop etcd (strace exits once its tracee has), then strace if it has not."""
         with contextlib.suppress(ProcessLookupError):
             if self.pid:
-                os.kill(self.pid, signal.SIGTERM)  # (strace exits with it)
+                os.kill(self.pid, signal.SIGTERM)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wait_exited(), timeout_s)
         await super().stop(timeout_s)
 
     def command(self) -> list[str]:
@@ -84,65 +88,66 @@ class SlowFsyncEtcd(EmbeddedEtcd):
         delay_us = int(self.delay_ms * 1000)
         only = ["-P", str(self.data_dir / "member" / "snap" / "db")] if self.backend_only else []
         return [
-            strace, "-f", "-qq", "--seccomp-bpf", *only, "-o", "/dev/null", "-e", f"trace={syscalls}",
+            strace, "-I1", "-f", "-qq", "--seccomp-bpf", *only, "-o", "/dev/null", "-e", f"trace={syscalls}",
             "-e", f"inject={syscalls}:delay_exit={delay_us}:when={self.every}+{self.every}",
-            *super().command(),
+            *with_parent_death_signal(super().command()),  # (strace may go first: etcd too)
         ]  # fmt: skip
 
 
-def wal_fsyncs(endpoint: str) -> tuple[float, float, float]:
-    """etcd's WAL fsyncs so far: (count, seconds in all, how many took over SLOW_S)."""
-    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
-    count = total = fast = 0.0
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name == f"{WAL_FSYNC}_count":
-            count = float(value)
-        elif name == f"{WAL_FSYNC}_sum":
-            total = float(value)
-        elif name.startswith(f'{WAL_FSYNC}_bucket{{le="') and float(name.split('"')[1]) == SLOW_S:
-            fast = float(value)
-    return count, total, count - fast
-
-
-def confirming_reads(metrics_port: int) -> tuple[float, float]:
-    """The daemon's confirming reads of a node so far: (count, how many took over SLOW_READ_S)."""
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
+def histogram(url: str, name: str, bound: float, labels: str = "") -> tuple[float, float, float]:
+    """A Prometheus histogram at `url` (its series with `labels`, as written there, e.g.
+    'op="get_node"'): (count, sum, how many were over `bound`, one of its bucket bounds)."""
     text = urllib.request.urlopen(url, timeout=5).read().decode()
-    count = fast = 0.0
+    braces = f"{{{labels}}}" if labels else ""
+    le = f'le="{bound:g}"' + (f",{labels}" if labels else "")
+    count = total = under = 0.0
     for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name == f'{READS}_count{{op="get_node"}}':
+        series, _, value = line.partition(" ")
+        if series == f"{name}_count{braces}":
             count = float(value)
-        elif name == f'{READS}_bucket{{le="{SLOW_READ_S}",op="get_node"}}':
-            fast = float(value)
-    return count, count - fast
+        elif series == f"{name}_sum{braces}":
+            total = float(value)
+        elif series == f"{name}_bucket{{{le}}}":
+            under = float(value)
+    return count, total, count - under
+
+
+class Phase:
+    """One histogram over one phase: what it gained from the phase's start."""
+
+    def __init__(self, url: str, name: str, bound: float, labels: str = "") -> None:
+        self._args = (url, name, bound, labels)
+        self._before = histogram(*self._args)
+
+    def gained(self) -> tuple[float, float, float]:
+        """(count, sum, over the bound) since the start."""
+        now = histogram(*self._args)
+        return now[0] - self._before[0], now[1] - self._before[1], now[2] - self._before[2]
 
 
 class FsyncWatch:
-    """etcd's WAL fsyncs over one phase (and the daemon's confirming reads), as a note for
-    its row."""
+    """etcd's WAL fsyncs and backend commits over one phase (and the daemon's confirming
+    reads), as a note for its row."""
 
     def __init__(self, endpoint: str, daemon_metrics: int = 0) -> None:
-        self._endpoint = endpoint
-        self._daemon_metrics = daemon_metrics
-        self._before = wal_fsyncs(endpoint)
-        self._reads_before = confirming_reads(daemon_metrics) if daemon_metrics else (0.0, 0.0)
+        etcd = f"http://{endpoint}/metrics"
+        self._wal = Phase(etcd, "etcd_disk_wal_fsync_duration_seconds", SLOW_S)
+        self._commits = Phase(etcd, "etcd_disk_backend_commit_duration_seconds", SLOW_S)
+        daemon = f"http://127.0.0.1:{daemon_metrics}/metrics"
+        self._reads = Phase(daemon, READS, SLOW_READ_S, 'op="get_node"') if daemon_metrics else None
 
     def note(self) -> str:
-        count, total, slow = (a - b for a, b in zip(wal_fsyncs(self._endpoint), self._before, strict=True))
-        fsyncs = (
-            f"etcd WAL fsyncs meanwhile: {count:,.0f}, mean {total / count * 1e3:.1f} ms, "
-            f"{slow / count:.0%} over {SLOW_S * 1e3:g} ms"
-            if count
-            else "etcd fsynced nothing meanwhile"
-        )
-        if not self._daemon_metrics:
-            return fsyncs
-        reads, slow_reads = (
-            a - b for a, b in zip(confirming_reads(self._daemon_metrics), self._reads_before, strict=True)
-        )
-        return f"{fsyncs}; confirming reads {reads:,.0f}, {slow_reads:,.0f} over {SLOW_READ_S * 1e3:g} ms"
+        notes = []
+        for what, phase in (("WAL fsyncs", self._wal), ("backend commits", self._commits)):
+            count, total, slow = phase.gained()
+            mean = total / count * 1e3 if count else 0.0
+            notes.append(
+                f"etcd {what} {count:,.0f}, mean {mean:.1f} ms, {slow:,.0f} over {SLOW_S * 1e3:g} ms"
+            )
+        if self._reads is not None:
+            count, _, slow = self._reads.gained()
+            notes.append(f"confirming reads {count:,.0f}, {slow:,.0f} over {SLOW_READ_S * 1e3:g} ms")
+        return "; ".join(notes)
 
 
 async def _raw_phase(etcd: SlowFsyncEtcd, phase_s: float, rows: Rows) -> float:

@@ -57,7 +57,7 @@ def etcd_binary() -> Path:
     return Path(found)
 
 
-def _with_parent_death_signal(cmd: list[str]) -> list[str]:
+def with_parent_death_signal(cmd: list[str]) -> list[str]:
     """Prefix `cmd` so the child gets SIGTERM if the daemon dies, even by SIGKILL,
     and an embedded etcd never outlives the process that owns its data dir.
     (setpriv, from util-linux, does the prctl in the child; preexec_fn would be
@@ -144,7 +144,7 @@ class EmbeddedEtcd:
         self._lock_data_dir()
         with open(self.log_path, "ab") as out:  # noqa: ASYNC230 - once, at start-up
             self._proc = await asyncio.create_subprocess_exec(
-                *_with_parent_death_signal(self.command()),
+                *with_parent_death_signal(self.command()),
                 stdout=out,
                 stderr=out,
                 stdin=asyncio.subprocess.DEVNULL,
