@@ -19,7 +19,7 @@ import grpc
 import structlog
 from prometheus_client import start_http_server
 
-from controlplane import metrics
+from controlplane import metrics, stalls
 from controlplane.embedded import SECOND_DAEMON, EmbeddedEtcd, port_free
 from controlplane.errors import StoreUnavailable
 from controlplane.etcd import EtcdTls
@@ -198,12 +198,14 @@ class Daemon:
 
     def _start_loops(self, cp: ControlPlane, store: EtcdStore) -> None:
         """The background loops: etcd names followed, the node view refreshed, releases
-        relayed, dead nodes collected, the gauges scanned."""
+        relayed, dead nodes collected, the gauges scanned, the loop's stalls timed."""
         s = self.settings
         self._tasks.append(asyncio.create_task(store.follow_dns(s.etcd.dns_refresh_s), name="etcd-dns"))
         self._tasks.append(asyncio.create_task(store.follow_certs(CERT_CHECK_S), name="etcd-certs"))
         self._tasks.append(asyncio.create_task(cp.nodes.run(), name="node-cache"))
         self._tasks.append(asyncio.create_task(cp.nodes.keep_confirmed(), name="node-confirm"))
+        self._tasks.append(asyncio.create_task(stalls.watch_loop_lag(), name="loop-lag"))
+        stalls.GcPauses.install()
         self._tasks.append(asyncio.create_task(cp.budgets.relay.run(), name="release-relay"))
         if s.nodes.gc_after_s > 0:
             interval = min(60.0, s.nodes.gc_after_s / 4)

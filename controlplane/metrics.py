@@ -71,6 +71,27 @@ RETAINED_BLOCKS = Gauge(
     "kvferry_retained_blocks", "D KV blocks held by live retentions (this replica's count)", ["engine_id"]
 )
 
+LOOKUP_WAITS = Histogram(
+    "kvferry_lookup_wait_seconds",
+    "Time lookups spent waiting on etcd, by what they waited for (node_confirm: the read that "
+    "confirms a pull's decode node, service/nodecache.py); a lookup that waited for nothing "
+    "is not counted",
+    ["on"],
+    buckets=_LATENCY_BUCKETS,
+)
+LOOP_LAG = Histogram(
+    "kvferry_event_loop_lag_seconds",
+    "How late the daemon's event loop ran a timer (controlplane.stalls): what every request "
+    "waited behind then",
+    buckets=_LATENCY_BUCKETS,
+)
+GC_PAUSES = Histogram(
+    "kvferry_gc_pause_seconds",
+    "Cyclic garbage collections of the daemon process and how long each paused it, by generation",
+    ["generation"],
+    buckets=_LATENCY_BUCKETS,
+)
+
 
 def show_pool(engine_id: str, blocks: int, usage: float, retained: int) -> None:
     """Set a node's pool gauges."""

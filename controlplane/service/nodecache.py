@@ -36,6 +36,7 @@ CONFIRM_S - KEEP_PACE_S to answer one. One at a time, it lapsed whenever a read 
 ~15-25 ms: under load, every few seconds, and every lookup meanwhile waited on etcd."""
 MAX_IN_FLIGHT = 8
 """Confirming reads of one node on their way at once, at most (etcd hung: no pile-up)."""
+_CONFIRM_WAITS = metrics.LOOKUP_WAITS.labels("node_confirm")
 
 
 class NodeCache:
@@ -108,7 +109,12 @@ class NodeCache:
         2,000: the reads were most of a lookup's cost once claims left etcd)."""
         reading = self._confirming_read(engine_id)
         if reading is not None:
-            await asyncio.shield(reading)
+            waited = None if reading.done() else time.perf_counter()
+            try:
+                await asyncio.shield(reading)
+            finally:
+                if waited is not None:
+                    _CONFIRM_WAITS.observe(time.perf_counter() - waited)
         return self._nodes.get(engine_id)
 
     def confirm_soon(self, engine_id: str) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import pytest
+from prometheus_client import REGISTRY
 
 from controlplane.records import NodeRecord, NodeState, Role
 from controlplane.service import nodecache
@@ -78,3 +79,22 @@ async def test_a_kept_node_is_read_again_while_a_slow_read_is_on_its_way(
         for read in store.reads:
             if not read.done():
                 read.set_result((None, 0))
+
+
+def _confirm_waits() -> float:
+    return REGISTRY.get_sample_value("kvferry_lookup_wait_seconds_count", {"on": "node_confirm"}) or 0.0
+
+
+async def test_a_lookup_that_waits_for_its_confirming_read_is_timed() -> None:
+    """kvferry_lookup_wait_seconds{on="node_confirm"} counts the lookups that waited on etcd
+    for the read (and how long); one that finds a read back within the window is not counted."""
+    store = HeldReads()
+    cache = NodeCache(store, refresh_s=1.0)  # type: ignore[arg-type]
+    before, state = _confirm_waits(), _state(1)
+    waiting = asyncio.ensure_future(cache._confirmed("d-1"))
+    await eventually(lambda: len(store.reads) == 1)
+    store.reads[0].set_result((state, 5))
+    assert await waiting == state
+    assert _confirm_waits() == before + 1
+    assert await cache._confirmed("d-1") == state  # (the same read, back: no wait)
+    assert _confirm_waits() == before + 1 and len(store.reads) == 1
