@@ -6,6 +6,7 @@ from its /metrics."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import sys
 import time
@@ -197,3 +198,40 @@ class DaemonProcess:
             elif line.startswith("kvferry_etcd_batch_items_sum "):
                 out["batched_txns"] = float(line.split()[1])
         return out
+
+
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def histogram(url: str, name: str, bound: float, **labels: str) -> tuple[float, float, float]:
+    """The Prometheus histogram `name` at `url` (its series with `labels`): (count, sum, how
+    many were over `bound`, one of its bucket bounds)."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    count = total = under = 0.0
+    for line in text.splitlines():
+        series, _, value = line.partition(" ")
+        metric, _, rest = series.partition("{")
+        found = dict(_LABEL.findall(rest))
+        le = found.pop("le", None)
+        if found != labels:
+            continue
+        if metric == f"{name}_count":
+            count = float(value)
+        elif metric == f"{name}_sum":
+            total = float(value)
+        elif metric == f"{name}_bucket" and le is not None and le != "+Inf" and float(le) == bound:
+            under = float(value)
+    return count, total, count - under
+
+
+class HistogramPhase:
+    """One histogram over one phase of a benchmark: what it gained since the phase began."""
+
+    def __init__(self, url: str, name: str, bound: float, **labels: str) -> None:
+        self._read = functools.partial(histogram, url, name, bound, **labels)
+        self._before = self._read()
+
+    def gained(self) -> tuple[float, float, float]:
+        """(count, sum, over the bound) since the phase began."""
+        now = self._read()
+        return now[0] - self._before[0], now[1] - self._before[1], now[2] - self._before[2]

@@ -29,13 +29,12 @@ import shutil
 import signal
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 
 from aetcd import rpc
 
 from bench.daemon_claims import TARGET_P99_MS, Clients, Rows, raw_claims
-from bench.daemon_workload import DaemonProcess, register_node, retention
+from bench.daemon_workload import DaemonProcess, HistogramPhase, register_node, retention
 from bench.load import closed_loop, open_loop, pct
 from controlplane.embedded import EmbeddedEtcd, with_parent_death_signal
 from controlplane.etcd import Client as EtcdClient
@@ -95,53 +94,22 @@ class SlowFsyncEtcd(EmbeddedEtcd):
         ]  # fmt: skip
 
 
-def histogram(url: str, name: str, bound: float, labels: str = "") -> tuple[float, float, float]:
-    """A Prometheus histogram at `url` (its series with `labels`, as written there, e.g.
-    'op="get_node"'): (count, sum, how many were over `bound`, one of its bucket bounds)."""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    braces = f"{{{labels}}}" if labels else ""
-    le = f'le="{bound:g}"' + (f",{labels}" if labels else "")
-    count = total = under = 0.0
-    for line in text.splitlines():
-        series, _, value = line.partition(" ")
-        if series == f"{name}_count{braces}":
-            count = float(value)
-        elif series == f"{name}_sum{braces}":
-            total = float(value)
-        elif series == f"{name}_bucket{{{le}}}":
-            under = float(value)
-    return count, total, count - under
-
-
-class Phase:
-    """One histogram over one phase: what it gained from the phase's start."""
-
-    def __init__(self, url: str, name: str, bound: float, labels: str = "") -> None:
-        self._args = (url, name, bound, labels)
-        self._before = histogram(*self._args)
-
-    def gained(self) -> tuple[float, float, float]:
-        """(count, sum, over the bound) since the start."""
-        now = histogram(*self._args)
-        return now[0] - self._before[0], now[1] - self._before[1], now[2] - self._before[2]
-
-
 class FsyncWatch:
     """etcd's WAL fsyncs and backend commits over one phase (and the daemon's confirming
     reads), as a note for its row."""
 
     def __init__(self, endpoint: str, daemon_metrics: int = 0) -> None:
         etcd = f"http://{endpoint}/metrics"
-        self._wal = Phase(etcd, "etcd_disk_wal_fsync_duration_seconds", SLOW_S)
-        self._commits = Phase(etcd, "etcd_disk_backend_commit_duration_seconds", SLOW_S)
+        self._wal = HistogramPhase(etcd, "etcd_disk_wal_fsync_duration_seconds", SLOW_S)
+        self._commits = HistogramPhase(etcd, "etcd_disk_backend_commit_duration_seconds", SLOW_S)
         daemon = f"http://127.0.0.1:{daemon_metrics}/metrics"
         self._daemon = (
             [
                 (
                     "lookups waited on a confirming read",
-                    Phase(daemon, WAITS, SLOW_WAIT_S, 'on="node_confirm"'),
+                    HistogramPhase(daemon, WAITS, SLOW_WAIT_S, on="node_confirm"),
                 ),
-                ("event loop late", Phase(daemon, "kvferry_event_loop_lag_seconds", SLOW_WAIT_S)),
+                ("event loop late", HistogramPhase(daemon, "kvferry_event_loop_lag_seconds", SLOW_WAIT_S)),
             ]
             if daemon_metrics
             else []

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import os
 import shutil
@@ -31,7 +32,7 @@ from pathlib import Path
 import grpc
 
 from bench.cores import OTHERS_CORE, confined
-from bench.daemon_workload import DaemonProcess, lookup, register_node, retention
+from bench.daemon_workload import DaemonProcess, HistogramPhase, lookup, register_node, retention
 from bench.load import closed_loop, pct
 from controlplane.embedded import EmbeddedEtcd
 from kvferry.leaseclient import LeaseStream
@@ -88,6 +89,8 @@ class Measured:
     """etcd's disk counters over the lookups (etcd_counters)."""
     listed: int
     """Retentions `kvferry leases ls` listed meanwhile (--list)."""
+    stalls: list[tuple[str, tuple[float, float, float]]]
+    """The daemon's own figures over the lookups (`daemon_stalls`): (what, (count, sum, over SLOW_MS))."""
 
 
 class LoopLag:
@@ -148,6 +151,7 @@ async def _measure(d: DaemonProcess, etcd: EmbeddedEtcd, tmp: Path, args: argpar
     pids = {"daemon": d.proc.pid, "etcd": etcd.pid, "load generator": os.getpid()}
     cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
     disk0 = etcd_counters(etcd.endpoint)
+    stalls = daemon_stalls(d.metrics_port)
     lag = LoopLag()
     listed_to = tmp / "leases.jsonl"
     listing = await _start_listing(d.port, listed_to) if args.list else None
@@ -167,7 +171,19 @@ async def _measure(d: DaemonProcess, etcd: EmbeddedEtcd, tmp: Path, args: argpar
     await sidecar.close()
     await router.close()
     await ch.close(None)
-    return Measured(count, t0, elapsed, sent_lat, lags, cpu, disk, listed)
+    gained = [(what, phase.gained()) for what, phase in stalls]
+    return Measured(count, t0, elapsed, sent_lat, lags, cpu, disk, listed, gained)
+
+
+def daemon_stalls(metrics_port: int) -> list[tuple[str, HistogramPhase]]:
+    """What the daemon's /metrics says held its lookups, from now on (controlplane.stalls)."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    watch = functools.partial(HistogramPhase, url, bound=SLOW_MS / 1e3)
+    return [
+        ("lookups waited on a confirming read", watch("kvferry_lookup_wait_seconds", on="node_confirm")),
+        ("event loop ticks late", watch("kvferry_event_loop_lag_seconds")),
+        *((f"GC pauses, generation {g}", watch("kvferry_gc_pause_seconds", generation=g)) for g in "012"),
+    ]
 
 
 async def _start_listing(port: int, listed_to: Path) -> asyncio.subprocess.Process:
@@ -217,6 +233,10 @@ def _report(m: Measured, args: argparse.Namespace) -> None:
         + ", ".join(f"{k} {v / m.count * 1e3:.3f} ms ({v / m.elapsed:.2f} core)" for k, v in m.cpu.items())
     )
     print(f"load generator loop lag: p99 {pct(m.lags, 99):.1f} ms, max {max(m.lags) * 1e3:.1f} ms")
+    print(
+        "daemon: "
+        + "; ".join(f"{what} {n:,.0f}, {slow:,.0f} over {SLOW_MS:g} ms" for what, (n, _, slow) in m.stalls)
+    )
     if args.list:
         print(f"kvferry leases ls meanwhile: {m.listed:,} leases listed while the lookups ran")
     for name in _ETCD_COUNTERS:
