@@ -6,6 +6,7 @@ only at run time, in the cluster); an alert on a renamed metric never fires."""
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -175,7 +176,26 @@ def _labels_in_source(attribute: str) -> set[str]:
     return set(re.findall(rf"\.{attribute}\.labels\(\"(\w+)\"\)", source))
 
 
+#: The daemon's calls that name an etcd request for kvferry_etcd_seconds{op} (their first argument).
+_ETCD_OP_CALLS = {"read", "range", "txn", "send_txn", "grant", "submit", "timed"}
+
+
+def _etcd_ops_in_source() -> set[str]:
+    """The literal op names the daemon's code gives its etcd calls (the histogram's `op`)."""
+    ops = set()
+    for path in (DEPLOY.parent / "controlplane").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and node.args):
+                continue
+            func, first = node.func, node.args[0]
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name in _ETCD_OP_CALLS and isinstance(first, ast.Constant) and isinstance(first.value, str):
+                ops.add(first.value)
+    return ops
+
+
 KNOWN_VALUES = {
+    ("kvferry_etcd_seconds_bucket", "op"): _etcd_ops_in_source(),
     ("kvferry_router_stage_seconds_bucket", "stage"): _labels_in_source("stage"),
     ("kvferry_router_digest_blocks_total", "how"): _labels_in_source("digest_blocks"),
     ("kvferry_lookups_total", "decision"): {"PULL", "RECOMPUTE"},
