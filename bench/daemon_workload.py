@@ -6,7 +6,6 @@ from its /metrics."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import re
 import sys
 import time
@@ -203,10 +202,9 @@ class DaemonProcess:
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
-def histogram(url: str, name: str, bound: float, **labels: str) -> tuple[float, float, float]:
-    """The Prometheus histogram `name` at `url` (its series with `labels`): (count, sum, how
-    many were over `bound`, one of its bucket bounds)."""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
+def histogram(text: str, name: str, bound: float, **labels: str) -> tuple[float, float, float]:
+    """The Prometheus histogram `name` in a /metrics page (its series with `labels`): (count,
+    sum, how many were over `bound`, one of its bucket bounds)."""
     count = total = under = 0.0
     for line in text.splitlines():
         series, _, value = line.partition(" ")
@@ -224,14 +222,39 @@ def histogram(url: str, name: str, bound: float, **labels: str) -> tuple[float, 
     return count, total, count - under
 
 
-class HistogramPhase:
-    """One histogram over one phase of a benchmark: what it gained since the phase began."""
+class MetricsPhase:
+    """A /metrics page over one phase of a benchmark: read when the phase begins and at
+    `end()`, once each, however many histograms are asked of it."""
 
-    def __init__(self, url: str, name: str, bound: float, **labels: str) -> None:
-        self._read = functools.partial(histogram, url, name, bound, **labels)
+    def __init__(self, url: str) -> None:
+        self._url = url
         self._before = self._read()
+        self._after = self._before
 
-    def gained(self) -> tuple[float, float, float]:
-        """(count, sum, over the bound) since the phase began."""
-        now = self._read()
-        return now[0] - self._before[0], now[1] - self._before[1], now[2] - self._before[2]
+    def _read(self) -> str:
+        page: bytes = urllib.request.urlopen(self._url, timeout=5).read()
+        return page.decode()
+
+    def end(self) -> None:
+        self._after = self._read()
+
+    def gained(self, name: str, bound: float, **labels: str) -> tuple[float, float, float]:
+        """Histogram `name`'s (count, sum, over `bound`) over the phase."""
+        after, before = (
+            histogram(self._after, name, bound, **labels),
+            histogram(self._before, name, bound, **labels),
+        )
+        return after[0] - before[0], after[1] - before[1], after[2] - before[2]
+
+
+DAEMON_STALLS: tuple[tuple[str, str, dict[str, str]], ...] = (
+    ("lookups waited on a confirming read", "kvferry_lookup_wait_seconds", {"on": "node_confirm"}),
+    ("event loop ticks late", "kvferry_event_loop_lag_seconds", {}),
+    *((f"GC pauses, generation {g}", "kvferry_gc_pause_seconds", {"generation": g}) for g in "012"),
+)
+"""What held the daemon's lookups, by its own histograms (controlplane.stalls): (what, name, labels)."""
+
+
+def daemon_stalls(phase: MetricsPhase, bound: float) -> list[tuple[str, tuple[float, float, float]]]:
+    """DAEMON_STALLS over `phase` (the daemon's /metrics, ended): (what, (count, sum, over `bound`))."""
+    return [(what, phase.gained(name, bound, **labels)) for what, name, labels in DAEMON_STALLS]

@@ -34,7 +34,7 @@ from pathlib import Path
 from aetcd import rpc
 
 from bench.daemon_claims import TARGET_P99_MS, Clients, Rows, raw_claims
-from bench.daemon_workload import DaemonProcess, HistogramPhase, register_node, retention
+from bench.daemon_workload import DaemonProcess, MetricsPhase, daemon_stalls, register_node, retention
 from bench.load import closed_loop, open_loop, pct
 from controlplane.embedded import EmbeddedEtcd, with_parent_death_signal
 from controlplane.etcd import Client as EtcdClient
@@ -43,7 +43,6 @@ from realvllm.process import free_port
 
 SLOW_S = 0.016
 """An fsync slower than this is in the tail (a bound of etcd's histogram: 1 ms doubling)."""
-WAITS = "kvferry_lookup_wait_seconds"
 SLOW_WAIT_S = 0.005
 """A lookup's wait, or the event loop's lateness, past this is in the tail (the 1,000/s
 target; a bound of the daemon's histograms, controlplane.metrics)."""
@@ -95,37 +94,29 @@ class SlowFsyncEtcd(EmbeddedEtcd):
 
 
 class FsyncWatch:
-    """etcd's WAL fsyncs and backend commits over one phase (and the daemon's confirming
-    reads), as a note for its row."""
+    """etcd's WAL fsyncs and backend commits over one phase (and what held the daemon's
+    lookups, by its own histograms), as a note for its row."""
 
     def __init__(self, endpoint: str, daemon_metrics: int = 0) -> None:
-        etcd = f"http://{endpoint}/metrics"
-        self._wal = HistogramPhase(etcd, "etcd_disk_wal_fsync_duration_seconds", SLOW_S)
-        self._commits = HistogramPhase(etcd, "etcd_disk_backend_commit_duration_seconds", SLOW_S)
-        daemon = f"http://127.0.0.1:{daemon_metrics}/metrics"
-        self._daemon = (
-            [
-                (
-                    "lookups waited on a confirming read",
-                    HistogramPhase(daemon, WAITS, SLOW_WAIT_S, on="node_confirm"),
-                ),
-                ("event loop late", HistogramPhase(daemon, "kvferry_event_loop_lag_seconds", SLOW_WAIT_S)),
-            ]
-            if daemon_metrics
-            else []
-        )
+        self._etcd = MetricsPhase(f"http://{endpoint}/metrics")
+        self._daemon = MetricsPhase(f"http://127.0.0.1:{daemon_metrics}/metrics") if daemon_metrics else None
 
     def note(self) -> str:
+        self._etcd.end()
         notes = []
-        for what, phase in (("WAL fsyncs", self._wal), ("backend commits", self._commits)):
-            count, total, slow = phase.gained()
+        for what, name in (
+            ("WAL fsyncs", "etcd_disk_wal_fsync_duration_seconds"),
+            ("backend commits", "etcd_disk_backend_commit_duration_seconds"),
+        ):
+            count, total, slow = self._etcd.gained(name, SLOW_S)
             mean = total / count * 1e3 if count else 0.0
             notes.append(
                 f"etcd {what} {count:,.0f}, mean {mean:.1f} ms, {slow:,.0f} over {SLOW_S * 1e3:g} ms"
             )
-        for what, phase in self._daemon:
-            count, _, slow = phase.gained()
-            notes.append(f"{what} {count:,.0f} times, {slow:,.0f} over {SLOW_WAIT_S * 1e3:g} ms")
+        if self._daemon is not None:
+            self._daemon.end()
+            for what, (count, _, slow) in daemon_stalls(self._daemon, SLOW_WAIT_S):
+                notes.append(f"{what} {count:,.0f}, {slow:,.0f} over {SLOW_WAIT_S * 1e3:g} ms")
         return "; ".join(notes)
 
 

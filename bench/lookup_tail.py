@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import itertools
 import os
 import shutil
@@ -32,7 +31,7 @@ from pathlib import Path
 import grpc
 
 from bench.cores import OTHERS_CORE, confined
-from bench.daemon_workload import DaemonProcess, HistogramPhase, lookup, register_node, retention
+from bench.daemon_workload import DaemonProcess, MetricsPhase, daemon_stalls, lookup, register_node, retention
 from bench.load import closed_loop, pct
 from controlplane.embedded import EmbeddedEtcd
 from kvferry.leaseclient import LeaseStream
@@ -151,7 +150,7 @@ async def _measure(d: DaemonProcess, etcd: EmbeddedEtcd, tmp: Path, args: argpar
     pids = {"daemon": d.proc.pid, "etcd": etcd.pid, "load generator": os.getpid()}
     cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
     disk0 = etcd_counters(etcd.endpoint)
-    stalls = daemon_stalls(d.metrics_port)
+    daemon_page = MetricsPhase(f"http://127.0.0.1:{d.metrics_port}/metrics")
     lag = LoopLag()
     listed_to = tmp / "leases.jsonl"
     listing = await _start_listing(d.port, listed_to) if args.list else None
@@ -171,19 +170,9 @@ async def _measure(d: DaemonProcess, etcd: EmbeddedEtcd, tmp: Path, args: argpar
     await sidecar.close()
     await router.close()
     await ch.close(None)
-    gained = [(what, phase.gained()) for what, phase in stalls]
+    daemon_page.end()
+    gained = daemon_stalls(daemon_page, SLOW_MS / 1e3)
     return Measured(count, t0, elapsed, sent_lat, lags, cpu, disk, listed, gained)
-
-
-def daemon_stalls(metrics_port: int) -> list[tuple[str, HistogramPhase]]:
-    """What the daemon's /metrics says held its lookups, from now on (controlplane.stalls)."""
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
-    watch = functools.partial(HistogramPhase, url, bound=SLOW_MS / 1e3)
-    return [
-        ("lookups waited on a confirming read", watch("kvferry_lookup_wait_seconds", on="node_confirm")),
-        ("event loop ticks late", watch("kvferry_event_loop_lag_seconds")),
-        *((f"GC pauses, generation {g}", watch("kvferry_gc_pause_seconds", generation=g)) for g in "012"),
-    ]
 
 
 async def _start_listing(port: int, listed_to: Path) -> asyncio.subprocess.Process:

@@ -205,7 +205,7 @@ class Daemon:
         self._tasks.append(asyncio.create_task(cp.nodes.run(), name="node-cache"))
         self._tasks.append(asyncio.create_task(cp.nodes.keep_confirmed(), name="node-confirm"))
         self._tasks.append(asyncio.create_task(stalls.watch_loop_lag(), name="loop-lag"))
-        stalls.GcPauses.install()
+        stalls.time_gc_pauses()
         self._tasks.append(asyncio.create_task(cp.budgets.relay.run(), name="release-relay"))
         if s.nodes.gc_after_s > 0:
             interval = min(60.0, s.nodes.gc_after_s / 4)

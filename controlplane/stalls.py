@@ -30,26 +30,20 @@ async def watch_loop_lag(tick_s: float = LAG_TICK_S) -> None:
         metrics.LOOP_LAG.observe(max(0.0, clock() - asked - tick_s))
 
 
-class GcPauses:
-    """Times each cyclic collection of this process into kvferry_gc_pause_seconds (a
-    gc.callbacks entry, installed once per process)."""
+_gc_started = 0.0  # perf_counter() at the start of the collection under way (0: none)
 
-    _installed: GcPauses | None = None
 
-    def __init__(self) -> None:
-        self._started = 0.0
+def _on_gc(phase: str, info: dict[str, Any]) -> None:
+    global _gc_started
+    if phase == "start":
+        _gc_started = time.perf_counter()
+    elif _gc_started:
+        metrics.GC_PAUSES.labels(str(info["generation"])).observe(time.perf_counter() - _gc_started)
+        _gc_started = 0.0
 
-    @classmethod
-    def install(cls) -> GcPauses:
-        """The process's one GcPauses, installed on first call."""
-        if cls._installed is None:
-            cls._installed = cls()
-            gc.callbacks.append(cls._installed._on_gc)
-        return cls._installed
 
-    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        elif self._started:
-            metrics.GC_PAUSES.labels(str(info["generation"])).observe(time.perf_counter() - self._started)
-            self._started = 0.0
+def time_gc_pauses() -> None:
+    """Time each cyclic collection of this process into kvferry_gc_pause_seconds (a
+    gc.callbacks entry; a second call adds none)."""
+    if _on_gc not in gc.callbacks:
+        gc.callbacks.append(_on_gc)
