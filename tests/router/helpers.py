@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ from typing import Any
 
 import aiohttp
 
+from controlplane.daemon import Daemon
 from emulator import EmulatorServer
 
 CHAT = "/v1/chat/completions"
@@ -97,3 +99,19 @@ async def tokenize(
     async with http.post(emu.http_url + "/tokenize", json={"messages": messages}) as r:
         assert r.status == 200
         return list((await r.json())["tokens"])
+
+
+def answers_late(daemon: Daemon, delay_s: float) -> None:
+    """The daemon claims and decides as ever, then answers lookups `delay_s` late (busy,
+    or starved of CPU by the engines beside it)."""
+    assert daemon.control_plane is not None
+    cp = daemon.control_plane.lookups
+    lookup = cp.lookup
+
+    async def late(*args: Any, **kwargs: Any) -> Any:
+        result = await lookup(*args, **kwargs)
+        await asyncio.sleep(delay_s)
+        return result
+
+    cp.lookup = late  # type: ignore[method-assign]
+    cp.lookup_now = lambda q: None  # type: ignore[method-assign]  # (every lookup the awaited way)

@@ -13,7 +13,7 @@ from realvllm.process import free_port
 from router import Router
 from tests.polling import eventually
 from tests.router.conftest import MakeStack, Reference, one_turn_held, router_settings
-from tests.router.helpers import CHAT, ask, first_turn, next_turn, unheld_reads
+from tests.router.helpers import CHAT, answers_late, ask, first_turn, next_turn, unheld_reads
 
 
 async def test_without_a_daemon_turns_are_served_without_reuse(
@@ -41,6 +41,7 @@ async def test_without_a_daemon_turns_are_served_without_reuse(
             assert res.status == 200 and (res.decision, res.reason) == ("SKIPPED", expect)
             assert res.text == await reference(CHAT, body)
 
+    answers_late(stack.daemon, 0.05)  # (answered from memory, it could beat even 1 us)
     late = Router(
         router_settings(
             stack.daemon, daemon__lookup_deadline_s=1e-6, daemon__lookup_recompute_share=0, **nodes
@@ -61,6 +62,7 @@ async def test_a_claim_answered_late_has_ds_blocks_freed_through_p(
     stack, d, body, one, first = await one_turn_held(make_stack, http, "lateness", "late-claim")
     messages = body["messages"]
 
+    answers_late(stack.daemon, 0.05)
     late = await stack.router(daemon__lookup_deadline_s=1e-6, daemon__lookup_recompute_share=0)
     second = {**body, "messages": next_turn(messages, one.text)}
     two = await ask(http, late.url, second)

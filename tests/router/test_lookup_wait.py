@@ -3,31 +3,13 @@ answered after its turn went on without it is released, however late it comes.""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import aiohttp
 
-from controlplane.daemon import Daemon
 from tests.polling import eventually
 from tests.router.conftest import MakeStack, Reference, Stack
-from tests.router.helpers import CHAT, ask, first_turn, next_turn
-
-
-def answers_late(daemon: Daemon, delay_s: float) -> None:
-    """The daemon claims and decides as ever, then answers lookups `delay_s` late (busy,
-    or starved of CPU by the engines beside it)."""
-    assert daemon.control_plane is not None
-    cp = daemon.control_plane.lookups
-    lookup = cp.lookup
-
-    async def late(*args: Any, **kwargs: Any) -> Any:
-        result = await lookup(*args, **kwargs)
-        await asyncio.sleep(delay_s)
-        return result
-
-    cp.lookup = late  # type: ignore[method-assign]
-    cp.lookup_now = lambda q: None  # type: ignore[method-assign]  # (every lookup the awaited way)
+from tests.router.helpers import CHAT, answers_late, ask, first_turn, next_turn
 
 
 async def two_turns(
