@@ -97,9 +97,10 @@ class Daemon:
             await self._serve_framed(serving.leases, access)
         announced = advertised(s.server.listen, self.port, s.server.advertise)
         await self._own(cp, self.peers, announced, tls)
-        if announced:
-            self._tasks.append(asyncio.create_task(self.peers.run(announced), name="peers"))
-        else:
+        # Announced even with no address (not asked then): node writes carry the
+        # announcement as their fence (controlplane.solewriter).
+        self._tasks.append(asyncio.create_task(self.peers.run(announced), name="peers"))
+        if not announced:
             log.warning(
                 "peers.off",
                 listen=s.server.listen,

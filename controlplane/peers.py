@@ -107,7 +107,7 @@ class Peers:
             await asyncio.sleep(self._refresh)
 
     async def _follow(self, announced: Mapping[str, str]) -> None:
-        others = {i: a for i, a in announced.items() if i != self.id}
+        others = {i: a for i, a in announced.items() if i != self.id and a}  # ("": not reachable)
         for i in [i for i, p in self._peers.items() if others.get(i) != p.address]:
             await self._peers.pop(i).channel.close(None)
         for i, address in others.items():

@@ -18,6 +18,7 @@ Values are JSON (msgspec), readable with ``etcdctl get``.
 from __future__ import annotations
 
 import enum
+import math
 import re
 from urllib.parse import quote, unquote
 
@@ -134,6 +135,13 @@ class NodeState(msgspec.Struct, frozen=True):
 
     record: NodeRecord
     alive: bool
+    until: float = math.inf
+    """Wall-clock time its liveness ends unless a heartbeat moves it (as its liveness key
+    says; infinity when the key does not say, or was not read)."""
+
+    def alive_at(self, now: float) -> bool:
+        """Whether it is alive at wall-clock time `now` (its liveness lapses at `until`)."""
+        return self.alive and now < self.until
 
 
 _node_encoder = msgspec.json.Encoder()

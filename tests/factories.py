@@ -97,3 +97,9 @@ def lookup_request(
     if seq is not None:
         req.prompt_digests = block_digests(seq, BLOCK, SEED)
     return req
+
+
+def beside_other_replicas(monkeypatch: Any, daemon: Any) -> None:
+    """Have `daemon` decide as a replica that does not write every node record itself
+    (controlplane.solewriter): each pull is confirmed by a read of its decode node."""
+    monkeypatch.setattr(daemon.control_plane.store.writer, "trusted", lambda: False)

@@ -28,11 +28,14 @@ another replica forwards it over the daemon-only Owners RPC, kvferry.v1.Owners):
 - Get (and a peek lookup) read the owner's memory; List, the gauge scan and the budget
   rescans read etcd, which may be a write-behind (milliseconds) behind.
 
-So a lookup waits for no etcd write. What it still asks etcd is its decode node's state
-before a pull (service/nodecache.py): one serializable read shared by that node's lookups
-for 50 ms. Such a read is not behind etcd's WAL fsync, but it is behind the fsync of a
-backend commit: etcd holds its read lock while bbolt commits (every 100 ms by default), so
-a slow commit holds every read, serializable or not. bench.fsync_tail measures that tail.
+So a lookup waits for no etcd write. Its decode node's state before a pull comes from this
+replica's view of the nodes (service/nodecache.py). A replica that provably wrote every
+node change since its last read of etcd (one replica alone: controlplane.solewriter)
+decides on that view with no etcd request at all. Beside other replicas, the pull is
+confirmed by a serializable read shared by that node's lookups for 50 ms; such a read is
+not behind etcd's WAL fsync, but it is behind the fsync of a backend commit: etcd holds
+its read lock while bbolt commits (every 100 ms by default), so a slow commit holds every
+read, serializable or not. bench.fsync_tail measures that tail.
 
 A single replica owns every shard, and nothing is forwarded. Several replicas share them:
 each takes free shards up to its fair share (ceil(S / live replicas)) and hands the rest

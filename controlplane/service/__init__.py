@@ -54,7 +54,8 @@ class ControlPlane:
         self.store = store
         self.settings = settings
         self.background = Background()
-        self.nodes = NodeCache(store.nodes, settings.nodes.cache_refresh_s)
+        self.nodes = NodeCache(store.nodes, settings.nodes.cache_refresh_s, store.writer)
+        store.nodes.observer = self.nodes
         lim = settings.limits
         owner_store = OwnerStore(store.kv, store.keys, store.gc, settings.owners.shards, store.scans.sample)
         owning = replace(settings.owners, marker_s=settings.gc.claim_marker_s)

@@ -18,7 +18,7 @@ from controlplane import metrics
 from controlplane.attached import AttachedCounts, Beat
 from controlplane.blockindex import MAX_BLOCKS_PER_NODE, BlockIndex, IndexUpdate
 from controlplane.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound, StoreUnavailable
-from controlplane.records import NodeRecord, NodeState, Role
+from controlplane.records import NodeRecord, Role
 from controlplane.service.background import Background
 from controlplane.service.budgets import Budgets, Release
 from controlplane.service.nodecache import NodeCache
@@ -162,9 +162,7 @@ class Attachments:
             if self.stopping:
                 return
             pause = min(pause * 2, _SUSPEND_RETRY_MAX_S)
-        if suspended is not None:
-            held, revision = suspended
-            self._nodes.put(NodeState(held, False), revision)
+        if suspended is not None:  # (in this replica's view already: NodeStore.observer)
             metrics.NODE_REGISTRATIONS.labels("suspended").inc()
             log.info("node.suspended", engine_id=rec.engine_id, generation=rec.generation)
 

@@ -1,5 +1,6 @@
 """This replica's view of the node records and their liveness, and the lookup decisions
-made on it (confirmed by a fresh read before they pull or give the reuse up)."""
+made on it: confirmed by a fresh read before they pull or give the reuse up, unless this
+replica provably wrote every node change since its last read (controlplane.solewriter)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import asyncio
 import functools
 import time
 
+import msgspec
 import structlog
 
 from controlplane import metrics
 from controlplane.errors import StoreUnavailable
 from controlplane.policy import Decision, Policy, Prompt, Reason, decide
 from controlplane.records import NodeRecord, NodeState, Retention
+from controlplane.solewriter import SoleWriter
 from controlplane.store.nodes import NodeStore
 from kvferry.logs import Outage
 
@@ -36,6 +39,9 @@ CONFIRM_S - KEEP_PACE_S to answer one. One at a time, it lapsed whenever a read 
 ~15-25 ms: under load, every few seconds, and every lookup meanwhile waited on etcd."""
 MAX_IN_FLIGHT = 8
 """Confirming reads of one node on their way at once, at most (etcd hung: no pile-up)."""
+LIVENESS_MARGIN_S = 0.25
+"""A lookup takes a node's liveness as lapsed this long before its `until` (etcd's lease
+ends after it, by etcd's clock: this covers the two clocks' rates)."""
 _CONFIRM_WAITS = metrics.LOOKUP_WAITS.labels("node_confirm")
 
 
@@ -47,9 +53,14 @@ class NodeCache:
     against a fresh read before it is answered (`decision`).
     """
 
-    def __init__(self, store: NodeStore, refresh_s: float) -> None:
+    def __init__(self, store: NodeStore, refresh_s: float, writer: SoleWriter | None = None) -> None:
+        """`writer`: this replica's standing as a node writer (None: every pull is confirmed
+        by a read). Tell the view of this replica's node writes (NodeStore.observer)."""
         self._store = store
         self._refresh_s = refresh_s
+        self._writer = writer
+        self._unsure: dict[str, float] = {}
+        """engine -> monotonic time a write to it had no answer: confirmed by a read begun later."""
         self._nodes: dict[str, NodeState] = {}
         self.revisions: dict[str, int] = {}
         """Mod revision of each node's record as last loaded."""
@@ -68,7 +79,9 @@ class NodeCache:
     async def refresh(self) -> dict[str, NodeState]:
         """Read every node from etcd into the view. -> the nodes."""
         known = dict(self.revisions)
+        started = time.monotonic()
         nodes, revisions = await self._store.load()
+        self._unsure = {e: at for e, at in self._unsure.items() if at >= started}
         # A record this replica wrote or read while that read was on its way (a
         # re-registration through it, say) may be newer than what the read found: it stays.
         for engine, revision in self.revisions.items():
@@ -128,7 +141,7 @@ class NodeCache:
         read that recent is back already. A failed read's error goes to whoever awaits it,
         and is not left unretrieved when nobody does."""
         at = time.monotonic()
-        if self._confirmed_within(engine_id, CONFIRM_S, at):
+        if self._confirmed_within(engine_id, CONFIRM_S, at) or self._sole(engine_id):
             return None
         for started, reading in self._confirming.get(engine_id, ()):
             if at - started < CONFIRM_S:
@@ -159,6 +172,8 @@ class NodeCache:
             return
         self._apply(engine_id, state, revision)
         self._confirmed_at[engine_id] = started
+        if self._unsure.get(engine_id, started) < started:
+            del self._unsure[engine_id]
 
     async def _read(self, engine_id: str) -> NodeState | None:
         """The node read from etcd, linearizably, into the view."""
@@ -177,6 +192,25 @@ class NodeCache:
         engine = state.record.engine_id
         if revision >= self.revisions.get(engine, 0):
             self._nodes[engine], self.revisions[engine] = self._vouched(state), revision
+
+    # What this replica wrote (store.nodes.NodeWrites), as etcd acknowledged it:
+    stored = put
+
+    def extended(self, engine_id: str, lease_id: int, until: float) -> None:
+        state = self._nodes.get(engine_id)
+        if state is not None and state.record.lease_id == lease_id:
+            self._nodes[engine_id] = msgspec.structs.replace(state, until=until)
+
+    def deleted(self, engine_id: str) -> None:
+        self.drop(engine_id)
+
+    def unsure(self, engine_id: str) -> None:
+        self._unsure[engine_id] = time.monotonic()
+
+    def _sole(self, engine_id: str) -> bool:
+        """Whether this replica's view of `engine_id` is etcd's without a read: it wrote every
+        node change since its last read (controlplane.solewriter), and knows how each went."""
+        return self._writer is not None and engine_id not in self._unsure and self._writer.trusted()
 
     def doubt(self, rec: NodeRecord) -> None:
         """`rec`'s Attach stream ended on this replica: nobody vouches for its engine
@@ -208,7 +242,8 @@ class NodeCache:
 
     async def decision(self, retention: Retention, prompt: Prompt, policy: Policy, now: float) -> Decision:
         """The lookup decision for `retention` on the view of its node. The view may be a
-        moment old: a pull, or giving up the reuse because the node is gone or restarted,
+        moment old: unless this replica wrote every node change since its last read
+        (`_sole`), a pull, or giving up the reuse because the node is gone or restarted,
         is confirmed on a fresh read first (a pull must not reach a node suspended or
         registered anew since: another process behind the same engine id, see
         sidecar/identity.py): a read at most CONFIRM_S old, serializable (every node change
@@ -216,11 +251,11 @@ class NodeCache:
         another member than the writer's, a replication lag later: milliseconds)."""
         self._note_lookup(retention.engine_id)
         node = await self.get(retention.engine_id)
-        decided = decide(retention, node, prompt, policy, now)
+        decided = decide(retention, _at(node, now), prompt, policy, now)
         if _confirmed_first(decided):
             confirmed = await self.get(retention.engine_id, confirm=True)
             if confirmed is not node:  # (the same state, read within CONFIRM_S: decided already)
-                decided = decide(retention, confirmed, prompt, policy, now)
+                decided = decide(retention, _at(confirmed, now), prompt, policy, now)
         return decided
 
     def decision_now(
@@ -234,8 +269,10 @@ class NodeCache:
         at = time.monotonic()
         if node is None or self._stale(at):
             return None
-        decided = decide(retention, node, prompt, policy, now)
-        if _confirmed_first(decided) and not self._confirmed_within(engine, CONFIRM_S, at):
+        decided = decide(retention, _at(node, now), prompt, policy, now)
+        if _confirmed_first(decided) and not (
+            self._confirmed_within(engine, CONFIRM_S, at) or self._sole(engine)
+        ):
             return None
         self._note_lookup(engine)
         return decided
@@ -278,6 +315,8 @@ class NodeCache:
                 if now - at > KEEP_S:
                     del self._looked_up[engine]
                     continue
+                if self._sole(engine):
+                    continue  # (no lookup of it waits on a read now)
                 on_way = self._confirming.get(engine, [])
                 newest = max([self._confirmed_at.get(engine, 0.0), *(t for t, _ in on_way)])
                 # Every CONFIRM_S/2 while reads come back at once; every pace while one is out.
@@ -300,6 +339,14 @@ class NodeCache:
             else:
                 outage.report(log, True, "nodes.refresh.failed", "nodes.refresh.recovered")
             await asyncio.sleep(self._refresh_s)
+
+
+def _at(node: NodeState | None, now: float) -> NodeState | None:
+    """`node` at wall-clock time `now`: not alive once its liveness has lapsed (a view
+    taken when it was alive does not keep it so; see LIVENESS_MARGIN_S)."""
+    if node is None or not node.alive or node.alive_at(now + LIVENESS_MARGIN_S):
+        return node
+    return NodeState(node.record, False, node.until)
 
 
 def _confirmed_first(decided: Decision) -> bool:

@@ -143,14 +143,13 @@ class NodeRegistry:
         rec = msgspec.structs.replace(
             reg.record, generation=generation, registered_at=self._clock(), liveness_ttl=ttl
         )
-        stored, stored_revision = await self._store.put(
+        stored, _ = await self._store.put(  # (in this replica's view already: NodeStore.observer)
             rec,
             revision,
             None if current else floor_revision,
             previous_lease=current.record.lease_id if current is not None else 0,
         )
         restarted = current is not None and generation != current.record.generation
-        self._nodes.put(NodeState(stored, True), stored_revision)
         metrics.NODE_REGISTRATIONS.labels("restarted" if restarted else "ok").inc()
         log.info("node.registered", engine_id=engine, generation=generation, restarted=restarted)
         return stored, restarted

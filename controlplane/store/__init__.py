@@ -29,6 +29,7 @@ import time
 from controlplane.errors import StoreUnavailable
 from controlplane.etcd import Client, EtcdTls
 from controlplane.records import Keys
+from controlplane.solewriter import SoleWriter
 from controlplane.store.gcleases import GcLeases
 from controlplane.store.kv import EtcdKv, get
 from controlplane.store.nodes import NodeStore
@@ -54,11 +55,13 @@ class EtcdStore:
         self.endpoints = endpoints
         self._client = Client(endpoints, timeout_s, tls)
         self.kv = EtcdKv(self._client, timeout_s)
-        self.nodes = NodeStore(self.kv, keys)
+        self.writer = SoleWriter()
+        """This replica's standing as a writer of node records (controlplane.solewriter)."""
+        self.nodes = NodeStore(self.kv, keys, self.writer)
         self.scans = RetentionScans(self.kv, keys)
         self.gc = GcLeases(self._client, bucket_s, max_keys_per_lease, timeout_s)
         self.retentions = RetentionStore(self.kv, keys, self.gc, self.scans.sample, claim_marker_s)
-        self.replicas = ReplicaStore(self.kv, keys)
+        self.replicas = ReplicaStore(self.kv, keys, self.writer)
 
     async def connect(self) -> None:
         """Open the client's channel to etcd."""

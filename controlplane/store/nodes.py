@@ -8,6 +8,9 @@ renews every lease's whole TTL when it restarts (the embedded one restarts with 
 daemon), so the lease alone would keep a node registered by hand for a 10-minute
 liveness alive 10 more minutes after each restart. The generation floor keeps
 generations rising across deleted records.
+
+Every write carries this replica's fence (controlplane.solewriter), and what it wrote goes
+to the `observer` (this replica's view of the nodes) as etcd acknowledges it.
 """
 
 from __future__ import annotations
@@ -15,16 +18,18 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import structlog
+from aetcd import rpc
 
 from controlplane import metrics
 from controlplane.errors import Conflict, StoreUnavailable
 from controlplane.etcd import LeaseGone
 from controlplane.records import Keys, NodeRecord, NodeState, decode_node, encode, prefix_end
-from controlplane.store.kv import EtcdKv, absent, decoded, delete_op, get, mod_is, on_lease, put_op
+from controlplane.solewriter import SoleWriter
+from controlplane.store.kv import EtcdKv, absent, decoded, delete_op, get, mod_is, on_lease, put_op, range_op
 
 log = structlog.get_logger(__name__)
 
@@ -41,6 +46,36 @@ _SUSPEND_TRIES = 5
 
 def _liveness_value(generation: int, until: float) -> bytes:
     return b"%d %.3f" % (generation, until)
+
+
+class NodeWrites(Protocol):
+    """Who is told of each node write this replica made, once etcd acknowledged it."""
+
+    def stored(self, state: NodeState, revision: int) -> None:
+        """A node's record written, at mod `revision`."""
+
+    def extended(self, engine_id: str, lease_id: int, until: float) -> None:
+        """The liveness of the registration on `lease_id` now ends at `until`."""
+
+    def deleted(self, engine_id: str) -> None:
+        """A node's record deleted."""
+
+    def unsure(self, engine_id: str) -> None:
+        """A write to a node whose outcome is unknown (etcd did not answer in time)."""
+
+
+class _Unobserved:
+    def stored(self, state: NodeState, revision: int) -> None:
+        pass
+
+    def extended(self, engine_id: str, lease_id: int, until: float) -> None:
+        pass
+
+    def deleted(self, engine_id: str) -> None:
+        pass
+
+    def unsure(self, engine_id: str) -> None:
+        pass
 
 
 def _is_alive(rec: NodeRecord, liveness: Liveness | None, now: float) -> bool:
@@ -60,8 +95,12 @@ def _node_state(
     rec = decoded(decode_node, node_kvs[0]) if node_kvs else None
     if rec is None:  # (no record, or none this version reads: the node counts as gone)
         return None, 0
-    alive = _is_alive(rec, _liveness(alive_kvs[0]) if alive_kvs else None, now)
-    return NodeState(rec, alive), int(node_kvs[0].mod_revision)
+    return _state(rec, _liveness(alive_kvs[0]) if alive_kvs else None, now), int(node_kvs[0].mod_revision)
+
+
+def _state(rec: NodeRecord, liveness: Liveness | None, now: float) -> NodeState:
+    alive = _is_alive(rec, liveness, now)
+    return NodeState(rec, alive, liveness[1] if alive and liveness else 0.0)
 
 
 def _liveness(kv: Any) -> Liveness | None:
@@ -85,19 +124,31 @@ def _floor(kvs: Sequence[Any]) -> tuple[int, int]:
 class NodeStore:
     """Node records, their liveness and the generation floor. One method = one operation."""
 
-    def __init__(self, kv: EtcdKv, keys: Keys, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, kv: EtcdKv, keys: Keys, writer: SoleWriter | None = None, clock: Callable[[], float] = time.time
+    ) -> None:
+        """`writer`: this replica's standing as a node writer (None: writes carry no fence)."""
         self._kv = kv
         self._keys = keys
+        self._writer = writer
         self._clock = clock
+        self.observer: NodeWrites = _Unobserved()
         # When each liveness lease this replica wrote or refreshed ends, as its key says.
         self._until: dict[int, float] = {}
 
     async def load(self) -> tuple[dict[str, NodeState], dict[str, int]]:
-        """Every node record with its liveness, in one read. -> (states, node key mod revisions)."""
+        """Every node record with its liveness, and the replicas announced, in one read (the
+        replicas go to the SoleWriter). -> (states, node key mod revisions)."""
         k = self._keys
-        records, lives = await self._kv.read(
-            "load_nodes", get(k.nodes, prefix_end(k.nodes)), get(k.alive, prefix_end(k.alive))
+        started = time.monotonic()
+        records, lives, *replicas = await self._kv.read(
+            "load_nodes",
+            get(k.nodes, prefix_end(k.nodes)),
+            get(k.alive, prefix_end(k.alive)),
+            *([get(k.replicas, prefix_end(k.replicas))] if self._writer is not None else []),
         )
+        if self._writer is not None:
+            self._writer.saw([k.replica_id(kv.key) for kv in replicas[0].kvs], started)
         alive = {k.engine_of(kv.key): _liveness(kv) for kv in lives.kvs}
         now = self._clock()
         states: dict[str, NodeState] = {}
@@ -106,9 +157,37 @@ class NodeStore:
             rec = decoded(decode_node, kv)
             if rec is None:
                 continue
-            states[rec.engine_id] = NodeState(rec, _is_alive(rec, alive.get(rec.engine_id), now))
+            states[rec.engine_id] = _state(rec, alive.get(rec.engine_id), now)
             revisions[rec.engine_id] = int(kv.mod_revision)
         return states, revisions
+
+    async def _write(
+        self, op: str, engine_id: str, compare: list[rpc.Compare], writes: list[rpc.RequestOp]
+    ) -> rpc.TxnResponse:
+        """A write to a node's keys, fenced (controlplane.solewriter): it applies only while
+        this replica's announcement is on the lease it was announced on, and raises
+        StoreUnavailable when that is what failed. A write whose outcome is unknown is told
+        to the observer."""
+        lease, fence, check = 0, [], []
+        if self._writer is not None:
+            lease = await self._writer.fence(self._writer.grace_s + self._kv.timeout)
+            key = self._keys.replica(self._writer.me)
+            fence, check = [on_lease(key, lease)], [range_op(key)]
+        try:
+            resp = await self._kv.txn(op, compare + fence, writes, check)
+        except StoreUnavailable:
+            self.observer.unsure(engine_id)
+            raise
+        if not resp.succeeded and check:
+            held = resp.responses[0].response_range.kvs
+            if not held or held[0].lease != lease:
+                assert self._writer is not None
+                self._writer.withdrawn()
+                raise StoreUnavailable(
+                    f"{engine_id} not written ({op}): this replica's announcement in etcd lapsed; "
+                    "it writes no node record until it has announced itself again"
+                )
+        return resp
 
     async def get(self, engine_id: str, serializable: bool = False) -> tuple[NodeState | None, int]:
         """A node's record and liveness, and its record's mod revision (0 = no record);
@@ -146,25 +225,26 @@ class NodeStore:
         0 = none) is revoked.
         """
         k = self._keys
+        until = self._clock() + rec.liveness_ttl  # (taken first: etcd's lease ends after it)
         lease = await self._kv.grant("lease_grant", rec.liveness_ttl)
         metrics.NODE_LEASE_GRANTS.inc()
         stored = msgspec.structs.replace(rec, lease_id=lease)
         cmp = [mod_is(k.node(rec.engine_id), expect_revision)]
         if floor_revision is not None:
             cmp.append(mod_is(k.generation_floor, floor_revision))
-        until = self._clock() + rec.liveness_ttl
         writes = [
             put_op(k.node(rec.engine_id), encode(stored)),
             put_op(k.alive_key(rec.engine_id), _liveness_value(rec.generation, until), lease),
         ]
         try:
-            resp = await self._kv.txn("put_node", cmp, writes, [])
+            resp = await self._write("put_node", rec.engine_id, cmp, writes)
         except LeaseGone as e:  # (its TTL ran out before etcd got to the write: etcd is slow)
             raise StoreUnavailable(f"the liveness lease of {rec.engine_id} expired before it was used") from e
         if not resp.succeeded:
             await self._kv.revoke_quietly(lease)
             raise Conflict(f"node {rec.engine_id} changed concurrently")
         self._until[lease] = until
+        self.observer.stored(NodeState(stored, True, until), int(resp.header.revision))
         if previous_lease:
             self._until.pop(previous_lease, None)
             await self._kv.revoke_quietly(previous_lease)
@@ -179,9 +259,10 @@ class NodeStore:
         the blocks it holds are still good. The caller keeps the returned record,
         so the next heartbeat refreshes the new lease instead of making another.
         """
+        sent = self._clock()
         ttl = await self._kv.refresh(rec.lease_id)
         if ttl:
-            await self._extend(rec)
+            await self._extend(rec, sent)
             return ttl, rec
         self._until.pop(rec.lease_id, None)
         current, revision = await self.get(rec.engine_id)
@@ -190,31 +271,34 @@ class NodeStore:
         if current.record.removed_at or current.record.suspended_at:  # (a late heartbeat: no revival)
             return 0, rec
         if current.record.lease_id != rec.lease_id:  # renewed meanwhile (another stream or replica)
+            sent = self._clock()
             ttl = await self._kv.refresh(current.record.lease_id)
             if ttl:
-                await self._extend(current.record)
+                await self._extend(current.record, sent)
                 return ttl, current.record
         renewed, _ = await self.put(current.record, revision)
         log.info("node.liveness.renewed", engine_id=rec.engine_id, lease=renewed.lease_id)
         return rec.liveness_ttl, renewed
 
-    async def _extend(self, rec: NodeRecord) -> None:
-        """Move the liveness key's end a TTL ahead once half of it is used (every other
-        heartbeat: they come every third of it), on the same lease and only while the key
-        is still this registration's (a suspension or deregistration deleted it)."""
-        now = self._clock()
-        if self._until.get(rec.lease_id, 0.0) - now > rec.liveness_ttl / 2:
+    async def _extend(self, rec: NodeRecord, sent: float) -> None:
+        """Move the liveness key's end a TTL past `sent` (when the keep-alive of its lease
+        that etcd just acknowledged was sent: etcd's lease ends after it) once half of it is
+        used (every other heartbeat: they come every third of it), on the same lease and
+        only while the key is still this registration's (a suspension or deregistration
+        deleted it)."""
+        if self._until.get(rec.lease_id, 0.0) - sent > rec.liveness_ttl / 2:
             return
         k = self._keys
-        until = now + rec.liveness_ttl
+        until = sent + rec.liveness_ttl
         key = k.alive_key(rec.engine_id)
         put = put_op(key, _liveness_value(rec.generation, until), rec.lease_id)
         try:
-            resp = await self._kv.txn("extend_liveness", [on_lease(key, rec.lease_id)], [put], [])
+            resp = await self._write("extend_liveness", rec.engine_id, [on_lease(key, rec.lease_id)], [put])
         except LeaseGone:  # (ended meanwhile: the next heartbeat renews it)
             return
         if resp.succeeded:
             self._until[rec.lease_id] = until
+            self.observer.extended(rec.engine_id, rec.lease_id, until)
         else:
             self._until.pop(rec.lease_id, None)
 
@@ -229,14 +313,15 @@ class NodeStore:
             return False
         k = self._keys
         tomb = msgspec.structs.replace(state.record, removed_at=now, lease_id=0)
-        resp = await self._kv.txn(
+        resp = await self._write(
             "delete_node",
+            engine_id,
             [mod_is(k.node(engine_id), revision)],
             [put_op(k.node(engine_id), encode(tomb)), delete_op(k.alive_key(engine_id))],
-            [],
         )
         if not resp.succeeded:
             raise Conflict(f"node {engine_id} changed concurrently")
+        self.observer.stored(NodeState(tomb, False, 0.0), int(resp.header.revision))
         if state.record.lease_id:
             await self._kv.revoke_quietly(state.record.lease_id)
         return True
@@ -261,13 +346,14 @@ class NodeStore:
                 return None
             k = self._keys
             held = msgspec.structs.replace(cur, suspended_at=now, lease_id=0)
-            resp = await self._kv.txn(
+            resp = await self._write(
                 "suspend_node",
+                rec.engine_id,
                 [mod_is(k.node(rec.engine_id), revision)],
                 [put_op(k.node(rec.engine_id), encode(held)), delete_op(k.alive_key(rec.engine_id))],
-                [],
             )
             if resp.succeeded:
+                self.observer.stored(NodeState(held, False, 0.0), int(resp.header.revision))
                 await self._kv.revoke_quietly(cur.lease_id)
                 return held, int(resp.header.revision)
         raise Conflict(f"node {rec.engine_id} kept changing: not suspended")
@@ -283,8 +369,9 @@ class NodeStore:
         k = self._keys
         (read,) = await self._kv.read("collect_node", get(k.generation_floor))
         floor, floor_revision = _floor(read.kvs)
-        resp = await self._kv.txn(
+        resp = await self._write(
             "collect_node",
+            engine_id,
             [
                 mod_is(k.node(engine_id), expect_revision),
                 absent(k.alive_key(engine_id)),
@@ -294,6 +381,7 @@ class NodeStore:
             # registrations (which compare its revision) nothing to conflict on.
             [delete_op(k.node(engine_id))]
             + ([put_op(k.generation_floor, b"%d" % generation)] if generation > floor else []),
-            [],
         )
+        if resp.succeeded:
+            self.observer.deleted(engine_id)
         return bool(resp.succeeded)

@@ -13,9 +13,12 @@ from controlplane.store import EtcdStore
 
 @pytest.fixture
 async def store(etcd_endpoint: str) -> AsyncIterator[EtcdStore]:
-    """An EtcdStore, connected and ready, under a fresh key prefix."""
+    """An EtcdStore, connected and ready, under a fresh key prefix, its replica announced."""
     s = EtcdStore((etcd_endpoint,), Keys(f"/t-{uuid.uuid4().hex[:10]}"), 2.0, 60, 10_000, 600)
     await s.connect()
     await s.ready(10)
+    # Announced alone, as a daemon's Peers does: it may write node records at once.
+    await s.replicas.announce("test-replica", "", 30)
+    await s.replicas.announced()
     yield s
     await s.close()

@@ -12,7 +12,7 @@ import pytest
 from controlplane.service import nodecache
 from kvferry.v1 import leases_pb2, nodes_pb2, nodes_pb2_grpc
 from tests.conftest import Client, Daemon
-from tests.factories import lease_request, lookup_request, node_request
+from tests.factories import beside_other_replicas, lease_request, lookup_request, node_request
 
 
 async def test_stream_multiplexes_register_and_lookup_with_per_op_errors(client: Client) -> None:
@@ -71,6 +71,7 @@ async def test_a_turn_decided_in_memory_is_answered_by_the_reader_with_no_task(
         return await lookup(q, later)
 
     monkeypatch.setattr(cp.lookups, "lookup", counted)
+    beside_other_replicas(monkeypatch, daemon)
     await client.nodes.Register(node_request("d-1"))
     await client.leases.Register(lease_request("first"))
     # Nothing has read d-1 for a lookup yet: the pull waits for that read, in a task.

@@ -74,7 +74,7 @@ async def test_a_suspended_node_is_not_brought_back_by_a_late_heartbeat(store: E
     rec, _ = await store.nodes.put(_node(ttl=600), 0)
     assert await store.nodes.suspend(rec, clock.now) is not None
     clock.now += 400  # (past half the TTL: a heartbeat would write the key)
-    await store.nodes._extend(rec)
+    await store.nodes._extend(rec, clock.now)
     assert (await store.kv.read("test", _alive_key(store)))[0].kvs == []
 
 

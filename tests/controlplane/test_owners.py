@@ -29,7 +29,7 @@ from controlplane.store import EtcdStore
 from kvferry.v1 import leases_pb2, nodes_pb2
 from tests.conftest import Client, DaemonFactory, EtcdProcess, daemon_settings
 from tests.controlplane.test_claims_and_nodes import AttachStream, hello
-from tests.factories import lease_request, lookup_request, node_request
+from tests.factories import beside_other_replicas, lease_request, lookup_request, node_request
 from tests.polling import eventually
 
 Connect = Callable[[Daemon], Client]
@@ -221,6 +221,7 @@ async def test_a_looked_up_node_is_kept_confirmed_between_lookups(
     from controlplane.service import nodecache
 
     monkeypatch.setattr(nodecache, "KEEP_S", 1.0)
+    beside_other_replicas(monkeypatch, daemon)
     cp = daemon.control_plane
     assert cp is not None
     await client.nodes.Register(node_request("d-1", liveness_ttl_seconds=60))
@@ -239,9 +240,12 @@ async def test_a_looked_up_node_is_kept_confirmed_between_lookups(
     await eventually(let_go)
 
 
-async def test_lookups_of_one_node_share_its_confirming_read(daemon: Daemon, client: Client) -> None:
+async def test_lookups_of_one_node_share_its_confirming_read(
+    daemon: Daemon, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A pull is confirmed on the node as etcd had it at most CONFIRM_S ago: concurrent
     lookups of one decode node share one read (they were two etcd requests each)."""
+    beside_other_replicas(monkeypatch, daemon)
     await client.nodes.Register(node_request("d-1", liveness_ttl_seconds=60))
     names = [f"many-{i}" for i in range(20)]
     for name in names:

@@ -1,0 +1,148 @@
+"""Whether this replica is, provably, the only one writing node records: then its own
+view of the nodes is etcd's, and a lookup decides a pull without reading etcd.
+
+Why it matters. Before a pull, a lookup has its decode node's state confirmed by a read
+at most 50 ms old (service/nodecache.py). etcd answers every read of a member, even a
+serializable one, only between two backend commits (a commit holds bbolt's read lock
+through its fdatasync): with a slow disk, that read is a lookup's whole tail
+(bench.fsync_tail). A replica that knows every node write since its last read of etcd
+needs no such read.
+
+The rule. Every node write is a daemon replica's etcd transaction (store/nodes.py), and
+each carries the FENCE: the writer's own announcement key ``replicas/<id>`` (peers.py)
+still on the etcd lease it was announced on. A replica may then trust its view alone
+(`trusted`) while
+
+1. its latest linearizable read of the replica set that showed no other replica began
+   less than `grace_s - margin_s` ago, and read the node records at the same revision
+   (NodeStore.load): whatever any replica wrote before that revision is in the view, and
+   no replica absent from it can write after it (its fence fails);
+2. its own announcement is provably still in etcd (the send time of the last keep-alive
+   etcd acknowledged plus the TTL it then had, less `margin_s`): a replica joining later
+   finds it (rule 3);
+3. and each replica, once announced, writes no node record until either its first read
+   of the replica set begun after the announcement showed it alone (then no replica
+   trusts its view: by rule 2 such a replica's key would have been in that read), or
+   `grace_s` has passed since the announcement (a replica that trusted a read without it
+   began that read before it, so stops trusting before then).
+
+Its own writes go into the view when etcd acknowledges them; a write whose outcome is
+unknown (a timeout) puts that node back on confirming reads until a read covers it
+(NodeCache.unsure). With one replica (the embedded default, and `make bench`) the view is
+trusted whenever etcd answered the node refresh (every 0.5 s) in the last 2.5 s; with
+several, a lookup confirms as before. The cost: a replica that joins others writes no
+node record (registrations wait) for `grace_s` after it announces itself.
+
+Clocks: every interval is measured by one process's monotonic clock; `margin_s` covers
+two processes' clocks running at different rates over `grace_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Collection
+
+from controlplane.errors import StoreUnavailable
+
+GRACE_S = 3.0
+"""How long after announcing itself a replica that found others writes no node record."""
+MARGIN_S = 0.5
+"""What a replica takes off the intervals it trusts its view for (see the module doc)."""
+
+
+class SoleWriter:
+    """This replica's standing as a writer of node records: the fence its writes carry,
+    when it may write, and whether its view of the nodes needs no confirming read."""
+
+    def __init__(
+        self,
+        grace_s: float = GRACE_S,
+        margin_s: float = MARGIN_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not grace_s > margin_s >= 0:
+            raise ValueError(f"the grace ({grace_s} s) must exceed the margin ({margin_s} s)")
+        self.grace_s = grace_s
+        self.margin_s = margin_s
+        self._clock = clock
+        self.me = ""
+        self.lease = 0
+        """The etcd lease this replica's announcement is on (0: not announced)."""
+        self._announced_at = 0.0
+        self._valid_until = 0.0
+        self._write_from: float | None = None
+        self._alone_read = -math.inf
+        self._decided = asyncio.Event()
+
+    def announced(self, me: str, lease: int, sent: float, ttl_s: float) -> None:
+        """This replica announced itself as `me` on `lease` (the request sent at `sent`, on
+        this clock): a new standing, decided again from its next read of the replica set."""
+        self.me, self.lease = me, lease
+        self._announced_at = self._clock()
+        self._valid_until = sent + ttl_s - self.margin_s
+        self._write_from = None
+        self._alone_read = -math.inf
+        self._decided.clear()
+
+    def refreshed(self, lease: int, sent: float, ttl_s: float) -> None:
+        """A keep-alive of `lease` sent at `sent` was acknowledged with `ttl_s` left (0: the
+        lease is gone: no standing until announced again)."""
+        if lease != self.lease:
+            return
+        if ttl_s > 0:
+            self._valid_until = max(self._valid_until, sent + ttl_s - self.margin_s)
+        else:
+            self.withdrawn()
+
+    def withdrawn(self) -> None:
+        """The announcement is gone (lapsed, or taken away at stop)."""
+        self.lease = 0
+        self._valid_until = 0.0
+        self._write_from = None
+        self._alone_read = -math.inf
+        self._decided.clear()
+
+    def saw(self, replicas: Collection[str], started: float) -> None:
+        """A linearizable read, begun at `started` (this clock), found these replicas announced."""
+        if not self.lease or started < self._announced_at:
+            return  # (begun before this announcement: it says nothing of it)
+        alone = set(replicas) == {self.me}
+        if self._write_from is None:
+            self._write_from = started if alone else self._announced_at + self.grace_s
+            self._decided.set()
+        if alone:
+            self._alone_read = max(self._alone_read, started)
+        elif self.me not in replicas:  # (its own key gone: it trusts nothing until announced again)
+            self._alone_read = -math.inf
+
+    def trusted(self) -> bool:
+        """Whether no other replica can have written a node record this replica's view
+        lacks (rules 1 and 2 of the module doc)."""
+        now = self._clock()
+        return (
+            bool(self.lease)
+            and now < self._valid_until
+            and now < self._alone_read + self.grace_s - self.margin_s
+        )
+
+    def may_write(self) -> bool:
+        """Whether this replica may write node records now (rule 3)."""
+        return bool(self.lease) and self._write_from is not None and self._clock() >= self._write_from
+
+    async def fence(self, wait_s: float) -> int:
+        """Wait until this replica may write node records (rule 3), at most `wait_s`. -> the
+        lease its announcement key must still be on for a write to apply."""
+        try:
+            async with asyncio.timeout(wait_s):
+                while not self.may_write():
+                    await self._decided.wait()
+                    if self._write_from is not None:
+                        await asyncio.sleep(max(0.0, self._write_from - self._clock()))
+                return self.lease
+        except TimeoutError:
+            raise StoreUnavailable(
+                "this replica may not write node records yet: it is not announced in etcd, or "
+                f"it joined other replicas less than {self.grace_s} s ago"
+            ) from None

@@ -1,0 +1,136 @@
+"""A replica that provably writes every node record (controlplane.solewriter) decides pulls
+on its own view, with no read of etcd; a second replica ends that, and waits out the grace
+before it writes one; a replica whose announcement lapsed writes none."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+
+from controlplane import metrics
+from controlplane.daemon import Daemon
+from controlplane.errors import StoreUnavailable
+from controlplane.records import NodeRecord, NodeState, Role
+from controlplane.service import nodecache
+from controlplane.service.nodecache import NodeCache
+from controlplane.solewriter import GRACE_S, SoleWriter
+from controlplane.store import EtcdStore
+from kvferry.v1 import leases_pb2, nodes_pb2
+from tests.conftest import Client, DaemonFactory
+from tests.factories import lease_request, lookup_request, node_request
+from tests.polling import eventually
+
+Connect = Callable[[Daemon], Client]
+
+
+def _node_reads() -> float:
+    return sum(b.get() for b in metrics.ETCD_LATENCY.labels("get_node")._buckets)
+
+
+async def test_a_lone_replica_pulls_and_sees_its_own_node_changes_with_no_read(
+    daemon: Daemon, client: Client
+) -> None:
+    cp = daemon.control_plane
+    assert cp is not None
+    await client.nodes.Register(node_request("d-1", liveness_ttl_seconds=60))
+    names = [f"alone-{i}" for i in range(20)]
+    for name in names:
+        await client.leases.Register(lease_request(name))
+    await eventually(cp.store.writer.trusted)
+    before = _node_reads()
+    answers = await asyncio.gather(*(client.leases.Lookup(lookup_request(n), timeout=10) for n in names[:-1]))
+    assert [a.decision for a in answers] == [leases_pb2.PULL] * len(answers)
+    assert _node_reads() == before  # (a replica beside others read it: test_owners)
+    # Deregistered through it, the node is gone from its view at once: no pull, no read.
+    await client.nodes.Deregister(nodes_pb2.DeregisterNodeRequest(engine_id="d-1"))
+    reads = _node_reads()
+    gone = await client.leases.Lookup(lookup_request(names[-1]), timeout=10)
+    assert (gone.decision, gone.reason) == (leases_pb2.RECOMPUTE, "node_gone"), gone
+    assert _node_reads() == reads
+
+
+async def test_a_second_replica_ends_the_first_ones_trust_and_waits_out_the_grace(
+    make_daemon: DaemonFactory, connect: Connect
+) -> None:
+    first = await make_daemon()
+    assert first.control_plane is not None
+    await eventually(first.control_plane.store.writer.trusted)
+    began = time.monotonic()
+    second = await make_daemon(first.settings)
+    assert second.control_plane is not None
+    writer = second.control_plane.store.writer
+    await eventually(lambda: writer.lease != 0)
+    assert not writer.may_write() and not writer.trusted()
+    first_writer = first.control_plane.store.writer
+    await eventually(lambda: not first_writer.trusted(), within=GRACE_S + 5)
+    await connect(second).nodes.Register(node_request("d-2"), timeout=GRACE_S + 10)
+    assert time.monotonic() - began >= GRACE_S  # (not written before the grace was over)
+    # Beside another replica, the first confirms a pull by reading the node.
+    ca = connect(first)
+    await ca.leases.Register(lease_request("beside", engine_id="d-2"))
+    before = _node_reads()
+    pulled = await ca.leases.Lookup(lookup_request("beside"), timeout=10)
+    assert pulled.decision == leases_pb2.PULL, pulled
+    assert _node_reads() > before
+
+
+async def test_a_replica_whose_announcement_lapsed_writes_no_node_record(store: EtcdStore) -> None:
+    rec = NodeRecord("d-1", Role.DECODE, "m", 16, "http://d", "10.0.0.7", 5600, 1, time.time(), 30)
+    await store.kv.revoke_quietly(store.writer.lease)  # (as etcd does to a lease not kept alive)
+    with pytest.raises(StoreUnavailable, match="announcement in etcd lapsed"):
+        await store.nodes.put(rec, 0)
+    assert await store.nodes.get("d-1") == (None, 0)  # nothing written
+    assert not store.writer.may_write()  # (until it has announced itself again)
+    await store.replicas.announce("test-replica", "", 30)
+    await store.replicas.announced()
+    stored, _ = await store.nodes.put(rec, 0)
+    state, _ = await store.nodes.get("d-1")
+    assert state is not None and state.record == stored and state.alive
+
+
+class _Loads:
+    """A NodeStore whose load finds one node, and the replica alone; reads are counted."""
+
+    def __init__(self, writer: SoleWriter, state: NodeState) -> None:
+        self.writer, self.state, self.reads = writer, state, 0
+
+    async def load(self) -> tuple[dict[str, NodeState], dict[str, int]]:
+        started = time.monotonic()
+        self.writer.saw({"me"}, started)
+        return {"d-1": self.state}, {"d-1": 3}
+
+    async def get(self, engine_id: str, serializable: bool = False) -> tuple[NodeState | None, int]:
+        self.reads += 1
+        return self.state, 3
+
+
+async def test_a_write_without_an_answer_puts_its_node_back_on_confirming_reads() -> None:
+    writer = SoleWriter()
+    writer.announced("me", 1, time.monotonic(), 30)
+    rec = NodeRecord("d-1", Role.DECODE, "m", 16, "http://d", "10.0.0.7", 5600, 1, time.time(), 30)
+    store = _Loads(writer, NodeState(rec, True, time.time() + 30))
+    cache = NodeCache(store, refresh_s=1.0, writer=writer)  # type: ignore[arg-type]
+    await cache.refresh()
+    assert await cache.get("d-1", confirm=True) == store.state and store.reads == 0
+    cache.unsure("d-1")  # (a suspension, say, that etcd may or may not have applied)
+    await cache.get("d-1", confirm=True)
+    assert store.reads == 1
+    await asyncio.sleep(nodecache.CONFIRM_S * 1.5)  # (that read's window over)
+    await cache.get("d-1", confirm=True)  # (it began after the write: the view is sure again)
+    assert store.reads == 1
+
+
+async def test_a_node_whose_liveness_ran_out_is_not_pulled_from_on_a_view_taken_before() -> None:
+    writer = SoleWriter()
+    writer.announced("me", 1, time.monotonic(), 30)
+    rec = NodeRecord("d-1", Role.DECODE, "m", 16, "http://d", "10.0.0.7", 5600, 1, time.time(), 30)
+    store = _Loads(writer, NodeState(rec, True, time.time() + nodecache.LIVENESS_MARGIN_S / 2))
+    cache = NodeCache(store, refresh_s=60.0, writer=writer)  # type: ignore[arg-type]
+    await cache.refresh()
+    state = cache.snapshot()["d-1"]
+    assert state.alive and not nodecache._at(state, time.time()).alive  # (within the margin of its end)
+    cache.extended("d-1", rec.lease_id, time.time() + 30)  # a heartbeat through this replica
+    assert nodecache._at(cache.snapshot()["d-1"], time.time()).alive
