@@ -9,12 +9,13 @@ transaction at 1,000/s: what a claim decided in etcd costs there. The daemon dec
 claims in memory and writes them behind (controlplane.owners), so its p99 should stay at
 its targets while the raw transaction's follows the fsync tail.
 
-What it does not hide: before a pull, a lookup confirms its decode node with a
-serializable read (controlplane.service.nodecache), and etcd holds every read while its
-backend commits (bbolt's fsync, every 100 ms). Each framed row says how many lookups
-waited on such a read, and how often the daemon's event loop was late (its own stalls).
-`--backend-only` holds the backend's fsyncs alone (the WAL's go at disk speed) and shows
-the same tail.
+The daemon runs alone, so it decides pulls on its own view of the nodes
+(controlplane.solewriter). Then the same phases run again beside a second replica's
+announcement: there a lookup confirms its decode node with a serializable read before a
+pull (controlplane.service.nodecache), and etcd holds every read while its backend
+commits (bbolt's fsync, every 100 ms). Each framed row says how many lookups waited on
+such a read, and how often the daemon's event loop was late (its own stalls).
+`--backend-only` holds the backend's fsyncs alone (the WAL's go at disk speed).
 
     python -m bench.fsync_tail [--delay-ms 40] [--every 8] [--backend-only] [--leases 20000] [--phase-s 10]
 """
@@ -29,6 +30,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 from aetcd import rpc
@@ -38,6 +40,8 @@ from bench.daemon_workload import DaemonProcess, MetricsPhase, daemon_stalls, re
 from bench.load import closed_loop, open_loop, pct
 from controlplane.embedded import EmbeddedEtcd, with_parent_death_signal
 from controlplane.etcd import Client as EtcdClient
+from controlplane.records import Keys
+from controlplane.settings import EtcdSettings
 from kvferry.tasks import run_main
 from realvllm.process import free_port
 
@@ -135,10 +139,35 @@ async def _raw_phase(etcd: SlowFsyncEtcd, phase_s: float, rows: Rows) -> float:
     return pct(lat, 99)
 
 
+async def _beside_another_replica(etcd: SlowFsyncEtcd, d: DaemonProcess) -> EtcdClient:
+    """Announce an idle second replica beside the daemon (as peers.py would), and wait until
+    the daemon no longer decides pulls on its own view. -> the client holding its lease."""
+    raw = EtcdClient((etcd.endpoint,), 5.0)
+    await raw.connect()
+    lease = await raw.leasestub.LeaseGrant(rpc.LeaseGrantRequest(TTL=600))
+    key = Keys(EtcdSettings().prefix).replica("bench-other")
+    await raw.kvstub.Put(rpc.PutRequest(key=key, value=b"", lease=lease.ID))
+    async with asyncio.timeout(30):
+        while "kvferry_node_view_sole 0.0" not in _page(d.metrics_port):  # noqa: ASYNC110 (another process)
+            await asyncio.sleep(0.2)
+    return raw
+
+
+def _page(port: int) -> str:
+    return str(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
+
+
 async def _framed_phases(
-    clients: Clients, d: DaemonProcess, etcd: SlowFsyncEtcd, phase_s: float, raw_p99: float, rows: Rows
+    clients: Clients,
+    d: DaemonProcess,
+    etcd: SlowFsyncEtcd,
+    phase_s: float,
+    raw_p99: float,
+    rows: Rows,
+    beside: str = "",
 ) -> None:
-    """Framed lookup+claims offered at each rate with a target."""
+    """Framed lookup+claims offered at each rate with a target (`beside`: how the rows say the
+    daemon was not alone)."""
 
     async def claim(_: int) -> None:
         await clients.claim_framed()
@@ -151,7 +180,7 @@ async def _framed_phases(
         p99 = pct(lat, 99)
         rows.append(
             (
-                f"Lookup+claim framed @ {rate}/s: p50 / p99",
+                f"Lookup+claim framed @ {rate}/s{beside}: p50 / p99",
                 f"{pct(lat, 50):.2f} / {p99:.2f} ms",
                 f"achieved {got:,.0f}/s{lost}; p99 {p99 / raw_p99:.2f}x the raw txn's, "
                 f"{p99 / target:.2f}x the target's ({target:g} ms); {watch.note()}",
@@ -170,7 +199,7 @@ async def bench(args: argparse.Namespace) -> Rows:
         await d.start()
         clients = Clients.connect(d.port, d.stream_port)
         await register_node(clients.channel)
-        n = args.leases + int(sum(TARGET_P99_MS) * args.phase_s)  # every lookup claims another
+        n = args.leases + 2 * int(sum(TARGET_P99_MS) * args.phase_s)  # every lookup claims another
 
         async def register(i: int) -> None:
             await clients.sidecar.register(retention(f"c{i}"), 30)
@@ -179,6 +208,9 @@ async def bench(args: argparse.Namespace) -> Rows:
         rows.append(("Register, Leases/Stream (256 in flight)", f"{n / secs:,.0f} /s", f"{n:,} leases"))
         raw_p99 = await _raw_phase(etcd, args.phase_s, rows)
         await _framed_phases(clients, d, etcd, args.phase_s, raw_p99, rows)
+        other = await _beside_another_replica(etcd, d)
+        await _framed_phases(clients, d, etcd, args.phase_s, raw_p99, rows, " (beside a replica)")
+        await other.close()
         await clients.close()
     finally:
         await d.stop()

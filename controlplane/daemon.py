@@ -84,6 +84,7 @@ class Daemon:
         cp = ControlPlane(store, s)
         self.control_plane = cp
         metrics.INDEXED_BLOCKS.set_function(cp.attachments.index.total)
+        metrics.NODE_VIEW_SOLE.set_function(lambda: float(store.writer.trusted()))
         with contextlib.suppress(StoreUnavailable):
             await cp.nodes.refresh()
         tls = s.security.tls_files()

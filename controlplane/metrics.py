@@ -31,6 +31,11 @@ ETCD_BATCH_ITEMS = Histogram(
 )
 INDEXED_HASHES = Counter("kvferry_kv_event_hashes_total", "Block hashes folded into the KV-event index")
 INDEXED_BLOCKS = Gauge("kvferry_indexed_blocks", "Blocks in the KV-event index (this replica)")
+NODE_VIEW_SOLE = Gauge(
+    "kvferry_node_view_sole",
+    "1 while this replica provably wrote every node change since its last read, and so "
+    "decides pulls with no read of etcd (controlplane.solewriter); 0 beside other replicas",
+)
 RPC_LATENCY = Histogram("kvferry_rpc_seconds", "gRPC handler latency", ["method"], buckets=_LATENCY_BUCKETS)
 RELEASES = Counter(
     "kvferry_retention_releases_total",

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from prometheus_client import REGISTRY
 
 from controlplane import metrics
 from controlplane.daemon import Daemon
@@ -40,6 +41,7 @@ async def test_a_lone_replica_pulls_and_sees_its_own_node_changes_with_no_read(
     for name in names:
         await client.leases.Register(lease_request(name))
     await eventually(cp.store.writer.trusted)
+    assert REGISTRY.get_sample_value("kvferry_node_view_sole") == 1.0
     before = _node_reads()
     answers = await asyncio.gather(*(client.leases.Lookup(lookup_request(n), timeout=10) for n in names[:-1]))
     assert [a.decision for a in answers] == [leases_pb2.PULL] * len(answers)
