@@ -24,7 +24,10 @@ still on the etcd lease it was announced on. A replica may then trust its view a
    of the replica set begun after the announcement showed it alone (then no replica
    trusts its view: by rule 2 such a replica's key would have been in that read), or
    `grace_s` has passed since the announcement (a replica that trusted a read without it
-   began that read before it, so stops trusting before then).
+   began that read before it, so stops trusting before then). Peers' read of the replica
+   set (peers.py) decides this, but it reads no node records: it never makes the view
+   trusted (a replica that wrote and left since the view's last load may have written
+   what the view lacks).
 
 Its own writes go into the view when etcd acknowledges them; a write whose outcome is
 unknown (a timeout) puts that node back on confirming reads until a read covers it
@@ -104,15 +107,17 @@ class SoleWriter:
         self._alone_read = -math.inf
         self._decided.clear()
 
-    def saw(self, replicas: Collection[str], started: float) -> None:
-        """A linearizable read, begun at `started` (this clock), found these replicas announced."""
+    def saw(self, replicas: Collection[str], started: float, with_view: bool = False) -> None:
+        """A linearizable read, begun at `started` (this clock), found these replicas announced;
+        `with_view`: it read the node records into this replica's view at the same revision
+        (only such a read can make the view trusted: rule 1)."""
         if not self.lease or started < self._announced_at:
             return  # (begun before this announcement: it says nothing of it)
         alone = set(replicas) == {self.me}
         if self._write_from is None:
             self._write_from = started if alone else self._announced_at + self.grace_s
             self._decided.set()
-        if alone:
+        if alone and with_view:
             self._alone_read = max(self._alone_read, started)
         elif self.me not in replicas:  # (its own key gone: it trusts nothing until announced again)
             self._alone_read = -math.inf

@@ -148,7 +148,7 @@ class NodeStore:
             *([get(k.replicas, prefix_end(k.replicas))] if self._writer is not None else []),
         )
         if self._writer is not None:
-            self._writer.saw([k.replica_id(kv.key) for kv in replicas[0].kvs], started)
+            self._writer.saw([k.replica_id(kv.key) for kv in replicas[0].kvs], started, with_view=True)
         alive = {k.engine_of(kv.key): _liveness(kv) for kv in lives.kvs}
         now = self._clock()
         states: dict[str, NodeState] = {}

@@ -101,7 +101,7 @@ class _Loads:
 
     async def load(self) -> tuple[dict[str, NodeState], dict[str, int]]:
         started = time.monotonic()
-        self.writer.saw({"me"}, started)
+        self.writer.saw({"me"}, started, with_view=True)
         return {"d-1": self.state}, {"d-1": 3}
 
     async def get(self, engine_id: str, serializable: bool = False) -> tuple[NodeState | None, int]:
