@@ -30,7 +30,7 @@ still on the etcd lease it was announced on. A replica may then trust its view a
    what the view lacks).
 
 Its own writes go into the view when etcd acknowledges them; a write whose outcome is
-unknown (a timeout) puts that node back on confirming reads until a read covers it
+unknown (a timeout, a cancelled call) puts that node back on confirming reads until a read covers it
 (NodeCache.unsure). With one replica (the embedded default, and `make bench`) the view is
 trusted whenever etcd answered the node refresh (every 0.5 s) in the last 2.5 s; with
 several, a lookup confirms as before. The cost: a replica that joins others writes no

@@ -166,8 +166,8 @@ class NodeStore:
     ) -> rpc.TxnResponse:
         """A write to a node's keys, fenced (controlplane.solewriter): it applies only while
         this replica's announcement is on the lease it was announced on, and raises
-        StoreUnavailable when that is what failed. A write whose outcome is unknown is told
-        to the observer."""
+        StoreUnavailable when that is what failed. A write whose outcome is unknown (etcd did
+        not answer, or the caller was cancelled meanwhile) is told to the observer."""
         lease, fence, check = 0, [], []
         if self._writer is not None:
             lease = await self._writer.fence(self._writer.grace_s + self._kv.timeout)
@@ -175,7 +175,7 @@ class NodeStore:
             fence, check = [on_lease(key, lease)], [range_op(key)]
         try:
             resp = await self._kv.txn(op, compare + fence, writes, check)
-        except StoreUnavailable:
+        except BaseException:  # (no answer, or the caller gave up waiting: it may have applied)
             self.observer.unsure(engine_id)
             raise
         if not resp.succeeded and check:

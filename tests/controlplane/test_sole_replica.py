@@ -136,3 +136,46 @@ async def test_a_node_whose_liveness_ran_out_is_not_pulled_from_on_a_view_taken_
     assert state.alive and not nodecache._at(state, time.time()).alive  # (within the margin of its end)
     cache.extended("d-1", rec.lease_id, time.time() + 30)  # a heartbeat through this replica
     assert nodecache._at(cache.snapshot()["d-1"], time.time()).alive
+
+
+class _HeldTxns:
+    """An EtcdKv whose write transactions never answer."""
+
+    timeout = 2.0
+
+    def __init__(self) -> None:
+        self.sent = asyncio.Event()
+
+    async def grant(self, op: str, ttl_s: int) -> int:
+        return 1
+
+    async def txn(self, *args: object) -> None:
+        self.sent.set()
+        await asyncio.get_running_loop().create_future()
+
+
+class _Unsure:
+    def __init__(self) -> None:
+        self.unsure: list[str] = []
+
+    def unsure_of(self, engine_id: str) -> None:
+        self.unsure.append(engine_id)
+
+
+async def test_a_write_given_up_on_is_one_whose_outcome_is_unknown() -> None:
+    """A registration whose caller went away mid-write may still have applied: the view
+    is told, so that node's next pull is confirmed by a read."""
+    from controlplane.records import Keys
+    from controlplane.store.nodes import NodeStore
+
+    kv = _HeldTxns()
+    store = NodeStore(kv, Keys("/t"))  # type: ignore[arg-type]
+    told = _Unsure()
+    store.observer.unsure = told.unsure_of  # type: ignore[method-assign]
+    rec = NodeRecord("d-1", Role.DECODE, "m", 16, "http://d", "10.0.0.7", 5600, 1, time.time(), 30)
+    writing = asyncio.ensure_future(store.put(rec, 0))
+    await kv.sent.wait()
+    writing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await writing
+    assert told.unsure == ["d-1"]
