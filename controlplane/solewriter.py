@@ -20,21 +20,25 @@ still on the etcd lease it was announced on. A replica may then trust its view a
 2. its own announcement is provably still in etcd (the send time of the last keep-alive
    etcd acknowledged plus the TTL it then had, less `margin_s`): a replica joining later
    finds it (rule 3);
-3. and each replica, once announced, writes no node record until either its first read
-   of the replica set begun after the announcement showed it alone (then no replica
+3. and each replica, once announced, makes no write that DEMOTES a node (ends its
+   liveness or gives it another generation: a suspension, a deregistration, a record
+   collected, a registration of a restarted engine) until either its first read of the
+   replica set begun after the announcement showed it alone (then no replica
    trusts its view: by rule 2 such a replica's key would have been in that read), or
    `grace_s` has passed since the announcement (a replica that trusted a read without it
    began that read before it, so stops trusting before then). Peers' read of the replica
    set (peers.py) decides this, but it reads no node records: it never makes the view
    trusted (a replica that wrote and left since the view's last load may have written
-   what the view lacks).
+   what the view lacks). Other writes (a node registered anew as the same process, a new
+   node, its liveness moved on) go at once: a view that lacks one only thinks a node less
+   alive than it is (reuse skipped until the next load, never a pull it should not make).
 
 Its own writes go into the view when etcd acknowledges them; a write whose outcome is
 unknown (a timeout, a cancelled call) puts that node back on confirming reads until a read covers it
 (NodeCache.unsure). With one replica (the embedded default, and `make bench`) the view is
 trusted whenever etcd answered the node refresh (every 0.5 s) in the last 2.5 s; with
-several, a lookup confirms as before. The cost: a replica that joins others writes no
-node record (registrations wait) for `grace_s` after it announces itself.
+several, a lookup confirms as before. The cost: a replica that joins others demotes no
+node (a suspension, say, waits) for `grace_s` after it announces itself.
 
 Clocks: every interval is measured by one process's monotonic clock; `margin_s` covers
 two processes' clocks running at different rates over `grace_s`.
@@ -78,6 +82,7 @@ class SoleWriter:
         self._write_from: float | None = None
         self._alone_read = -math.inf
         self._decided = asyncio.Event()
+        self._announcing = asyncio.Event()
 
     def announced(self, me: str, lease: int, sent: float, ttl_s: float) -> None:
         """This replica announced itself as `me` on `lease` (the request sent at `sent`, on
@@ -88,6 +93,7 @@ class SoleWriter:
         self._write_from = None
         self._alone_read = -math.inf
         self._decided.clear()
+        self._announcing.set()
 
     def refreshed(self, lease: int, sent: float, ttl_s: float) -> None:
         """A keep-alive of `lease` sent at `sent` was acknowledged with `ttl_s` left (0: the
@@ -106,6 +112,7 @@ class SoleWriter:
         self._write_from = None
         self._alone_read = -math.inf
         self._decided.clear()
+        self._announcing.clear()
 
     def saw(self, replicas: Collection[str], started: float, with_view: bool = False) -> None:
         """A linearizable read, begun at `started` (this clock), found these replicas announced;
@@ -132,16 +139,22 @@ class SoleWriter:
             and now < self._alone_read + self.grace_s - self.margin_s
         )
 
-    def may_write(self) -> bool:
-        """Whether this replica may write node records now (rule 3)."""
+    def may_write(self, demotes: bool = True) -> bool:
+        """Whether this replica may write node records now: any (announced), or (`demotes`)
+        one that demotes a node (rule 3)."""
+        if not demotes:
+            return bool(self.lease)
         return bool(self.lease) and self._write_from is not None and self._clock() >= self._write_from
 
-    async def fence(self, wait_s: float) -> int:
-        """Wait until this replica may write node records (rule 3), at most `wait_s`. -> the
-        lease its announcement key must still be on for a write to apply."""
+    async def fence(self, wait_s: float, demotes: bool = True) -> int:
+        """Wait until this replica may make the write (`demotes`: see rule 3), at most
+        `wait_s`. -> the lease its announcement key must still be on for it to apply."""
         try:
             async with asyncio.timeout(wait_s):
-                while not self.may_write():
+                while not self.may_write(demotes):
+                    if not self.lease:
+                        await self._announcing.wait()
+                        continue
                     await self._decided.wait()
                     if self._write_from is not None:
                         await asyncio.sleep(max(0.0, self._write_from - self._clock()))

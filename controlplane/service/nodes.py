@@ -143,13 +143,14 @@ class NodeRegistry:
         rec = msgspec.structs.replace(
             reg.record, generation=generation, registered_at=self._clock(), liveness_ttl=ttl
         )
+        restarted = current is not None and generation != current.record.generation
         stored, _ = await self._store.put(  # (in this replica's view already: NodeStore.observer)
             rec,
             revision,
             None if current else floor_revision,
             previous_lease=current.record.lease_id if current is not None else 0,
+            demotes=restarted,
         )
-        restarted = current is not None and generation != current.record.generation
         metrics.NODE_REGISTRATIONS.labels("restarted" if restarted else "ok").inc()
         log.info("node.registered", engine_id=engine, generation=generation, restarted=restarted)
         return stored, restarted

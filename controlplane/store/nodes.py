@@ -162,15 +162,21 @@ class NodeStore:
         return states, revisions
 
     async def _write(
-        self, op: str, engine_id: str, compare: list[rpc.Compare], writes: list[rpc.RequestOp]
+        self,
+        op: str,
+        engine_id: str,
+        compare: list[rpc.Compare],
+        writes: list[rpc.RequestOp],
+        demotes: bool = True,
     ) -> rpc.TxnResponse:
         """A write to a node's keys, fenced (controlplane.solewriter): it applies only while
         this replica's announcement is on the lease it was announced on, and raises
-        StoreUnavailable when that is what failed. A write whose outcome is unknown (etcd did
-        not answer, or the caller was cancelled meanwhile) is told to the observer."""
+        StoreUnavailable when that is what failed; one that `demotes` the node waits for rule
+        3 first. A write whose outcome is unknown (etcd did not answer, or the caller was
+        cancelled meanwhile) is told to the observer."""
         lease, fence, check = 0, [], []
         if self._writer is not None:
-            lease = await self._writer.fence(self._writer.grace_s + self._kv.timeout)
+            lease = await self._writer.fence(self._writer.grace_s + self._kv.timeout, demotes)
             key = self._keys.replica(self._writer.me)
             fence, check = [on_lease(key, lease)], [range_op(key)]
         try:
@@ -214,6 +220,7 @@ class NodeStore:
         expect_revision: int,
         floor_revision: int | None = None,
         previous_lease: int = 0,
+        demotes: bool = True,
     ) -> tuple[NodeRecord, int]:
         """Store a node record and start a fresh liveness lease for it. -> (the record as
         stored, its mod revision).
@@ -222,7 +229,8 @@ class NodeStore:
         (0 = must not exist), `floor_revision` the generation floor's it decided the
         generation on (None = it did not); a concurrent change raises Conflict. Once
         stored, `previous_lease` (the liveness lease of the registration this replaces,
-        0 = none) is revoked.
+        0 = none) is revoked. `demotes`: it replaces a record of another generation (see
+        controlplane.solewriter: False only when the caller knows it does not).
         """
         k = self._keys
         until = self._clock() + rec.liveness_ttl  # (taken first: etcd's lease ends after it)
@@ -237,7 +245,7 @@ class NodeStore:
             put_op(k.alive_key(rec.engine_id), _liveness_value(rec.generation, until), lease),
         ]
         try:
-            resp = await self._write("put_node", rec.engine_id, cmp, writes)
+            resp = await self._write("put_node", rec.engine_id, cmp, writes, demotes)
         except LeaseGone as e:  # (its TTL ran out before etcd got to the write: etcd is slow)
             raise StoreUnavailable(f"the liveness lease of {rec.engine_id} expired before it was used") from e
         if not resp.succeeded:
@@ -276,7 +284,7 @@ class NodeStore:
             if ttl:
                 await self._extend(current.record, sent)
                 return ttl, current.record
-        renewed, _ = await self.put(current.record, revision)
+        renewed, _ = await self.put(current.record, revision, demotes=False)  # (the same generation)
         log.info("node.liveness.renewed", engine_id=rec.engine_id, lease=renewed.lease_id)
         return rec.liveness_ttl, renewed
 
@@ -293,7 +301,9 @@ class NodeStore:
         key = k.alive_key(rec.engine_id)
         put = put_op(key, _liveness_value(rec.generation, until), rec.lease_id)
         try:
-            resp = await self._write("extend_liveness", rec.engine_id, [on_lease(key, rec.lease_id)], [put])
+            resp = await self._write(
+                "extend_liveness", rec.engine_id, [on_lease(key, rec.lease_id)], [put], demotes=False
+            )
         except LeaseGone:  # (ended meanwhile: the next heartbeat renews it)
             return
         if resp.succeeded:

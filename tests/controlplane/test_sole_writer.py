@@ -73,6 +73,15 @@ def test_a_replica_that_finds_others_writes_only_after_the_grace_and_never_trust
     assert not w.trusted()
 
 
+def test_a_write_that_demotes_no_node_needs_only_the_announcement() -> None:
+    clock = Clock()
+    w = writer(clock)
+    assert not w.may_write(demotes=False)
+    w.announced("b", 8, sent=clock.now, ttl_s=10)
+    w.saw({"a", "b"}, started=clock.now)
+    assert w.may_write(demotes=False) and not w.may_write()
+
+
 def test_a_read_begun_before_the_announcement_says_nothing() -> None:
     clock = Clock()
     w = writer(clock)
