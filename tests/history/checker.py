@@ -33,7 +33,11 @@ The rules (`check`):
   then: its own release), by more than `CLOCK_SLACK_S`;
 - unregistered: X handed out with no registration of X that may have taken effect
   (OK or UNKNOWN), or with one only invoked after the handing out completed;
-- foreign: X handed out for another tenant or conversation than it was registered for.
+- foreign: X handed out for another tenant or conversation than it was registered for;
+- stale_node: X handed out by a lookup invoked more than NODE_WINDOW_S after its engine
+  was registered as a new process (a NODE op, OK), X's registration having completed
+  before that was invoked: X's blocks were the old process's (a replica decides a pull
+  on a view of the node at most that old: controlplane.service.nodecache, solewriter).
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ class Kind(enum.StrEnum):
     RELEASE = "release"
     """A ReleaseRetention a sidecar got on its Attach stream: invoked when it arrived (the
     daemon decided it earlier, when is not known), completed then too."""
+    NODE = "node"
+    """A sidecar registered its engine `engine` as a new process (an engine restart: a new
+    generation); its retentions registered before are dead."""
 
 
 class Status(enum.StrEnum):
@@ -98,6 +105,8 @@ class Op:
     late: bool = False
     """LOOKUP only: the answer came after its caller gave up (nobody pulls what it hands
     out: the router has D free it, `LeaseStream.lookup_with_prompt`'s `late`)."""
+    engine: str = ""
+    """REGISTER: the engine the retention was registered on; NODE: the engine registered."""
 
     def line(self) -> str:
         """The op, on one line, for a violation's excerpt."""
@@ -121,6 +130,7 @@ class Rule(enum.StrEnum):
     EXPIRED = "expired"
     UNREGISTERED = "unregistered"
     FOREIGN = "foreign"
+    STALE_NODE = "stale_node"
 
 
 @dataclass(frozen=True)
@@ -170,6 +180,7 @@ def check(history: Iterable[Op]) -> Report:
         report.violations += _after_release(x, outs, index.gone.get(x, []))
         report.violations += _superseded(x, outs, regs, index)
         report.violations += _expired(x, outs, regs)
+        report.violations += _stale_node(x, outs, regs, index)
     return report
 
 
@@ -184,7 +195,11 @@ class _Index:
         """OK ops that released or revoked the retention."""
         self.stored: dict[tuple[str, str], list[Op]] = {}
         """OK registrations, by (tenant, conversation)."""
+        self.restarts: dict[str, list[Op]] = {}
+        """OK registrations of an engine as a new process, by engine."""
         for o in ops:
+            if o.kind is Kind.NODE and o.status is Status.OK:
+                self.restarts.setdefault(o.engine, []).append(o)
             if o.kind is Kind.REGISTER and o.retention:
                 self.registered.setdefault(o.retention, []).append(o)
                 if o.status is Status.OK:
@@ -305,4 +320,27 @@ def _superseded(x: str, outs: list[Op], regs: list[Op], index: _Index) -> list[V
         if before:
             text = f"lookup invoked after {before[0].retention} replaced it"
             found.append(Violation(Rule.SUPERSEDED, x, (first, before[0], o), text))
+    return found
+
+
+NODE_WINDOW_S = 0.05
+"""How old a replica's view of a node may be when it decides a pull on it: a confirming
+read begun at most CONFIRM_S (controlplane.service.nodecache) before the decision, on
+the one etcd member of this run; none at all on a replica that wrote every node change."""
+
+
+def _stale_node(x: str, outs: list[Op], regs: list[Op], index: _Index) -> list[Violation]:
+    """A lookup invoked after X's engine was registered anew (see the module's rules)."""
+    if not regs or any(r.status is not Status.OK for r in regs):
+        return []  # (one of unknown outcome may have landed on the new process)
+    done = max(r.completed for r in regs)
+    restarts = [n for n in index.restarts.get(regs[0].engine, []) if n.invoked > done]
+    found = []
+    for o in outs:
+        if o.kind is not Kind.LOOKUP or o.late:
+            continue
+        before = [n for n in restarts if n.completed + NODE_WINDOW_S < o.invoked]
+        if before:
+            text = f"lookup invoked {o.invoked - before[0].completed:.3f}s after {regs[0].engine} restarted"
+            found.append(Violation(Rule.STALE_NODE, x, (regs[0], before[0], o), text))
     return found

@@ -115,6 +115,7 @@ def summary_line(title: str, report: Report, recorder: Recorder) -> str:
         f"{c['lookup ok']} ok ({reasons}; {late} answered late) / {c['lookup unknown']} unknown / "
         f"{c['lookup failed']} failed; registrations {c['register ok']} ok / "
         f"{c['register unknown']} unknown; {handed} hand-outs, {c['release ok']} over Attach; "
+        f"engine restarts {c['node ok']} ok / {c['node unknown']} unknown; "
         f"violations: {len(report.violations)}"
     )
 

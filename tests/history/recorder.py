@@ -144,14 +144,23 @@ class Recorder:
         res: leases_pb2.RegisterLeaseResponse,
         via: str = "",
         expires: float = math.inf,
+        engine: str = "",
     ) -> Op:
         """Record a registration's answer: release params hand the replaced retention out.
-        (`expires`: the deadline it asked for, on this clock: see `on_this_clock`.)"""
+        (`expires`: the deadline it asked for, on this clock: see `on_this_clock`; `engine`:
+        the engine it was registered on.)"""
         released = retention_of(res.release_params)
         detail = "replaced" if res.replaced else "new"
         now = time.monotonic()
         op = Op(process, Kind.REGISTER, *key, t0, now, Status.OK, x, released, released, detail, expires)
-        return self.add(op, via)
+        return self.add(replace(op, engine=engine), via)
+
+    def node(self, process: str, engine: str, t0: float, res: nodes_pb2.RegisterNodeResponse, via: str) -> Op:
+        """Record an engine's registration as a new process (an engine restart)."""
+        detail = f"generation {res.node.generation}"
+        return self.add(
+            Op(process, Kind.NODE, "", "", t0, time.monotonic(), Status.OK, detail=detail, engine=engine), via
+        )
 
     def revoke(
         self,

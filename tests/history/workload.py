@@ -8,7 +8,8 @@ daemon replicas (processes) through their public gRPC API only, everything recor
   retention (a unique id) for one of its conversations after another (now and then one
   of another D's), through any replica, by unary Register or on a Leases/Stream; one
   whose outcome is unknown is never sent again (as sidecar.retentions does). A quarter
-  of them expire during the run.
+  of them expire during the run. With `Shape.node_restarts_s`, it also registers its
+  engine as a new process now and then, through any replica (recorded: Kind.NODE).
 - Clients look the same few conversations of two tenants up at once, each op through a
   replica picked at random: unary Lookup (some with deadlines close to a claim's
   latency: the daemon puts back what the claim took), a Leases/Stream lookup whose
@@ -74,6 +75,9 @@ class Shape:
     """The KV pool each fake sidecar reports: the retention budget (half of it by default)
     holds fewer blocks than its conversations' retentions, so it releases some."""
     liveness_ttl_s: int = 5
+    node_restarts_s: float = 0.0
+    """Each fake sidecar registers its engine as a new process about this often (an engine
+    restart: its retentions die; 0 = never)."""
     pause_s: float = 0.005
     """Between one client's ops (a busy client, not a flood: the machine has 2 cores)."""
 
@@ -122,6 +126,8 @@ class FakeSidecar:
         self.shared = shared
         self.n = n
         self.engine = engine_id(n)
+        self.started_at = 1000.0 + n
+        """When its engine process started (a restart moves it)."""
         self.attached = asyncio.Event()
         self.seen = ReleasesSeen()  # (the daemon tells a release at least once: as the real sidecar)
         self._streams = [LeaseStream(ch) for ch in shared.channels]
@@ -146,17 +152,16 @@ class FakeSidecar:
         nodes = nodes_pb2_grpc.NodesStub(channel)
         req = node_request(
             self.engine,
-            generation=1,
+            generation=0,
             liveness_ttl_seconds=self.shared.shape.liveness_ttl_s,
-            engine_started_at=1000.0 + self.n,
+            engine_started_at=self.started_at,
             no_restart_seen=True,
         )
-        await nodes.Register(req, timeout=CALL_S)
+        generation = (await nodes.Register(req, timeout=CALL_S)).node.generation
         call: AttachCall = nodes.Attach(None)
         try:
-            await call.write(
-                nodes_pb2.AttachRequest(hello=nodes_pb2.AttachHello(engine_id=self.engine, generation=1))
-            )
+            hello = nodes_pb2.AttachHello(engine_id=self.engine, generation=generation)
+            await call.write(nodes_pb2.AttachRequest(hello=hello))
             beating = asyncio.create_task(self._heartbeats(call))
             try:
                 await self._read(call, f"r{i}")
@@ -188,6 +193,31 @@ class FakeSidecar:
             ):
                 self.shared.recorder.release(self.engine, msg.release, via)
 
+    async def restart_forever(self) -> None:
+        """Register the engine as a new process now and then (its Attach stream then ends,
+        and the sidecar attaches again to the new one's generation)."""
+        rng = random.Random(f"{self.engine}/restarts")
+        shared, every = self.shared, self.shared.shape.node_restarts_s
+        while not shared.stopping.is_set():
+            await asyncio.sleep(rng.uniform(0.5, 1.5) * every)
+            self.started_at += 1.0
+            req = node_request(
+                self.engine,
+                generation=0,
+                liveness_ttl_seconds=shared.shape.liveness_ttl_s,
+                engine_started_at=self.started_at,
+            )
+            i, _ = shared.pick(rng)
+            t0 = shared.recorder.start()
+            try:
+                res = await nodes_pb2_grpc.NodesStub(shared.channels[i]).Register(req, timeout=CALL_S)
+            except grpc.aio.AioRpcError as e:
+                shared.recorder.failed(
+                    Kind.NODE, f"{self.engine}/restart", ("", ""), t0, e, f"r{i}", engine=self.engine
+                )
+                continue
+            shared.recorder.node(f"{self.engine}/restart", self.engine, t0, res, f"r{i}")
+
     async def register_forever(self, worker: int) -> None:
         """Register a new retention for one of the engine's conversations after another."""
         rng = random.Random(f"{self.engine}/{worker}")
@@ -216,9 +246,11 @@ class FakeSidecar:
             else:
                 res = await self._streams[i].register(req, CALL_S)
         except Exception as e:  # recorded: its outcome is the history's
-            shared.recorder.failed(Kind.REGISTER, process, key, t0, e, f"r{i}", retention=x, expires=expires)
+            shared.recorder.failed(
+                Kind.REGISTER, process, key, t0, e, f"r{i}", retention=x, expires=expires, engine=self.engine
+            )
             return
-        shared.recorder.register(process, key, t0, x, res, f"r{i}", expires)
+        shared.recorder.register(process, key, t0, x, res, f"r{i}", expires, self.engine)
         shared.latest[key] = x
 
 
@@ -342,6 +374,8 @@ async def running(
             asyncio.create_task(s.register_forever(w)) for s in sidecars for w in range(shape.registrars)
         ]
         tasks += [asyncio.create_task(c.run()) for c in clients]
+        if shape.node_restarts_s:
+            tasks += [asyncio.create_task(s.restart_forever()) for s in sidecars]
         tasks.append(asyncio.create_task(revoke_forever(shared)))
         yield shared
     finally:
