@@ -184,3 +184,40 @@ async def test_a_write_given_up_on_is_one_whose_outcome_is_unknown() -> None:
     with pytest.raises(asyncio.CancelledError):
         await writing
     assert told.unsure == ["d-1"]
+
+
+async def test_the_history_checker_finds_a_view_trusted_beside_another_writer(
+    make_daemon: DaemonFactory, connect: Connect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rule 1 broken (a replica trusting its view beside another that writes node records):
+    a pull from an engine process replaced through the other replica. tests/history's
+    stale_node rule finds it; test_history runs the same check on the real rules."""
+    from controlplane.owners.shards import shard_of
+    from controlplane.settings import NodeSettings
+    from tests.factories import d_params
+    from tests.history.checker import NODE_WINDOW_S, Rule, check
+    from tests.history.recorder import Recorder
+
+    first = await make_daemon(nodes=NodeSettings(liveness_ttl_s=10, cache_refresh_s=60.0))  # (no reloads)
+    second = await make_daemon(first.settings)
+    assert first.control_plane is not None and second.control_plane is not None
+    monkeypatch.setattr(first.control_plane.store.writer, "trusted", lambda: True)
+    ca, cb, history = connect(first), connect(second), Recorder()
+    await ca.nodes.Register(node_request("d-0", engine_started_at=1000.0), timeout=10)
+    names = [f"c{i}" for i in range(16)]
+    for name in names:
+        req = lease_request(name, "d-0", tenant="t", params=d_params("d-0", 1000, f"x-{name}"))
+        t0 = history.start()
+        history.register("sidecar", ("t", name), t0, f"x-{name}", await ca.leases.Register(req), engine="d-0")
+    t0 = history.start()
+    restarted = await cb.nodes.Register(node_request("d-0", engine_started_at=2000.0), timeout=GRACE_S + 10)
+    history.node("sidecar", "d-0", t0, restarted, "r1")
+    await asyncio.sleep(2 * NODE_WINDOW_S)  # (past the window a view may lag by)
+    owned = first.control_plane.owners.shards
+    mine = [n for n in names if shard_of("t", n, first.control_plane.settings.owners.shards) in owned]
+    assert mine, "the first replica owns none of the conversations"
+    for name in mine[:4]:
+        t0 = history.start()
+        res = await ca.leases.Lookup(lookup_request(name, tenant="t"), timeout=10)
+        history.lookup("router", ("t", name), t0, res, "r0")
+    assert {v.rule for v in check(history.history()).violations} == {Rule.STALE_NODE}
