@@ -34,8 +34,8 @@ still on the etcd lease it was announced on. A replica may then trust its view a
    alive than it is (reuse skipped until the next load, never a pull it should not make).
 
 Its own writes go into the view when etcd acknowledges them; a write whose outcome is
-unknown (a timeout, a cancelled call) puts that node back on confirming reads until a read covers it
-(NodeCache.unsure). With one replica (the embedded default, and `make bench`) the view is
+unknown (a timeout, a cancelled call) puts that node back on confirming reads until a read
+covers it (NodeCache.unsure). With one replica (the embedded default, and `make bench`) the view is
 trusted whenever etcd answered the node refresh (every 0.5 s) in the last 2.5 s; with
 several, a lookup confirms as before. The cost: a replica that joins others demotes no
 node (a suspension, say, waits) for `grace_s` after it announces itself.
@@ -54,7 +54,7 @@ from collections.abc import Callable, Collection
 from controlplane.errors import StoreUnavailable
 
 GRACE_S = 3.0
-"""How long after announcing itself a replica that found others writes no node record."""
+"""How long after announcing itself a replica that found others demotes no node (rule 3)."""
 MARGIN_S = 0.5
 """What a replica takes off the intervals it trusts its view for (see the module doc)."""
 
