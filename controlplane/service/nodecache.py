@@ -39,9 +39,6 @@ CONFIRM_S - KEEP_PACE_S to answer one. One at a time, it lapsed whenever a read 
 ~15-25 ms: under load, every few seconds, and every lookup meanwhile waited on etcd."""
 MAX_IN_FLIGHT = 8
 """Confirming reads of one node on their way at once, at most (etcd hung: no pile-up)."""
-LIVENESS_MARGIN_S = 0.25
-"""A lookup takes a node's liveness as lapsed this long before its `until` (etcd's lease
-ends after it, by etcd's clock: this covers the two clocks' rates)."""
 _CONFIRM_WAITS = metrics.LOOKUP_WAITS.labels("node_confirm")
 
 
@@ -343,8 +340,10 @@ class NodeCache:
 
 def _at(node: NodeState | None, now: float) -> NodeState | None:
     """`node` at wall-clock time `now`: not alive once its liveness has lapsed (a view
-    taken when it was alive does not keep it so; see LIVENESS_MARGIN_S)."""
-    if node is None or not node.alive or node.alive_at(now + LIVENESS_MARGIN_S):
+    taken when it was alive does not keep it so). Its `until` was taken before the etcd
+    lease it is on was granted or last kept alive (store/nodes.py), so etcd's lease ends
+    after it: a read at `now` would find the same."""
+    if node is None or not node.alive or node.alive_at(now):
         return node
     return NodeState(node.record, False, node.until)
 

@@ -134,13 +134,14 @@ async def test_a_node_whose_liveness_ran_out_is_not_pulled_from_on_a_view_taken_
     writer = SoleWriter()
     writer.announced("me", 1, time.monotonic(), 30)
     rec = NodeRecord("d-1", Role.DECODE, "m", 16, "http://d", "10.0.0.7", 5600, 1, time.time(), 30)
-    store = _Loads(writer, NodeState(rec, True, time.time() + nodecache.LIVENESS_MARGIN_S / 2))
+    ends = time.time() + 5.0
+    store = _Loads(writer, NodeState(rec, True, ends))
     cache = NodeCache(store, refresh_s=60.0, writer=writer)  # type: ignore[arg-type]
     await cache.refresh()
     state = cache.snapshot()["d-1"]
-    assert state.alive and not nodecache._at(state, time.time()).alive  # (within the margin of its end)
+    assert nodecache._at(state, ends - 0.001).alive and not nodecache._at(state, ends).alive
     cache.extended("d-1", rec.lease_id, time.time() + 30)  # a heartbeat through this replica
-    assert nodecache._at(cache.snapshot()["d-1"], time.time()).alive
+    assert nodecache._at(cache.snapshot()["d-1"], ends).alive
 
 
 class _HeldTxns:
