@@ -181,12 +181,13 @@ class DaemonProcess:
             self.proc.kill()
             await self.proc.wait()
 
+    @property
+    def metrics_address(self) -> str:
+        """Where its /metrics page is served."""
+        return f"127.0.0.1:{self.metrics_port}"
+
     def metrics(self) -> dict[str, float]:
-        text = (
-            urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10)
-            .read()
-            .decode()
-        )
+        text = metrics_page(self.metrics_address)
         out: dict[str, float] = {}
         for line in text.splitlines():
             m = re.match(r'kvferry_etcd_seconds_count\{op="(\w+)"\} (\S+)', line)
@@ -200,6 +201,12 @@ class DaemonProcess:
 
 
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def metrics_page(address: str) -> str:
+    """The Prometheus /metrics page served at `address` (host:port): a daemon's or etcd's."""
+    page: bytes = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read()
+    return page.decode()
 
 
 def histogram(text: str, name: str, bound: float, **labels: str) -> tuple[float, float, float]:
@@ -226,17 +233,14 @@ class MetricsPhase:
     """A /metrics page over one phase of a benchmark: read when the phase begins and at
     `end()`, once each, however many histograms are asked of it."""
 
-    def __init__(self, url: str) -> None:
-        self._url = url
-        self._before = self._read()
+    def __init__(self, address: str) -> None:
+        """`address`: host:port of the page (see `metrics_page`)."""
+        self._address = address
+        self._before = metrics_page(address)
         self._after = self._before
 
-    def _read(self) -> str:
-        page: bytes = urllib.request.urlopen(self._url, timeout=5).read()
-        return page.decode()
-
     def end(self) -> None:
-        self._after = self._read()
+        self._after = metrics_page(self._address)
 
     def gained(self, name: str, bound: float, **labels: str) -> tuple[float, float, float]:
         """Histogram `name`'s (count, sum, over `bound`) over the phase."""

@@ -30,13 +30,19 @@ import shutil
 import signal
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 
 from aetcd import rpc
 
 from bench.daemon_claims import TARGET_P99_MS, Clients, Rows, raw_claims
-from bench.daemon_workload import DaemonProcess, MetricsPhase, daemon_stalls, register_node, retention
+from bench.daemon_workload import (
+    DaemonProcess,
+    MetricsPhase,
+    daemon_stalls,
+    metrics_page,
+    register_node,
+    retention,
+)
 from bench.load import closed_loop, open_loop, pct
 from controlplane.embedded import EmbeddedEtcd, with_parent_death_signal
 from controlplane.etcd import Client as EtcdClient
@@ -102,8 +108,8 @@ class FsyncWatch:
     lookups, by its own histograms), as a note for its row."""
 
     def __init__(self, endpoint: str, daemon_metrics: int = 0) -> None:
-        self._etcd = MetricsPhase(f"http://{endpoint}/metrics")
-        self._daemon = MetricsPhase(f"http://127.0.0.1:{daemon_metrics}/metrics") if daemon_metrics else None
+        self._etcd = MetricsPhase(endpoint)
+        self._daemon = MetricsPhase(f"127.0.0.1:{daemon_metrics}") if daemon_metrics else None
 
     def note(self) -> str:
         self._etcd.end()
@@ -148,13 +154,9 @@ async def _beside_another_replica(etcd: SlowFsyncEtcd, d: DaemonProcess) -> Etcd
     key = Keys(EtcdSettings().prefix).replica("bench-other")
     await raw.kvstub.Put(rpc.PutRequest(key=key, value=b"", lease=lease.ID))
     async with asyncio.timeout(30):
-        while "kvferry_node_view_sole 0.0" not in _page(d.metrics_port):  # noqa: ASYNC110 (another process)
+        while "kvferry_node_view_sole 0.0" not in metrics_page(d.metrics_address):  # noqa: ASYNC110 (another process)
             await asyncio.sleep(0.2)
     return raw
-
-
-def _page(port: int) -> str:
-    return str(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
 
 
 async def _framed_phases(

@@ -24,14 +24,21 @@ import shutil
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from bench.cores import OTHERS_CORE, confined
-from bench.daemon_workload import DaemonProcess, MetricsPhase, daemon_stalls, lookup, register_node, retention
+from bench.daemon_workload import (
+    DaemonProcess,
+    MetricsPhase,
+    daemon_stalls,
+    lookup,
+    metrics_page,
+    register_node,
+    retention,
+)
 from bench.load import closed_loop, pct
 from controlplane.embedded import EmbeddedEtcd
 from kvferry.leaseclient import LeaseStream
@@ -59,7 +66,7 @@ def cpu_seconds(pid: int) -> float:
 
 def etcd_counters(endpoint: str) -> dict[str, float]:
     """count and sum of etcd's disk histograms."""
-    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
+    text = metrics_page(endpoint)
     out: dict[str, float] = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
@@ -150,7 +157,7 @@ async def _measure(d: DaemonProcess, etcd: EmbeddedEtcd, tmp: Path, args: argpar
     pids = {"daemon": d.proc.pid, "etcd": etcd.pid, "load generator": os.getpid()}
     cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
     disk0 = etcd_counters(etcd.endpoint)
-    daemon_page = MetricsPhase(f"http://127.0.0.1:{d.metrics_port}/metrics")
+    daemon_page = MetricsPhase(d.metrics_address)
     lag = LoopLag()
     listed_to = tmp / "leases.jsonl"
     listing = await _start_listing(d.port, listed_to) if args.list else None

@@ -52,6 +52,7 @@ import time
 from collections.abc import Callable, Collection
 
 from controlplane.errors import StoreUnavailable
+from controlplane.validity import valid_until
 
 GRACE_S = 3.0
 """How long after announcing itself a replica that found others demotes no node (rule 3)."""
@@ -89,7 +90,7 @@ class SoleWriter:
         this clock): a new standing, decided again from its next read of the replica set."""
         self.me, self.lease = me, lease
         self._announced_at = self._clock()
-        self._valid_until = sent + ttl_s - self.margin_s
+        self._valid_until = valid_until(sent, ttl_s, self.margin_s)
         self._write_from = None
         self._alone_read = -math.inf
         self._decided.clear()
@@ -101,7 +102,7 @@ class SoleWriter:
         if lease != self.lease:
             return
         if ttl_s > 0:
-            self._valid_until = max(self._valid_until, sent + ttl_s - self.margin_s)
+            self._valid_until = max(self._valid_until, valid_until(sent, ttl_s, self.margin_s))
         else:
             self.withdrawn()
 

@@ -103,3 +103,11 @@ def beside_other_replicas(monkeypatch: Any, daemon: Any) -> None:
     """Have `daemon` decide as a replica that does not write every node record itself
     (controlplane.solewriter): each pull is confirmed by a read of its decode node."""
     monkeypatch.setattr(daemon.control_plane.store.writer, "trusted", lambda: False)
+
+
+def node_reads() -> float:
+    """etcd reads of one node this process's daemons have made so far (kvferry_etcd_seconds,
+    op get_node: the confirming reads, among others)."""
+    from controlplane import metrics
+
+    return sum(b.get() for b in metrics.ETCD_LATENCY.labels("get_node")._buckets)

@@ -4,7 +4,7 @@ needs), loading them, handing them over cleanly, and the unclean takeover.
 
 Validity: a shard's decisions are made only while `valid()`: until the send time of
 the last keep-alive etcd acknowledged, plus the TTL it then had, less a margin
-(shards.valid_until). etcd cannot let another replica take the shard before that.
+(controlplane.validity). etcd cannot let another replica take the shard before that.
 Past it (etcd out of reach, this process paused), nothing is decided; once a keep-alive
 is acknowledged again the lease (and so every owner key on it: only this replica
 deletes them, fenced) is still there, and deciding goes on with memory as it was. A
@@ -27,10 +27,11 @@ from controlplane import metrics
 from controlplane.errors import StoreUnavailable
 from controlplane.owners.durable import Loaded, OwnerStore, Taken
 from controlplane.owners.memory import Conversation, Marked, ShardMemory, Target, Write
-from controlplane.owners.shards import fair_share, valid_until
+from controlplane.owners.shards import fair_share
 from controlplane.owners.writeback import WriteBehind
 from controlplane.records import OwnerRecord, Retention
 from controlplane.settings import OwnerSettings
+from controlplane.validity import valid_until
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")

@@ -1,5 +1,6 @@
-"""Which shard a conversation belongs to, each replica's fair share of the shards, and how
-long an owner may go on deciding: pure functions of plain data, no I/O."""
+"""Which shard a conversation belongs to, and each replica's fair share of the shards:
+pure functions of plain data, no I/O. (How long an owner may go on deciding:
+controlplane.validity.)"""
 
 from __future__ import annotations
 
@@ -19,12 +20,3 @@ def shard_of(tenant: str, conversation_id: str, shards: int) -> int:
 def fair_share(shards: int, live_replicas: int) -> int:
     """The most shards one replica owns when `live_replicas` share them (at least 1 live)."""
     return math.ceil(shards / max(1, live_replicas))
-
-
-def valid_until(sent_at: float, ttl_s: float, margin_s: float) -> float:
-    """Until when (on the owner's monotonic clock) it may decide for its shards, after etcd
-    acknowledged a keep-alive of its ownership lease sent at `sent_at`, the lease then
-    having `ttl_s` left. etcd cannot expire the lease (and let another replica take a
-    shard) before `sent_at + ttl_s`: the keep-alive reached it after it was sent.
-    `margin_s` covers the two clocks' drift and the time a decision takes."""
-    return sent_at + ttl_s - margin_s

@@ -138,7 +138,7 @@ class NodeCache:
         read that recent is back already. A failed read's error goes to whoever awaits it,
         and is not left unretrieved when nobody does."""
         at = time.monotonic()
-        if self._confirmed_within(engine_id, CONFIRM_S, at) or self._sole(engine_id):
+        if self._fresh(engine_id, at):
             return None
         for started, reading in self._confirming.get(engine_id, ()):
             if at - started < CONFIRM_S:
@@ -204,6 +204,11 @@ class NodeCache:
     def unsure(self, engine_id: str) -> None:
         self._unsure[engine_id] = time.monotonic()
 
+    def _fresh(self, engine_id: str, at: float) -> bool:
+        """Whether a pull on `engine_id` needs no confirming read at monotonic time `at`: one
+        began less than CONFIRM_S before, or the view needs none (`_sole`)."""
+        return self._confirmed_within(engine_id, CONFIRM_S, at) or self._sole(engine_id)
+
     def _sole(self, engine_id: str) -> bool:
         """Whether this replica's view of `engine_id` is etcd's without a read: it wrote every
         node change since its last read (controlplane.solewriter), and knows how each went."""
@@ -267,9 +272,7 @@ class NodeCache:
         if node is None or self._stale(at):
             return None
         decided = decide(retention, _at(node, now), prompt, policy, now)
-        if _confirmed_first(decided) and not (
-            self._confirmed_within(engine, CONFIRM_S, at) or self._sole(engine)
-        ):
+        if _confirmed_first(decided) and not self._fresh(engine, at):
             return None
         self._note_lookup(engine)
         return decided

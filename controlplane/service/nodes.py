@@ -170,12 +170,14 @@ class NodeRegistry:
         """End a node's liveness, leaving a tombstone of its record. -> whether it was registered."""
         check_id("engine_id", engine_id, self._limits.max_id_bytes)
         found = await self._store.delete(engine_id, self._clock())
-        # The tombstone as stored, at its revision: a refresh that read the node alive just
-        # before the delete cannot then bring it back (the newer revision stays).
-        try:
-            await self._nodes.get(engine_id, fresh=True)
-        except StoreUnavailable:
-            self._nodes.drop(engine_id)
+        # A tombstone written is in the view at its revision (NodeStore.observer): a refresh
+        # that read the node alive just before cannot bring it back. Nothing written, the
+        # view may still hold what etcd no longer has: read it again.
+        if not found:
+            try:
+                await self._nodes.get(engine_id, fresh=True)
+            except StoreUnavailable:
+                self._nodes.drop(engine_id)
         log.info("node.deregistered", engine_id=engine_id, found=found)
         return found
 

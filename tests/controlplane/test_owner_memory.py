@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from controlplane.owners.memory import Conversation, ShardMemory, Target, Write
-from controlplane.owners.shards import fair_share, shard_of, valid_until
+from controlplane.owners.shards import fair_share, shard_of
 from controlplane.records import Claim, Retention
+from controlplane.validity import valid_until
 
 C = Conversation("t", "c")
 

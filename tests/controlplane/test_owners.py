@@ -29,7 +29,7 @@ from controlplane.store import EtcdStore
 from kvferry.v1 import leases_pb2, nodes_pb2
 from tests.conftest import Client, DaemonFactory, EtcdProcess, daemon_settings
 from tests.controlplane.test_claims_and_nodes import AttachStream, hello
-from tests.factories import beside_other_replicas, lease_request, lookup_request, node_request
+from tests.factories import beside_other_replicas, lease_request, lookup_request, node_reads, node_request
 from tests.polling import eventually
 
 Connect = Callable[[Daemon], Client]
@@ -209,10 +209,6 @@ def _forwarded() -> list[Any]:
     return [child._value for child in metrics.FORWARDED._metrics.values()]  # type: ignore[attr-defined]
 
 
-def _node_reads() -> float:
-    return sum(b.get() for b in metrics.ETCD_LATENCY.labels("get_node")._buckets)
-
-
 async def test_a_looked_up_node_is_kept_confirmed_between_lookups(
     daemon: Daemon, client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -227,10 +223,10 @@ async def test_a_looked_up_node_is_kept_confirmed_between_lookups(
     await client.nodes.Register(node_request("d-1", liveness_ttl_seconds=60))
     await client.leases.Register(lease_request("kept"))
     assert (await client.leases.Lookup(lookup_request("kept"), timeout=10)).decision == leases_pb2.PULL
-    after_lookup = _node_reads()
+    after_lookup = node_reads()
 
     async def read_meanwhile() -> bool:  # (two ranges a read)
-        return _node_reads() - after_lookup >= 2 * 3
+        return node_reads() - after_lookup >= 2 * 3
 
     await eventually(read_meanwhile)
 
@@ -250,10 +246,10 @@ async def test_lookups_of_one_node_share_its_confirming_read(
     names = [f"many-{i}" for i in range(20)]
     for name in names:
         await client.leases.Register(lease_request(name))
-    before = _node_reads()
+    before = node_reads()
     answers = await asyncio.gather(*(client.leases.Lookup(lookup_request(n), timeout=10) for n in names))
     assert [a.decision for a in answers] == [leases_pb2.PULL] * len(names)
-    counted = _node_reads() - before
+    counted = node_reads() - before
     assert 1 <= counted <= 2 * 10, counted  # (two ranges a read: 40 unshared; one, or a few if slow)
 
 

@@ -11,7 +11,6 @@ from collections.abc import Callable
 import pytest
 from prometheus_client import REGISTRY
 
-from controlplane import metrics
 from controlplane.daemon import Daemon
 from controlplane.errors import StoreUnavailable
 from controlplane.records import NodeRecord, NodeState, Role
@@ -21,14 +20,10 @@ from controlplane.solewriter import GRACE_S, SoleWriter
 from controlplane.store import EtcdStore
 from kvferry.v1 import leases_pb2, nodes_pb2
 from tests.conftest import Client, DaemonFactory
-from tests.factories import lease_request, lookup_request, node_request
+from tests.factories import lease_request, lookup_request, node_reads, node_request
 from tests.polling import eventually
 
 Connect = Callable[[Daemon], Client]
-
-
-def _node_reads() -> float:
-    return sum(b.get() for b in metrics.ETCD_LATENCY.labels("get_node")._buckets)
 
 
 async def test_a_lone_replica_pulls_and_sees_its_own_node_changes_with_no_read(
@@ -42,16 +37,16 @@ async def test_a_lone_replica_pulls_and_sees_its_own_node_changes_with_no_read(
         await client.leases.Register(lease_request(name))
     await eventually(cp.store.writer.trusted)
     assert REGISTRY.get_sample_value("kvferry_node_view_sole") == 1.0
-    before = _node_reads()
+    before = node_reads()
     answers = await asyncio.gather(*(client.leases.Lookup(lookup_request(n), timeout=10) for n in names[:-1]))
     assert [a.decision for a in answers] == [leases_pb2.PULL] * len(answers)
-    assert _node_reads() == before  # (a replica beside others read it: test_owners)
+    assert node_reads() == before  # (a replica beside others read it: test_owners)
     # Deregistered through it, the node is gone from its view at once: no pull, no read.
     await client.nodes.Deregister(nodes_pb2.DeregisterNodeRequest(engine_id="d-1"))
-    reads = _node_reads()
+    reads = node_reads()
     gone = await client.leases.Lookup(lookup_request(names[-1]), timeout=10)
     assert (gone.decision, gone.reason) == (leases_pb2.RECOMPUTE, "node_gone"), gone
-    assert _node_reads() == reads
+    assert node_reads() == reads
 
 
 async def test_a_second_replica_ends_the_first_ones_trust_and_waits_out_the_grace(
@@ -78,10 +73,10 @@ async def test_a_second_replica_ends_the_first_ones_trust_and_waits_out_the_grac
     # Beside another replica, the first confirms a pull by reading the node.
     ca = connect(first)
     await cb.leases.Register(lease_request("beside", engine_id="d-2"))  # (on the generation it wrote)
-    before = _node_reads()
+    before = node_reads()
     pulled = await ca.leases.Lookup(lookup_request("beside"), timeout=10)
     assert pulled.decision == leases_pb2.PULL, pulled
-    assert _node_reads() > before
+    assert node_reads() > before
 
 
 async def test_a_replica_whose_announcement_lapsed_writes_no_node_record(store: EtcdStore) -> None:

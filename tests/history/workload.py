@@ -150,14 +150,7 @@ class FakeSidecar:
     async def _attached_to(self, i: int) -> None:
         channel = self.shared.channels[i]
         nodes = nodes_pb2_grpc.NodesStub(channel)
-        req = node_request(
-            self.engine,
-            generation=0,
-            liveness_ttl_seconds=self.shared.shape.liveness_ttl_s,
-            engine_started_at=self.started_at,
-            no_restart_seen=True,
-        )
-        generation = (await nodes.Register(req, timeout=CALL_S)).node.generation
+        generation = (await nodes.Register(self._node_request(True), timeout=CALL_S)).node.generation
         call: AttachCall = nodes.Attach(None)
         try:
             hello = nodes_pb2.AttachHello(engine_id=self.engine, generation=generation)
@@ -193,6 +186,16 @@ class FakeSidecar:
             ):
                 self.shared.recorder.release(self.engine, msg.release, via)
 
+    def _node_request(self, no_restart_seen: bool) -> nodes_pb2.RegisterNodeRequest:
+        """Its engine's registration (`no_restart_seen`: the same process as before, or a new one)."""
+        return node_request(
+            self.engine,
+            generation=0,
+            liveness_ttl_seconds=self.shared.shape.liveness_ttl_s,
+            engine_started_at=self.started_at,
+            no_restart_seen=no_restart_seen,
+        )
+
     async def restart_forever(self) -> None:
         """Register the engine as a new process now and then (its Attach stream then ends,
         and the sidecar attaches again to the new one's generation)."""
@@ -201,12 +204,7 @@ class FakeSidecar:
         while not shared.stopping.is_set():
             await asyncio.sleep(rng.uniform(0.5, 1.5) * every)
             self.started_at += 1.0
-            req = node_request(
-                self.engine,
-                generation=0,
-                liveness_ttl_seconds=shared.shape.liveness_ttl_s,
-                engine_started_at=self.started_at,
-            )
+            req = self._node_request(no_restart_seen=False)
             i, _ = shared.pick(rng)
             t0 = shared.recorder.start()
             try:
