@@ -271,7 +271,8 @@ class ShardOwners:
             await asyncio.sleep(self.settings.balance_s)
             try:
                 self._sweep()
-                if self.valid():
+                # (a replica that owns nothing yet has no lease: balance() takes one)
+                if self.valid() or not self._lease:
                     await self.balance()
             except StoreUnavailable as e:
                 log.info("owners.balance_failed", error=str(e))

@@ -178,6 +178,21 @@ async def test_a_clean_handover_keeps_the_retentions(make_daemon: DaemonFactory,
     assert [a.decision for a in answers] == [leases_pb2.PULL] * len(names), answers
 
 
+async def test_a_replica_that_joins_takes_its_share_with_no_operation_asking(
+    make_daemon: DaemonFactory,
+) -> None:
+    """The first hands half the shards over; the second takes them by its own balance pass
+    (before, a replica that had never owned a shard had no ownership lease, never balanced,
+    and took a shard only when an operation reached it: the first took the free shards back
+    as their lookups came, and handed them over again)."""
+    first = await make_daemon()
+    second = await make_daemon(first.settings)
+    assert first.control_plane is not None and second.control_plane is not None
+    half = OwnerSettings().shards // 2
+    await eventually(lambda: len(second.control_plane.owners.shards) == half, within=30)  # type: ignore[union-attr]
+    assert len(first.control_plane.owners.shards) == half
+
+
 async def test_replicas_forward_to_the_owner_and_hand_each_retention_out_once(
     make_daemon: DaemonFactory, connect: Connect
 ) -> None:
