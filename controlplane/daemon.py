@@ -24,6 +24,7 @@ from controlplane.embedded import SECOND_DAEMON, EmbeddedEtcd, port_free
 from controlplane.errors import StoreUnavailable
 from controlplane.etcd import EtcdTls
 from controlplane.forward import OwnerClient
+from controlplane.notices import hold_promises
 from controlplane.peers import Peers
 from controlplane.records import Keys, OwnerRecord
 from controlplane.server import Access, start_server
@@ -85,6 +86,7 @@ class Daemon:
         self.control_plane = cp
         metrics.INDEXED_BLOCKS.set_function(cp.attachments.index.total)
         metrics.NODE_VIEW_SOLE.set_function(lambda: float(store.writer.trusted()))
+        metrics.NOTICE_PROMISES.set_function(lambda: float(store.promises.promised()))
         with contextlib.suppress(StoreUnavailable):
             await cp.nodes.refresh()
         tls = s.security.tls_files()
@@ -150,6 +152,12 @@ class Daemon:
             return await forwarder.offer_releases(peers.addresses, engine_id, releases)
 
         cp.budgets.relay.offer = offer  # (releases of nodes attached to another replica)
+        # Promised notice of node demotions, both ways (controlplane.notices).
+        if cp.store.nodes.notices is not None:
+            cp.store.nodes.notices.transport = forwarder
+        self._tasks.append(
+            asyncio.create_task(hold_promises(cp.store.writer, forwarder, announced), name="promises")
+        )
         cp.owners.start()
         with contextlib.suppress(StoreUnavailable):
             await cp.owners.balance()

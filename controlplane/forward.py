@@ -4,8 +4,9 @@ the replica its sidecar is attached to: the client side of the daemon-only Owner
 and service.budgets.Release (the server side, server/owners.py, uses the same).
 
 The replicas call each other with the daemon's own certificate (the policy's `daemon`
-role may call Owners/Apply and Owners/Release), at the addresses they advertise in their
-owner keys (Apply) and announcements (Release, to every peer: controlplane.peers).
+role may call the Owners RPC), at the addresses they advertise in their owner keys (Apply)
+and announcements (Release, to every peer: controlplane.peers; the promised notices of
+node demotions, controlplane.notices).
 """
 
 from __future__ import annotations
@@ -152,6 +153,24 @@ class OwnerClient:
             return False
         finally:
             await cancel_and_wait(offers)  # (the others' answers no longer matter)
+
+    async def promise(
+        self, address: str, me: str, my_address: str, timeout_s: float
+    ) -> owners_pb2.NoticePromise:
+        """Ask the replica at `address` for its promise of notice (controlplane.notices)."""
+        request = owners_pb2.NoticePromiseRequest(replica=me, address=my_address)
+        return await self._stub(address).PromiseNotice(request, timeout=timeout_s)
+
+    async def demoting(self, address: str, me: str, engine_id: str, number: int, timeout_s: float) -> str:
+        """Tell the replica at `address` of demotion `number` of `engine_id` about to be
+        written (notices.NoticeTransport). -> the id of the replica that answered."""
+        notice = owners_pb2.NodeNotice(replica=me, engine_id=engine_id, number=number)
+        return (await self._stub(address).NodeDemoting(notice, timeout=timeout_s)).replica
+
+    async def demoted(self, address: str, me: str, engine_id: str, number: int, timeout_s: float) -> str:
+        """Tell it that demotion is over. -> the id of the replica that answered."""
+        notice = owners_pb2.NodeNotice(replica=me, engine_id=engine_id, number=number)
+        return (await self._stub(address).NodeDemoted(notice, timeout=timeout_s)).replica
 
     def _stub(self, address: str) -> owners_pb2_grpc.OwnersAsyncStub:
         held = self._stubs.get(address)

@@ -33,8 +33,21 @@ INDEXED_HASHES = Counter("kvferry_kv_event_hashes_total", "Block hashes folded i
 INDEXED_BLOCKS = Gauge("kvferry_indexed_blocks", "Blocks in the KV-event index (this replica)")
 NODE_VIEW_SOLE = Gauge(
     "kvferry_node_view_sole",
-    "1 while this replica provably wrote every node change since its last read, and so "
-    "decides pulls with no read of etcd (controlplane.solewriter); 0 beside other replicas",
+    "1 while this replica provably knows every node demotion since its last read (it wrote "
+    "them, or the other replicas promised to tell it first), and so decides pulls with no "
+    "read of etcd (controlplane.solewriter)",
+)
+NOTICE_PROMISES = Gauge(
+    "kvferry_node_notice_promises",
+    "Other replicas this one promised to tell of its node demotions first, promises not lapsed "
+    "(controlplane.notices): each may decide pulls on its own view beside this one",
+)
+DEMOTION_NOTICES = Counter(
+    "kvferry_node_demotion_notices_total",
+    "Notices of a node demotion this replica sent to a replica holding its promise, by "
+    "outcome (answered; unanswered: the write waited until that promise lapsed), "
+    "controlplane.notices",
+    ["outcome"],
 )
 RPC_LATENCY = Histogram("kvferry_rpc_seconds", "gRPC handler latency", ["method"], buckets=_LATENCY_BUCKETS)
 RELEASES = Counter(

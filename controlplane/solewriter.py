@@ -1,5 +1,5 @@
-"""Whether this replica is, provably, the only one writing node records: then its own
-view of the nodes is etcd's, and a lookup decides a pull without reading etcd.
+"""Whether this replica provably knows every node change since its last read of etcd:
+then its own view of the nodes is etcd's, and a lookup decides a pull without reading etcd.
 
 Why it matters. Before a pull, a lookup has its decode node's state confirmed by a read
 at most 50 ms old (service/nodecache.py). etcd answers every read of a member, even a
@@ -13,14 +13,14 @@ each carries the FENCE: the writer's own announcement key ``replicas/<id>`` (pee
 still on the etcd lease it was announced on. A replica may then trust its view alone
 (`trusted`) while
 
-1. its latest linearizable read of the replica set that showed no other replica began
+1. its latest linearizable read of the replica set that qualifies (alone, or rule 4) began
    less than `grace_s - margin_s` ago, and read the node records at the same revision
    (NodeStore.load): whatever any replica wrote before that revision is in the view, and
    no replica absent from it can write after it (its fence fails);
 2. its own announcement is provably still in etcd (the send time of the last keep-alive
    etcd acknowledged plus the TTL it then had, less `margin_s`): a replica joining later
    finds it (rule 3);
-3. and each replica, once announced, makes no write that DEMOTES a node (ends its
+3. each replica, once announced, makes no write that DEMOTES a node (ends its
    liveness or gives it another generation: a suspension, a deregistration, a record
    collected, a registration of a restarted engine) until either its first read of the
    replica set begun after the announcement showed it alone (then no replica
@@ -31,17 +31,24 @@ still on the etcd lease it was announced on. A replica may then trust its view a
    trusted (a replica that wrote and left since the view's last load may have written
    what the view lacks). Other writes (a node registered anew as the same process, a new
    node, its liveness moved on) go at once: a view that lacks one only thinks a node less
-   alive than it is (reuse skipped until the next load, never a pull it should not make).
+   alive than it is (reuse skipped until the next load, never a pull it should not make);
+4. and every other replica that read found holds to its promise to tell this one of each
+   demotion before it writes it (controlplane.notices): a promise that came back before
+   the read began (the read has every demotion that replica made before its grant), and
+   unbroken since (renewed before it lapsed, as this replica reckons it: from when it sent
+   the request, less `margin_s`). A demotion it was told of keeps that node on confirming
+   reads (service/doubts.py) until it is over.
 
 Its own writes go into the view when etcd acknowledges them; a write whose outcome is
 unknown (a timeout, a cancelled call) puts that node back on confirming reads until a read
-covers it (NodeCache.unsure). With one replica (the embedded default, and `make bench`) the view is
+covers it (service/doubts.py). With one replica (the embedded default) the view is
 trusted whenever etcd answered the node refresh (every 0.5 s) in the last 2.5 s; with
-several, a lookup confirms as before. The cost: a replica that joins others demotes no
-node (a suspension, say, waits) for `grace_s` after it announces itself.
+several, also while every other replica answers the promise renewals (every 0.5 s). The
+costs: a replica that joins others demotes no node (a suspension, say, waits) for
+`grace_s` after it announces itself, and each demotion first tells the other replicas.
 
 Clocks: every interval is measured by one process's monotonic clock; `margin_s` covers
-two processes' clocks running at different rates over `grace_s`.
+two processes' clocks running at different rates over `grace_s` (and over a promise).
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 from controlplane.errors import StoreUnavailable
 from controlplane.validity import valid_until
@@ -81,7 +88,17 @@ class SoleWriter:
         self._announced_at = 0.0
         self._valid_until = 0.0
         self._write_from: float | None = None
-        self._alone_read = -math.inf
+        self._view_read = -math.inf
+        """When the latest read that may make the view trusted began (rules 1 and 4)."""
+        self._view_others: frozenset[str] = frozenset()
+        """The other replicas that read found: each must keep its promise (rule 4)."""
+        self._promises: dict[str, tuple[float, float]] = {}
+        """Replica -> (since, until): the promise of notice it holds (controlplane.notices),
+        unbroken since (its grant came back), and good until (both this clock)."""
+        self.view_replicas: frozenset[str] = frozenset()
+        """The replicas the latest read of the node records found (NodeCache.refresh)."""
+        self.others: dict[str, str] = {}
+        """The other replicas the latest read of the node records found: id -> address."""
         self._decided = asyncio.Event()
         self._announcing = asyncio.Event()
 
@@ -92,7 +109,7 @@ class SoleWriter:
         self._announced_at = self._clock()
         self._valid_until = valid_until(sent, ttl_s, self.margin_s)
         self._write_from = None
-        self._alone_read = -math.inf
+        self._view_read = -math.inf
         self._decided.clear()
         self._announcing.set()
 
@@ -111,34 +128,68 @@ class SoleWriter:
         self.lease = 0
         self._valid_until = 0.0
         self._write_from = None
-        self._alone_read = -math.inf
+        self._view_read = -math.inf
         self._decided.clear()
         self._announcing.clear()
 
     def saw(self, replicas: Collection[str], started: float, with_view: bool = False) -> None:
-        """A linearizable read, begun at `started` (this clock), found these replicas announced;
-        `with_view`: it read the node records into this replica's view at the same revision
-        (only such a read can make the view trusted: rule 1)."""
+        """A linearizable read, begun at `started` (this clock), found these replicas announced
+        (a mapping: with their addresses); `with_view`: it read the node records into this
+        replica's view at the same revision (only such a read can make the view trusted)."""
+        if with_view:
+            self.view_replicas = frozenset(replicas)
         if not self.lease or started < self._announced_at:
             return  # (begun before this announcement: it says nothing of it)
-        alone = set(replicas) == {self.me}
+        others = frozenset(replicas) - {self.me}
         if self._write_from is None:
+            alone = set(replicas) == {self.me}
             self._write_from = started if alone else self._announced_at + self.grace_s
             self._decided.set()
-        if alone and with_view:
-            self._alone_read = max(self._alone_read, started)
-        elif self.me not in replicas:  # (its own key gone: it trusts nothing until announced again)
-            self._alone_read = -math.inf
+        if self.me not in replicas:  # (its own key gone: it trusts nothing until announced again)
+            self._view_read = -math.inf
+            return
+        if not with_view:
+            return
+        if isinstance(replicas, Mapping):
+            self.others = {r: replicas[r] for r in others}
+        # Each other replica's promise came back before the read began: the read has every
+        # demotion that replica made before it, and it tells of every one after (rule 4).
+        promised = all(self._promises.get(r, (math.inf, 0.0))[0] <= started for r in others)
+        if promised and started > self._view_read:
+            self._view_read, self._view_others = started, others
+
+    def promised(self, replica: str, sent: float, seconds: float, renewed: bool) -> None:
+        """`replica` promised notice for `seconds` from its grant, asked at `sent` (this
+        clock); `renewed`: it continues the promise held (else a new one, from now)."""
+        now = self._clock()
+        since, until = self._promises.get(replica, (now, -math.inf))
+        if not renewed:
+            since, until = now, -math.inf
+        self._promises[replica] = (since, max(until, valid_until(sent, seconds, self.margin_s)))
+
+    def now(self) -> float:
+        """This writer's clock."""
+        return self._clock()
+
+    def unpromised(self, replica: str) -> None:
+        """`replica` refused to renew its promise, or was found gone."""
+        self._promises.pop(replica, None)
 
     def trusted(self) -> bool:
         """Whether no other replica can have written a node record this replica's view
-        lacks (rules 1 and 2 of the module doc)."""
+        lacks, or it was told of it (rules 1, 2 and 4 of the module doc)."""
         now = self._clock()
         return (
             bool(self.lease)
             and now < self._valid_until
-            and now < self._alone_read + self.grace_s - self.margin_s
+            and now < self._view_read + self.grace_s - self.margin_s
+            and all(self._kept(r, now) for r in self._view_others)
         )
+
+    def _kept(self, replica: str, now: float) -> bool:
+        """Whether `replica`'s promise holds now, unbroken since the view's read began."""
+        since, until = self._promises.get(replica, (math.inf, 0.0))
+        return since <= self._view_read and now < until
 
     def may_write(self, demotes: bool = True) -> bool:
         """Whether this replica may write node records now: any (announced), or (`demotes`)

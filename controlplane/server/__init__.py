@@ -94,7 +94,9 @@ async def start_server(
     nodes_pb2_grpc.add_NodesServicer_to_server(NodesServicer(cp.registry, cp.attachments, cluster), server)
     leases = LeasesServicer(cp.retentions, cp.lookups, cp.held)
     leases_pb2_grpc.add_LeasesServicer_to_server(leases, server)
-    owners_pb2_grpc.add_OwnersServicer_to_server(OwnersServicer(cp.owned, cp.budgets), server)
+    owners_pb2_grpc.add_OwnersServicer_to_server(
+        OwnersServicer(cp.owned, cp.budgets, cp.nodes, cp.store), server
+    )
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(SERVICE_NAMES, server)

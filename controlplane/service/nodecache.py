@@ -15,6 +15,7 @@ from controlplane import metrics
 from controlplane.errors import StoreUnavailable
 from controlplane.policy import Decision, Policy, Prompt, Reason, decide
 from controlplane.records import NodeRecord, NodeState, Retention
+from controlplane.service.doubts import Doubts
 from controlplane.solewriter import SoleWriter
 from controlplane.store.nodes import NodeStore
 from kvferry.logs import Outage
@@ -55,9 +56,7 @@ class NodeCache:
         by a read). Tell the view of this replica's node writes (NodeStore.observer)."""
         self._store = store
         self._refresh_s = refresh_s
-        self._writer = writer
-        self._unsure: dict[str, float] = {}
-        """engine -> monotonic time a write to it had no answer: confirmed by a read begun later."""
+        self.doubts = Doubts(writer)
         self._nodes: dict[str, NodeState] = {}
         self.revisions: dict[str, int] = {}
         """Mod revision of each node's record as last loaded."""
@@ -78,7 +77,7 @@ class NodeCache:
         known = dict(self.revisions)
         started = time.monotonic()
         nodes, revisions = await self._store.load()
-        self._unsure = {e: at for e, at in self._unsure.items() if at >= started}
+        self.doubts.loaded(started)
         # A record this replica wrote or read while that read was on its way (a
         # re-registration through it, say) may be newer than what the read found: it stays.
         for engine, revision in self.revisions.items():
@@ -169,8 +168,7 @@ class NodeCache:
             return
         self._apply(engine_id, state, revision)
         self._confirmed_at[engine_id] = started
-        if self._unsure.get(engine_id, started) < started:
-            del self._unsure[engine_id]
+        self.doubts.read(engine_id, started)
 
     async def _read(self, engine_id: str) -> NodeState | None:
         """The node read from etcd, linearizably, into the view."""
@@ -202,7 +200,7 @@ class NodeCache:
         self.drop(engine_id)
 
     def unsure(self, engine_id: str) -> None:
-        self._unsure[engine_id] = time.monotonic()
+        self.doubts.unsure(engine_id)
 
     def _fresh(self, engine_id: str, at: float) -> bool:
         """Whether a pull on `engine_id` needs no confirming read at monotonic time `at`: one
@@ -210,9 +208,7 @@ class NodeCache:
         return self._confirmed_within(engine_id, CONFIRM_S, at) or self._sole(engine_id)
 
     def _sole(self, engine_id: str) -> bool:
-        """Whether this replica's view of `engine_id` is etcd's without a read: it wrote every
-        node change since its last read (controlplane.solewriter), and knows how each went."""
-        return self._writer is not None and engine_id not in self._unsure and self._writer.trusted()
+        return self.doubts.sole(engine_id)
 
     def doubt(self, rec: NodeRecord) -> None:
         """`rec`'s Attach stream ended on this replica: nobody vouches for its engine

@@ -28,6 +28,7 @@ import time
 
 from controlplane.errors import StoreUnavailable
 from controlplane.etcd import Client, EtcdTls
+from controlplane.notices import NoticeSender, Promises
 from controlplane.records import Keys
 from controlplane.solewriter import SoleWriter
 from controlplane.store.gcleases import GcLeases
@@ -58,6 +59,9 @@ class EtcdStore:
         self.writer = SoleWriter()
         """This replica's standing as a writer of node records (controlplane.solewriter)."""
         self.nodes = NodeStore(self.kv, keys, self.writer)
+        self.promises = Promises()
+        """The promises of notice this replica made to the others (controlplane.notices)."""
+        self.nodes.notices = NoticeSender(self.promises, lambda: self.writer.me)
         self.scans = RetentionScans(self.kv, keys)
         self.gc = GcLeases(self._client, bucket_s, max_keys_per_lease, timeout_s)
         self.retentions = RetentionStore(self.kv, keys, self.gc, self.scans.sample, claim_marker_s)
@@ -69,6 +73,8 @@ class EtcdStore:
 
     async def close(self) -> None:
         """Send what is queued for group commit, then close the client."""
+        if self.nodes.notices is not None:
+            await self.nodes.notices.close()
         await self.kv.batcher.close()
         await self._client.close()
 

@@ -15,6 +15,7 @@ to the `observer` (this replica's view of the nodes) as etcd acknowledges it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from aetcd import rpc
 from controlplane import metrics
 from controlplane.errors import Conflict, StoreUnavailable
 from controlplane.etcd import LeaseGone
+from controlplane.notices import NoticeSender
 from controlplane.records import Keys, NodeRecord, NodeState, decode_node, encode, prefix_end
 from controlplane.solewriter import SoleWriter
 from controlplane.store.kv import EtcdKv, absent, decoded, delete_op, get, mod_is, on_lease, put_op, range_op
@@ -133,6 +135,9 @@ class NodeStore:
         self._writer = writer
         self._clock = clock
         self.observer: NodeWrites = _Unobserved()
+        self.notices: NoticeSender | None = None
+        """Tells the other replicas of a demoting write first (controlplane.notices; None:
+        nobody holds a promise, as in a store used outside a daemon)."""
         # When each liveness lease this replica wrote or refreshed ends, as its key says.
         self._until: dict[int, float] = {}
 
@@ -148,7 +153,8 @@ class NodeStore:
             *([get(k.replicas, prefix_end(k.replicas))] if self._writer is not None else []),
         )
         if self._writer is not None:
-            self._writer.saw([k.replica_id(kv.key) for kv in replicas[0].kvs], started, with_view=True)
+            found = {k.replica_id(kv.key): kv.value.decode(errors="replace") for kv in replicas[0].kvs}
+            self._writer.saw(found, started, with_view=True)
         alive = {k.engine_of(kv.key): _liveness(kv) for kv in lives.kvs}
         now = self._clock()
         states: dict[str, NodeState] = {}
@@ -172,15 +178,18 @@ class NodeStore:
         """A write to a node's keys, fenced (controlplane.solewriter): it applies only while
         this replica's announcement is on the lease it was announced on, and raises
         StoreUnavailable when that is what failed; one that `demotes` the node waits for rule
-        3 first. A write whose outcome is unknown (etcd did not answer, or the caller was
-        cancelled meanwhile) is told to the observer."""
+        3 first, then tells the replicas holding a promise (controlplane.notices). A write
+        whose outcome is unknown (etcd did not answer, or the caller was cancelled
+        meanwhile) is told to the observer."""
         lease, fence, check = 0, [], []
         if self._writer is not None:
             lease = await self._writer.fence(self._writer.grace_s + self._kv.timeout, demotes)
             key = self._keys.replica(self._writer.me)
             fence, check = [on_lease(key, lease)], [range_op(key)]
+        told = self.notices.demoting(engine_id) if demotes and self.notices else contextlib.nullcontext()
         try:
-            resp = await self._kv.txn(op, compare + fence, writes, check)
+            async with told:
+                resp = await self._kv.txn(op, compare + fence, writes, check)
         except BaseException:  # (no answer, or the caller gave up waiting: it may have applied)
             self.observer.unsure(engine_id)
             raise

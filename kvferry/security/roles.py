@@ -41,8 +41,9 @@ class Role(enum.StrEnum):
     """The sidecar of one engine: registers that engine and its retentions."""
     DAEMON = "daemon"
     """A peer daemon replica: the fan-out of node lists and scores, the operations
-    forwarded to a claim shard's owner (Owners/Apply), and the releases forwarded to the
-    replica a decode node is attached to (Owners/Release)."""
+    forwarded to a claim shard's owner (Owners/Apply), the releases forwarded to the
+    replica a decode node is attached to (Owners/Release), and the promised notices of
+    node demotions (Owners/PromiseNotice, NodeDemoting, NodeDemoted)."""
 
 
 _READ = frozenset({f"{LEASES}Get", f"{LEASES}List", f"{NODES}List"})
@@ -59,7 +60,10 @@ ALLOWED: dict[Role, frozenset[str]] = {
             f"{LEASES}Held",  # (of its own node's pins: node_denial)
         }
     ),
-    Role.DAEMON: frozenset({f"{NODES}Score", f"{NODES}List", f"{OWNERS}Apply", f"{OWNERS}Release"}),
+    Role.DAEMON: frozenset(
+        {f"{NODES}Score", f"{NODES}List"}
+        | {f"{OWNERS}{m}" for m in ("Apply", "Release", "PromiseNotice", "NodeDemoting", "NodeDemoted")}
+    ),
 }
 """Methods each role other than admin may call (admin: all). Leases/Stream carries lookups
 and registrations: each operation is checked again (`stream_op_denial`)."""

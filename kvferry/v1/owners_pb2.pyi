@@ -4,8 +4,10 @@ isort:skip_file
 Owners: the daemon replicas among themselves. An operation on a conversation's
 retention runs at the replica that owns the conversation's claim shard; the others
 forward it here (controlplane.owners). A release of a decode node's blocks goes to the
-replica its sidecar is attached to (controlplane.relay). Only the `daemon` role (and
-admin) may call it.
+replica its sidecar is attached to (controlplane.relay). A replica that decides pulls on
+its own view of the nodes holds every other replica's promise to tell it of a node
+demotion before making it (controlplane.notices). Only the `daemon` role (and admin)
+may call it.
 """
 
 from collections import abc as _abc
@@ -220,3 +222,109 @@ class NodeReleasesAnswer(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___NodeReleasesAnswer: _TypeAlias = NodeReleasesAnswer  # noqa: Y015
+
+@_typing.final
+class NoticePromiseRequest(_message.Message):
+    """Asked of another replica: "before you demote a node (suspend, deregister, collect it,
+    or register a restarted engine in its place), tell me (NodeDemoting) and wait for my
+    answer; or, when I do not answer, wait until this promise has lapsed".
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    replica: _builtins.str
+    """The asking replica's id (its announcement key, replicas/<id>)."""
+    address: _builtins.str
+    """Where it takes the notices (its advertised host:port)."""
+    def __init__(
+        self,
+        *,
+        replica: _builtins.str = ...,
+        address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "replica", b"replica"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NoticePromiseRequest: _TypeAlias = NoticePromiseRequest  # noqa: Y015
+
+@_typing.final
+class NoticePromise(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    RENEWED_FIELD_NUMBER: _builtins.int
+    replica: _builtins.str
+    """The promising replica's id: the asker checks it is the one it meant to ask."""
+    seconds: _builtins.float
+    """The promise runs this long from when the request was sent (the asker's clock)."""
+    renewed: _builtins.bool
+    """It continues one that had not lapsed; false: a new one, which covers only the
+    demotions begun after it (the asker reads the nodes again before it trusts them).
+    """
+    def __init__(
+        self,
+        *,
+        replica: _builtins.str = ...,
+        seconds: _builtins.float = ...,
+        renewed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["renewed", b"renewed", "replica", b"replica", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NoticePromise: _TypeAlias = NoticePromise  # noqa: Y015
+
+@_typing.final
+class NodeNotice(_message.Message):
+    """A demotion of one node by replica `replica`, its `number`-th."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_FIELD_NUMBER: _builtins.int
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    NUMBER_FIELD_NUMBER: _builtins.int
+    replica: _builtins.str
+    engine_id: _builtins.str
+    number: _builtins.int
+    def __init__(
+        self,
+        *,
+        replica: _builtins.str = ...,
+        engine_id: _builtins.str = ...,
+        number: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "number", b"number", "replica", b"replica"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeNotice: _TypeAlias = NodeNotice  # noqa: Y015
+
+@_typing.final
+class NodeNoticeAnswer(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_FIELD_NUMBER: _builtins.int
+    replica: _builtins.str
+    """The answering replica's id: the teller checks it is the one it meant to tell."""
+    def __init__(
+        self,
+        *,
+        replica: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replica", b"replica"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeNoticeAnswer: _TypeAlias = NodeNoticeAnswer  # noqa: Y015

@@ -44,6 +44,21 @@ class OwnersStub:
                 request_serializer=kvferry_dot_v1_dot_owners__pb2.NodeReleases.SerializeToString,
                 response_deserializer=kvferry_dot_v1_dot_owners__pb2.NodeReleasesAnswer.FromString,
                 _registered_method=True)
+        self.PromiseNotice = channel.unary_unary(
+                '/kvferry.v1.Owners/PromiseNotice',
+                request_serializer=kvferry_dot_v1_dot_owners__pb2.NoticePromiseRequest.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_owners__pb2.NoticePromise.FromString,
+                _registered_method=True)
+        self.NodeDemoting = channel.unary_unary(
+                '/kvferry.v1.Owners/NodeDemoting',
+                request_serializer=kvferry_dot_v1_dot_owners__pb2.NodeNotice.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_owners__pb2.NodeNoticeAnswer.FromString,
+                _registered_method=True)
+        self.NodeDemoted = channel.unary_unary(
+                '/kvferry.v1.Owners/NodeDemoted',
+                request_serializer=kvferry_dot_v1_dot_owners__pb2.NodeNotice.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_owners__pb2.NodeNoticeAnswer.FromString,
+                _registered_method=True)
 
 
 class OwnersServicer:
@@ -65,6 +80,28 @@ class OwnersServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PromiseNotice(self, request, context):
+        """Promise to tell the asker of node demotions (FAILED_PRECONDITION: not now, ask again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def NodeDemoting(self, request, context):
+        """A demotion is about to be written: the answer says the node's pulls are confirmed
+        by reads here until NodeDemoted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def NodeDemoted(self, request, context):
+        """That demotion was written, failed, or its outcome is unknown: over.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OwnersServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +114,21 @@ def add_OwnersServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvferry_dot_v1_dot_owners__pb2.NodeReleases.FromString,
                     response_serializer=kvferry_dot_v1_dot_owners__pb2.NodeReleasesAnswer.SerializeToString,
+            ),
+            'PromiseNotice': grpc.unary_unary_rpc_method_handler(
+                    servicer.PromiseNotice,
+                    request_deserializer=kvferry_dot_v1_dot_owners__pb2.NoticePromiseRequest.FromString,
+                    response_serializer=kvferry_dot_v1_dot_owners__pb2.NoticePromise.SerializeToString,
+            ),
+            'NodeDemoting': grpc.unary_unary_rpc_method_handler(
+                    servicer.NodeDemoting,
+                    request_deserializer=kvferry_dot_v1_dot_owners__pb2.NodeNotice.FromString,
+                    response_serializer=kvferry_dot_v1_dot_owners__pb2.NodeNoticeAnswer.SerializeToString,
+            ),
+            'NodeDemoted': grpc.unary_unary_rpc_method_handler(
+                    servicer.NodeDemoted,
+                    request_deserializer=kvferry_dot_v1_dot_owners__pb2.NodeNotice.FromString,
+                    response_serializer=kvferry_dot_v1_dot_owners__pb2.NodeNoticeAnswer.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +185,87 @@ class Owners:
             '/kvferry.v1.Owners/Release',
             kvferry_dot_v1_dot_owners__pb2.NodeReleases.SerializeToString,
             kvferry_dot_v1_dot_owners__pb2.NodeReleasesAnswer.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PromiseNotice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvferry.v1.Owners/PromiseNotice',
+            kvferry_dot_v1_dot_owners__pb2.NoticePromiseRequest.SerializeToString,
+            kvferry_dot_v1_dot_owners__pb2.NoticePromise.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NodeDemoting(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvferry.v1.Owners/NodeDemoting',
+            kvferry_dot_v1_dot_owners__pb2.NodeNotice.SerializeToString,
+            kvferry_dot_v1_dot_owners__pb2.NodeNoticeAnswer.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NodeDemoted(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvferry.v1.Owners/NodeDemoted',
+            kvferry_dot_v1_dot_owners__pb2.NodeNotice.SerializeToString,
+            kvferry_dot_v1_dot_owners__pb2.NodeNoticeAnswer.FromString,
             options,
             channel_credentials,
             insecure,

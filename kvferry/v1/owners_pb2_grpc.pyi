@@ -4,8 +4,10 @@ isort:skip_file
 Owners: the daemon replicas among themselves. An operation on a conversation's
 retention runs at the replica that owns the conversation's claim shard; the others
 forward it here (controlplane.owners). A release of a decode node's blocks goes to the
-replica its sidecar is attached to (controlplane.relay). Only the `daemon` role (and
-admin) may call it.
+replica its sidecar is attached to (controlplane.relay). A replica that decides pulls on
+its own view of the nodes holds every other replica's promise to tell it of a node
+demotion before making it (controlplane.notices). Only the `daemon` role (and admin)
+may call it.
 """
 
 from collections import abc as _abc
@@ -44,6 +46,14 @@ class OwnersStub:
     """Take releases for a node whose sidecar is attached to this replica (taken = false
     otherwise: never forwarded further).
     """
+    PromiseNotice: _grpc.UnaryUnaryMultiCallable[_owners_pb2.NoticePromiseRequest, _owners_pb2.NoticePromise]
+    """Promise to tell the asker of node demotions (FAILED_PRECONDITION: not now, ask again)."""
+    NodeDemoting: _grpc.UnaryUnaryMultiCallable[_owners_pb2.NodeNotice, _owners_pb2.NodeNoticeAnswer]
+    """A demotion is about to be written: the answer says the node's pulls are confirmed
+    by reads here until NodeDemoted.
+    """
+    NodeDemoted: _grpc.UnaryUnaryMultiCallable[_owners_pb2.NodeNotice, _owners_pb2.NodeNoticeAnswer]
+    """That demotion was written, failed, or its outcome is unknown: over."""
 
 @_typing.type_check_only
 class OwnersAsyncStub(OwnersStub):
@@ -56,6 +66,14 @@ class OwnersAsyncStub(OwnersStub):
     """Take releases for a node whose sidecar is attached to this replica (taken = false
     otherwise: never forwarded further).
     """
+    PromiseNotice: _aio.UnaryUnaryMultiCallable[_owners_pb2.NoticePromiseRequest, _owners_pb2.NoticePromise]  # type: ignore[assignment]
+    """Promise to tell the asker of node demotions (FAILED_PRECONDITION: not now, ask again)."""
+    NodeDemoting: _aio.UnaryUnaryMultiCallable[_owners_pb2.NodeNotice, _owners_pb2.NodeNoticeAnswer]  # type: ignore[assignment]
+    """A demotion is about to be written: the answer says the node's pulls are confirmed
+    by reads here until NodeDemoted.
+    """
+    NodeDemoted: _aio.UnaryUnaryMultiCallable[_owners_pb2.NodeNotice, _owners_pb2.NodeNoticeAnswer]  # type: ignore[assignment]
+    """That demotion was written, failed, or its outcome is unknown: over."""
 
 class OwnersServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -77,5 +95,31 @@ class OwnersServicer(metaclass=_abc_1.ABCMeta):
         """Take releases for a node whose sidecar is attached to this replica (taken = false
         otherwise: never forwarded further).
         """
+
+    @_abc_1.abstractmethod
+    def PromiseNotice(
+        self,
+        request: _owners_pb2.NoticePromiseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_owners_pb2.NoticePromise, _abc.Awaitable[_owners_pb2.NoticePromise]]:
+        """Promise to tell the asker of node demotions (FAILED_PRECONDITION: not now, ask again)."""
+
+    @_abc_1.abstractmethod
+    def NodeDemoting(
+        self,
+        request: _owners_pb2.NodeNotice,
+        context: _ServicerContext,
+    ) -> _typing.Union[_owners_pb2.NodeNoticeAnswer, _abc.Awaitable[_owners_pb2.NodeNoticeAnswer]]:
+        """A demotion is about to be written: the answer says the node's pulls are confirmed
+        by reads here until NodeDemoted.
+        """
+
+    @_abc_1.abstractmethod
+    def NodeDemoted(
+        self,
+        request: _owners_pb2.NodeNotice,
+        context: _ServicerContext,
+    ) -> _typing.Union[_owners_pb2.NodeNoticeAnswer, _abc.Awaitable[_owners_pb2.NodeNoticeAnswer]]:
+        """That demotion was written, failed, or its outcome is unknown: over."""
 
 def add_OwnersServicer_to_server(servicer: OwnersServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

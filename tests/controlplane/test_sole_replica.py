@@ -1,6 +1,7 @@
-"""A replica that provably writes every node record (controlplane.solewriter) decides pulls
-on its own view, with no read of etcd; a second replica ends that, and waits out the grace
-before it writes one; a replica whose announcement lapsed writes none."""
+"""A replica that provably knows every node change (controlplane.solewriter) decides pulls
+on its own view, with no read of etcd: alone, or beside another that promised to tell it
+of each demotion first (controlplane.notices), which waits out the grace before it writes
+one; a replica whose announcement lapsed writes none."""
 
 from __future__ import annotations
 
@@ -49,34 +50,48 @@ async def test_a_lone_replica_pulls_and_sees_its_own_node_changes_with_no_read(
     assert node_reads() == reads
 
 
-async def test_a_second_replica_ends_the_first_ones_trust_and_waits_out_the_grace(
+def _notices(outcome: str) -> float:
+    return REGISTRY.get_sample_value("kvferry_node_demotion_notices_total", {"outcome": outcome}) or 0.0
+
+
+async def test_a_replica_beside_another_trusts_its_view_on_its_promise_and_is_told_first(
     make_daemon: DaemonFactory, connect: Connect
 ) -> None:
+    """Two replicas: each holds the other's promise of notice (controlplane.notices), so
+    each decides pulls on its own view; a restarted engine registered through the second
+    waits out its grace, tells the first first, and the first then pulls nothing from the
+    old process."""
     first = await make_daemon()
     assert first.control_plane is not None
-    await eventually(first.control_plane.store.writer.trusted)
+    first_writer = first.control_plane.store.writer
+    await eventually(first_writer.trusted)
     began = time.monotonic()
     second = await make_daemon(first.settings)
     assert second.control_plane is not None
     writer = second.control_plane.store.writer
     await eventually(lambda: writer.lease != 0)
-    assert not writer.may_write() and not writer.trusted()
-    cb = connect(second)
+    assert not writer.may_write()
+    ca, cb = connect(first), connect(second)
     await cb.nodes.Register(node_request("d-2"), timeout=10)  # (a new node demotes none: at once)
     if time.monotonic() - began < GRACE_S - 1.0:  # (else the machine was too slow to tell)
         assert not writer.may_write()
-    first_writer = first.control_plane.store.writer
-    await eventually(lambda: not first_writer.trusted(), within=GRACE_S + 5)
+    for name in ("before", "after"):
+        await ca.leases.Register(lease_request(name, engine_id="d-2"))
+    # Each holds the other's promise, renewed, and trusts its view beside it.
+    await eventually(lambda: first_writer.trusted() and writer.me in first_writer.others, within=GRACE_S + 10)
+    await eventually(lambda: writer.trusted() and first_writer.me in writer.others, within=GRACE_S + 10)
+    before = node_reads()
+    pulled = await ca.leases.Lookup(lookup_request("before"), timeout=10)
+    assert pulled.decision == leases_pb2.PULL, pulled
+    assert node_reads() == before
+    told = _notices("answered")
     restarted = node_request("d-2", engine_started_at=2000.0)  # (another process: a new generation)
     assert (await cb.nodes.Register(restarted, timeout=GRACE_S + 10)).restarted
     assert time.monotonic() - began >= GRACE_S  # (not written before the grace was over)
-    # Beside another replica, the first confirms a pull by reading the node.
-    ca = connect(first)
-    await cb.leases.Register(lease_request("beside", engine_id="d-2"))  # (on the generation it wrote)
-    before = node_reads()
-    pulled = await ca.leases.Lookup(lookup_request("beside"), timeout=10)
-    assert pulled.decision == leases_pb2.PULL, pulled
-    assert node_reads() > before
+    assert _notices("answered") == told + 1
+    # The first was told before the write: the old process's retention is not pulled.
+    stale = await ca.leases.Lookup(lookup_request("after"), timeout=10)
+    assert (stale.decision, stale.reason) == (leases_pb2.RECOMPUTE, "node_restarted"), stale
 
 
 async def test_a_replica_whose_announcement_lapsed_writes_no_node_record(store: EtcdStore) -> None:
@@ -197,7 +212,7 @@ async def test_the_history_checker_finds_a_view_trusted_beside_another_writer(
     first = await make_daemon(nodes=NodeSettings(liveness_ttl_s=10, cache_refresh_s=60.0))  # (no reloads)
     second = await make_daemon(first.settings)
     assert first.control_plane is not None and second.control_plane is not None
-    monkeypatch.setattr(first.control_plane.store.writer, "trusted", lambda: True)
+    monkeypatch.setattr(first.control_plane.nodes, "_sole", lambda engine_id: True)  # (told or not)
     ca, cb, history = connect(first), connect(second), Recorder()
     await ca.nodes.Register(node_request("d-0", engine_started_at=1000.0), timeout=10)
     names = [f"c{i}" for i in range(16)]

@@ -1,28 +1,17 @@
 """When a replica may trust its own view of the nodes (controlplane.solewriter): the rule
 on plain data, and checked on seeded random schedules of replicas announcing, reading, writing
-and lapsing against a model of etcd."""
+and lapsing against a model of etcd (tests/controlplane/sole_model.py; here with no promises
+of notice: test_notices.py has them)."""
 
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
-import random
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import pytest
 
 from controlplane.errors import StoreUnavailable
 from controlplane.solewriter import SoleWriter
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.controlplane.sole_model import Action, Clock, run, schedules
 
 
 def writer(clock: Clock) -> SoleWriter:
@@ -122,152 +111,12 @@ async def test_the_fence_waits_for_the_grace_and_gives_up_with_a_clear_error() -
     assert w.may_write()
 
 
-# A model: replicas acting on one etcd, each request applied at one instant between its
-# send and its answer, on one clock (the margin covers clocks' rates, not modelled).
-TTL = 4.0
-
-
-@dataclass
-class Etcd:
-    keys: dict[str, tuple[int, float]] = field(default_factory=dict)  # replica -> (lease, lapses at)
-    writes: list[tuple[float, str]] = field(default_factory=list)  # (applied at, by)
-    leases: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
-
-    def live(self, now: float) -> dict[str, int]:
-        return {r: lease for r, (lease, lapses) in self.keys.items() if lapses > now}
-
-
-@dataclass
-class Replica:
-    name: str
-    writer: SoleWriter
-    alone_reads: list[tuple[float, float]] = field(default_factory=list)  # (begun, applied)
-
-
-Action = tuple[int, str, float, float, float]  # replica, what, wait before, to apply, to answer
-
-
-class Model:
-    """Replicas' requests to etcd, each applied and answered at its own later instant."""
-
-    def __init__(self, replicas: int) -> None:
-        self.clock = Clock()
-        self.etcd = Etcd()
-        self.replicas = [Replica(f"r{i}", SoleWriter(3.0, 0.5, self.clock)) for i in range(replicas)]
-        self._events: list[tuple[float, int, Callable[[], None]]] = []
-        self._order = itertools.count()
-
-    def run(self, actions: list[Action]) -> None:
-        for who, what, wait_s, apply_s, answer_s in actions:
-            self.clock.now += wait_s
-            while self._events and self._events[0][0] <= self.clock.now:
-                at, _, do = heapq.heappop(self._events)
-                self.clock.now, saved = at, self.clock.now
-                do()
-                self.check()
-                self.clock.now = saved
-            r = self.replicas[who % len(self.replicas)]
-            sent = self.clock.now
-            getattr(self, what)(r, sent, sent + apply_s, sent + apply_s + answer_s)
-            self.check()
-
-    def check(self) -> None:
-        for r in self.replicas:
-            if not r.writer.trusted():
-                continue
-            # Its view is the node records as read with its latest read that found it alone
-            # (begun latest), and its own writes: no other replica's write since may exist.
-            assert r.alone_reads, (r.name, "trusts a view it never read alone")
-            _, applied = max(r.alone_reads)
-            others = [(at, by) for at, by in self.etcd.writes if by != r.name and at > applied]
-            assert not others, (r.name, self.clock.now, applied, others)
-
-    def _later(self, at: float, do: Callable[[], None]) -> None:
-        heapq.heappush(self._events, (at, next(self._order), do))
-
-    def leave(self, r: Replica, sent: float, applied: float, answered: float) -> None:
-        """A clean stop: its key revoked (it may come back, as a new start)."""
-        r.writer.withdrawn()
-        self._later(applied, lambda: self.etcd.keys.pop(r.name, None))
-
-    def announce(self, r: Replica, sent: float, applied: float, answered: float) -> None:
-        if r.writer.lease:
-            return
-        lease = next(self.etcd.leases)
-
-        def put() -> None:
-            self.etcd.keys[r.name] = (lease, applied + TTL)
-
-        self._later(applied, put)
-        self._later(answered, lambda: r.writer.announced(r.name, lease, sent, TTL))
-
-    def refresh(self, r: Replica, sent: float, applied: float, answered: float) -> None:
-        if not r.writer.lease:
-            return
-        lease, left = r.writer.lease, [0.0]
-
-        def keep() -> None:
-            if self.etcd.live(applied).get(r.name) == lease:
-                self.etcd.keys[r.name] = (lease, applied + TTL)
-                left[0] = TTL
-
-        self._later(applied, keep)
-        self._later(answered, lambda: r.writer.refreshed(lease, sent, left[0]))
-
-    def read(self, r: Replica, sent: float, applied: float, answered: float, view: bool = True) -> None:
-        """A read of the replica set; `view`: with the node records (NodeStore.load)."""
-        seen: list[str] = []
-
-        def answer() -> None:
-            if seen == [r.name] and view:
-                r.alone_reads.append((sent, applied))
-            r.writer.saw(seen, sent, with_view=view)
-
-        self._later(applied, lambda: seen.extend(self.etcd.live(applied)))
-        self._later(answered, answer)
-
-    def look(self, r: Replica, sent: float, applied: float, answered: float) -> None:
-        """Peers' read of the replica set alone."""
-        self.read(r, sent, applied, answered, view=False)
-
-    def write(self, r: Replica, sent: float, applied: float, answered: float) -> None:
-        if not r.writer.may_write():
-            return
-        lease = r.writer.lease
-
-        def apply() -> None:
-            if self.etcd.live(applied).get(r.name) == lease:  # (the fence)
-                self.etcd.writes.append((applied, r.name))
-
-        self._later(applied, apply)
-
-
 def _run(actions: list[Action], replicas: int) -> None:
-    Model(replicas).run(actions)
-
-
-WHAT = ["announce", "refresh", "refresh", "read", "look", "write", "write", "leave"]
+    run(actions, replicas, notices=False)
 
 
 def _schedules(seed: int, count: int) -> list[tuple[list[Action], int]]:
-    """Random schedules of 100 actions of 2 or 3 replicas (seeded: the same every run)."""
-    rnd = random.Random(seed)
-    return [
-        (
-            [
-                (
-                    rnd.randrange(3),
-                    rnd.choice(WHAT),
-                    rnd.uniform(0, 1),
-                    rnd.uniform(0, 0.5),
-                    rnd.uniform(0, 0.5),
-                )
-                for _ in range(100)
-            ],
-            rnd.randint(2, 3),
-        )
-        for _ in range(count)
-    ]
+    return [([a for a in actions if a[1] != "promise"], n) for actions, n in schedules(seed, count)]
 
 
 def test_no_replica_trusts_a_view_another_replica_has_written_past() -> None:

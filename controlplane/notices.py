@@ -1,0 +1,266 @@
+"""Promised notice of node demotions: what lets a replica beside other replicas decide a
+pull on its own view of the nodes, with no etcd read (controlplane.solewriter, rule 4).
+
+A replica alone knows every node write since its last read: it made them. Beside others,
+what it must know of is their writes that DEMOTE a node (end its liveness or give it another
+generation): a view that misses any other write only thinks a node less alive than it is.
+So each replica R asks every other replica O for a PROMISE (Owners/PromiseNotice, renewed
+every RENEW_S), and O keeps it:
+
+- before a demoting write, O tells R (Owners/NodeDemoting) and waits for R's answer; R
+  answers once it has put that node on confirming reads (service/doubts.py: a read at most 50 ms
+  old before a pull, as without trust), where it stays until O tells R the write is over
+  (Owners/NodeDemoted: written, refused or its outcome unknown; R then confirms that node
+  by a read begun after it) or until R reads the replica set without O (O's later
+  writes fail their fence, and the same read loaded what O wrote before);
+- when R does not answer, O withdraws the promise (renews it no more) and waits until it
+  has lapsed (its own clock: granted + PROMISE_S) before it writes; R's own reckoning of
+  the promise ends earlier (from when R sent the request, less a margin: solewriter);
+- a promise O grants anew (not a renewal) covers only the demotions O begins after it:
+  O refuses it (FAILED_PRECONDITION: ask again) while a demotion that did not tell R is under way,
+  and tells R of those it begins meanwhile (`Promises.ask`). R then trusts only a read of
+  the nodes begun after the promise came back (solewriter: a read begun later has every
+  demotion O made before it).
+
+A replica that joins later demotes nothing for the grace (rule 3 of solewriter), by which
+time every read made without it has aged out of trust; with it, R needs its promise too.
+
+The cost is paid by demotions (a suspension, a deregistration, an engine restart): a round
+trip to each other replica first, or PROMISE_S when one does not answer. Lookups pay
+nothing, and a replica unreachable by the others (no --advertise) never trusts its view.
+
+`Promises` is the promising side's state (pure, given a clock); `NoticeSender` makes a
+demotion's notices over a `NoticeTransport` (controlplane.forward.OwnerClient).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+import structlog
+
+from controlplane import metrics
+from controlplane.solewriter import SoleWriter
+
+log = structlog.get_logger(__name__)
+
+PROMISE_S = 2.0
+"""How long a promise runs from its grant (its renewal)."""
+RENEW_S = 0.5
+"""How often a replica renews the promises it holds."""
+TELL_TIMEOUT_S = 0.5
+"""How long a demotion waits for each replica's answer to its notice."""
+_DONE_TRIES_S = (0.0, 0.2, 1.0, 3.0)
+"""When NodeDemoted is sent (after the write), and again while it is not answered."""
+
+
+@dataclass
+class Demotion:
+    """One demoting write under way at this replica, and whom it tells."""
+
+    engine_id: str
+    number: int
+    told: dict[str, str]
+    """Replica id -> address: those it tells (after `Promises.unanswered`: those that answered)."""
+    wait_until: float = -math.inf
+    """Not written before this (monotonic): a promise to one that did not answer lapses."""
+
+
+@dataclass
+class Promises:
+    """The promises this replica made to the others, and its demotions under way."""
+
+    promise_s: float = PROMISE_S
+    clock: Callable[[], float] = time.monotonic
+    _until: dict[str, float] = field(default_factory=dict)
+    """Asker -> when its promise lapses (this clock)."""
+    _withdrawn: set[str] = field(default_factory=set)
+    """Askers that did not answer a notice: not renewed until lapsed."""
+    _joining: dict[str, float] = field(default_factory=dict)
+    """Askers refused a new promise for now: told of demotions begun meanwhile, until this."""
+    _address: dict[str, str] = field(default_factory=dict)
+    _under_way: dict[int, Demotion] = field(default_factory=dict)
+    _numbers: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+    def ask(self, asker: str, address: str) -> bool | None:
+        """`asker` (at `address`) asks for a promise. -> True: renewed; False: granted anew;
+        None: not now (a demotion that did not tell it is under way, or it did not answer
+        one and its promise has not lapsed yet): ask again."""
+        now = self.clock()
+        self._address[asker] = address
+        held = self._until.get(asker, -math.inf) > now
+        if asker in self._withdrawn:
+            if held:
+                return None
+            self._withdrawn.discard(asker)
+        elif held:
+            self._until[asker] = now + self.promise_s
+            return True
+        self._joining[asker] = now + self.promise_s
+        if any(asker not in d.told for d in self._under_way.values()):
+            return None
+        del self._joining[asker]
+        self._until[asker] = now + self.promise_s
+        return False
+
+    def begin(self, engine_id: str) -> Demotion:
+        """A demoting write of `engine_id` is about to be made: whom it must tell first
+        (every promise that has not lapsed, withdrawn or not, and every asker joining)."""
+        now = self.clock()
+        self._forget_lapsed(now)
+        tell = {*self._until, *self._joining}
+        demotion = Demotion(engine_id, next(self._numbers), {a: self._address[a] for a in sorted(tell)})
+        self._under_way[demotion.number] = demotion
+        return demotion
+
+    def _forget_lapsed(self, now: float) -> None:
+        """Drop promises and joinings that lapsed (askers gone, or asking no more)."""
+        self._until = {a: until for a, until in self._until.items() if until > now}
+        self._joining = {a: until for a, until in self._joining.items() if until > now}
+        self._withdrawn &= self._until.keys()
+        self._address = {
+            a: address for a, address in self._address.items() if a in self._until or a in self._joining
+        }
+
+    def unanswered(self, demotion: Demotion, asker: str) -> None:
+        """`asker` did not answer `demotion`'s notice: its promise is withdrawn, and the
+        write waits until it has lapsed."""
+        demotion.told.pop(asker, None)
+        until = self._until.get(asker, -math.inf)
+        if until > self.clock():
+            self._withdrawn.add(asker)
+            demotion.wait_until = max(demotion.wait_until, until)
+
+    def end(self, demotion: Demotion) -> None:
+        """`demotion`'s write is over (applied, refused, or its outcome unknown)."""
+        self._under_way.pop(demotion.number, None)
+
+    def promised(self) -> int:
+        """How many promises have not lapsed."""
+        now = self.clock()
+        return sum(1 for until in self._until.values() if until > now)
+
+
+class NoticeTransport(Protocol):
+    """The Owners RPC's notices (controlplane.forward.OwnerClient)."""
+
+    async def demoting(self, address: str, me: str, engine_id: str, number: int, timeout_s: float) -> str:
+        """Tell the replica at `address` -> the id of the replica that answered."""
+        ...
+
+    async def demoted(self, address: str, me: str, engine_id: str, number: int, timeout_s: float) -> str: ...
+
+
+class NoticeSender:
+    """Makes a demotion's notices (`demoting`), for NodeStore's demoting writes."""
+
+    def __init__(self, promises: Promises, me: Callable[[], str]) -> None:
+        self.promises = promises
+        self._me = me
+        self.transport: NoticeTransport | None = None
+        """None: nobody can be told (every promise is waited out); set by the daemon."""
+        self._after: set[asyncio.Task[None]] = set()
+
+    @contextlib.asynccontextmanager
+    async def demoting(self, engine_id: str) -> AsyncIterator[None]:
+        """Around a demoting write of `engine_id`: every replica holding a promise told first
+        (or its promise waited out), and told when it is over, however it ended."""
+        demotion = self.promises.begin(engine_id)
+        try:
+            if demotion.told:
+                await self._tell(demotion)
+            yield
+        finally:
+            self.promises.end(demotion)
+            if demotion.told:
+                task = asyncio.get_running_loop().create_task(self._done(demotion))
+                self._after.add(task)
+                task.add_done_callback(self._after.discard)
+
+    async def _tell(self, demotion: Demotion) -> None:
+        asked = dict(demotion.told)
+        answers = await asyncio.gather(
+            *(self._call(a, address, demotion, done=False) for a, address in asked.items())
+        )
+        for asker, answered in zip(asked, answers, strict=True):
+            metrics.DEMOTION_NOTICES.labels("answered" if answered else "unanswered").inc()
+            if not answered:
+                self.promises.unanswered(demotion, asker)
+        wait = demotion.wait_until - self.promises.clock()
+        if wait > 0:
+            log.info("notices.waiting_out", engine_id=demotion.engine_id, wait_s=round(wait, 3))
+            await asyncio.sleep(wait)
+
+    async def _done(self, demotion: Demotion) -> None:
+        left = dict(demotion.told)
+        for delay in _DONE_TRIES_S:
+            await asyncio.sleep(delay)
+            answers = await asyncio.gather(
+                *(self._call(a, address, demotion, done=True) for a, address in left.items())
+            )
+            left = {a: address for (a, address), ok in zip(left.items(), answers, strict=True) if not ok}
+            if not left:
+                return
+        # (they confirm that node by reads until they find this replica gone: safe, slower)
+        log.info("notices.done_untold", engine_id=demotion.engine_id, replicas=sorted(left))
+
+    async def _call(self, asker: str, address: str, demotion: Demotion, done: bool) -> bool:
+        """One notice to `asker` -> whether it answered as itself."""
+        transport = self.transport
+        if transport is None or not address:
+            return False
+        call = transport.demoted if done else transport.demoting
+        try:
+            answerer = await call(address, self._me(), demotion.engine_id, demotion.number, TELL_TIMEOUT_S)
+        except Exception as e:  # (unreachable, late, refused: not answered)
+            log.info("notices.untold", replica=asker, address=address, done=done, error=str(e))
+            return False
+        return answerer == asker
+
+    async def close(self) -> None:
+        """Stop the NodeDemoted sends still under way."""
+        for task in list(self._after):
+            task.cancel()
+        await asyncio.gather(*self._after, return_exceptions=True)
+
+
+class PromiseAsker(Protocol):
+    """The Owners RPC's PromiseNotice (controlplane.forward.OwnerClient)."""
+
+    async def promise(self, address: str, me: str, my_address: str, timeout_s: float) -> Any: ...
+
+
+async def hold_promises(writer: SoleWriter, asker: PromiseAsker, my_address: str) -> None:
+    """Ask every other replica the latest read of the nodes found for its promise, and
+    renew it, every RENEW_S, until cancelled (the writer keeps them: solewriter, rule 4).
+    A replica others cannot reach (no address) asks nobody: it never trusts beside them."""
+    while True:
+        if writer.lease and my_address:
+            others = [(r, address) for r, address in writer.others.items() if address]
+            await asyncio.gather(*(_renew(writer, asker, r, address, my_address) for r, address in others))
+        await asyncio.sleep(RENEW_S)
+
+
+async def _renew(
+    writer: SoleWriter, asker: PromiseAsker, replica: str, address: str, my_address: str
+) -> None:
+    sent = writer.now()
+    try:
+        answer = await asker.promise(address, writer.me, my_address, RENEW_S)
+    except grpc.aio.AioRpcError as e:
+        if e.code() is grpc.StatusCode.FAILED_PRECONDITION:  # (it answered: not now)
+            writer.unpromised(replica)
+        log.debug("notices.promise_failed", replica=replica, code=e.code().name, details=e.details())
+        return
+    if answer.replica != replica:  # (another replica at that address now)
+        writer.unpromised(replica)
+        return
+    writer.promised(replica, sent, answer.seconds, answer.renewed)
