@@ -86,8 +86,13 @@ class Clients:
         assert r.decision == leases_pb2.PULL, r
 
     async def claim_stream(self, stream: LeaseStream | None = None) -> None:
+        await self.claim_routed(lambda _: stream or self.router)
+
+    async def claim_routed(self, route: Callable[[str], LeaseStream]) -> None:
+        """The next conversation's lookup, on the stream `route` picks for it."""
+        conv = f"c{next(self.convs)}"
         try:
-            r = await (stream or self.router).lookup(lookup(f"c{next(self.convs)}"), 10)
+            r = await route(conv).lookup(lookup(conv), 10)
         except LeaseOpError as e:
             self.failed[e.code.name] += 1
             return

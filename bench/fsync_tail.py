@@ -10,11 +10,17 @@ claims in memory and writes them behind (controlplane.owners), so its p99 should
 its targets while the raw transaction's follows the fsync tail.
 
 The daemon runs alone, so it decides pulls on its own view of the nodes
-(controlplane.solewriter). Then the same phases run again beside a second replica's
-announcement: there a lookup confirms its decode node with a serializable read before a
-pull (controlplane.service.nodecache), and etcd holds every read while its backend
-commits (bbolt's fsync, every 100 ms). Each framed row says how many lookups waited on
-such a read, and how often the daemon's event loop was late (its own stalls).
+(controlplane.solewriter). Then the same phases run beside a second, idle daemon replica
+(bench.replicas): it owns half of the claim shards, and the daemon decides pulls on its own
+view while it holds that replica's promise of notice (controlplane.notices). First every
+lookup goes to the daemon, which forwards those of the other's shards to it (a router
+today); then each goes to its conversation's owner (a router that knew the owners). Last,
+a replica nobody can reach (no address) is announced as well: no promise from it, so a
+lookup confirms its decode node with a serializable read before a pull
+(controlplane.service.nodecache), and etcd holds every read while its backend commits
+(bbolt's fsync, every 100 ms). Each framed row says how many lookups waited on such a
+read, and how often the daemon's event loop was late (its own stalls). Conversations are
+registered before each set of phases, with the replicas it runs beside already running.
 `--backend-only` holds the backend's fsyncs alone (the WAL's go at disk speed).
 
     python -m bench.fsync_tail [--delay-ms 40] [--every 8] [--backend-only] [--leases 20000] [--phase-s 10]
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import os
 import shutil
 import signal
@@ -39,15 +46,13 @@ from bench.daemon_workload import (
     DaemonProcess,
     MetricsPhase,
     daemon_stalls,
-    metrics_page,
     register_node,
     retention,
 )
 from bench.load import closed_loop, open_loop, pct
+from bench.replicas import Route, at_owners, beside_a_replica, beside_an_unreachable_replica
 from controlplane.embedded import EmbeddedEtcd, with_parent_death_signal
 from controlplane.etcd import Client as EtcdClient
-from controlplane.records import Keys
-from controlplane.settings import EtcdSettings
 from kvferry.tasks import run_main
 from realvllm.process import free_port
 
@@ -145,20 +150,6 @@ async def _raw_phase(etcd: SlowFsyncEtcd, phase_s: float, rows: Rows) -> float:
     return pct(lat, 99)
 
 
-async def _beside_another_replica(etcd: SlowFsyncEtcd, d: DaemonProcess) -> EtcdClient:
-    """Announce an idle second replica beside the daemon (as peers.py would), and wait until
-    the daemon no longer decides pulls on its own view. -> the client holding its lease."""
-    raw = EtcdClient((etcd.endpoint,), 5.0)
-    await raw.connect()
-    lease = await raw.leasestub.LeaseGrant(rpc.LeaseGrantRequest(TTL=600))
-    key = Keys(EtcdSettings().prefix).replica("bench-other")
-    await raw.kvstub.Put(rpc.PutRequest(key=key, value=b"", lease=lease.ID))
-    async with asyncio.timeout(30):
-        while "kvferry_node_view_sole 0.0" not in metrics_page(d.metrics_address):  # noqa: ASYNC110 (another process)
-            await asyncio.sleep(0.2)
-    return raw
-
-
 async def _framed_phases(
     clients: Clients,
     d: DaemonProcess,
@@ -167,12 +158,16 @@ async def _framed_phases(
     raw_p99: float,
     rows: Rows,
     beside: str = "",
+    route: Route | None = None,
 ) -> None:
     """Framed lookup+claims offered at each rate with a target (`beside`: how the rows say the
-    daemon was not alone)."""
+    daemon was not alone; `route`: each lookup sent to the replica it names, else to `d`)."""
 
     async def claim(_: int) -> None:
-        await clients.claim_framed()
+        if route is None:
+            await clients.claim_framed()
+        else:
+            await clients.claim_routed(route)
 
     for rate, target in TARGET_P99_MS.items():
         clients.failed.clear()
@@ -190,6 +185,16 @@ async def _framed_phases(
         )
 
 
+async def _register(clients: Clients, first: int, count: int) -> float:
+    """Register conversations c<first>..: the next lookups claim them. -> seconds taken."""
+    clients.convs = itertools.count(first)
+
+    async def register(i: int) -> None:
+        await clients.sidecar.register(retention(f"c{first + i}"), 30)
+
+    return await closed_loop(count, 256, register)
+
+
 async def bench(args: argparse.Namespace) -> Rows:
     """Preload a daemon on a slow-fsync etcd; the raw phase, then the framed ones."""
     tmp = Path(tempfile.mkdtemp(prefix="kvferry-fsync-"))
@@ -201,18 +206,27 @@ async def bench(args: argparse.Namespace) -> Rows:
         await d.start()
         clients = Clients.connect(d.port, d.stream_port)
         await register_node(clients.channel)
-        n = args.leases + 2 * int(sum(TARGET_P99_MS) * args.phase_s)  # every lookup claims another
-
-        async def register(i: int) -> None:
-            await clients.sidecar.register(retention(f"c{i}"), 30)
-
-        secs = await closed_loop(n, 256, register)
+        per_set = int(sum(TARGET_P99_MS) * args.phase_s)  # (each lookup claims a conversation of its own)
+        n = args.leases + per_set
+        secs = await _register(clients, 0, n)
         rows.append(("Register, Leases/Stream (256 in flight)", f"{n / secs:,.0f} /s", f"{n:,} leases"))
         raw_p99 = await _raw_phase(etcd, args.phase_s, rows)
         await _framed_phases(clients, d, etcd, args.phase_s, raw_p99, rows)
-        other = await _beside_another_replica(etcd, d)
-        await _framed_phases(clients, d, etcd, args.phase_s, raw_p99, rows, " (beside a replica)")
-        await other.close()
+        other = await beside_a_replica(etcd.endpoint, d)
+        try:
+            # Registered while both run, as they would be: each to its shard's owner's memory.
+            await _register(clients, n, per_set)
+            await _framed_phases(clients, d, etcd, args.phase_s, raw_p99, rows, " (beside a replica)")
+            await _register(clients, n + per_set, per_set)
+            async with at_owners(etcd.endpoint, [d, other]) as route:
+                note = " (beside a replica, at the owner)"
+                await _framed_phases(clients, d, etcd, args.phase_s, raw_p99, rows, note, route)
+            unreachable = await beside_an_unreachable_replica(etcd.endpoint, d)
+            await _register(clients, n + 2 * per_set, per_set)
+            await _framed_phases(clients, d, etcd, args.phase_s, raw_p99, rows, " (+ an unreachable one)")
+            await unreachable.close()
+        finally:
+            await other.stop()
         await clients.close()
     finally:
         await d.stop()
