@@ -153,8 +153,7 @@ class Daemon:
 
         cp.budgets.relay.offer = offer  # (releases of nodes attached to another replica)
         # Promised notice of node demotions, both ways (controlplane.notices).
-        if cp.store.nodes.notices is not None:
-            cp.store.nodes.notices.transport = forwarder
+        cp.store.notices.transport = forwarder
         self._tasks.append(
             asyncio.create_task(hold_promises(cp.store.writer, forwarder, announced), name="promises")
         )

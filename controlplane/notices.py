@@ -8,19 +8,25 @@ So each replica R asks every other replica O for a PROMISE (Owners/PromiseNotice
 every RENEW_S), and O keeps it:
 
 - before a demoting write, O tells R (Owners/NodeDemoting) and waits for R's answer; R
-  answers once it has put that node on confirming reads (service/doubts.py: a read at most 50 ms
-  old before a pull, as without trust), where it stays until O tells R the write is over
-  (Owners/NodeDemoted: written, refused or its outcome unknown; R then confirms that node
-  by a read begun after it) or until R reads the replica set without O (O's later
-  writes fail their fence, and the same read loaded what O wrote before);
+  answers once it has put that node on confirming reads (service/doubts.py: a read at most
+  50 ms old before a pull, as without trust), where it stays until O tells R the write is
+  over and can apply no more (Owners/NodeDemoted: written, refused, or with no answer from
+  etcd settled: the node key it compares moved on, store/nodes.py `_settle`; R then
+  confirms that node until a linearizable read of every node begun after it: a
+  serializable one may come from a member that has not applied the write) or until R's
+  read of every node finds O gone (O's later writes fail their fence, and the same read
+  loaded what O wrote before; a notice that came after that read began stays);
 - when R does not answer, O withdraws the promise (renews it no more) and waits until it
   has lapsed (its own clock: granted + PROMISE_S) before it writes; R's own reckoning of
-  the promise ends earlier (from when R sent the request, less a margin: solewriter);
+  the promise ends earlier (from when R sent the request, less a margin: solewriter). O
+  still tells R when it is over (the answer may have been late, not lost);
 - a promise O grants anew (not a renewal) covers only the demotions O begins after it:
-  O refuses it (FAILED_PRECONDITION: ask again) while a demotion that did not tell R is under way,
-  and tells R of those it begins meanwhile (`Promises.ask`). R then trusts only a read of
-  the nodes begun after the promise came back (solewriter: a read begun later has every
-  demotion O made before it).
+  O refuses it (FAILED_PRECONDITION: ask again) while a demotion that R did not answer is
+  under way, and tells R of those it begins meanwhile (`Promises.ask`). Each grant has a
+  number, and a renewal answers with the same one: R keeps its promise unbroken only while
+  the number stays (an answer lost on the way cannot make a new grant look like a
+  renewal), and trusts only a read of the nodes begun after a new grant came back
+  (solewriter: a read begun later has every demotion O made before it).
 
 A replica that joins later demotes nothing for the grace (rule 3 of solewriter), by which
 time every read made without it has aged out of trust; with it, R needs its promise too.
@@ -36,11 +42,10 @@ demotion's notices over a `NoticeTransport` (controlplane.forward.OwnerClient).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -58,7 +63,7 @@ RENEW_S = 0.5
 """How often a replica renews the promises it holds."""
 TELL_TIMEOUT_S = 0.5
 """How long a demotion waits for each replica's answer to its notice."""
-_DONE_TRIES_S = (0.0, 0.2, 1.0, 3.0)
+_DONE_TRIES_S = (0.0, 0.2, 1.0, 3.0, 10.0, 30.0, 60.0)
 """When NodeDemoted is sent (after the write), and again while it is not answered."""
 
 
@@ -70,6 +75,8 @@ class Demotion:
     number: int
     told: dict[str, str]
     """Replica id -> address: those it tells (after `Promises.unanswered`: those that answered)."""
+    asked: dict[str, str] = field(default_factory=dict)
+    """Those it told or tried to: each is told when it is over (an answer may be late, not lost)."""
     wait_until: float = -math.inf
     """Not written before this (monotonic): a promise to one that did not answer lapses."""
 
@@ -82,6 +89,8 @@ class Promises:
     clock: Callable[[], float] = time.monotonic
     _until: dict[str, float] = field(default_factory=dict)
     """Asker -> when its promise lapses (this clock)."""
+    _grant: dict[str, int] = field(default_factory=dict)
+    """Asker -> the number of the grant its promise runs on (a renewal keeps it)."""
     _withdrawn: set[str] = field(default_factory=set)
     """Askers that did not answer a notice: not renewed until lapsed."""
     _joining: dict[str, float] = field(default_factory=dict)
@@ -90,34 +99,35 @@ class Promises:
     _under_way: dict[int, Demotion] = field(default_factory=dict)
     _numbers: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
-    def ask(self, asker: str, address: str) -> bool | None:
-        """`asker` (at `address`) asks for a promise. -> True: renewed; False: granted anew;
-        None: not now (a demotion that did not tell it is under way, or it did not answer
-        one and its promise has not lapsed yet): ask again."""
+    def ask(self, asker: str, address: str) -> int | None:
+        """`asker` (at `address`) asks for a promise. -> the number of the grant it runs on
+        (the same as before: renewed; another: granted anew); None: not now (a demotion
+        that did not tell it is under way, or it did not answer one and its promise has not
+        lapsed yet): ask again."""
         now = self.clock()
+        self._forget_lapsed(now)
         self._address[asker] = address
-        held = self._until.get(asker, -math.inf) > now
+        held = asker in self._until
         if asker in self._withdrawn:
-            if held:
-                return None
-            self._withdrawn.discard(asker)
-        elif held:
+            return None  # (held: not renewed until lapsed)
+        if held:
             self._until[asker] = now + self.promise_s
-            return True
+            return self._grant[asker]
         self._joining[asker] = now + self.promise_s
-        if any(asker not in d.told for d in self._under_way.values()):
+        if any(asker not in d.told for d in self._under_way.values()):  # (told, and answered)
             return None
         del self._joining[asker]
         self._until[asker] = now + self.promise_s
-        return False
+        self._grant[asker] = next(self._numbers)
+        return self._grant[asker]
 
     def begin(self, engine_id: str) -> Demotion:
         """A demoting write of `engine_id` is about to be made: whom it must tell first
         (every promise that has not lapsed, withdrawn or not, and every asker joining)."""
         now = self.clock()
         self._forget_lapsed(now)
-        tell = {*self._until, *self._joining}
-        demotion = Demotion(engine_id, next(self._numbers), {a: self._address[a] for a in sorted(tell)})
+        tell = {a: self._address[a] for a in sorted({*self._until, *self._joining})}
+        demotion = Demotion(engine_id, next(self._numbers), tell, dict(tell))
         self._under_way[demotion.number] = demotion
         return demotion
 
@@ -126,6 +136,7 @@ class Promises:
         self._until = {a: until for a, until in self._until.items() if until > now}
         self._joining = {a: until for a, until in self._joining.items() if until > now}
         self._withdrawn &= self._until.keys()
+        self._grant = {a: g for a, g in self._grant.items() if a in self._until}
         self._address = {
             a: address for a, address in self._address.items() if a in self._until or a in self._joining
         }
@@ -160,7 +171,7 @@ class NoticeTransport(Protocol):
 
 
 class NoticeSender:
-    """Makes a demotion's notices (`demoting`), for NodeStore's demoting writes."""
+    """Makes a demotion's notices (`before` and `after` it), for NodeStore's demoting writes."""
 
     def __init__(self, promises: Promises, me: Callable[[], str]) -> None:
         self.promises = promises
@@ -169,21 +180,27 @@ class NoticeSender:
         """None: nobody can be told (every promise is waited out); set by the daemon."""
         self._after: set[asyncio.Task[None]] = set()
 
-    @contextlib.asynccontextmanager
-    async def demoting(self, engine_id: str) -> AsyncIterator[None]:
-        """Around a demoting write of `engine_id`: every replica holding a promise told first
-        (or its promise waited out), and told when it is over, however it ended."""
+    async def before(self, engine_id: str) -> Demotion:
+        """Before a demoting write of `engine_id`: every replica holding a promise told (or
+        its promise waited out). -> the demotion, under way until `after` (however the tells
+        ended, `after` has been called when this raises)."""
         demotion = self.promises.begin(engine_id)
         try:
             if demotion.told:
                 await self._tell(demotion)
-            yield
-        finally:
-            self.promises.end(demotion)
-            if demotion.told:
-                task = asyncio.get_running_loop().create_task(self._done(demotion))
-                self._after.add(task)
-                task.add_done_callback(self._after.discard)
+        except BaseException:
+            self.after(demotion)
+            raise
+        return demotion
+
+    def after(self, demotion: Demotion) -> None:
+        """The write is over, and cannot apply later: applied, refused, never sent, or its
+        outcome settled (store.nodes). Those asked are told, from a task of its own."""
+        self.promises.end(demotion)
+        if demotion.asked:
+            task = asyncio.get_running_loop().create_task(self._done(demotion))
+            self._after.add(task)
+            task.add_done_callback(self._after.discard)
 
     async def _tell(self, demotion: Demotion) -> None:
         asked = dict(demotion.told)
@@ -200,7 +217,7 @@ class NoticeSender:
             await asyncio.sleep(wait)
 
     async def _done(self, demotion: Demotion) -> None:
-        left = dict(demotion.told)
+        left = dict(demotion.asked)
         for delay in _DONE_TRIES_S:
             await asyncio.sleep(delay)
             answers = await asyncio.gather(
@@ -260,7 +277,10 @@ async def _renew(
             writer.unpromised(replica)
         log.debug("notices.promise_failed", replica=replica, code=e.code().name, details=e.details())
         return
+    except Exception:  # (a defect: logged; the promises are asked again next round)
+        log.exception("notices.promise_crashed", replica=replica)
+        return
     if answer.replica != replica:  # (another replica at that address now)
         writer.unpromised(replica)
         return
-    writer.promised(replica, sent, answer.seconds, answer.renewed)
+    writer.promised(replica, sent, answer.seconds, answer.grant)

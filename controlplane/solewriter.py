@@ -41,7 +41,10 @@ still on the etcd lease it was announced on. A replica may then trust its view a
 
 Its own writes go into the view when etcd acknowledges them; a write whose outcome is
 unknown (a timeout, a cancelled call) puts that node back on confirming reads until a read
-covers it (service/doubts.py). With one replica (the embedded default) the view is
+covers it (service/doubts.py), and a demoting one until it is settled first (it can apply
+no more: store/nodes.py). Liveness ends are the writer's wall-clock times, judged on this
+replica's clock: replicas on several machines need their clocks in step (NTP) to well
+under a liveness TTL. With one replica (the embedded default) the view is
 trusted whenever etcd answered the node refresh (every 0.5 s) in the last 2.5 s; with
 several, also while every other replica answers the promise renewals (every 0.5 s). The
 costs: a replica that joins others demotes no node (a suspension, say, waits) for
@@ -92,9 +95,10 @@ class SoleWriter:
         """When the latest read that may make the view trusted began (rules 1 and 4)."""
         self._view_others: frozenset[str] = frozenset()
         """The other replicas that read found: each must keep its promise (rule 4)."""
-        self._promises: dict[str, tuple[float, float]] = {}
-        """Replica -> (since, until): the promise of notice it holds (controlplane.notices),
-        unbroken since (its grant came back), and good until (both this clock)."""
+        self._promises: dict[str, tuple[float, float, int]] = {}
+        """Replica -> (since, until, grant): the promise of notice it holds
+        (controlplane.notices), unbroken since (its grant came back) and good until (both
+        this clock), and the number of that grant."""
         self.view_replicas: frozenset[str] = frozenset()
         """The replicas the latest read of the node records found (NodeCache.refresh)."""
         self.others: dict[str, str] = {}
@@ -154,18 +158,22 @@ class SoleWriter:
             self.others = {r: replicas[r] for r in others}
         # Each other replica's promise came back before the read began: the read has every
         # demotion that replica made before it, and it tells of every one after (rule 4).
-        promised = all(self._promises.get(r, (math.inf, 0.0))[0] <= started for r in others)
+        self._promises = {r: p for r, p in self._promises.items() if r in others}  # (gone: forgotten)
+        promised = all(self._promises.get(r, (math.inf, 0.0, 0))[0] <= started for r in others)
         if promised and started > self._view_read:
             self._view_read, self._view_others = started, others
 
-    def promised(self, replica: str, sent: float, seconds: float, renewed: bool) -> None:
-        """`replica` promised notice for `seconds` from its grant, asked at `sent` (this
-        clock); `renewed`: it continues the promise held (else a new one, from now)."""
+    def promised(self, replica: str, sent: float, seconds: float, grant: int) -> None:
+        """`replica` promised notice for `seconds` from its grant number `grant`, asked at
+        `sent` (this clock): the promise held goes on when it runs on the same grant (else a
+        new one, from now)."""
         now = self._clock()
-        since, until = self._promises.get(replica, (now, -math.inf))
-        if not renewed:
-            since, until = now, -math.inf
-        self._promises[replica] = (since, max(until, valid_until(sent, seconds, self.margin_s)))
+        held = self._promises.get(replica)
+        if held is not None and held[2] == grant:
+            since, until = held[0], max(held[1], valid_until(sent, seconds, self.margin_s))
+        else:
+            since, until = now, valid_until(sent, seconds, self.margin_s)
+        self._promises[replica] = (since, until, grant)
 
     def now(self) -> float:
         """This writer's clock."""
@@ -188,7 +196,7 @@ class SoleWriter:
 
     def _kept(self, replica: str, now: float) -> bool:
         """Whether `replica`'s promise holds now, unbroken since the view's read began."""
-        since, until = self._promises.get(replica, (math.inf, 0.0))
+        since, until, _ = self._promises.get(replica, (math.inf, 0.0, 0))
         return since <= self._view_read and now < until
 
     def may_write(self, demotes: bool = True) -> bool:

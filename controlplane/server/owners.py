@@ -60,13 +60,13 @@ class OwnersServicer(owners_pb2_grpc.OwnersServicer):
         me = self._writer.me
         if not me or request.replica == me:
             raise FailedPrecondition("no promise: this replica is not announced in etcd, or is the asker")
-        renewed = self._promises.ask(request.replica, request.address)
-        if renewed is None:
+        grant = self._promises.ask(request.replica, request.address)
+        if grant is None:
             raise FailedPrecondition(
                 "no promise now: a node demotion that did not tell the asker is under way, or one it "
                 "did not answer waits out its promise"
             )
-        return owners_pb2.NoticePromise(replica=me, seconds=self._promises.promise_s, renewed=renewed)
+        return owners_pb2.NoticePromise(replica=me, seconds=self._promises.promise_s, grant=grant)
 
     @rpc("Owners/NodeDemoting")
     async def NodeDemoting(

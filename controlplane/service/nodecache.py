@@ -199,8 +199,11 @@ class NodeCache:
     def deleted(self, engine_id: str) -> None:
         self.drop(engine_id)
 
-    def unsure(self, engine_id: str) -> None:
-        self.doubts.unsure(engine_id)
+    def unsure(self, engine_id: str, settled: bool = True) -> None:
+        self.doubts.unsure(engine_id, settled)
+
+    def settled(self, engine_id: str) -> None:
+        self.doubts.settled(engine_id)
 
     def _fresh(self, engine_id: str, at: float) -> bool:
         """Whether a pull on `engine_id` needs no confirming read at monotonic time `at`: one

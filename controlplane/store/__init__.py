@@ -61,7 +61,9 @@ class EtcdStore:
         self.nodes = NodeStore(self.kv, keys, self.writer)
         self.promises = Promises()
         """The promises of notice this replica made to the others (controlplane.notices)."""
-        self.nodes.notices = NoticeSender(self.promises, lambda: self.writer.me)
+        self.notices = NoticeSender(self.promises, lambda: self.writer.me)
+        """Tells the others of this replica's node demotions first (its transport: the daemon's)."""
+        self.nodes.fenced.notices = self.notices
         self.scans = RetentionScans(self.kv, keys)
         self.gc = GcLeases(self._client, bucket_s, max_keys_per_lease, timeout_s)
         self.retentions = RetentionStore(self.kv, keys, self.gc, self.scans.sample, claim_marker_s)
@@ -73,8 +75,8 @@ class EtcdStore:
 
     async def close(self) -> None:
         """Send what is queued for group commit, then close the client."""
-        if self.nodes.notices is not None:
-            await self.nodes.notices.close()
+        await self.nodes.close()
+        await self.notices.close()
         await self.kv.batcher.close()
         await self._client.close()
 

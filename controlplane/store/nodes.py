@@ -10,16 +10,15 @@ liveness alive 10 more minutes after each restart. The generation floor keeps
 generations rising across deleted records.
 
 Every write carries this replica's fence (controlplane.solewriter), and what it wrote goes
-to the `observer` (this replica's view of the nodes) as etcd acknowledges it.
+to the `observer` (this replica's view of the nodes) as etcd acknowledges it (store.fenced).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 import structlog
@@ -28,10 +27,10 @@ from aetcd import rpc
 from controlplane import metrics
 from controlplane.errors import Conflict, StoreUnavailable
 from controlplane.etcd import LeaseGone
-from controlplane.notices import NoticeSender
 from controlplane.records import Keys, NodeRecord, NodeState, decode_node, encode, prefix_end
 from controlplane.solewriter import SoleWriter
-from controlplane.store.kv import EtcdKv, absent, decoded, delete_op, get, mod_is, on_lease, put_op, range_op
+from controlplane.store.fenced import FencedWrites, NodeWrites
+from controlplane.store.kv import EtcdKv, absent, decoded, delete_op, get, mod_is, on_lease, put_op
 
 log = structlog.get_logger(__name__)
 
@@ -48,36 +47,6 @@ _SUSPEND_TRIES = 5
 
 def _liveness_value(generation: int, until: float) -> bytes:
     return b"%d %.3f" % (generation, until)
-
-
-class NodeWrites(Protocol):
-    """Who is told of each node write this replica made, once etcd acknowledged it."""
-
-    def stored(self, state: NodeState, revision: int) -> None:
-        """A node's record written, at mod `revision`."""
-
-    def extended(self, engine_id: str, lease_id: int, until: float) -> None:
-        """The liveness of the registration on `lease_id` now ends at `until`."""
-
-    def deleted(self, engine_id: str) -> None:
-        """A node's record deleted."""
-
-    def unsure(self, engine_id: str) -> None:
-        """A write to a node whose outcome is unknown (etcd did not answer in time)."""
-
-
-class _Unobserved:
-    def stored(self, state: NodeState, revision: int) -> None:
-        pass
-
-    def extended(self, engine_id: str, lease_id: int, until: float) -> None:
-        pass
-
-    def deleted(self, engine_id: str) -> None:
-        pass
-
-    def unsure(self, engine_id: str) -> None:
-        pass
 
 
 def _is_alive(rec: NodeRecord, liveness: Liveness | None, now: float) -> bool:
@@ -134,10 +103,8 @@ class NodeStore:
         self._keys = keys
         self._writer = writer
         self._clock = clock
-        self.observer: NodeWrites = _Unobserved()
-        self.notices: NoticeSender | None = None
-        """Tells the other replicas of a demoting write first (controlplane.notices; None:
-        nobody holds a promise, as in a store used outside a daemon)."""
+        self.fenced = FencedWrites(kv, keys, writer)
+        """How every node write is made (store.fenced); its `notices` tell the other replicas."""
         # When each liveness lease this replica wrote or refreshed ends, as its key says.
         self._until: dict[int, float] = {}
 
@@ -174,35 +141,22 @@ class NodeStore:
         compare: list[rpc.Compare],
         writes: list[rpc.RequestOp],
         demotes: bool = True,
+        settle_revision: int = 0,
     ) -> rpc.TxnResponse:
-        """A write to a node's keys, fenced (controlplane.solewriter): it applies only while
-        this replica's announcement is on the lease it was announced on, and raises
-        StoreUnavailable when that is what failed; one that `demotes` the node waits for rule
-        3 first, then tells the replicas holding a promise (controlplane.notices). A write
-        whose outcome is unknown (etcd did not answer, or the caller was cancelled
-        meanwhile) is told to the observer."""
-        lease, fence, check = 0, [], []
-        if self._writer is not None:
-            lease = await self._writer.fence(self._writer.grace_s + self._kv.timeout, demotes)
-            key = self._keys.replica(self._writer.me)
-            fence, check = [on_lease(key, lease)], [range_op(key)]
-        told = self.notices.demoting(engine_id) if demotes and self.notices else contextlib.nullcontext()
-        try:
-            async with told:
-                resp = await self._kv.txn(op, compare + fence, writes, check)
-        except BaseException:  # (no answer, or the caller gave up waiting: it may have applied)
-            self.observer.unsure(engine_id)
-            raise
-        if not resp.succeeded and check:
-            held = resp.responses[0].response_range.kvs
-            if not held or held[0].lease != lease:
-                assert self._writer is not None
-                self._writer.withdrawn()
-                raise StoreUnavailable(
-                    f"{engine_id} not written ({op}): this replica's announcement in etcd lapsed; "
-                    "it writes no node record until it has announced itself again"
-                )
-        return resp
+        return await self.fenced.write(op, engine_id, compare, writes, demotes, settle_revision)
+
+    @property
+    def observer(self) -> NodeWrites:
+        """Told of each node write this replica made (this replica's view of the nodes)."""
+        return self.fenced.observer
+
+    @observer.setter
+    def observer(self, observer: NodeWrites) -> None:
+        self.fenced.observer = observer
+
+    async def close(self) -> None:
+        """Stop settling writes (store.fenced)."""
+        await self.fenced.close()
 
     async def get(self, engine_id: str, serializable: bool = False) -> tuple[NodeState | None, int]:
         """A node's record and liveness, and its record's mod revision (0 = no record);
@@ -254,7 +208,7 @@ class NodeStore:
             put_op(k.alive_key(rec.engine_id), _liveness_value(rec.generation, until), lease),
         ]
         try:
-            resp = await self._write("put_node", rec.engine_id, cmp, writes, demotes)
+            resp = await self._write("put_node", rec.engine_id, cmp, writes, demotes, expect_revision)
         except LeaseGone as e:  # (its TTL ran out before etcd got to the write: etcd is slow)
             raise StoreUnavailable(f"the liveness lease of {rec.engine_id} expired before it was used") from e
         if not resp.succeeded:
@@ -337,6 +291,7 @@ class NodeStore:
             engine_id,
             [mod_is(k.node(engine_id), revision)],
             [put_op(k.node(engine_id), encode(tomb)), delete_op(k.alive_key(engine_id))],
+            settle_revision=revision,
         )
         if not resp.succeeded:
             raise Conflict(f"node {engine_id} changed concurrently")
@@ -370,6 +325,7 @@ class NodeStore:
                 rec.engine_id,
                 [mod_is(k.node(rec.engine_id), revision)],
                 [put_op(k.node(rec.engine_id), encode(held)), delete_op(k.alive_key(rec.engine_id))],
+                settle_revision=revision,
             )
             if resp.succeeded:
                 self.observer.stored(NodeState(held, False, 0.0), int(resp.header.revision))
@@ -400,6 +356,7 @@ class NodeStore:
             # registrations (which compare its revision) nothing to conflict on.
             [delete_op(k.node(engine_id))]
             + ([put_op(k.generation_floor, b"%d" % generation)] if generation > floor else []),
+            settle_revision=expect_revision,
         )
         if resp.succeeded:
             self.observer.deleted(engine_id)

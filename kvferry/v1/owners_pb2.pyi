@@ -258,13 +258,14 @@ class NoticePromise(_message.Message):
 
     REPLICA_FIELD_NUMBER: _builtins.int
     SECONDS_FIELD_NUMBER: _builtins.int
-    RENEWED_FIELD_NUMBER: _builtins.int
+    GRANT_FIELD_NUMBER: _builtins.int
     replica: _builtins.str
     """The promising replica's id: the asker checks it is the one it meant to ask."""
     seconds: _builtins.float
     """The promise runs this long from when the request was sent (the asker's clock)."""
-    renewed: _builtins.bool
-    """It continues one that had not lapsed; false: a new one, which covers only the
+    grant: _builtins.int
+    """The grant the promise runs on: the same number as the asker's last answer when it
+    continues that promise unbroken; another when it is a new one, which covers only the
     demotions begun after it (the asker reads the nodes again before it trusts them).
     """
     def __init__(
@@ -272,11 +273,11 @@ class NoticePromise(_message.Message):
         *,
         replica: _builtins.str = ...,
         seconds: _builtins.float = ...,
-        renewed: _builtins.bool = ...,
+        grant: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["renewed", b"renewed", "replica", b"replica", "seconds", b"seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grant", b"grant", "replica", b"replica", "seconds", b"seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

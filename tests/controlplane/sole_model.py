@@ -49,8 +49,10 @@ class Replica:
     """Its process runs (a replica that left is down until it announces again)."""
     loads: list[tuple[float, float, float]] = field(default_factory=list)
     """Its reads of the nodes, (answered, begun, applied): the view is the latest answered."""
-    told: set[tuple[str, int]] = field(default_factory=set)
-    """Demotions other replicas told of and are not over (service.doubts.Doubts)."""
+    told: dict[tuple[str, int], float] = field(default_factory=dict)
+    """Demotions other replicas told of and are not over, and when (service.doubts.Doubts)."""
+    ended: set[tuple[str, int]] = field(default_factory=set)
+    """Demotions told over (a notice of one that comes later is dropped)."""
     unsure_since: float | None = None
     """A demotion told of was over then: confirmed by a read begun later (Doubts.unsure)."""
     loading: bool = False
@@ -112,9 +114,15 @@ class Model:
 
     def leave(self, r: Replica, sent: float, applied: float, answered: float) -> None:
         """A clean stop: its key revoked; it may come back as a new process (announce)."""
+        lease = r.writer.lease
         r.writer.withdrawn()
         r.up = False
-        self._later(applied, lambda: self.etcd.keys.pop(r.name, None))
+
+        def revoke() -> None:
+            if lease and self.etcd.keys.get(r.name, (0, 0.0))[0] == lease:
+                del self.etcd.keys[r.name]
+
+        self._later(applied, revoke)
 
     def announce(self, r: Replica, sent: float, applied: float, answered: float) -> None:
         if r.writer.lease:
@@ -158,7 +166,7 @@ class Model:
             if view:
                 r.loading = False
                 r.loads.append((self.clock.now, sent, applied))
-                r.told = {t for t in r.told if t[0] in seen}
+                r.told = {t: at for t, at in r.told.items() if t[0] in seen or at >= sent}
                 if r.unsure_since is not None and r.unsure_since < sent:
                     r.unsure_since = None
 
@@ -177,14 +185,14 @@ class Model:
         for o in self.replicas:
             if o is r:
                 continue
-            got: list[bool | None] = []
+            got: list[int | None] = []
             at = sent + (applied - sent) * self.rnd.random()
 
-            def grant(o: Replica = o, got: list[bool | None] = got) -> None:
+            def grant(o: Replica = o, got: list[int | None] = got) -> None:
                 if o.up and o.writer.lease:
                     got.append(o.promises.ask(r.name, "addr"))
 
-            def back(o: Replica = o, got: list[bool | None] = got) -> None:
+            def back(o: Replica = o, got: list[int | None] = got) -> None:
                 if not r.up or not got or self.rnd.random() < 0.1:
                     return  # (no answer, or lost: the promise lapses on its own)
                 if got[0] is None:
@@ -196,7 +204,7 @@ class Model:
             self._later(answered, back)
 
     def write(self, r: Replica, sent: float, applied: float, answered: float) -> None:
-        """A write that demotes the node: the promised told first (NoticeSender.demoting)."""
+        """A write that demotes the node: the promised told first (NoticeSender.before)."""
         if not r.writer.may_write():
             return
         lease, promises = r.writer.lease, r.promises
@@ -212,8 +220,8 @@ class Model:
             planned.append(acked)
 
             def deliver(o: Replica = o, name: str = name) -> None:
-                if o.up:
-                    o.told.add((r.name, demotion.number))
+                if o.up and (r.name, demotion.number) not in o.ended:
+                    o.told[(r.name, demotion.number)] = self.clock.now
                     answered_by.add(name)
 
             self._later(delivered, deliver)
@@ -223,6 +231,9 @@ class Model:
             told_by = max(planned) if len(planned) == len(demotion.told) else sent + TELL_TIMEOUT_S
 
         def told() -> None:
+            if not r.up:  # (its process stopped: nothing more is sent)
+                promises.end(demotion)
+                return
             for name in list(demotion.told):
                 if name not in answered_by:
                     promises.unanswered(demotion, name)
@@ -237,7 +248,7 @@ class Model:
 
         def over() -> None:
             promises.end(demotion)
-            for name in demotion.told:
+            for name in demotion.asked:
                 o = self._by_name(name)
                 if o is not None and self.rnd.random() >= 0.1:
                     self._later(
@@ -249,7 +260,8 @@ class Model:
 
     def _demoted(self, o: Replica, by: Replica, number: int) -> None:
         if o.up:
-            o.told.discard((by.name, number))
+            o.told.pop((by.name, number), None)
+            o.ended.add((by.name, number))
             o.unsure_since = self.clock.now
 
     def _by_name(self, name: str) -> Replica | None:
