@@ -11,7 +11,7 @@ every RENEW_S), and O keeps it:
   answers once it has put that node on confirming reads (service/doubts.py: a read at most
   50 ms old before a pull, as without trust), where it stays until O tells R the write is
   over and can apply no more (Owners/NodeDemoted: written, refused, or with no answer from
-  etcd settled: the node key it compares moved on, store/nodes.py `_settle`; R then
+  etcd settled: the node key it compares moved on, store/fenced.py `_settle`; R then
   confirms that node until a linearizable read of every node begun after it: a
   serializable one may come from a member that has not applied the write) or until R's
   read of every node finds O gone (O's later writes fail their fence, and the same read
@@ -54,6 +54,7 @@ import structlog
 
 from controlplane import metrics
 from controlplane.solewriter import SoleWriter
+from kvferry.tasks import cancel_and_wait
 
 log = structlog.get_logger(__name__)
 
@@ -195,7 +196,7 @@ class NoticeSender:
 
     def after(self, demotion: Demotion) -> None:
         """The write is over, and cannot apply later: applied, refused, never sent, or its
-        outcome settled (store.nodes). Those asked are told, from a task of its own."""
+        outcome settled (store.fenced). Those asked are told, from a task of its own."""
         self.promises.end(demotion)
         if demotion.asked:
             task = asyncio.get_running_loop().create_task(self._done(demotion))
@@ -244,9 +245,7 @@ class NoticeSender:
 
     async def close(self) -> None:
         """Stop the NodeDemoted sends still under way."""
-        for task in list(self._after):
-            task.cancel()
-        await asyncio.gather(*self._after, return_exceptions=True)
+        await cancel_and_wait(list(self._after))
 
 
 class PromiseAsker(Protocol):

@@ -42,7 +42,7 @@ still on the etcd lease it was announced on. A replica may then trust its view a
 Its own writes go into the view when etcd acknowledges them; a write whose outcome is
 unknown (a timeout, a cancelled call) puts that node back on confirming reads until a read
 covers it (service/doubts.py), and a demoting one until it is settled first (it can apply
-no more: store/nodes.py). Liveness ends are the writer's wall-clock times, judged on this
+no more: store/fenced.py). Liveness ends are the writer's wall-clock times, judged on this
 replica's clock: replicas on several machines need their clocks in step (NTP) to well
 under a liveness TTL. With one replica (the embedded default) the view is
 trusted whenever etcd answered the node refresh (every 0.5 s) in the last 2.5 s; with
@@ -60,6 +60,7 @@ import asyncio
 import math
 import time
 from collections.abc import Callable, Collection, Mapping
+from typing import NamedTuple
 
 from controlplane.errors import StoreUnavailable
 from controlplane.validity import valid_until
@@ -68,6 +69,20 @@ GRACE_S = 3.0
 """How long after announcing itself a replica that found others demotes no node (rule 3)."""
 MARGIN_S = 0.5
 """What a replica takes off the intervals it trusts its view for (see the module doc)."""
+
+
+class _Held(NamedTuple):
+    """A promise of notice this replica holds (controlplane.notices)."""
+
+    since: float
+    """Unbroken since its grant came back (this clock)."""
+    until: float
+    """Good until (this clock: from when the renewal was asked, less the margin)."""
+    grant: int
+    """The number of the grant it runs on."""
+
+
+_NONE = _Held(math.inf, -math.inf, 0)
 
 
 class SoleWriter:
@@ -95,14 +110,11 @@ class SoleWriter:
         """When the latest read that may make the view trusted began (rules 1 and 4)."""
         self._view_others: frozenset[str] = frozenset()
         """The other replicas that read found: each must keep its promise (rule 4)."""
-        self._promises: dict[str, tuple[float, float, int]] = {}
-        """Replica -> (since, until, grant): the promise of notice it holds
-        (controlplane.notices), unbroken since (its grant came back) and good until (both
-        this clock), and the number of that grant."""
-        self.view_replicas: frozenset[str] = frozenset()
-        """The replicas the latest read of the node records found (NodeCache.refresh)."""
-        self.others: dict[str, str] = {}
-        """The other replicas the latest read of the node records found: id -> address."""
+        self._promises: dict[str, _Held] = {}
+        """Replica -> the promise of notice it holds (controlplane.notices)."""
+        self.view_replicas: dict[str, str] = {}
+        """The replicas the latest read of the node records found: id -> address ("" when
+        the read gave none)."""
         self._decided = asyncio.Event()
         self._announcing = asyncio.Event()
 
@@ -141,7 +153,9 @@ class SoleWriter:
         (a mapping: with their addresses); `with_view`: it read the node records into this
         replica's view at the same revision (only such a read can make the view trusted)."""
         if with_view:
-            self.view_replicas = frozenset(replicas)
+            self.view_replicas = (
+                dict(replicas) if isinstance(replicas, Mapping) else dict.fromkeys(replicas, "")
+            )
         if not self.lease or started < self._announced_at:
             return  # (begun before this announcement: it says nothing of it)
         others = frozenset(replicas) - {self.me}
@@ -154,26 +168,28 @@ class SoleWriter:
             return
         if not with_view:
             return
-        if isinstance(replicas, Mapping):
-            self.others = {r: replicas[r] for r in others}
         # Each other replica's promise came back before the read began: the read has every
         # demotion that replica made before it, and it tells of every one after (rule 4).
         self._promises = {r: p for r, p in self._promises.items() if r in others}  # (gone: forgotten)
-        promised = all(self._promises.get(r, (math.inf, 0.0, 0))[0] <= started for r in others)
+        promised = all(self._promises.get(r, _NONE).since <= started for r in others)
         if promised and started > self._view_read:
             self._view_read, self._view_others = started, others
+
+    @property
+    def others(self) -> dict[str, str]:
+        """The other replicas the latest read of the node records found: id -> address."""
+        return {r: address for r, address in self.view_replicas.items() if r != self.me}
 
     def promised(self, replica: str, sent: float, seconds: float, grant: int) -> None:
         """`replica` promised notice for `seconds` from its grant number `grant`, asked at
         `sent` (this clock): the promise held goes on when it runs on the same grant (else a
         new one, from now)."""
-        now = self._clock()
         held = self._promises.get(replica)
-        if held is not None and held[2] == grant:
-            since, until = held[0], max(held[1], valid_until(sent, seconds, self.margin_s))
+        until = valid_until(sent, seconds, self.margin_s)
+        if held is not None and held.grant == grant:
+            self._promises[replica] = held._replace(until=max(held.until, until))
         else:
-            since, until = now, valid_until(sent, seconds, self.margin_s)
-        self._promises[replica] = (since, until, grant)
+            self._promises[replica] = _Held(self._clock(), until, grant)
 
     def now(self) -> float:
         """This writer's clock."""
@@ -196,8 +212,8 @@ class SoleWriter:
 
     def _kept(self, replica: str, now: float) -> bool:
         """Whether `replica`'s promise holds now, unbroken since the view's read began."""
-        since, until, _ = self._promises.get(replica, (math.inf, 0.0, 0))
-        return since <= self._view_read and now < until
+        held = self._promises.get(replica, _NONE)
+        return held.since <= self._view_read and now < held.until
 
     def may_write(self, demotes: bool = True) -> bool:
         """Whether this replica may write node records now: any (announced), or (`demotes`)

@@ -25,7 +25,7 @@ class Doubts:
         since: a read begun later (any, serializable too) covers it."""
         self._unsettled: collections.Counter[str] = collections.Counter()
         """engine -> demoting writes this replica made with no answer that may still apply
-        (store.nodes settles each): no read covers them until then."""
+        (store.fenced settles each): no read covers them until then."""
         self._noticed: dict[str, dict[tuple[str, int], float]] = {}
         """engine -> the demotions of it other replicas told of and are not over: (replica,
         number) -> monotonic time the notice came."""

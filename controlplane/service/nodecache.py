@@ -207,11 +207,8 @@ class NodeCache:
 
     def _fresh(self, engine_id: str, at: float) -> bool:
         """Whether a pull on `engine_id` needs no confirming read at monotonic time `at`: one
-        began less than CONFIRM_S before, or the view needs none (`_sole`)."""
-        return self._confirmed_within(engine_id, CONFIRM_S, at) or self._sole(engine_id)
-
-    def _sole(self, engine_id: str) -> bool:
-        return self.doubts.sole(engine_id)
+        began less than CONFIRM_S before, or the view needs none (`Doubts.sole`)."""
+        return self._confirmed_within(engine_id, CONFIRM_S, at) or self.doubts.sole(engine_id)
 
     def doubt(self, rec: NodeRecord) -> None:
         """`rec`'s Attach stream ended on this replica: nobody vouches for its engine
@@ -244,7 +241,7 @@ class NodeCache:
     async def decision(self, retention: Retention, prompt: Prompt, policy: Policy, now: float) -> Decision:
         """The lookup decision for `retention` on the view of its node. The view may be a
         moment old: unless this replica wrote every node change since its last read
-        (`_sole`), a pull, or giving up the reuse because the node is gone or restarted,
+        (`Doubts.sole`), a pull, or giving up the reuse because the node is gone or restarted,
         is confirmed on a fresh read first (a pull must not reach a node suspended or
         registered anew since: another process behind the same engine id, see
         sidecar/identity.py): a read at most CONFIRM_S old, serializable (every node change
@@ -314,7 +311,7 @@ class NodeCache:
                 if now - at > KEEP_S:
                     del self._looked_up[engine]
                     continue
-                if self._sole(engine):
+                if self.doubts.sole(engine):
                     continue  # (no lookup of it waits on a read now)
                 on_way = self._confirming.get(engine, [])
                 newest = max([self._confirmed_at.get(engine, 0.0), *(t for t, _ in on_way)])

@@ -16,6 +16,7 @@ from controlplane.notices import Demotion, NoticeSender
 from controlplane.records import Keys, NodeState
 from controlplane.solewriter import SoleWriter
 from controlplane.store.kv import EtcdKv, get, mod_is, on_lease, put_op, range_op
+from kvferry.tasks import cancel_and_wait
 
 log = structlog.get_logger(__name__)
 
@@ -44,7 +45,9 @@ class NodeWrites(Protocol):
         """A write told `unsure(..., settled=False)` can apply no more."""
 
 
-class _Unobserved:
+class Unobserved:
+    """A NodeWrites told nothing (a store with no view of the nodes)."""
+
     def stored(self, state: NodeState, revision: int) -> None:
         pass
 
@@ -69,7 +72,7 @@ class FencedWrites:
         self._kv = kv
         self._keys = keys
         self._writer = writer
-        self.observer: NodeWrites = _Unobserved()
+        self.observer: NodeWrites = Unobserved()
         self.notices: NoticeSender | None = None
         """Tells the other replicas of a demoting write first (controlplane.notices; None:
         nobody holds a promise, as in a store used outside a daemon)."""
@@ -151,6 +154,4 @@ class FencedWrites:
 
     async def close(self) -> None:
         """Stop settling writes (their nodes stay in doubt in a view that is going anyway)."""
-        for task in list(self._settling):
-            task.cancel()
-        await asyncio.gather(*self._settling, return_exceptions=True)
+        await cancel_and_wait(list(self._settling))

@@ -22,7 +22,6 @@ from typing import Any
 
 import msgspec
 import structlog
-from aetcd import rpc
 
 from controlplane import metrics
 from controlplane.errors import Conflict, StoreUnavailable
@@ -134,17 +133,6 @@ class NodeStore:
             revisions[rec.engine_id] = int(kv.mod_revision)
         return states, revisions
 
-    async def _write(
-        self,
-        op: str,
-        engine_id: str,
-        compare: list[rpc.Compare],
-        writes: list[rpc.RequestOp],
-        demotes: bool = True,
-        settle_revision: int = 0,
-    ) -> rpc.TxnResponse:
-        return await self.fenced.write(op, engine_id, compare, writes, demotes, settle_revision)
-
     @property
     def observer(self) -> NodeWrites:
         """Told of each node write this replica made (this replica's view of the nodes)."""
@@ -208,7 +196,7 @@ class NodeStore:
             put_op(k.alive_key(rec.engine_id), _liveness_value(rec.generation, until), lease),
         ]
         try:
-            resp = await self._write("put_node", rec.engine_id, cmp, writes, demotes, expect_revision)
+            resp = await self.fenced.write("put_node", rec.engine_id, cmp, writes, demotes, expect_revision)
         except LeaseGone as e:  # (its TTL ran out before etcd got to the write: etcd is slow)
             raise StoreUnavailable(f"the liveness lease of {rec.engine_id} expired before it was used") from e
         if not resp.succeeded:
@@ -264,7 +252,7 @@ class NodeStore:
         key = k.alive_key(rec.engine_id)
         put = put_op(key, _liveness_value(rec.generation, until), rec.lease_id)
         try:
-            resp = await self._write(
+            resp = await self.fenced.write(
                 "extend_liveness", rec.engine_id, [on_lease(key, rec.lease_id)], [put], demotes=False
             )
         except LeaseGone:  # (ended meanwhile: the next heartbeat renews it)
@@ -286,7 +274,7 @@ class NodeStore:
             return False
         k = self._keys
         tomb = msgspec.structs.replace(state.record, removed_at=now, lease_id=0)
-        resp = await self._write(
+        resp = await self.fenced.write(
             "delete_node",
             engine_id,
             [mod_is(k.node(engine_id), revision)],
@@ -320,7 +308,7 @@ class NodeStore:
                 return None
             k = self._keys
             held = msgspec.structs.replace(cur, suspended_at=now, lease_id=0)
-            resp = await self._write(
+            resp = await self.fenced.write(
                 "suspend_node",
                 rec.engine_id,
                 [mod_is(k.node(rec.engine_id), revision)],
@@ -344,7 +332,7 @@ class NodeStore:
         k = self._keys
         (read,) = await self._kv.read("collect_node", get(k.generation_floor))
         floor, floor_revision = _floor(read.kvs)
-        resp = await self._write(
+        resp = await self.fenced.write(
             "collect_node",
             engine_id,
             [

@@ -21,6 +21,7 @@ from controlplane.records import NodeRecord, Role
 from controlplane.service.doubts import Doubts
 from controlplane.solewriter import SoleWriter
 from controlplane.store import EtcdStore
+from controlplane.store.fenced import Unobserved
 from tests.controlplane.sole_model import Clock, run, schedules
 from tests.polling import eventually
 
@@ -214,20 +215,11 @@ def test_the_model_finds_a_broken_notice_rule(
     assert caught >= 2, caught
 
 
-class _Told:
+class _Told(Unobserved):
     """A NodeWrites that records what it is told of doubt."""
 
     def __init__(self) -> None:
         self.events: list[tuple[str, ...]] = []
-
-    def stored(self, state: object, revision: int) -> None:
-        pass
-
-    def extended(self, engine_id: str, lease_id: int, until: float) -> None:
-        pass
-
-    def deleted(self, engine_id: str) -> None:
-        pass
 
     def unsure(self, engine_id: str, settled: bool = True) -> None:
         self.events.append(("unsure", engine_id, str(settled)))

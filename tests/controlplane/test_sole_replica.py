@@ -221,7 +221,7 @@ async def test_the_history_checker_finds_a_view_trusted_beside_another_writer(
     first = await make_daemon(nodes=NodeSettings(liveness_ttl_s=10, cache_refresh_s=60.0))  # (no reloads)
     second = await make_daemon(first.settings)
     assert first.control_plane is not None and second.control_plane is not None
-    monkeypatch.setattr(first.control_plane.nodes, "_sole", lambda engine_id: True)  # (told or not)
+    monkeypatch.setattr(first.control_plane.nodes.doubts, "sole", lambda engine_id: True)  # (told or not)
     ca, cb, history = connect(first), connect(second), Recorder()
     await ca.nodes.Register(node_request("d-0", engine_started_at=1000.0), timeout=10)
     names = [f"c{i}" for i in range(16)]
