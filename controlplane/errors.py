@@ -30,8 +30,20 @@ class PermissionDenied(KvferryError):
 
 
 class StoreUnavailable(KvferryError):
-    """etcd did not answer (down, no quorum, timed out)."""
+    """etcd did not answer (down, no quorum, timed out). What the operation wrote is not
+    known: etcd may have applied it, or may apply it yet."""
+
+
+class NotApplied(StoreUnavailable):
+    """etcd, or the replica owning the operation's shard, could not take the operation
+    now, and it was turned away before anything was decided or written: sending it again
+    is safe. (Raised only where that is proven; any other failure stays StoreUnavailable.)"""
 
 
 class Conflict(KvferryError):
     """A compare-and-swap lost a race; the caller may retry."""
+
+
+def not_applied(error: StoreUnavailable) -> NotApplied:
+    """`error`, raised before the operation was decided: then nothing was applied."""
+    return error if isinstance(error, NotApplied) else NotApplied(f"not applied: {error}")

@@ -19,7 +19,7 @@ import msgspec
 import structlog
 
 from controlplane.budget import Reason
-from controlplane.errors import InvalidArgument, StoreUnavailable
+from controlplane.errors import InvalidArgument, NotApplied, StoreUnavailable
 from controlplane.owners.ops import Kind, OwnerAnswer, OwnerOp
 from controlplane.owners.routed import NotOwner
 from controlplane.records import Claim, Retention, decode_claim, decode_retention, encode
@@ -119,7 +119,7 @@ class OwnerClient:
 
     async def apply(self, address: str, op: OwnerOp, timeout_s: float) -> OwnerAnswer:
         """Run `op` at the replica at `address` (NotOwner: it does not own the shard;
-        StoreUnavailable: it did not answer)."""
+        NotApplied: it turned the op away undecided; StoreUnavailable: it did not answer)."""
         stub = self._stub(address)
         try:
             answer = await stub.Apply(op_message(op), timeout=timeout_s)
@@ -128,6 +128,8 @@ class OwnerClient:
                 raise NotOwner(e.details() or "not the owner") from e
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument(e.details() or "") from e
+            if e.code() == grpc.StatusCode.ABORTED:  # (turned away there undecided)
+                raise NotApplied(f"owner replica {address}: {e.details()}") from e
             raise StoreUnavailable(f"owner replica {address}: {e.code().name}: {e.details()}") from e
         return answer_of(answer)
 

@@ -52,7 +52,8 @@ class SidecarMetrics(OwnRegistry):
         """Retention registrations, and the releases of retentions replaced unclaimed."""
         self.registrations = self.counter(
             "kvferry_sidecar_lease_registrations",
-            "Registrations by outcome: sent, failed (refused), retry (daemon trouble), requeue (unsent)",
+            "Registrations by outcome: sent, failed (refused), retry (daemon trouble), requeue (unsent, "
+            "or turned away undecided while etcd stalled)",
             ["outcome"],
         )
         self.replaced_releases = self.counter(

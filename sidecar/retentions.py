@@ -6,7 +6,9 @@ sender registers them in the background, several in flight on one
 unreachable registrations wait in a capped queue: beyond `queue_size` the
 oldest is dropped, entries past their deadline or from an engine process that
 has since restarted are dropped, and a registration is tried at most
-`max_attempts` times. One that reached the daemon without a clear answer (which
+`max_attempts` times; one the daemon turned away undecided because etcd or the
+conversation's owner could not take it (ABORTED, "not applied") waits as an unsent one
+does. One that reached the daemon without a clear answer (which
 etcd may have stored) is never sent again; one whose status proves it stored
 nowhere, for good (refused) or after its last try, has D free its blocks
 (`retry_decision`). A conversation's
@@ -171,11 +173,13 @@ REFUSED = frozenset(
         grpc.StatusCode.UNIMPLEMENTED,
     }
 )
-#: Turned away before writing, for a passing reason (the node re-registering, a
-#: transaction that lost a race, an overloaded daemon): worth another try.
-NOT_WRITTEN = frozenset(
-    {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED}
-)
+#: Turned away before writing, for a passing reason (the node re-registering, an
+#: overloaded daemon): worth another try.
+NOT_WRITTEN = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED})
+#: Turned away undecided because etcd, or the daemon replica owning the conversation,
+#: could not take it now (the daemon's NotApplied; a transaction that lost a race):
+#: nothing stored, so it waits for them as an unanswered try does.
+NOT_APPLIED = frozenset({grpc.StatusCode.ABORTED})
 
 
 def retry_decision(code: grpc.StatusCode, attempts: int, max_attempts: int, *, sent: bool) -> str:
@@ -192,10 +196,15 @@ def retry_decision(code: grpc.StatusCode, attempts: int, max_attempts: int, *, s
     of the conversation recomputes at worst. "requeue": it never reached the daemon: wait
     for it, bounded by the queue's capacity and the draft's deadline, not by attempts.
     "retry": turned away unwritten for a passing reason (`NOT_WRITTEN`, or a local failure
-    before it left); "attempts": tried enough (nothing stored either).
+    before it left); "attempts": tried enough (nothing stored either). A try the daemon
+    turned away undecided while etcd or the conversation's owner could not take it
+    (`NOT_APPLIED`) is requeued as well: a stall of etcd (a busy machine, a slow disk)
+    outlasts a few quick tries, and the turn's reuse would be lost for nothing.
     """
     if code in REFUSED:
         return "failed"
+    if code in NOT_APPLIED:
+        return "requeue"
     if sent and code not in NOT_WRITTEN:
         return "maybe_stored"
     if code in NOT_ANSWERED:

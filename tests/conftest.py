@@ -131,6 +131,11 @@ def daemon_settings(endpoint: str, prefix: str | None = None, **changes: object)
     return replace(s, **changes)  # type: ignore[arg-type]
 
 
+def owning(settings: Settings, **changes: Any) -> Settings:
+    """`settings` with these OwnerSettings changed."""
+    return replace(settings, owners=replace(settings.owners, **changes))
+
+
 DaemonFactory = Callable[..., Awaitable[Daemon]]
 StartEmulator = Callable[..., Awaitable[EmulatorServer]]
 

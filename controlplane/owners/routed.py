@@ -17,7 +17,7 @@ from typing import Protocol
 import structlog
 
 from controlplane import metrics
-from controlplane.errors import FailedPrecondition, StoreUnavailable
+from controlplane.errors import FailedPrecondition, NotApplied, StoreUnavailable, not_applied
 from controlplane.owners.durable import OwnerStore
 from controlplane.owners.memory import Conversation, Held
 from controlplane.owners.ops import WAITS, Kind, OwnerAnswer, OwnerOp, decide, stored_of
@@ -39,7 +39,8 @@ class NotOwner(FailedPrecondition):
 
 class Forwarder(Protocol):
     """Sends an operation to the replica at `address` (the Owners RPC). Raises NotOwner
-    when that replica does not own the shard, StoreUnavailable when it does not answer."""
+    when that replica does not own the shard, NotApplied when it turned the operation away
+    undecided, StoreUnavailable when it does not answer."""
 
     async def apply(self, address: str, op: OwnerOp, timeout_s: float) -> OwnerAnswer: ...
 
@@ -132,20 +133,28 @@ class OwnedRetentions:
         return stored_of(op, await self.apply(op))
 
     async def apply(self, op: OwnerOp) -> OwnerAnswer:
-        """Run `op` at its shard's owner (taking the shard when nobody owns it)."""
+        """Run `op` at its shard's owner (taking the shard when nobody owns it).
+
+        NotApplied when it was turned away before any owner decided it (the shard's
+        ownership not confirmed in time, etcd not answering a read, no owner in time):
+        sending it again is safe. StoreUnavailable when it was decided, or forwarded, and
+        what became of it is not known."""
         shard = shard_of(op.tenant, op.conversation_id, self.owners.settings.shards)
         deadline = time.monotonic() + self.owners.settings.wait_s
         while True:
-            owned = await self.owners.local(shard)
-            if owned is None and (owner := await self._owner(shard)) is None:
-                owned = await self.owners.take(shard)
-            if owned is not None:
-                if not await self._learned(owned, op):
+            try:  # (nothing is decided before `_run`, here or at a replica forwarded to)
+                owned = await self.owners.local(shard)
+                if owned is None and (owner := await self._owner(shard)) is None:
+                    owned = await self.owners.take(shard)
+                if owned is not None and not await self._learned(owned, op):
                     continue  # (etcd answered: the shard may have moved meanwhile)
+            except StoreUnavailable as e:
+                raise not_applied(e) from e
+            if owned is not None:
                 return await self._run(owned, op)
             if owner is not None and owner.replica != self.owners.me.replica:
                 if self.forwarder is None or not owner.address:
-                    raise StoreUnavailable(
+                    raise NotApplied(
                         f"shard {shard} is owned by replica {owner.replica}, which has no address"
                     )
                 try:
@@ -157,7 +166,7 @@ class OwnedRetentions:
                     self._remote.pop(shard, None)  # (read again next time: it may be gone)
                     raise
             if time.monotonic() > deadline:
-                raise StoreUnavailable(f"shard {shard}: no owner could take the operation in time")
+                raise NotApplied(f"shard {shard}: no owner could take the operation in time")
             self._remote.pop(shard, None)
             await asyncio.sleep(0.02)
 
@@ -165,10 +174,14 @@ class OwnedRetentions:
         """Run an operation forwarded by another replica: only when this one owns the shard."""
         shard = shard_of(op.tenant, op.conversation_id, self.owners.settings.shards)
         for _ in range(2):
-            owned = await self.owners.local(shard)
+            try:
+                owned = await self.owners.local(shard)
+                learned = owned is not None and await self._learned(owned, op)
+            except StoreUnavailable as e:
+                raise not_applied(e) from e
             if owned is None:
                 break
-            if await self._learned(owned, op):
+            if learned:
                 return await self._run(owned, op)
         raise NotOwner(f"replica {self.owners.me.replica} does not own shard {shard}")
 

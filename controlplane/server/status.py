@@ -19,6 +19,7 @@ from controlplane.errors import (
     FailedPrecondition,
     InvalidArgument,
     KvferryError,
+    NotApplied,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
@@ -28,12 +29,15 @@ from kvferry.v1 import leases_pb2
 
 log = structlog.get_logger(__name__)
 
+#: ABORTED proves nothing was applied (sending it again is safe); UNAVAILABLE leaves open
+#: whether etcd applied it (the contract is in leases.proto, OpError).
 _STATUS: dict[type[KvferryError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    NotApplied: grpc.StatusCode.ABORTED,
     StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
     Conflict: grpc.StatusCode.ABORTED,
 }

@@ -11,7 +11,7 @@ import structlog
 
 from controlplane import metrics
 from controlplane.convert import remote_request_of
-from controlplane.errors import FailedPrecondition, InvalidArgument, NotFound, StoreUnavailable
+from controlplane.errors import FailedPrecondition, InvalidArgument, NotFound, StoreUnavailable, not_applied
 from controlplane.owners import OwnedRetentions
 from controlplane.policy import Prompt, holds_null_blocks
 from controlplane.records import Claim, NodeState, Retention
@@ -106,7 +106,10 @@ class Retentions:
         check_record_size(len(reg.params_blob), len(reg.digests), lim)
         now = self._clock()
         expires_at = deadline_of(reg.expires_at, self._policy, now)
-        node = await self._node_of(reg)
+        try:
+            node = await self._node_of(reg)
+        except StoreUnavailable as e:  # (nothing written yet: sending it again is safe)
+            raise not_applied(e) from e
         block_size, generation = check_on_node(
             node.record, reg.block_size, reg.generation, reg.num_tokens, reg.digests, reg.params
         )

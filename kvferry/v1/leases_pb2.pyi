@@ -675,7 +675,12 @@ Global___LeaseOp: _TypeAlias = LeaseOp  # noqa: Y015
 
 @_typing.final
 class OpError(_message.Message):
-    """Why one operation on a stream failed (the status the unary call would return)."""
+    """Why one operation on a stream failed (the status the unary call would return).
+    What a write's status proves: ABORTED = turned away before anything was decided or
+    written (etcd, or the replica owning the conversation's shard, could not take it now):
+    sending it again is safe. UNAVAILABLE or DEADLINE_EXCEEDED = etcd may have applied it,
+    or may apply it yet: a Register sent again could hand D's blocks out twice.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -10,7 +10,6 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -24,19 +23,15 @@ from controlplane.owners.durable import Deposed
 from controlplane.owners.memory import Conversation, Target, Write
 from controlplane.owners.shards import shard_of
 from controlplane.records import OwnerRecord, ShardState
-from controlplane.settings import OwnerSettings, Settings
+from controlplane.settings import OwnerSettings
 from controlplane.store import EtcdStore
 from kvferry.v1 import leases_pb2, nodes_pb2
-from tests.conftest import Client, DaemonFactory, EtcdProcess, daemon_settings
+from tests.conftest import Client, DaemonFactory, EtcdProcess, daemon_settings, owning
 from tests.controlplane.test_claims_and_nodes import AttachStream, hello
 from tests.factories import beside_other_replicas, lease_request, lookup_request, node_reads, node_request
 from tests.polling import eventually
 
 Connect = Callable[[Daemon], Client]
-
-
-def owning(settings: Settings, **changes: Any) -> Settings:
-    return replace(settings, owners=replace(settings.owners, **changes))
 
 
 async def test_the_owner_claims_from_memory_while_etcd_is_paused_then_stops_past_its_validity(

@@ -37,9 +37,12 @@ DEFINITE = frozenset(
         grpc.StatusCode.UNAUTHENTICATED,
         grpc.StatusCode.OUT_OF_RANGE,
         grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.ABORTED,
     }
 )
-"""Refusals that prove the daemon did nothing (validation, a node not registered...)."""
+"""Refusals that prove the daemon did nothing (validation, a node not registered...;
+ABORTED: turned away undecided while etcd or the shard's owner could not take it, which
+the rule `unregistered` checks: one applied after all would be handed out unregistered)."""
 
 
 def retention_of(params: struct_pb2.Struct) -> str:

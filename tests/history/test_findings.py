@@ -108,7 +108,8 @@ async def register_until_taken(
             res = await leases.Register(req, timeout=10)
         except grpc.aio.AioRpcError as e:
             recorder.failed(Kind.REGISTER, "d-0/reg", KEY, t0, e, via, retention=x)
-            if e.code() is not grpc.StatusCode.UNAVAILABLE or loop.time() > deadline:
+            again = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+            if not again or loop.time() > deadline:
                 raise
             continue
         recorder.register("d-0/reg", KEY, t0, x, res, via)

@@ -132,7 +132,7 @@ class Deployment:
         self.routers.append(r)
         return r
 
-    async def registrations_idle(self, timeout_s: float = 10.0) -> None:
+    async def registrations_idle(self, timeout_s: float = 60.0) -> None:
         """Until D's sidecar has sent every registration it captured."""
         sender = self.sidecars["decode"].retentions
         assert sender is not None

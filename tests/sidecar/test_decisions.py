@@ -193,8 +193,9 @@ def test_retry_decisions() -> None:
     )  # not sent: attempts do not count
     assert retry_decision(grpc.StatusCode.DEADLINE_EXCEEDED, 99, 5, sent=False) == "requeue"
     assert retry_decision(grpc.StatusCode.FAILED_PRECONDITION, 2, 5, sent=False) == "retry"
-    assert retry_decision(grpc.StatusCode.ABORTED, 4, 5, sent=False) == "retry"
-    assert retry_decision(grpc.StatusCode.ABORTED, 5, 5, sent=False) == "attempts"  # the fifth try failed
+    assert retry_decision(grpc.StatusCode.RESOURCE_EXHAUSTED, 4, 5, sent=False) == "retry"
+    assert retry_decision(grpc.StatusCode.RESOURCE_EXHAUSTED, 5, 5, sent=False) == "attempts"  # the fifth
+    assert retry_decision(grpc.StatusCode.ABORTED, 99, 5, sent=True) == "requeue"  # (not applied)
     assert retry_decision(grpc.StatusCode.INVALID_ARGUMENT, 1, 5, sent=False) == "failed"
     # The daemon got it, and whether etcd stored it is open: never sent again.
     for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL):

@@ -17,7 +17,7 @@ from kvferry.leaseclient import LeaseStream
 from kvferry.v1 import leases_pb2, nodes_pb2
 from realvllm.process import free_port
 from sidecar import Sidecar
-from tests.conftest import Client, DaemonFactory, EtcdProcess, daemon_settings
+from tests.conftest import Client, DaemonFactory, EtcdProcess, daemon_settings, owning
 from tests.polling import eventually
 from tests.sidecar.conftest import StartEmulator, StartSidecar, sidecar_settings
 from tests.sidecar.helpers import chat, first_turn, prefill
@@ -347,8 +347,10 @@ async def test_a_registration_the_daemon_may_have_stored_is_not_sent_again(
     """The daemon got it and answered UNAVAILABLE (etcd down here; as well a write that
     timed out, which etcd may have committed): the registration is dropped, not resent. By
     the time a resend landed, the retention could have been handed out and D's blocks
-    freed, and it would hand them to a second P."""
-    daemon = await make_daemon(daemon_settings(private_etcd.endpoint))
+    freed, and it would hand them to a second P. (The shard's ownership stays valid for the
+    whole outage here, so its owner decides the registration in memory and only its write
+    is not taken; one turned away undecided is sent again: test_registration_stall.)"""
+    daemon = await make_daemon(owning(daemon_settings(private_etcd.endpoint), ttl_s=120, margin_s=5.0))
     client = connect(daemon)
     p = await start_emulator(role="prefill", enable_prefix_caching=False)
     d = await start_emulator(role="decode")

@@ -32,8 +32,10 @@ OUTCOMES = {
     Code.UNIMPLEMENTED: ("failed", "failed"),
     # turned away before any write, for a passing reason: tried again
     Code.FAILED_PRECONDITION: ("retry", "retry"),
-    Code.ABORTED: ("retry", "retry"),
     Code.RESOURCE_EXHAUSTED: ("retry", "retry"),
+    # turned away undecided while etcd or the conversation's owner could not take it:
+    # waits for them as an unanswered try does (test_registration_stall)
+    Code.ABORTED: ("requeue", "requeue"),
     # no answer, or a failure that proves nothing: maybe stored once it left
     Code.UNAVAILABLE: ("maybe_stored", "requeue"),
     Code.DEADLINE_EXCEEDED: ("maybe_stored", "requeue"),
@@ -53,6 +55,8 @@ def test_each_status_is_read_for_what_it_proves(code: grpc.StatusCode) -> None:
         assert retry_decision(code, 5, 5, sent=True) == "attempts"
     if unsent == "requeue":  # (waits for the daemon: attempts do not count)
         assert retry_decision(code, 99, 5, sent=False) == "requeue"
+    if sent == "requeue":
+        assert retry_decision(code, 99, 5, sent=True) == "requeue"
 
 
 class _Leases(leases_pb2_grpc.LeasesServicer):
