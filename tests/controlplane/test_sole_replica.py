@@ -16,7 +16,7 @@ from controlplane.daemon import Daemon
 from controlplane.errors import StoreUnavailable
 from controlplane.records import NodeRecord, NodeState, Role
 from controlplane.service import nodecache
-from controlplane.service.nodecache import NodeCache
+from controlplane.service.nodecache import CONFIRM_S, NodeCache
 from controlplane.solewriter import GRACE_S, SoleWriter
 from controlplane.store import EtcdStore
 from kvferry.v1 import leases_pb2, nodes_pb2
@@ -59,8 +59,11 @@ async def test_a_replica_beside_another_trusts_its_view_on_its_promise_and_is_to
 ) -> None:
     """Two replicas: each holds the other's promise of notice (controlplane.notices), so
     each decides pulls on its own view; a restarted engine registered through the second
-    waits out its grace, tells the first first, and the first then pulls nothing from the
-    old process."""
+    waits out its grace, tells the first first, and the first then confirms its pulls on
+    that node by reads again: past CONFIRM_S after the write it pulls nothing from the old
+    process. (Within CONFIRM_S a read begun before the write may still confirm one, as
+    beside a replica that promised nothing: nodecache.CONFIRM_S, the history checker's
+    NODE_WINDOW_S. This test failed 1 run in 3 to 12 when it looked up at once.)"""
     first = await make_daemon()
     assert first.control_plane is not None
     first_writer = first.control_plane.store.writer
@@ -98,7 +101,10 @@ async def test_a_replica_beside_another_trusts_its_view_on_its_promise_and_is_to
     assert time.monotonic() - began >= GRACE_S  # (not written before the grace was over)
     # (told first; or, on a machine too busy to answer in time, its promise waited out)
     assert _notices("answered") + _notices("unanswered") == told + 1
-    # The first was told before the write: the old process's retention is not pulled.
+    # The first was told before the write: it confirms by reads, and a read begun once the
+    # write was answered has the new process. (Waiting out the window: a read the lookup
+    # takes began less than CONFIRM_S before it.)
+    await asyncio.sleep(CONFIRM_S)
     stale = await ca.leases.Lookup(lookup_request("after"), timeout=10)
     assert (stale.decision, stale.reason) == (leases_pb2.RECOMPUTE, "node_restarted"), stale
 
