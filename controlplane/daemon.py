@@ -141,7 +141,10 @@ class Daemon:
         """Own claim shards (controlplane.owners): under this replica's id and address, the
         others counted from the announcements, forwarding over the Owners RPC; the fair
         share taken now when etcd answers (else as operations need them)."""
-        cp.owners.me = OwnerRecord(replica=peers.id, address=announced)
+        stream = ""
+        if announced and self.stream_port:  # (routers send lookups there: Leases/Routes)
+            stream = join_host_port(split_host_port(announced, "advertise")[0], self.stream_port)
+        cp.owners.me = OwnerRecord(replica=peers.id, address=announced, stream_address=stream)
         cp.owners.live = peers.live
         self._forwarder = OwnerClient(tls)
         peers.on_rotated.append(self._forwarder.rotated)

@@ -118,6 +118,8 @@ class OwnerRecord(msgspec.Struct, frozen=True):
     replica: str
     address: str = ""
     """Its advertised gRPC address ("": none, a lone replica)."""
+    stream_address: str = ""
+    """Its framed Leases/Stream's address, at the advertised host ("": it serves none)."""
 
 
 class ShardState(msgspec.Struct, frozen=True):

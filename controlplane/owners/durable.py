@@ -18,7 +18,6 @@ from aetcd import rpc
 from controlplane.errors import StoreUnavailable
 from controlplane.etcd import LeaseGone
 from controlplane.owners.memory import Conversation, Held, Target, Write
-from controlplane.owners.shards import shard_of
 from controlplane.records import (
     Claim,
     Keys,
@@ -33,6 +32,7 @@ from controlplane.records import (
 )
 from controlplane.store.gcleases import GcLeases
 from controlplane.store.kv import EtcdKv, absent, decoded, delete_op, get, put_op, range_op
+from kvferry.shards import shard_of
 
 HANDOVER_BATCH = 40
 """Shards left in one transaction (two operations each: etcd takes at most 128)."""

@@ -22,14 +22,16 @@ from controlplane.owners.durable import OwnerStore
 from controlplane.owners.memory import Conversation, Held
 from controlplane.owners.ops import WAITS, Kind, OwnerAnswer, OwnerOp, decide, stored_of
 from controlplane.owners.owner import OwnedShard, ShardOwners
-from controlplane.owners.shards import shard_of
 from controlplane.records import Claim, OwnerRecord, Retention
 from controlplane.store.retentions import ClaimOutcome, Stored
+from kvferry.shards import shard_of
 
 log = structlog.get_logger(__name__)
 
 OWNER_CACHE_S = 2.0
 """How long a remote owner read from etcd is used before it is read again."""
+ROUTES_S = 1.0
+"""How long one read of every shard's owner answers Leases/Routes (routers ask each second)."""
 
 
 class NotOwner(FailedPrecondition):
@@ -63,6 +65,8 @@ class OwnedRetentions:
         self._fetching: dict[
             tuple[int, int, Conversation], asyncio.Future[tuple[Held | None, Claim | None]]
         ] = {}
+        self._routes: asyncio.Future[dict[int, OwnerRecord]] | None = None
+        self._routes_until = 0.0
 
     async def claim(
         self, tenant: str, conversation_id: str, now: float, claimed_by: str = ""
@@ -169,6 +173,21 @@ class OwnedRetentions:
                 raise NotApplied(f"shard {shard}: no owner could take the operation in time")
             self._remote.pop(shard, None)
             await asyncio.sleep(0.02)
+
+    async def routes(self) -> dict[int, OwnerRecord]:
+        """Every shard's owner, as etcd had it at most ROUTES_S ago: one read shared by the
+        routers asking meanwhile (StoreUnavailable: etcd did not answer it)."""
+        now = time.monotonic()
+        if self._routes is None or now >= self._routes_until:
+            self._routes = asyncio.ensure_future(self._store.owners())
+            self._routes_until = now + ROUTES_S
+        reading = self._routes
+        try:
+            return await asyncio.shield(reading)
+        except StoreUnavailable:
+            if self._routes is reading:
+                self._routes_until = 0.0  # (the next caller reads again)
+            raise
 
     async def apply_local(self, op: OwnerOp) -> OwnerAnswer:
         """Run an operation forwarded by another replica: only when this one owns the shard."""

@@ -1,20 +1,13 @@
-"""Which shard a conversation belongs to, and each replica's fair share of the shards:
-pure functions of plain data, no I/O. (How long an owner may go on deciding:
-controlplane.validity.)"""
+"""Each replica's fair share of the claim shards: pure, no I/O. (Which shard a
+conversation belongs to: kvferry.shards, shared with the routers; how long an owner may
+go on deciding: controlplane.validity.)"""
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 DEFAULT_SHARDS = 32
 """Shards when `--claim-shards` is not given."""
-
-
-def shard_of(tenant: str, conversation_id: str, shards: int) -> int:
-    """The shard of a conversation: a stable hash (the same on every replica and version)."""
-    digest = hashlib.blake2b(f"{tenant}\0{conversation_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") % shards
 
 
 def fair_share(shards: int, live_replicas: int) -> int:

@@ -92,7 +92,7 @@ async def start_server(
     )
     cluster = Cluster(cp.registry, cp.attachments, peers)
     nodes_pb2_grpc.add_NodesServicer_to_server(NodesServicer(cp.registry, cp.attachments, cluster), server)
-    leases = LeasesServicer(cp.retentions, cp.lookups, cp.held)
+    leases = LeasesServicer(cp.retentions, cp.lookups, cp.held, cp.owned)
     leases_pb2_grpc.add_LeasesServicer_to_server(leases, server)
     owners_pb2_grpc.add_OwnersServicer_to_server(
         OwnersServicer(cp.owned, cp.budgets, cp.nodes, cp.store), server

@@ -19,14 +19,15 @@ from controlplane.messages import (
     prompt_of,
     retention_registration_of,
 )
+from controlplane.owners import OwnedRetentions
 from controlplane.policy import RELEASE, Prompt
+from controlplane.records import OwnerRecord
 from controlplane.server.auth import allowed, caller, require
 from controlplane.server.status import rpc
 from controlplane.server.stream import Later, OpStream
 from controlplane.service.held import HeldPins, Pin, PinState
 from controlplane.service.lookups import Lookups
 from controlplane.service.retentions import Retentions
-from controlplane.service.validation import DEFAULT_TENANT
 from kvferry.security.roles import (
     all_tenants_denial,
     node_denial,
@@ -34,6 +35,7 @@ from kvferry.security.roles import (
     stream_op_denial,
     tenant_denial,
 )
+from kvferry.shards import DEFAULT_TENANT
 from kvferry.v1 import leases_pb2, leases_pb2_grpc
 
 _LEASES = "/kvferry.v1.Leases/"
@@ -59,11 +61,18 @@ def _may_look_up(request: leases_pb2.LookupRequest) -> None:
 class LeasesServicer(leases_pb2_grpc.LeasesServicer):
     """kvferry.v1.Leases."""
 
-    def __init__(self, retentions: Retentions, lookups: Lookups, held: HeldPins | None = None) -> None:
-        """`held` answers Leases/Held (None: FAILED_PRECONDITION)."""
+    def __init__(
+        self,
+        retentions: Retentions,
+        lookups: Lookups,
+        held: HeldPins | None = None,
+        owned: OwnedRetentions | None = None,
+    ) -> None:
+        """`held` answers Leases/Held, `owned` Leases/Routes (None: FAILED_PRECONDITION)."""
         self._retentions = retentions
         self._lookups = lookups
         self._held = held
+        self._owned = owned
 
     async def _register(self, request: leases_pb2.RegisterLeaseRequest) -> leases_pb2.RegisterLeaseResponse:
         # A retention of engine E comes only from E's sidecar (or an admin): no one else's
@@ -204,6 +213,32 @@ class LeasesServicer(leases_pb2_grpc.LeasesServicer):
         pins = [Pin(p.tenant, p.conversation_id, p.request_id, p.remote_request_id) for p in request.pins]
         states = await self._held.states(pins)
         return leases_pb2.HeldResponse(states=[_PIN_STATES[s] for s in states])
+
+    @rpc("Leases/Routes")
+    async def Routes(
+        self, request: leases_pb2.RoutesRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> leases_pb2.RoutesResponse:
+        """Which replica decides each conversation's lookups (the owners of the claim shards)."""
+        if self._owned is None:
+            raise FailedPrecondition("Leases/Routes is not served by this daemon")
+        return routes_message(self._owned.owners.settings.shards, await self._owned.routes())
+
+
+def routes_message(shards: int, owners: dict[int, OwnerRecord]) -> leases_pb2.RoutesResponse:
+    """The shards' owners as Leases/Routes answers them (owners without an address left out:
+    nobody can send them anything)."""
+    res = leases_pb2.RoutesResponse(shards=shards)
+    by_replica: dict[str, leases_pb2.ShardOwner] = {}
+    for shard, owner in sorted(owners.items()):
+        if not owner.address:
+            continue
+        out = by_replica.get(owner.replica)
+        if out is None:
+            out = by_replica[owner.replica] = res.owners.add(
+                replica=owner.replica, address=owner.address, stream_address=owner.stream_address
+            )
+        out.shards.append(shard)
+    return res
 
 
 async def _prompt(later: Later) -> Prompt:

@@ -17,9 +17,9 @@ from controlplane.records import NodeRecord, Role
 from controlplane.settings import Limits
 from kvferry.ids import id_problem
 from kvferry.limits import MAX_BLOCK_SIZE, MAX_LIVENESS_TTL_S, MIN_LIVENESS_TTL_S
+from kvferry.shards import DEFAULT_TENANT
 from kvferry.urls import is_http_url
 
-DEFAULT_TENANT = "default"
 MAX_PAGE = 1000
 MAX_URL_BYTES = 2048
 #: Generations stay below this: increments of a registered one must fit a uint64 (and an int64).

@@ -35,8 +35,9 @@ class Role(enum.StrEnum):
     READER = "reader"
     """Dashboards and on-call reading: Get, List (its tenants) and the node list."""
     ROUTER = "router"
-    """A front door: lookups (its tenants), node list and scores, and the end of its
-    tenants' conversations (a Revoke with conversation_end)."""
+    """A front door: lookups (its tenants), node list and scores, where each conversation's
+    lookups are decided (Leases/Routes), and the end of its tenants' conversations (a
+    Revoke with conversation_end)."""
     SIDECAR = "sidecar"
     """The sidecar of one engine: registers that engine and its retentions."""
     DAEMON = "daemon"
@@ -49,7 +50,9 @@ class Role(enum.StrEnum):
 _READ = frozenset({f"{LEASES}Get", f"{LEASES}List", f"{NODES}List"})
 ALLOWED: dict[Role, frozenset[str]] = {
     Role.READER: _READ,
-    Role.ROUTER: _READ | {f"{LEASES}Lookup", f"{LEASES}Stream", f"{NODES}Score", f"{LEASES}Revoke"},
+    Role.ROUTER: _READ
+    | {f"{LEASES}{m}" for m in ("Lookup", "Stream", "Revoke", "Routes")}
+    | {f"{NODES}Score"},
     Role.SIDECAR: frozenset(
         {
             f"{NODES}Register",

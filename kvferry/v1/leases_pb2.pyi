@@ -781,7 +781,7 @@ class LeaseOpResultBatch(_message.Message):
 Global___LeaseOpResultBatch: _TypeAlias = LeaseOpResultBatch  # noqa: Y015
 
 @_typing.final
-class StreamHello(_message.Message):
+class RoutesRequest(_message.Message):
     """Leases/Stream without gRPC: the daemon's --stream-listen address serves the same ops
     over a plain TCP connection (TLS as the gRPC main port: client certificates required
     when the daemon has TLS), framed as a 4-byte big-endian length and that many bytes of
@@ -793,8 +793,90 @@ class StreamHello(_message.Message):
     has that id) and carries the OpError; then the daemon closes the connection. Same
     semantics, roles and per-op checks as Leases/Stream; it spares gRPC Python's cost
     per message (kvferry.framedstream).
+    Leases/Routes: which daemon replica decides each conversation's lookups. A
+    conversation belongs to claim shard kvferry.shards.shard_of(tenant, conversation_id,
+    shards); the replica owning that shard decides its claims in memory, and any other
+    replica forwards them there (one more hop, two when it is the router's). Owners change
+    as replicas come and go: a lookup sent to a replica that no longer owns the shard is
+    forwarded all the same.
     """
 
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoutesRequest: _TypeAlias = RoutesRequest  # noqa: Y015
+
+@_typing.final
+class ShardOwner(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    STREAM_ADDRESS_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    replica: _builtins.str
+    """The replica's id (its announcement, replicas/<id>)."""
+    address: _builtins.str
+    """Its advertised gRPC address, and its framed Leases/Stream's ("" = it serves none)."""
+    stream_address: _builtins.str
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The shards it owns."""
+
+    def __init__(
+        self,
+        *,
+        replica: _builtins.str = ...,
+        address: _builtins.str = ...,
+        stream_address: _builtins.str = ...,
+        shards: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "replica", b"replica", "shards", b"shards", "stream_address", b"stream_address"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardOwner: _TypeAlias = ShardOwner  # noqa: Y015
+
+@_typing.final
+class RoutesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARDS_FIELD_NUMBER: _builtins.int
+    OWNERS_FIELD_NUMBER: _builtins.int
+    shards: _builtins.int
+    """How many claim shards there are (the daemons' --claim-shards)."""
+    @_builtins.property
+    def owners(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardOwner]:
+        """The replicas owning shards now, as etcd had them at most a second ago (a shard
+        without an owner, or whose owner has no address, is in none: send it anywhere).
+        """
+
+    def __init__(
+        self,
+        *,
+        shards: _builtins.int = ...,
+        owners: _abc.Iterable[Global___ShardOwner] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["owners", b"owners", "shards", b"shards"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoutesResponse: _TypeAlias = RoutesResponse  # noqa: Y015
+
+@_typing.final
+class StreamHello(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     AUTHORIZATION_FIELD_NUMBER: _builtins.int

@@ -64,6 +64,11 @@ class LeasesStub:
                 request_serializer=kvferry_dot_v1_dot_leases__pb2.LeaseOpBatch.SerializeToString,
                 response_deserializer=kvferry_dot_v1_dot_leases__pb2.LeaseOpResultBatch.FromString,
                 _registered_method=True)
+        self.Routes = channel.unary_unary(
+                '/kvferry.v1.Leases/Routes',
+                request_serializer=kvferry_dot_v1_dot_leases__pb2.RoutesRequest.SerializeToString,
+                response_deserializer=kvferry_dot_v1_dot_leases__pb2.RoutesResponse.FromString,
+                _registered_method=True)
         self.Held = channel.unary_unary(
                 '/kvferry.v1.Leases/Held',
                 request_serializer=kvferry_dot_v1_dot_leases__pb2.HeldRequest.SerializeToString,
@@ -122,6 +127,13 @@ class LeasesServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Routes(self, request, context):
+        """Where each conversation's lookups are decided (for routers).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Held(self, request, context):
         """For a decode node's sidecar (of that node only): which of the D requests it holds
         pinned, their retentions registered, still have a use. Those claimed over a grace
@@ -163,6 +175,11 @@ def add_LeasesServicer_to_server(servicer, server):
                     servicer.Stream,
                     request_deserializer=kvferry_dot_v1_dot_leases__pb2.LeaseOpBatch.FromString,
                     response_serializer=kvferry_dot_v1_dot_leases__pb2.LeaseOpResultBatch.SerializeToString,
+            ),
+            'Routes': grpc.unary_unary_rpc_method_handler(
+                    servicer.Routes,
+                    request_deserializer=kvferry_dot_v1_dot_leases__pb2.RoutesRequest.FromString,
+                    response_serializer=kvferry_dot_v1_dot_leases__pb2.RoutesResponse.SerializeToString,
             ),
             'Held': grpc.unary_unary_rpc_method_handler(
                     servicer.Held,
@@ -332,6 +349,33 @@ class Leases:
             '/kvferry.v1.Leases/Stream',
             kvferry_dot_v1_dot_leases__pb2.LeaseOpBatch.SerializeToString,
             kvferry_dot_v1_dot_leases__pb2.LeaseOpResultBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Routes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvferry.v1.Leases/Routes',
+            kvferry_dot_v1_dot_leases__pb2.RoutesRequest.SerializeToString,
+            kvferry_dot_v1_dot_leases__pb2.RoutesResponse.FromString,
             options,
             channel_credentials,
             insecure,

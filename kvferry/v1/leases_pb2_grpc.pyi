@@ -53,6 +53,8 @@ class LeasesStub:
     (one op per message when idle, many under load): a gRPC message costs far
     more than an operation in gRPC Python.
     """
+    Routes: _grpc.UnaryUnaryMultiCallable[_leases_pb2.RoutesRequest, _leases_pb2.RoutesResponse]
+    """Where each conversation's lookups are decided (for routers)."""
     Held: _grpc.UnaryUnaryMultiCallable[_leases_pb2.HeldRequest, _leases_pb2.HeldResponse]
     """For a decode node's sidecar (of that node only): which of the D requests it holds
     pinned, their retentions registered, still have a use. Those claimed over a grace
@@ -82,6 +84,8 @@ class LeasesAsyncStub(LeasesStub):
     (one op per message when idle, many under load): a gRPC message costs far
     more than an operation in gRPC Python.
     """
+    Routes: _aio.UnaryUnaryMultiCallable[_leases_pb2.RoutesRequest, _leases_pb2.RoutesResponse]  # type: ignore[assignment]
+    """Where each conversation's lookups are decided (for routers)."""
     Held: _aio.UnaryUnaryMultiCallable[_leases_pb2.HeldRequest, _leases_pb2.HeldResponse]  # type: ignore[assignment]
     """For a decode node's sidecar (of that node only): which of the D requests it holds
     pinned, their retentions registered, still have a use. Those claimed over a grace
@@ -144,6 +148,14 @@ class LeasesServicer(metaclass=_abc_1.ABCMeta):
         (one op per message when idle, many under load): a gRPC message costs far
         more than an operation in gRPC Python.
         """
+
+    @_abc_1.abstractmethod
+    def Routes(
+        self,
+        request: _leases_pb2.RoutesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_leases_pb2.RoutesResponse, _abc.Awaitable[_leases_pb2.RoutesResponse]]:
+        """Where each conversation's lookups are decided (for routers)."""
 
     @_abc_1.abstractmethod
     def Held(

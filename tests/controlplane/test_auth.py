@@ -218,6 +218,17 @@ async def test_roles_are_held_to_their_methods(as_: Connect) -> None:
     ]
 
 
+async def test_only_routers_learn_where_lookups_are_decided(as_: Connect) -> None:
+    routes = await as_("router").leases.Routes(leases_pb2.RoutesRequest(), timeout=10)
+    assert routes.shards == 32
+    assert [list(o.shards) for o in routes.owners] == [list(range(32))]  # (this replica's alone)
+    for who in ("reader", "sidecar-d0"):
+        message = await _refused(
+            as_(who).leases.Routes(leases_pb2.RoutesRequest(), timeout=10), grpc.StatusCode.PERMISSION_DENIED
+        )
+        assert message.endswith("may not call /kvferry.v1.Leases/Routes: it needs role router or admin")
+
+
 async def test_rogue_engines_cannot_register(as_: Connect) -> None:
     """Issue 21's first attack: a node registered by someone other than its sidecar."""
     for name in ("router", "reader", "daemon"):

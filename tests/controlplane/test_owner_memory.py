@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from controlplane.owners.memory import Conversation, ShardMemory, Target, Write
-from controlplane.owners.shards import fair_share, shard_of
+from controlplane.owners.shards import fair_share
 from controlplane.records import Claim, Retention
 from controlplane.validity import valid_until
+from kvferry.shards import shard_of
 
 C = Conversation("t", "c")
 

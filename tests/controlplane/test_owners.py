@@ -21,10 +21,10 @@ from controlplane.errors import StoreUnavailable
 from controlplane.owners import OwnerStore
 from controlplane.owners.durable import Deposed
 from controlplane.owners.memory import Conversation, Target, Write
-from controlplane.owners.shards import shard_of
 from controlplane.records import OwnerRecord, ShardState
 from controlplane.settings import OwnerSettings
 from controlplane.store import EtcdStore
+from kvferry.shards import shard_of
 from kvferry.v1 import leases_pb2, nodes_pb2
 from tests.conftest import Client, DaemonFactory, EtcdProcess, daemon_settings, owning
 from tests.controlplane.test_claims_and_nodes import AttachStream, hello

@@ -218,8 +218,8 @@ async def test_the_history_checker_finds_a_view_trusted_beside_another_writer(
     """Rule 1 broken (a replica trusting its view beside another that writes node records):
     a pull from an engine process replaced through the other replica. tests/history's
     stale_node rule finds it; test_history runs the same check on the real rules."""
-    from controlplane.owners.shards import shard_of
     from controlplane.settings import NodeSettings
+    from kvferry.shards import shard_of
     from tests.factories import d_params
     from tests.history.checker import NODE_WINDOW_S, Rule, check
     from tests.history.recorder import Recorder
