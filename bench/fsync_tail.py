@@ -218,7 +218,7 @@ async def bench(args: argparse.Namespace) -> Rows:
             await _register(clients, n, per_set)
             await _framed_phases(clients, d, etcd, args.phase_s, raw_p99, rows, " (beside a replica)")
             await _register(clients, n + per_set, per_set)
-            async with at_owners(etcd.endpoint, [d, other]) as route:
+            async with at_owners([d, other]) as route:
                 note = " (beside a replica, at the owner)"
                 await _framed_phases(clients, d, etcd, args.phase_s, raw_p99, rows, note, route)
             unreachable = await beside_an_unreachable_replica(etcd.endpoint, d)

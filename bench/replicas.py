@@ -8,16 +8,18 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 
+import grpc
 from aetcd import rpc
 
 from bench.daemon_workload import DaemonProcess, metrics_page
 from controlplane.etcd import Client as EtcdClient
 from controlplane.owners import OwnerSettings
-from controlplane.owners.shards import shard_of
-from controlplane.records import Keys, decode_owner, prefix_end
+from controlplane.records import Keys
 from controlplane.settings import EtcdSettings
 from kvferry.framedstream import opener
 from kvferry.leaseclient import LeaseStream
+from kvferry.v1 import leases_pb2, leases_pb2_grpc
+from router.routes import routes_of
 
 Route = Callable[[str], LeaseStream]
 """The stream a conversation's lookup goes to."""
@@ -52,22 +54,25 @@ async def beside_an_unreachable_replica(etcd: str, d: DaemonProcess) -> EtcdClie
 
 
 @contextlib.asynccontextmanager
-async def at_owners(etcd: str, daemons: list[DaemonProcess]) -> AsyncIterator[Route]:
+async def at_owners(daemons: list[DaemonProcess]) -> AsyncIterator[Route]:
     """A framed stream to each of `daemons`, and the route of a conversation's lookup to its
-    shard's owner, as etcd has the owners now (they stay put while nobody joins or leaves):
-    what a router that knew the owners would do (no forwarding hop)."""
-    keys = Keys(EtcdSettings().prefix)
-    raw = EtcdClient((etcd,), 5.0)
-    await raw.connect()
+    shard's owner as a router learns it (Leases/Routes, router.routes: no forwarding hop).
+    The owners stay put while nobody joins or leaves; a shard with none goes to the first."""
+    channel = grpc.aio.insecure_channel(daemons[0].address)
     try:
-        resp = await raw.kvstub.Range(rpc.RangeRequest(key=keys.owners, range_end=prefix_end(keys.owners)))
+        res = await leases_pb2_grpc.LeasesStub(channel).Routes(leases_pb2.RoutesRequest(), timeout=10)
     finally:
-        await raw.close()
-    owner = {int(bytes(kv.key)[len(keys.owners) :]): decode_owner(kv.value).address for kv in resp.kvs}
-    streams = {d.address: LeaseStream(None, opener=opener(d.stream_address)) for d in daemons}
-    shards = OwnerSettings().shards
+        await channel.close(None)
+    routes = routes_of(res, framed=True)
+    streams = {d.stream_address: LeaseStream(None, opener=opener(d.stream_address)) for d in daemons}
+    first = streams[daemons[0].stream_address]
+
+    def route(conversation_id: str) -> LeaseStream:
+        owner = routes.owner(TENANT, conversation_id)
+        return first if owner is None else streams.get(owner.stream_address, first)
+
     try:
-        yield lambda conv: streams[owner[shard_of(TENANT, conv, shards)]]
+        yield route
     finally:
         for stream in streams.values():
             await stream.close()

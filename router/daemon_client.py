@@ -16,29 +16,28 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import structlog
 
-from kvferry.channels import daemon_channel, daemon_channel_options
-from kvferry.framedstream import opener
-from kvferry.leaseclient import LeaseOpError, LeaseStream
+from kvferry.leaseclient import LeaseOpError
 from kvferry.security.tls import TlsFiles, client_ssl_context
 from kvferry.structs import struct_to_dict
 from kvferry.tasks import cancel_and_wait
-from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
+from kvferry.v1 import leases_pb2, nodes_pb2
 from kvferry.verification import Held
 from router.choice import Node
 from router.decisions import Breaker, LookupAnswer, Reuse, Skip, reuse_of, skipped, verified_reuse
+from router.replica import Replica
+from router.routes import Owner, OwnerReplicas, routes_of
 from router.settings import DaemonSettings
 from router.view import Listed
 
 log = structlog.get_logger(__name__)
 
-_CHANNEL_OPTIONS = daemon_channel_options(max_backoff_ms=1000)
 _ROLES = {nodes_pb2.PREFILL: "prefill", nodes_pb2.DECODE: "decode", nodes_pb2.BOTH: "both"}
 _UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 _STREAM_PROBE = "kvferry-router-stream-probe"
@@ -101,31 +100,6 @@ class Ended:
     engine_id: str
 
 
-class _Replica:
-    """One daemon replica: its channel, its lookup stream and its Nodes stub."""
-
-    def __init__(
-        self, address: str, late_answer_s: float, tls: TlsFiles | None = None, stream_address: str = ""
-    ) -> None:
-        self.address = address
-        self.stream_address = stream_address
-        self.channel = daemon_channel(address, tls, _CHANNEL_OPTIONS)
-        framed = opener(stream_address, tls) if stream_address else None
-        self.stream = LeaseStream(self.channel, late_answer_s, framed)
-        """Its ``Leases/Stream``, which the lookups go over (framed, at `stream_address`)."""
-        self.nodes = nodes_pb2_grpc.NodesStub(self.channel)
-        self.leases = leases_pb2_grpc.LeasesStub(self.channel)
-        self.late = 0
-        """Lookups in a row it answered after their deadline (or never), each sent after the
-        one before was found late (those that were out together count once)."""
-        self.late_at = 0.0
-        """When the last late one was found (time.monotonic())."""
-
-    async def close(self) -> None:
-        await self.stream.close()
-        await self.channel.close(None)
-
-
 class DaemonClient:
     """Lookups, node lists and scores against the daemon replicas, failing over between them."""
 
@@ -139,22 +113,65 @@ class DaemonClient:
             self._tls.changed()
         streams = settings.stream_addresses or ("",) * len(addresses)
         self._replicas = [
-            _Replica(a, settings.late_answer_s, self._tls, f) for a, f in zip(addresses, streams, strict=True)
+            Replica(a, settings.late_answer_s, self._tls, f) for a, f in zip(addresses, streams, strict=True)
         ]
         self._current = 0
         self.breaker = Breaker(settings.breaker_base_s, settings.breaker_max_s)
         self._reopening: asyncio.Task[None] | None = None
         self._stream_wanted = False
         """A lookup stream was set up ahead of the turns (`open_stream`): again after a rotation."""
-        self._retired: list[_Replica] = []
+        self._retired: list[Replica] = []
         """Replicas replaced on a rotation, until closed (`_retire`)."""
         self._retiring: set[asyncio.Task[None]] = set()
+        self.owners = OwnerReplicas(self._owner_replica)
+        """Where each conversation's lookups go (its shard's owner: router.routes)."""
+        self._routed = settings.owner_routes
+        """Whether to ask for routes (off: every lookup to the replica in use)."""
+        self._opening: set[asyncio.Task[None]] = set()
 
     @property
-    def _replica(self) -> _Replica:
+    def _replica(self) -> Replica:
         return self._replicas[self._current]
 
-    def _failover(self, failed: _Replica) -> None:
+    def _owner_replica(self, owner: Owner) -> Replica:
+        """The replica an owner's lookups go to: a configured one at its address, else a new one."""
+        for r in self._replicas:
+            if r.address == owner.address:
+                return r
+        return Replica(owner.address, self._s.late_answer_s, self._tls, owner.stream_address)
+
+    async def refresh_routes(self) -> None:
+        """Learn which replica decides each conversation's lookups (Leases/Routes, asked of
+        the replica in use). On a failure the routes stay as they were: a lookup that
+        reaches a replica no longer owning its shard is forwarded all the same. A daemon
+        that does not serve them (older, or refusing) is not asked again."""
+        if not self._routed:
+            return
+        replica = self._replica
+        try:
+            res = await replica.leases.Routes(leases_pb2.RoutesRequest(), timeout=self._s.rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED):
+                self._routed = False
+                log.warning("router.routes.off", address=replica.address, code=e.code().name)
+            else:
+                log.debug("router.routes.failed", address=replica.address, code=e.code().name)
+            return
+        made, gone = self.owners.learn(routes_of(res, bool(self._s.stream_addresses)))
+        for r in made:  # (set up before a turn needs it: see open_stream)
+            self._spawn(self._open(r), self._opening)
+        for r in gone:
+            if r not in self._replicas:
+                self._retire_later(r)
+        if made or gone:
+            log.info("router.routes.changed", owners=[r.address for r in self.owners.all()])
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    def _failover(self, failed: Replica) -> None:
         if self._replica is failed and len(self._replicas) > 1:
             self._current = (self._current + 1) % len(self._replicas)
             log.info("router.daemon.failover", address=self._replica.address)
@@ -166,7 +183,10 @@ class DaemonClient:
         registered, it takes that one: the next turn loses its reuse. A failure here is
         only logged: turns set the stream up themselves."""
         self._stream_wanted = True
-        replica = self._replica
+        await self._open(self._replica)
+
+    async def _open(self, replica: Replica) -> None:
+        """Set `replica`'s lookup stream up (see `open_stream`)."""
         try:
             await replica.stream.lookup(
                 leases_pb2.LookupRequest(conversation_id=_STREAM_PROBE, peek=True), self._s.rpc_timeout_s
@@ -189,20 +209,19 @@ class DaemonClient:
             log.warning("router.daemon.tls_reload_failed", cert=str(self._tls.cert), error=str(e))
             return False
         old = self._replicas
-        self._replicas = [
-            _Replica(r.address, self._s.late_answer_s, self._tls, r.stream_address) for r in old
-        ]
-        for replica in old:
-            self._retired.append(replica)
-            task = asyncio.get_running_loop().create_task(self._retire(replica))
-            self._retiring.add(task)
-            task.add_done_callback(self._retiring.discard)
+        self._replicas = [Replica(r.address, self._s.late_answer_s, self._tls, r.stream_address) for r in old]
+        for replica in old + [r for r in self.owners.forget() if r not in old]:
+            self._retire_later(replica)
         if self._stream_wanted:
             self._reopen()
         log.info("router.daemon.tls_rotated", cert=str(self._tls.cert))
         return True
 
-    async def _retire(self, replica: _Replica) -> None:
+    def _retire_later(self, replica: Replica) -> None:
+        self._retired.append(replica)
+        self._spawn(self._retire(replica), self._retiring)
+
+    async def _retire(self, replica: Replica) -> None:
         """Close a replaced replica once the calls that started on it are over."""
         await asyncio.sleep(RETIRE_AFTER_S)
         await replica.stream.owed_answers(self._s.late_answer_s)
@@ -252,7 +271,7 @@ class DaemonClient:
         now = time.monotonic()
         if not self.breaker.allows(now):
             return skipped(Skip.BACKOFF)
-        replica = self._replica
+        replica = self.owners.replica(tenant, conversation_id) or self._replica
         try:
             res = await replica.stream.lookup_verifying(
                 req,
@@ -271,7 +290,7 @@ class DaemonClient:
         return verified_reuse(answer_of(res), made())
 
     def _lookup_failed(
-        self, replica: _Replica, e: LeaseOpError, sent_at: float, conversation_id: str
+        self, replica: Replica, e: LeaseOpError, sent_at: float, conversation_id: str
     ) -> Reuse:
         """A lookup sent to `replica` at `sent_at` failed: count it against the replica
         (and the breaker), fail over when it looks gone or hung; -> the turn's reuse."""
@@ -291,6 +310,8 @@ class DaemonClient:
         if failing_over:
             replica.late, replica.late_at = 0, time.monotonic()  # (those still out: not counted)
             self._failover(replica)
+            if replica is not self._replica:  # (an owner's: its lookups go elsewhere a while)
+                self.owners.shun(replica.address)
         if failing_over or e.stream_lost:
             self._reopen()  # (the stream of the replica now used, set up before a turn needs it)
         log.info(
@@ -355,11 +376,12 @@ class DaemonClient:
         """Until the lookups answered after their turn gave up on them have had their answers
         (see LeaseStream.owed_answers), or `timeout_s`."""
         until = time.monotonic() + timeout_s
-        for r in [*self._replicas, *self._retired]:
+        for r in {*self._replicas, *self._retired, *self.owners.all()}:
             await r.stream.owed_answers(until - time.monotonic())
 
     async def close(self) -> None:
-        await cancel_and_wait([self._reopening, *self._retiring])
-        for r in [*self._replicas, *self._retired]:
+        await cancel_and_wait([self._reopening, *self._retiring, *self._opening])
+        owned = [r for r in self.owners.forget() if r not in self._replicas]
+        for r in [*self._replicas, *self._retired, *owned]:
             await r.close()
         self._retired.clear()

@@ -85,6 +85,9 @@ class DaemonSettings:
     """After a failed lookup, skip lookups this long (doubling per failure)."""
     breaker_max_s: float = 1.0
     """Longest time lookups are skipped after failures."""
+    owner_routes: bool = True
+    """Send each lookup to the replica owning its conversation's claim shard (Leases/Routes,
+    learned with each node refresh), not through the replica in use, which would forward it."""
 
     def validate(self) -> None:
         """Raise ValueError on an address that is not host:port, stream addresses that do not
@@ -328,6 +331,13 @@ FLAGS = (
         float,
     ),
     Flag("nodes-refresh", "daemon.nodes_refresh_s", "seconds between node list refreshes", float),
+    Flag(
+        "owner-routes",
+        "daemon.owner_routes",
+        "send each lookup to the daemon replica owning its conversation's shard (false: to the one in use)",
+        boolean,
+        to_text=bool_text,
+    ),
     Flag(
         "reuse",
         "reuse.enabled",
