@@ -83,20 +83,29 @@ class Demotion:
 
 
 @dataclass
+class Promised:
+    """What this replica promised one asker, or is about to."""
+
+    address: str
+    """Where it takes the notices."""
+    until: float = -math.inf
+    """When its promise lapses (this clock; -inf: it holds none)."""
+    grant: int = 0
+    """The number of the grant its promise runs on (a renewal keeps it)."""
+    withdrawn: bool = False
+    """It did not answer a notice: its promise is not renewed until lapsed."""
+    joining_until: float = -math.inf
+    """Refused a new promise for now: told of the demotions begun meanwhile, until this."""
+
+
+@dataclass
 class Promises:
     """The promises this replica made to the others, and its demotions under way."""
 
     promise_s: float = PROMISE_S
     clock: Callable[[], float] = time.monotonic
-    _until: dict[str, float] = field(default_factory=dict)
-    """Asker -> when its promise lapses (this clock)."""
-    _grant: dict[str, int] = field(default_factory=dict)
-    """Asker -> the number of the grant its promise runs on (a renewal keeps it)."""
-    _withdrawn: set[str] = field(default_factory=set)
-    """Askers that did not answer a notice: not renewed until lapsed."""
-    _joining: dict[str, float] = field(default_factory=dict)
-    """Askers refused a new promise for now: told of demotions begun meanwhile, until this."""
-    _address: dict[str, str] = field(default_factory=dict)
+    _askers: dict[str, Promised] = field(default_factory=dict)
+    """Asker -> what it was promised (only those holding a promise or joining)."""
     _under_way: dict[int, Demotion] = field(default_factory=dict)
     _numbers: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
@@ -107,49 +116,44 @@ class Promises:
         lapsed yet): ask again."""
         now = self.clock()
         self._forget_lapsed(now)
-        self._address[asker] = address
-        held = asker in self._until
-        if asker in self._withdrawn:
+        a = self._askers.setdefault(asker, Promised(address))
+        a.address = address
+        if a.withdrawn:
             return None  # (held: not renewed until lapsed)
-        if held:
-            self._until[asker] = now + self.promise_s
-            return self._grant[asker]
-        self._joining[asker] = now + self.promise_s
+        if a.until > now:
+            a.until = now + self.promise_s
+            return a.grant
+        a.joining_until = now + self.promise_s
         if any(asker not in d.told for d in self._under_way.values()):  # (told, and answered)
             return None
-        del self._joining[asker]
-        self._until[asker] = now + self.promise_s
-        self._grant[asker] = next(self._numbers)
-        return self._grant[asker]
+        a.joining_until, a.until, a.grant = -math.inf, now + self.promise_s, next(self._numbers)
+        return a.grant
 
     def begin(self, engine_id: str) -> Demotion:
         """A demoting write of `engine_id` is about to be made: whom it must tell first
         (every promise that has not lapsed, withdrawn or not, and every asker joining)."""
-        now = self.clock()
-        self._forget_lapsed(now)
-        tell = {a: self._address[a] for a in sorted({*self._until, *self._joining})}
+        self._forget_lapsed(self.clock())
+        tell = {name: a.address for name, a in sorted(self._askers.items())}
         demotion = Demotion(engine_id, next(self._numbers), tell, dict(tell))
         self._under_way[demotion.number] = demotion
         return demotion
 
     def _forget_lapsed(self, now: float) -> None:
-        """Drop promises and joinings that lapsed (askers gone, or asking no more)."""
-        self._until = {a: until for a, until in self._until.items() if until > now}
-        self._joining = {a: until for a, until in self._joining.items() if until > now}
-        self._withdrawn &= self._until.keys()
-        self._grant = {a: g for a, g in self._grant.items() if a in self._until}
-        self._address = {
-            a: address for a, address in self._address.items() if a in self._until or a in self._joining
-        }
+        """Drop the askers whose promise and joining both lapsed (gone, or asking no more);
+        of the others, a lapsed promise (and its grant, and its withdrawal)."""
+        self._askers = {n: a for n, a in self._askers.items() if a.until > now or a.joining_until > now}
+        for a in self._askers.values():
+            if a.until <= now:
+                a.until, a.grant, a.withdrawn = -math.inf, 0, False
 
     def unanswered(self, demotion: Demotion, asker: str) -> None:
         """`asker` did not answer `demotion`'s notice: its promise is withdrawn, and the
         write waits until it has lapsed."""
         demotion.told.pop(asker, None)
-        until = self._until.get(asker, -math.inf)
-        if until > self.clock():
-            self._withdrawn.add(asker)
-            demotion.wait_until = max(demotion.wait_until, until)
+        a = self._askers.get(asker)
+        if a is not None and a.until > self.clock():
+            a.withdrawn = True
+            demotion.wait_until = max(demotion.wait_until, a.until)
 
     def end(self, demotion: Demotion) -> None:
         """`demotion`'s write is over (applied, refused, or its outcome unknown)."""
@@ -158,7 +162,7 @@ class Promises:
     def promised(self) -> int:
         """How many promises have not lapsed."""
         now = self.clock()
-        return sum(1 for until in self._until.values() if until > now)
+        return sum(1 for a in self._askers.values() if a.until > now)
 
 
 class NoticeTransport(Protocol):

@@ -8,7 +8,6 @@ written past, and each broken rule is caught; then what keeps a node in doubt
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from typing import Any
 
@@ -16,7 +15,7 @@ import pytest
 
 from controlplane import notices
 from controlplane.errors import StoreUnavailable
-from controlplane.notices import NoticeSender, Promises
+from controlplane.notices import NoticeSender, Promised, Promises
 from controlplane.records import NodeRecord, Role
 from controlplane.service.doubts import Doubts
 from controlplane.solewriter import SoleWriter
@@ -174,12 +173,11 @@ def test_no_replica_decides_on_a_view_another_replica_has_written_past(seed: int
 
 def _ask_never_refuses(self: Promises, asker: str, address: str) -> int | None:
     now = self.clock()
-    held = self._until.get(asker, -math.inf) > now
-    self._address[asker] = address
-    self._until[asker] = now + self.promise_s
-    if not held:
-        self._grant[asker] = next(self._numbers)
-    return self._grant[asker]
+    a = self._askers.setdefault(asker, Promised(address))
+    if a.until <= now:
+        a.grant = next(self._numbers)
+    a.address, a.until = address, now + self.promise_s
+    return a.grant
 
 
 _promised = SoleWriter.promised
