@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvferry.channels import daemon_channel_options
 from kvferry.leaseclient import LeaseStream
 from kvferry.structs import struct_to_dict
 from kvferry.v1 import leases_pb2, leases_pb2_grpc, nodes_pb2, nodes_pb2_grpc
@@ -46,12 +47,9 @@ LIFETIME_S = 300.0
 """A retention's lifetime, mostly: longer than the run."""
 SHORT_LIFETIME_S = (11.0, 16.0)
 """The others': past the daemon's safety margin (10 s by default) within the run."""
-CHANNEL_OPTIONS = (
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-)
-"""A replica restarted is reached again within a second, not after gRPC's backoff."""
+CHANNEL_OPTIONS = daemon_channel_options(max_backoff_ms=1000)
+"""The options of the router's channels to the daemon (keepalive pings, message limits): a
+replica restarted is reached again within a second, not after gRPC's backoff."""
 CALL_S = 3.0
 """Deadline of the calls that are not racing one."""
 AttachCall = grpc.aio.StreamStreamCall[nodes_pb2.AttachRequest, nodes_pb2.AttachResponse]
