@@ -150,21 +150,34 @@ class DaemonClient:
         replica = self._replica
         try:
             res = await replica.leases.Routes(leases_pb2.RoutesRequest(), timeout=self._s.rpc_timeout_s)
+            made, gone = self.owners.learn(routes_of(res, bool(self._s.stream_addresses)))
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED):
-                self._routed = False
+                self._routed = False  # (and the routes learned before: every lookup to the replica in use)
+                self._retire_owners(self.owners.forget())
                 log.warning("router.routes.off", address=replica.address, code=e.code().name)
             else:
                 log.debug("router.routes.failed", address=replica.address, code=e.code().name)
             return
-        made, gone = self.owners.learn(routes_of(res, bool(self._s.stream_addresses)))
+        except Exception as e:  # (an owner's address a channel cannot take, say: the routes as they were)
+            log.warning("router.routes.unusable", address=replica.address, error=repr(e))
+            return
         for r in made:  # (set up before a turn needs it: see open_stream)
-            self._spawn(self._open(r), self._opening)
-        for r in gone:
-            if r not in self._replicas:
-                self._retire_later(r)
+            self._spawn(self._open_owner(r), self._opening)
+        self._retire_owners(gone)
         if made or gone:
             log.info("router.routes.changed", owners=[r.address for r in self.owners.all()])
+
+    def _retire_owners(self, replicas: list[Replica]) -> None:
+        for r in replicas:
+            if r not in self._replicas:  # (a configured replica stays)
+                self._retire_later(r)
+
+    async def _open_owner(self, replica: Replica) -> None:
+        """Set an owner's lookup stream up; one that cannot be is left out a while (its
+        conversations go to the replica in use) rather than failing a turn's lookup."""
+        if not await self._open(replica):
+            self.owners.shun(replica.address)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -185,8 +198,8 @@ class DaemonClient:
         self._stream_wanted = True
         await self._open(self._replica)
 
-    async def _open(self, replica: Replica) -> None:
-        """Set `replica`'s lookup stream up (see `open_stream`)."""
+    async def _open(self, replica: Replica) -> bool:
+        """Set `replica`'s lookup stream up (see `open_stream`); -> whether it answered."""
         try:
             await replica.stream.lookup(
                 leases_pb2.LookupRequest(conversation_id=_STREAM_PROBE, peek=True), self._s.rpc_timeout_s
@@ -195,6 +208,8 @@ class DaemonClient:
             log.info(
                 "router.daemon.stream_not_ready", address=replica.address, code=e.code.name, error=e.message
             )
+            return False
+        return True
 
     def rotate_if_changed(self) -> bool:
         """Re-make every replica's channel when the TLS files changed (a client certificate
@@ -210,8 +225,9 @@ class DaemonClient:
             return False
         old = self._replicas
         self._replicas = [Replica(r.address, self._s.late_answer_s, self._tls, r.stream_address) for r in old]
-        for replica in old + [r for r in self.owners.forget() if r not in old]:
+        for replica in old:
             self._retire_later(replica)
+        self._retire_owners([r for r in self.owners.forget() if r not in old])
         if self._stream_wanted:
             self._reopen()
         log.info("router.daemon.tls_rotated", cert=str(self._tls.cert))
@@ -300,9 +316,10 @@ class DaemonClient:
             replica.late, replica.late_at = replica.late + 1, time.monotonic()
         elif not late:
             replica.late = 0
+        owner = replica is not self._replica  # (an owner's: the others answer meanwhile)
         # (one late answer is no failing daemon: on a saturated machine answers are read
         # late, and a breaker opened by each would skip reuse for every turn meanwhile)
-        if unreachable or (late and replica.late >= LATE_TRIPS):
+        if not owner and (unreachable or (late and replica.late >= LATE_TRIPS)):
             self.breaker.record(False, time.monotonic())
         # (a replica that keeps its connection but answers nothing in time: hung, or
         # overloaded, is left as one that cannot be reached is)
@@ -310,7 +327,7 @@ class DaemonClient:
         if failing_over:
             replica.late, replica.late_at = 0, time.monotonic()  # (those still out: not counted)
             self._failover(replica)
-            if replica is not self._replica:  # (an owner's: its lookups go elsewhere a while)
+            if owner:  # (its conversations go to the replica in use a while)
                 self.owners.shun(replica.address)
         if failing_over or e.stream_lost:
             self._reopen()  # (the stream of the replica now used, set up before a turn needs it)

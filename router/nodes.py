@@ -159,7 +159,8 @@ class NodeDirectory:
                 self.nodes = [await self._learn_model(n) if not n.model else n for n in self.nodes]
         elif self._daemon is not None:
             listed = await self._daemon.list_nodes()
-            await self._daemon.refresh_routes()
+            if listed is not None:  # (a daemon that did not answer that: not asked again now)
+                await self._daemon.refresh_routes()
             self._outage.report(
                 log, listed is not None, "router.nodes.list_failed", "router.nodes.list_recovered"
             )

@@ -73,14 +73,13 @@ class OwnerReplicas:
     def learn(self, routes: ShardRoutes) -> tuple[list[Replica], list[Replica]]:
         """Take `routes` as the map. -> (the replicas made for owners new to it, those of
         owners it no longer names: the caller sets the first up and retires the others)."""
-        self.routes = routes
         owners = set(routes.owners.values())
-        made = []
-        for owner in owners - self._replicas.keys():
-            self._replicas[owner] = replica = self._make(owner)
-            made.append(replica)
+        made = {owner: self._make(owner) for owner in owners - self._replicas.keys()}
+        # (all made before any state changes: a `make` that fails leaves the old routes)
+        self.routes = routes
+        self._replicas.update(made)
         gone = [self._replicas.pop(o) for o in list(self._replicas) if o not in owners]
-        return made, gone
+        return list(made.values()), gone
 
     def forget(self) -> list[Replica]:
         """Drop every owner's replica (a certificate rotation: they are made anew). -> them."""

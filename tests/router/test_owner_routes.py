@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from typing import Any
 
+import grpc
 from prometheus_client import REGISTRY
 
 from controlplane.daemon import Daemon
 from kvferry.shards import shard_of
-from kvferry.v1 import leases_pb2
+from kvferry.v1 import leases_pb2, leases_pb2_grpc
+from realvllm.process import free_port
 from router.daemon_client import DaemonClient
 from router.replica import Replica
 from router.routes import SHUN_S, Owner, OwnerReplicas, ShardRoutes, routes_of
@@ -118,3 +121,48 @@ async def test_lookups_go_to_their_owner_and_none_is_forwarded(
     finally:
         await client.close()
         await admin.channel.close()
+
+
+class _RoutesOnly(leases_pb2_grpc.LeasesServicer):
+    """A daemon that answers Leases/Routes with `routes` (None: as one without the RPC)."""
+
+    def __init__(self, routes: leases_pb2.RoutesResponse | None) -> None:
+        self.routes = routes
+
+    async def Routes(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        if self.routes is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        return self.routes
+
+
+async def _serve(servicer: _RoutesOnly) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    leases_pb2_grpc.add_LeasesServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def test_an_owner_that_cannot_be_reached_is_left_out_and_routes_stop_with_the_rpc() -> None:
+    """An owner whose stream cannot be set up is shunned before a turn's lookup fails on it;
+    a daemon without Leases/Routes (an older one, failed over to) turns routing off, and
+    the routes learned before go with it: not a map frozen as it was."""
+    gone = f"127.0.0.1:{free_port()}"  # (nothing listens there)
+    servicer = _RoutesOnly(_response(2, (gone, "", [0, 1])))
+    server, address = await _serve(servicer)
+    client = DaemonClient([address], DaemonSettings(addresses=(address,), rpc_timeout_s=2.0))
+    try:
+        await client.refresh_routes()
+        assert client.owners.routes.owners  # (learned)
+        await eventually(lambda: client.owners.replica("", "c") is None, within=20)  # (shunned)
+        [owner] = client.owners.all()
+        servicer.routes = None
+        await client.refresh_routes()
+        assert client.owners.all() == [] and client.owners.routes == ShardRoutes()
+        assert owner in client._retired  # (closed once the calls on it are over)
+        servicer.routes = _response(2, (gone, "", [0, 1]))
+        await client.refresh_routes()  # (off: not asked again)
+        assert client.owners.all() == []
+    finally:
+        await client.close()
+        await server.stop(None)
