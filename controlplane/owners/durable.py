@@ -150,6 +150,25 @@ class OwnerStore:
                 out[int(suffix)] = record
         return out
 
+    async def strays(self, lease: int, me: OwnerRecord) -> dict[int, int]:
+        """Shards etcd has as owned on `lease` by `me`, each with its fence: a take etcd
+        applied whose answer was lost leaves one that the replica does not know it owns."""
+        (resp,) = await self._kv.read("owner_strays", get(self.keys.owners, prefix_end(self.keys.owners)))
+        out: dict[int, int] = {}
+        for kv in resp.kvs:
+            suffix = bytes(kv.key)[len(self.keys.owners) :]
+            record = decoded(decode_owner, kv)
+            if suffix.isdigit() and kv.lease == lease and record is not None and record.replica == me.replica:
+                out[int(suffix)] = int(kv.create_revision)
+        return out
+
+    async def release_stray(self, shard: int, fence: int) -> bool:
+        """Delete the owner key of a stray shard (its state stays as the take left it:
+        unclean, so the next owner spends what it finds). -> whether it was still that key."""
+        okey = self.keys.owner(shard)
+        resp = await self._kv.txn("owner_release_stray", [fenced(okey, fence)], [delete_op(okey)], [])
+        return bool(resp.succeeded)
+
     async def owner(self, shard: int) -> OwnerRecord | None:
         """The shard's owner now (None: none)."""
         (resp,) = await self._kv.read("owner", get(self.keys.owner(shard)))

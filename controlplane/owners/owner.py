@@ -292,6 +292,7 @@ class ShardOwners:
         """Take free shards up to the fair share; hand over those past it."""
         if self._closing:
             return
+        await self._release_strays()
         share = fair_share(self.settings.shards, self.live())
         if len(self.shards) > share:
             await self.hand_over(*sorted(self.shards)[share:])
@@ -302,6 +303,18 @@ class ShardOwners:
         free = [s for s in range(self.settings.shards) if s not in owners][: share - len(self.shards)]
         if free:
             await self._take_now(set(free))
+
+    async def _release_strays(self) -> None:
+        """Free the shards etcd has as this replica's that it does not hold (a take whose
+        answer was lost): else nobody would ever take them, and every operation on them
+        would find this replica the owner and wait for it in vain."""
+        if not self._lease:
+            return
+        strays = await self.store.strays(self._lease, self.me)
+        for shard, fence in sorted(strays.items()):
+            if shard not in self.shards and shard not in self._taking:
+                released = await self.store.release_stray(shard, fence)
+                log.warning("owners.stray_released", shard=shard, fence=fence, released=released)
 
     async def hand_over(self, *shards: int) -> None:
         """Leave shards cleanly: stop deciding, flush, then mark them clean and free."""

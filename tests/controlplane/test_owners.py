@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import grpc
 import pytest
 
 from controlplane import metrics
@@ -288,3 +289,28 @@ async def test_a_claim_made_at_once_shows_what_it_would_take_and_takes_nothing_w
     assert taken is not None and taken.taken == retention
     assert owned.claim_now("default", "p", time.time(), "turn-3", refuse) is None
     assert shown[-1][0] is None and getattr(shown[-1][1], "claimed_by", None) == "turn-2"
+
+
+async def test_a_take_whose_answer_was_lost_is_released_and_taken_again(
+    etcd_endpoint: str, make_daemon: DaemonFactory, connect: Connect
+) -> None:
+    """etcd applied a take whose answer the replica never got: etcd has the shard as the
+    replica's, on its lease kept alive, and the replica does not hold it. Every operation
+    on it found this replica the owner and waited in vain, for good; the balance pass now
+    frees it (its state unclean, as the take left it), and the shard is taken again."""
+    d = await make_daemon(owning(daemon_settings(etcd_endpoint), balance_s=3600.0))
+    assert d.control_plane is not None
+    owners = d.control_plane.owners
+    await eventually(lambda: len(owners.shards) == 32)
+    await owners.hand_over(0)
+    assert await owners.store.take(0, owners._lease, owners.me) is not None  # (its answer "lost")
+    assert 0 not in owners.shards
+    c = connect(d)
+    await c.nodes.Register(node_request("d-1", liveness_ttl_seconds=60), timeout=10)
+    name = next(n for n in (f"stray-{i}" for i in range(1000)) if shard_of("default", n, 32) == 0)
+    with pytest.raises(grpc.aio.AioRpcError) as stuck:
+        await c.leases.Register(lease_request(name), timeout=10)
+    assert stuck.value.code() == grpc.StatusCode.ABORTED  # (not applied: nobody holds the shard)
+    await owners.balance()  # (a pass of its loop)
+    assert 0 in owners.shards
+    await c.leases.Register(lease_request(name), timeout=10)
