@@ -19,6 +19,15 @@ import structlog
 log = structlog.get_logger(__name__)
 
 
+def spawn(coro: Coroutine[Any, Any, Any], tasks: set[asyncio.Task[Any]]) -> asyncio.Task[Any]:
+    """Run `coro` as a task kept in `tasks` until it ends (a task nobody holds may be
+    collected before it is done); `cancel_and_wait(tasks)` ends them."""
+    task = asyncio.get_running_loop().create_task(coro)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+    return task
+
+
 async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any] | None]) -> None:
     """Cancel `tasks` and wait until they have ended; log any that failed."""
     pending = [t for t in tasks if t is not None]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ import structlog
 from kvferry.leaseclient import LeaseOpError
 from kvferry.security.tls import TlsFiles, client_ssl_context
 from kvferry.structs import struct_to_dict
-from kvferry.tasks import cancel_and_wait
+from kvferry.tasks import cancel_and_wait, spawn
 from kvferry.v1 import leases_pb2, nodes_pb2
 from kvferry.verification import Held
 from router.choice import Node
@@ -163,7 +163,7 @@ class DaemonClient:
             log.warning("router.routes.unusable", address=replica.address, error=repr(e))
             return
         for r in made:  # (set up before a turn needs it: see open_stream)
-            self._spawn(self._open_owner(r), self._opening)
+            spawn(self._open_owner(r), self._opening)
         self._retire_owners(gone)
         if made or gone:
             log.info("router.routes.changed", owners=[r.address for r in self.owners.all()])
@@ -178,11 +178,6 @@ class DaemonClient:
         conversations go to the replica in use) rather than failing a turn's lookup."""
         if not await self._open(replica):
             self.owners.shun(replica.address)
-
-    def _spawn(self, coro: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
 
     def _failover(self, failed: Replica) -> None:
         if self._replica is failed and len(self._replicas) > 1:
@@ -235,7 +230,7 @@ class DaemonClient:
 
     def _retire_later(self, replica: Replica) -> None:
         self._retired.append(replica)
-        self._spawn(self._retire(replica), self._retiring)
+        spawn(self._retire(replica), self._retiring)
 
     async def _retire(self, replica: Replica) -> None:
         """Close a replaced replica once the calls that started on it are over."""
