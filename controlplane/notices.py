@@ -54,7 +54,7 @@ import structlog
 
 from controlplane import metrics
 from controlplane.solewriter import SoleWriter
-from kvferry.tasks import cancel_and_wait
+from kvferry.tasks import cancel_and_wait, spawn
 
 log = structlog.get_logger(__name__)
 
@@ -203,9 +203,7 @@ class NoticeSender:
         outcome settled (store.fenced). Those asked are told, from a task of its own."""
         self.promises.end(demotion)
         if demotion.asked:
-            task = asyncio.get_running_loop().create_task(self._done(demotion))
-            self._after.add(task)
-            task.add_done_callback(self._after.discard)
+            spawn(self._done(demotion), self._after)
 
     async def _tell(self, demotion: Demotion) -> None:
         asked = dict(demotion.told)

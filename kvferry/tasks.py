@@ -19,10 +19,12 @@ import structlog
 log = structlog.get_logger(__name__)
 
 
-def spawn(coro: Coroutine[Any, Any, Any], tasks: set[asyncio.Task[Any]]) -> asyncio.Task[Any]:
+def spawn(
+    coro: Coroutine[Any, Any, Any], tasks: set[asyncio.Task[Any]], name: str | None = None
+) -> asyncio.Task[Any]:
     """Run `coro` as a task kept in `tasks` until it ends (a task nobody holds may be
     collected before it is done); `cancel_and_wait(tasks)` ends them."""
-    task = asyncio.get_running_loop().create_task(coro)
+    task = asyncio.get_running_loop().create_task(coro, name=name)
     tasks.add(task)
     task.add_done_callback(tasks.discard)
     return task

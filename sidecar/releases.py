@@ -20,6 +20,7 @@ import grpc
 import structlog
 
 from kvferry.releases import engine_url, release_prefill, released, send_release
+from kvferry.tasks import spawn
 from kvferry.v1 import nodes_pb2
 from sidecar.daemon import TRANSIENT, Backoff, DaemonLink
 from sidecar.metrics import SidecarMetrics
@@ -107,11 +108,7 @@ class Releaser:
             if on_done is not None:
                 on_done("skipped")
             return
-        task = asyncio.get_running_loop().create_task(
-            self._send(dict(params), model, block_size, conversation_id, on_done)
-        )
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        spawn(self._send(dict(params), model, block_size, conversation_id, on_done), self._tasks)
 
     async def _send(
         self,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from aetcd import rpc
 
@@ -58,6 +58,16 @@ class Loaded:
 
     retentions: dict[Conversation, Held] = field(default_factory=dict)
     markers: dict[Conversation, Claim] = field(default_factory=dict)
+
+
+class OwnerKey(NamedTuple):
+    """A shard's owner key as etcd has it."""
+
+    record: OwnerRecord
+    lease: int
+    """The owner's lease."""
+    fence: int
+    """Its create revision."""
 
 
 class Deposed(Exception):
@@ -139,28 +149,20 @@ class OwnerStore:
             success=[put_op(self.keys.shard_state(shard), state), delete_op(okey)],
         )
 
-    async def owners(self) -> dict[int, OwnerRecord]:
-        """Every shard's owner now (shards without one are absent)."""
+    async def owner_keys(self) -> dict[int, OwnerKey]:
+        """Every shard's owner key now (shards without one are absent)."""
         (resp,) = await self._kv.read("owners", get(self.keys.owners, prefix_end(self.keys.owners)))
-        out: dict[int, OwnerRecord] = {}
+        out: dict[int, OwnerKey] = {}
         for kv in resp.kvs:
             record = decoded(decode_owner, kv)
             suffix = bytes(kv.key)[len(self.keys.owners) :]
             if record is not None and suffix.isdigit():
-                out[int(suffix)] = record
+                out[int(suffix)] = OwnerKey(record, int(kv.lease), int(kv.create_revision))
         return out
 
-    async def strays(self, lease: int, me: OwnerRecord) -> dict[int, int]:
-        """Shards etcd has as owned on `lease` by `me`, each with its fence: a take etcd
-        applied whose answer was lost leaves one that the replica does not know it owns."""
-        (resp,) = await self._kv.read("owner_strays", get(self.keys.owners, prefix_end(self.keys.owners)))
-        out: dict[int, int] = {}
-        for kv in resp.kvs:
-            suffix = bytes(kv.key)[len(self.keys.owners) :]
-            record = decoded(decode_owner, kv)
-            if suffix.isdigit() and kv.lease == lease and record is not None and record.replica == me.replica:
-                out[int(suffix)] = int(kv.create_revision)
-        return out
+    async def owners(self) -> dict[int, OwnerRecord]:
+        """Every shard's owner now (shards without one are absent)."""
+        return {shard: key.record for shard, key in (await self.owner_keys()).items()}
 
     async def release_stray(self, shard: int, fence: int) -> bool:
         """Delete the owner key of a stray shard (its state stays as the take left it:

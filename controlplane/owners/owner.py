@@ -25,13 +25,14 @@ import structlog
 
 from controlplane import metrics
 from controlplane.errors import StoreUnavailable
-from controlplane.owners.durable import Loaded, OwnerStore, Taken
+from controlplane.owners.durable import Loaded, OwnerKey, OwnerStore, Taken
 from controlplane.owners.memory import Conversation, Marked, ShardMemory, Target, Write
 from controlplane.owners.shards import fair_share
 from controlplane.owners.writeback import WriteBehind
 from controlplane.records import OwnerRecord, Retention
 from controlplane.settings import OwnerSettings
 from controlplane.validity import valid_until
+from kvferry.tasks import spawn
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -199,7 +200,7 @@ class ShardOwners:
             self.writes.add(taken.shard, taken.fence, memory, deletes, wait=False)
             metrics.FAILOVER_RETENTIONS.inc(len(spent))
             log.warning("owners.failover", shard=taken.shard, spent=len(spent), grace_s=self.settings.grace_s)
-            self._spawn(self._release_later(spent))
+            spawn(self._release_later(spent), self._tasks)
         owned.ready.set()
 
     async def _release_later(self, spent: list[tuple[Conversation, Retention]]) -> None:
@@ -250,9 +251,9 @@ class ShardOwners:
         balanced (once; `close` ends them)."""
         if not self._started and not self._closing:
             self._started = True
-            self._spawn(self.writes.run())
-            self._spawn(self._keep_alive_loop())
-            self._spawn(self._balance_loop())
+            spawn(self.writes.run(), self._tasks)
+            spawn(self._keep_alive_loop(), self._tasks)
+            spawn(self._balance_loop(), self._tasks)
 
     async def _keep_alive_loop(self) -> None:
         """Keep the ownership lease alive (its own loop: nothing else may delay it)."""
@@ -292,29 +293,29 @@ class ShardOwners:
         """Take free shards up to the fair share; hand over those past it."""
         if self._closing:
             return
-        await self._release_strays()
+        keys = await self.store.owner_keys()
+        owned = keys.keys() - await self._release_strays(keys)
         share = fair_share(self.settings.shards, self.live())
         if len(self.shards) > share:
             await self.hand_over(*sorted(self.shards)[share:])
             return
-        if len(self.shards) == share:
-            return
-        owners = await self.store.owners()
-        free = [s for s in range(self.settings.shards) if s not in owners][: share - len(self.shards)]
+        free = [s for s in range(self.settings.shards) if s not in owned][: share - len(self.shards)]
         if free:
             await self._take_now(set(free))
 
-    async def _release_strays(self) -> None:
-        """Free the shards etcd has as this replica's that it does not hold (a take whose
-        answer was lost): else nobody would ever take them, and every operation on them
-        would find this replica the owner and wait for it in vain."""
-        if not self._lease:
-            return
-        strays = await self.store.strays(self._lease, self.me)
-        for shard, fence in sorted(strays.items()):
-            if shard not in self.shards and shard not in self._taking:
-                released = await self.store.release_stray(shard, fence)
-                log.warning("owners.stray_released", shard=shard, fence=fence, released=released)
+    async def _release_strays(self, keys: dict[int, OwnerKey]) -> set[int]:
+        """Free the shards etcd has as this replica's (on its lease) that it does not hold
+        and is not taking: a take whose answer was lost. Else nobody would ever take them,
+        and every operation on them would find this replica the owner and wait for it in
+        vain. -> the shards freed."""
+        freed = set()
+        for shard, key in sorted(keys.items()):
+            mine = key.lease == self._lease and key.record.replica == self.me.replica
+            if self._lease and mine and shard not in self.shards and shard not in self._taking:
+                if await self.store.release_stray(shard, key.fence):
+                    freed.add(shard)
+                log.warning("owners.stray_released", shard=shard, fence=key.fence, released=shard in freed)
+        return freed
 
     async def hand_over(self, *shards: int) -> None:
         """Leave shards cleanly: stop deciding, flush, then mark them clean and free."""
@@ -346,8 +347,3 @@ class ShardOwners:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._lease:
             await self.store.revoke_lease(self._lease)
-
-    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)

@@ -25,6 +25,7 @@ from controlplane.etcd import LeaseGone
 from controlplane.owners.durable import Deposed, OwnerStore
 from controlplane.owners.memory import Conversation, ShardMemory, Target, Write
 from controlplane.records import Retention
+from kvferry.tasks import spawn
 
 log = structlog.get_logger(__name__)
 
@@ -132,9 +133,7 @@ class WriteBehind:
                     shards = {e.shard for e in batch}
                     self._busy |= shards
                     self._inflight += 1
-                    task = asyncio.ensure_future(self._send(batch, shards))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
+                    spawn(self._send(batch, shards), self._tasks)
         finally:
             for task in list(self._tasks):
                 task.cancel()

@@ -6,6 +6,8 @@ admin) gets here: the auth interceptor refuses everyone else (kvferry.security.r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 
 from controlplane.errors import FailedPrecondition, InvalidArgument
@@ -75,9 +77,7 @@ class OwnersServicer(owners_pb2_grpc.OwnersServicer):
         context: grpc.aio.ServicerContext[owners_pb2.NodeNotice, owners_pb2.NodeNoticeAnswer],
     ) -> owners_pb2.NodeNoticeAnswer:
         """Another replica is about to demote a node: its pulls are confirmed by reads here."""
-        _check_notice(request)
-        self._nodes.doubts.demoting(request.engine_id, request.replica, request.number)
-        return owners_pb2.NodeNoticeAnswer(replica=self._writer.me)
+        return self._noticed(request, self._nodes.doubts.demoting)
 
     @rpc("Owners/NodeDemoted")
     async def NodeDemoted(
@@ -86,11 +86,13 @@ class OwnersServicer(owners_pb2_grpc.OwnersServicer):
         context: grpc.aio.ServicerContext[owners_pb2.NodeNotice, owners_pb2.NodeNoticeAnswer],
     ) -> owners_pb2.NodeNoticeAnswer:
         """That demotion is over: the node is confirmed once more by a read begun later."""
-        _check_notice(request)
-        self._nodes.doubts.demoted(request.engine_id, request.replica, request.number)
+        return self._noticed(request, self._nodes.doubts.demoted)
+
+    def _noticed(
+        self, request: owners_pb2.NodeNotice, note: Callable[[str, str, int], None]
+    ) -> owners_pb2.NodeNoticeAnswer:
+        """A notice checked, `note`d (Doubts.demoting or .demoted), and answered as this replica."""
+        if not request.replica or not request.engine_id:
+            raise InvalidArgument("node notice: replica and engine_id are required")
+        note(request.engine_id, request.replica, request.number)
         return owners_pb2.NodeNoticeAnswer(replica=self._writer.me)
-
-
-def _check_notice(request: owners_pb2.NodeNotice) -> None:
-    if not request.replica or not request.engine_id:
-        raise InvalidArgument("node notice: replica and engine_id are required")

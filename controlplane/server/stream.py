@@ -22,6 +22,7 @@ from controlplane import metrics
 from controlplane.errors import InvalidArgument, KvferryError, ResourceExhausted
 from controlplane.server.status import abort, fill_op_error
 from kvferry.framing import encoded_runs
+from kvferry.tasks import spawn
 from kvferry.v1 import leases_pb2
 
 #: Operations one Leases/Stream may have in flight at once (backpressure beyond it).
@@ -97,9 +98,7 @@ class OpStream:
             await asyncio.gather(reader, *self._running, return_exceptions=True)
 
     def _start(self, op: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(op)
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
+        spawn(op, self._running)
 
     async def _run(self, op: leases_pb2.LeaseOp, later: Later | None) -> None:
         res = leases_pb2.LeaseOpResult(id=op.id)

@@ -16,7 +16,7 @@ from controlplane.notices import Demotion, NoticeSender
 from controlplane.records import Keys, NodeState
 from controlplane.solewriter import SoleWriter
 from controlplane.store.kv import EtcdKv, get, mod_is, on_lease, put_op, range_op
-from kvferry.tasks import cancel_and_wait
+from kvferry.tasks import cancel_and_wait, spawn
 
 log = structlog.get_logger(__name__)
 
@@ -105,11 +105,7 @@ class FencedWrites:
         except BaseException:  # (no answer, or the caller gave up waiting: it may have applied)
             if demotes and settle_revision:
                 self.observer.unsure(engine_id, settled=False)
-                task = asyncio.get_running_loop().create_task(
-                    self._settle(engine_id, settle_revision, demotion)
-                )
-                self._settling.add(task)
-                task.add_done_callback(self._settling.discard)
+                spawn(self._settle(engine_id, settle_revision, demotion), self._settling)
             else:
                 self.observer.unsure(engine_id)
                 self._over(demotion)
